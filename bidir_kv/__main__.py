@@ -1,0 +1,3 @@
+from bidir_kv.cli import main
+
+raise SystemExit(main())

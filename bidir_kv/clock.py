@@ -1,0 +1,59 @@
+"""Clocks, injected everywhere a rule depends on time.
+
+vLLM stamps ``remote_blocks_expiry_time`` with the decode scheduler's
+``time.perf_counter()``, so our engine does the same through :class:`MonotonicClock`;
+tests drive rules with :class:`ManualClock` instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Clock", "ManualClock", "MonotonicClock", "OffsetClock"]
+
+
+@runtime_checkable
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds on a monotonic scale whose origin is private to the clock."""
+        ...
+
+
+class MonotonicClock:
+    """``time.perf_counter()``, the clock vLLM's scheduler uses for expiry."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+
+class ManualClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._t = float(start)
+
+    def now(self) -> float:
+        return self._t
+
+    def advance(self, seconds: float) -> float:
+        if seconds < 0:
+            raise ValueError(f"cannot move a monotonic clock backwards ({seconds} s)")
+        self._t += seconds
+        return self._t
+
+    def set(self, t: float) -> None:
+        if t < self._t:
+            raise ValueError(f"cannot move a monotonic clock backwards ({self._t} -> {t})")
+        self._t = float(t)
+
+
+class OffsetClock:
+    """Another clock shifted by a fixed offset (emulates a peer's unrelated origin or skew)."""
+
+    def __init__(self, base: Clock, offset: float) -> None:
+        self.base = base
+        self.offset = float(offset)
+
+    def now(self) -> float:
+        return self.base.now() + self.offset

@@ -1,0 +1,1 @@
+"""The emulated engine: a protocol-faithful drop-in for ``vllm serve`` + NixlConnector."""

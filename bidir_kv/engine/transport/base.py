@@ -1,0 +1,99 @@
+"""The transport contract between the engine (scheduler side) and the KV movers.
+
+The engine owns one :class:`KVPool`: a contiguous ``uint8`` array of
+``num_blocks x block_nbytes``; block ``i`` is row ``i``. An agent registers the
+pool once, publishes opaque ``metadata()`` through the side channel, and lets a
+peer READ rows of it. As in NIXL, the *reader* initiates (D->P readbacks are
+posted by P) and the owner learns of completion only through the notification
+attached to the read (``"<owner_request_id>:<n>"``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["KVAgent", "KVPool", "NotificationHandler", "ReadResult", "TransportError"]
+
+
+class TransportError(RuntimeError):
+    """A handshake, read or notification failed; counted as a failed transfer."""
+
+
+@dataclass
+class KVPool:
+    """The engine's KV memory: ``data[block_id]`` is one block's bytes (all layers)."""
+
+    data: np.ndarray  # shape (num_blocks, block_nbytes), dtype uint8, C-contiguous
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_nbytes: int) -> KVPool:
+        if num_blocks <= 0 or block_nbytes <= 0:
+            raise ValueError(f"pool needs positive sizes, got {num_blocks} x {block_nbytes}")
+        return cls(np.zeros((num_blocks, block_nbytes), dtype=np.uint8))
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def block_nbytes(self) -> int:
+        return int(self.data.shape[1])
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """Telemetry of one completed READ, in vLLM's terms (``KV Transfer metrics``)."""
+
+    bytes: int
+    descriptors: int
+    post_time: float  # seconds to post the transfer
+    xfer_time: float  # seconds from post to completion
+
+
+# (peer agent name, notification message) -> None; called on the engine's loop.
+NotificationHandler = Callable[[str, bytes], Awaitable[None] | None]
+
+
+class KVAgent(abc.ABC):
+    """One engine's transport endpoint."""
+
+    backend: str  # "tcp" | "nixl"
+
+    def __init__(self, name: str, pool: KVPool) -> None:
+        self.name = name
+        self.pool = pool
+
+    @abc.abstractmethod
+    async def start(self, on_notification: NotificationHandler) -> None:
+        """Register the pool and begin delivering notifications to ``on_notification``."""
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """Opaque blob a peer needs to read from this agent (served by the side channel)."""
+
+    @abc.abstractmethod
+    async def add_peer(self, metadata: bytes) -> str:
+        """Register a peer from its ``metadata()``; return the peer's agent name."""
+
+    @abc.abstractmethod
+    async def read(
+        self,
+        peer: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        notification: bytes,
+    ) -> ReadResult:
+        """Copy ``remote_blocks`` of ``peer`` into ``local_blocks`` of our pool, in order,
+        then deliver ``notification`` to the peer. Raises :class:`TransportError`."""
+
+    @abc.abstractmethod
+    async def notify(self, peer: str, message: bytes) -> None:
+        """Deliver a notification without reading (notify-only, heartbeats)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Deregister memory, drop peers, stop background work; idempotent."""

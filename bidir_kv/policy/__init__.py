@@ -1,0 +1,72 @@
+"""Pure rules of bidirectional KV transfer, shared by engine, router, planner and tests.
+
+Nothing here does I/O or reads a clock: time comes in as ``now`` arguments.
+"""
+
+from bidir_kv.policy.blocks import (
+    block_align_down,
+    blocks_for_tokens,
+    cdiv,
+    partial_tail_tokens,
+    position_pairing,
+    suffix_trim_pairing,
+    target_block_range,
+)
+from bidir_kv.policy.guard import (
+    ROOT_HASH,
+    block_hashes,
+    common_prefix_tokens,
+    reusable_prefix,
+    reusable_prefix_by_hashes,
+)
+from bidir_kv.policy.retention import (
+    DEFAULT_DECODER_KV_BLOCKS_TTL,
+    DEFAULT_KV_LEASE_DURATION,
+    EXPIRY_SAFETY_MARGIN,
+    HandshakeSample,
+    LeaseTable,
+    Release,
+    RetentionLedger,
+    clock_offset,
+    heartbeat_extension,
+    heartbeat_interval,
+    local_deadline,
+    should_decline,
+)
+from bidir_kv.policy.threshold import (
+    DEFAULT_RECOMPUTE_THRESHOLD,
+    PullDecision,
+    PullReason,
+    pull_decision,
+)
+
+__all__ = [
+    "DEFAULT_DECODER_KV_BLOCKS_TTL",
+    "DEFAULT_KV_LEASE_DURATION",
+    "DEFAULT_RECOMPUTE_THRESHOLD",
+    "EXPIRY_SAFETY_MARGIN",
+    "ROOT_HASH",
+    "HandshakeSample",
+    "LeaseTable",
+    "PullDecision",
+    "PullReason",
+    "Release",
+    "RetentionLedger",
+    "block_align_down",
+    "block_hashes",
+    "blocks_for_tokens",
+    "cdiv",
+    "clock_offset",
+    "common_prefix_tokens",
+    "heartbeat_extension",
+    "heartbeat_interval",
+    "local_deadline",
+    "partial_tail_tokens",
+    "position_pairing",
+    "pull_decision",
+    "reusable_prefix",
+    "reusable_prefix_by_hashes",
+    "should_decline",
+    "suffix_trim_pairing",
+    "target_block_range",
+]

@@ -1,0 +1,90 @@
+"""The continuation guard: how much of a new prompt provably equals what D holds.
+
+vLLM never compares P's prompt with D's token sequence (spec §1.4, §6.3), so a
+rewritten history, stripped reasoning or a shorter prompt can import KV of the
+wrong tokens. :func:`reusable_prefix` is the check that makes reuse safe; the
+block-hash-chain form lets a router or engine check without shipping token ids.
+The same chain keys the emulated engine's prefix cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+__all__ = [
+    "ROOT_HASH",
+    "block_hashes",
+    "common_prefix_tokens",
+    "reusable_prefix",
+    "reusable_prefix_by_hashes",
+]
+
+ROOT_HASH = b"\x00" * 16
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+
+
+def common_prefix_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    lo = 0
+    # Compare in chunks (C-speed slice equality), then finish token by token.
+    step = 256
+    while lo + step <= n and list(a[lo : lo + step]) == list(b[lo : lo + step]):
+        lo += step
+    while lo < n and a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+def reusable_prefix(d_tokens: Sequence[int], prompt_tokens: Sequence[int], block_size: int) -> int:
+    """Longest block-aligned prefix of ``prompt_tokens`` equal to D's sequence.
+
+    0 on any mismatch before the first block boundary. Only whole blocks are
+    reusable: KV of a block depends on every token in it and all before it.
+    """
+    _check_block_size(block_size)
+    n = common_prefix_tokens(d_tokens, prompt_tokens)
+    return n - n % block_size
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_HASH) -> list[bytes]:
+    """Hash chain over the *full* blocks of ``tokens``.
+
+    ``h[i] = H(h[i-1] || block_size || tokens[i*bs:(i+1)*bs])``, so equal hashes
+    at index ``i`` mean equal tokens at positions ``[0, (i+1)*bs)`` (up to the
+    hash's collision resistance). A trailing partial block has no hash.
+    """
+    _check_block_size(block_size)
+    out: list[bytes] = []
+    prev = parent
+    size = block_size.to_bytes(4, "little")
+    full = len(tokens) - len(tokens) % block_size
+    for start in range(0, full, block_size):
+        chunk = tokens[start : start + block_size]
+        if any(t < 0 for t in chunk):
+            raise ValueError(f"token ids must be non-negative, got {min(chunk)}")
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(size)
+        h.update(array("Q", chunk).tobytes())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def reusable_prefix_by_hashes(
+    d_hashes: Sequence[bytes], prompt_tokens: Sequence[int], block_size: int
+) -> int:
+    """:func:`reusable_prefix` when only D's block-hash chain is known."""
+    mine = block_hashes(prompt_tokens, block_size)
+    n = 0
+    for ours, theirs in zip(mine, d_hashes, strict=False):
+        if ours != theirs:
+            break
+        n += 1
+    return n * block_size

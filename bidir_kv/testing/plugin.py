@@ -1,0 +1,81 @@
+"""The one pytest plugin: options, markers, tier gating and shared fixtures.
+
+Suites import fixtures only from here (and from ``bidir_kv`` public modules),
+never from each other.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TIERS = {
+    "unit": "pure, in-process tests; laptops, seconds",
+    "integration": "emulated P/D topologies as processes or containers",
+    "conformance": "backend-agnostic scenarios (emulator, real vLLM on CPU, external)",
+    "hardware": "real NIXL on GPU/EFA; pytest-benchmark TTFT bounds",
+}
+BACKENDS = ("emulator", "vllm-cpu", "external")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("bidir-kv")
+    group.addoption(
+        "--backend",
+        action="append",
+        choices=BACKENDS,
+        default=None,
+        help="backend(s) for conformance scenarios (repeatable; default: emulator)",
+    )
+    group.addoption("--prefill-url", default=None, help="external backend: prefill node URL")
+    group.addoption("--decode-url", default=None, help="external backend: decode node URL")
+    group.addoption("--proxy-url", default=None, help="certify this running router instead of ours")
+    group.addoption(
+        "--require-tier",
+        action="append",
+        default=[],
+        metavar="TIER",
+        help="fail (instead of skip) when TIER's infrastructure is missing; "
+        "also read from BIDIR_KV_REQUIRE (comma-separated)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test gets the marker of the tier folder it lives in (suites/<tier>/...)."""
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        if "suites" in parts:
+            idx = parts.index("suites")
+            if idx + 1 < len(parts) and parts[idx + 1] in TIERS:
+                item.add_marker(getattr(pytest.mark, parts[idx + 1]))
+
+
+def required_tiers(config: pytest.Config) -> set[str]:
+    env = os.environ.get("BIDIR_KV_REQUIRE", "")
+    return {t.strip() for t in env.split(",") if t.strip()} | set(
+        config.getoption("--require-tier")
+    )
+
+
+def skip_or_fail(config: pytest.Config, tier: str, reason: str) -> None:
+    """Missing infrastructure: skip with ``reason``, or fail when the tier is required."""
+    if tier in required_tiers(config):
+        pytest.fail(f"{tier} tier is required here but cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Iterator[Path]:
+    """A per-test folder for node logs and outputs."""
+    d = tmp_path / "run"
+    d.mkdir()
+    yield d

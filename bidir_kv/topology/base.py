@@ -1,0 +1,114 @@
+"""Topology specs and handles, independent of how nodes are started."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from bidir_kv.config import KVTransferConfig
+
+__all__ = ["BackendUnavailable", "EngineSpec", "Node", "RouterSpec", "Topology", "TopologySpec"]
+
+Role = Literal["prefill", "decode", "router", "store"]
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run here (missing venv, no Docker, no URL); the message says what."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start one engine. Fields mirror ``vllm serve`` flags."""
+
+    kv: KVTransferConfig = field(default_factory=KVTransferConfig)
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int = 32768
+    served_model_name: str = "tiny"
+    model: str = "tiny"
+    # emulator-only
+    profile: str = "tiny"
+    transport: str = "auto"
+    emulate_vllm: str | None = None
+    kv_capacity_tokens: int | None = None
+    kv_bytes_per_token: int | None = None
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How to start a router (``bidir-kv proxy``); flags mirror the upstream multi-turn proxy."""
+
+    cache_ttl: float = 450.0
+    store: str = "memory"
+    decode_stream: str = "always"
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TopologySpec:
+    num_prefill: int = 1
+    num_decode: int = 1
+    prefill: EngineSpec = field(default_factory=EngineSpec)
+    decode: EngineSpec = field(default_factory=EngineSpec)
+    routers: int = 1
+    router: RouterSpec = field(default_factory=RouterSpec)
+    redis: bool = False
+
+
+@dataclass
+class Node:
+    """A running node: how to reach it and where its log is."""
+
+    role: Role
+    name: str
+    host: str
+    port: int
+    side_channel_port: int | None = None
+    log_path: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+class Topology(abc.ABC):
+    """A started set of nodes. Use as a context manager; ``close`` is idempotent."""
+
+    backend: str = "abstract"
+
+    def __init__(self, spec: TopologySpec) -> None:
+        self.spec = spec
+        self.prefill: list[Node] = []
+        self.decode: list[Node] = []
+        self.routers: list[Node] = []
+        self.stores: list[Node] = []
+
+    @abc.abstractmethod
+    def start(self) -> Topology: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @property
+    def router_url(self) -> str:
+        if not self.routers:
+            raise BackendUnavailable(f"the {self.backend} topology has no router")
+        return self.routers[0].url
+
+    def nodes(self) -> list[Node]:
+        return [*self.prefill, *self.decode, *self.routers, *self.stores]
+
+    def __enter__(self) -> Topology:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,129 @@
+"""Child processes that serve HTTP: start, wait for ``/health``, capture logs, stop.
+
+Every process a topology starts goes through :class:`ManagedProcess`, which
+kills by recorded PID (never by name) and reaps its whole process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["ManagedProcess", "ProcessFailed", "free_port", "wait_http_ok"]
+
+
+class ProcessFailed(RuntimeError):
+    """A child died or never became healthy; the message includes its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http_ok(url: str, timeout: float, *, alive: ManagedProcess | None = None) -> None:
+    """Poll ``url`` until it answers 200, the process dies, or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    last: object = None
+    while time.monotonic() < deadline:
+        if alive is not None and alive.returncode is not None:
+            raise ProcessFailed(
+                f"{alive.name} exited with code {alive.returncode} before {url} was ready\n"
+                f"{alive.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+                last = resp.status
+        except (urllib.error.URLError, ConnectionError, OSError) as exc:
+            last = exc
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.25)
+    tail = alive.log_tail() if alive is not None else ""
+    raise ProcessFailed(f"{url} not ready after {timeout:.0f} s (last: {last!r})\n{tail}")
+
+
+class ManagedProcess:
+    """One child process with its own process group and a log file."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: str | Path,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = cwd
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        try:
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return f"(no log at {self.log_path})"
+        tail = text.splitlines()[-lines:]
+        return f"--- last {len(tail)} lines of {self.log_path} ---\n" + "\n".join(tail)
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM the group, then SIGKILL after ``timeout``; idempotent."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            self.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.send_signal(signal.SIGKILL)
+                proc.wait(5)
+        # reap stragglers left in the group (children of the child)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.returncode
