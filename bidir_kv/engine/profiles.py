@@ -1,0 +1,121 @@
+"""Cost-model profiles: how long the emulated engine *pretends* work takes.
+
+A profile never changes what goes over the wire (design invariant 3); it only
+sets compute and transfer durations. Profiles are JSON files in
+``fixtures/profiles/`` (derivations in ``docs/profiles.md``). Real KV bytes are
+still moved, scaled down to ``kv_bytes_per_token``; the emulated transfer time
+is computed from the *target's* bytes per token and bandwidth, so the ratio of
+per-token recompute time to per-token transfer time matches the target.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PROFILE_DIR", "CostProfile", "ProfileError", "available_profiles", "load_profile"]
+
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "profiles"
+
+
+class ProfileError(ValueError):
+    """Unknown profile name or a malformed profile file."""
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    name: str
+    description: str = ""
+    # compute (target hardware), microseconds
+    prefill_us_per_token: float = 0.0  # linear part of prefill
+    prefill_us_per_token_ctx: float = 0.0  # attention part: per new token per 1k context tokens
+    decode_us_per_step: float = 0.0  # one decode step, batch of 1
+    decode_us_per_seq: float = 0.0  # extra per additional sequence in the batch
+    max_num_batched_tokens: int = 8192
+    # KV sizes
+    kv_bytes_per_token_target: int = 0  # what the real model holds per token (all layers)
+    kv_bytes_per_token: int = 64  # what the emulator really stores and moves per token
+    num_layers: int = 2  # emulated layers (KV content is derived per layer)
+    # transfer (target network)
+    transfer_overhead_us: float = 0.0  # fixed cost per pull (handshake amortised, post, notify)
+    transfer_gbytes_per_s: float = 0.0  # effective bandwidth; 0 = real transfer time only
+    # global scale applied to every emulated duration (keeps ratios, shortens runs)
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+                raise ProfileError(f"profile {self.name!r}: {f.name} must be >= 0, got {value}")
+        if self.kv_bytes_per_token <= 0:
+            raise ProfileError(f"profile {self.name!r}: kv_bytes_per_token must be > 0")
+        if self.num_layers <= 0 or self.kv_bytes_per_token % self.num_layers:
+            raise ProfileError(
+                f"profile {self.name!r}: kv_bytes_per_token ({self.kv_bytes_per_token}) must be "
+                f"a positive multiple of num_layers ({self.num_layers})"
+            )
+        if self.max_num_batched_tokens <= 0:
+            raise ProfileError(f"profile {self.name!r}: max_num_batched_tokens must be > 0")
+
+    # ---- durations, seconds ---------------------------------------------------
+
+    def prefill_seconds(self, new_tokens: int, context_tokens: int = 0) -> float:
+        """Compute time for ``new_tokens`` prompt tokens after ``context_tokens`` cached ones."""
+        if new_tokens <= 0:
+            return 0.0
+        avg_ctx = context_tokens + new_tokens / 2
+        us = new_tokens * (
+            self.prefill_us_per_token + self.prefill_us_per_token_ctx * avg_ctx / 1000
+        )
+        return us * 1e-6 * self.time_scale
+
+    def decode_step_seconds(self, batch: int) -> float:
+        if batch <= 0:
+            return 0.0
+        us = self.decode_us_per_step + self.decode_us_per_seq * (batch - 1)
+        return us * 1e-6 * self.time_scale
+
+    def transfer_seconds(self, tokens: int) -> float:
+        """Emulated duration of pulling ``tokens`` tokens of KV on the target network."""
+        if tokens <= 0:
+            return 0.0
+        us = self.transfer_overhead_us
+        if self.transfer_gbytes_per_s > 0:
+            us += tokens * self.kv_bytes_per_token_target / (self.transfer_gbytes_per_s * 1e3)
+        return us * 1e-6 * self.time_scale
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str) -> CostProfile:
+    """Load ``fixtures/profiles/<name>.json`` or a JSON file path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILE_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        raise ProfileError(
+            f"unknown profile {name_or_path!r}; available: {', '.join(available_profiles())}"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ProfileError(f"profile file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile file {path} must hold a JSON object")
+    known = {f.name for f in fields(CostProfile)}
+    unknown = sorted(set(data) - known - {"derivation"})
+    if unknown:
+        raise ProfileError(f"profile file {path}: unknown keys {unknown}")
+    data.pop("derivation", None)
+    data.setdefault("name", path.stem)
+    try:
+        return CostProfile(**data)
+    except TypeError as exc:
+        raise ProfileError(f"profile file {path}: {exc}") from None
