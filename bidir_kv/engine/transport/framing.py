@@ -1,0 +1,112 @@
+"""Length-prefixed msgpack frames, the control encoding of the side channel and TCP transport.
+
+A frame is a 4-byte big-endian unsigned length followed by that many bytes of one
+msgpack map. Bulk KV bytes never go through msgpack: the TCP transport sends them raw
+right after a header frame that announces their size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+from bidir_kv.engine.transport.base import TransportError
+
+__all__ = [
+    "MAX_FRAME",
+    "decode",
+    "encode",
+    "read_frame",
+    "sock_read_frame",
+    "sock_recv_into",
+    "sock_write_frame",
+    "write_frame",
+]
+
+MAX_FRAME = 16 * 1024 * 1024  # control frames only; agent metadata blobs are KBs
+_HEADER = struct.Struct(">I")
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    """One frame (header + body) for ``obj``."""
+    body = msgpack.packb(obj, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise TransportError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    """The msgpack map in a frame body; anything else is a protocol error."""
+    try:
+        obj = msgpack.unpackb(body, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise TransportError(f"malformed frame: {exc}") from None
+    if not isinstance(obj, dict):
+        raise TransportError(f"frame is not a map: {type(obj).__name__}")
+    return obj
+
+
+def _check_length(n: int) -> int:
+    if n > MAX_FRAME:
+        raise TransportError(f"peer announced a {n}-byte frame (limit {MAX_FRAME})")
+    return n
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """Next frame from a stream, or ``None`` on a clean end of stream between frames."""
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise TransportError("connection closed inside a frame header") from None
+    (n,) = _HEADER.unpack(header)
+    try:
+        body = await reader.readexactly(_check_length(n))
+    except asyncio.IncompleteReadError:
+        raise TransportError("connection closed inside a frame body") from None
+    return decode(body)
+
+
+async def write_frame(writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
+    writer.write(encode(obj))
+    await writer.drain()
+
+
+async def sock_recv_into(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview
+) -> None:
+    """Fill ``view`` completely from ``sock`` (zero-copy into the caller's buffer)."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise TransportError(f"connection closed after {got} of {total} bytes")
+        got += n
+
+
+async def sock_read_frame(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket
+) -> dict[str, Any] | None:
+    """Next frame from a raw socket, or ``None`` on a clean close between frames."""
+    header = bytearray(_HEADER.size)
+    n = await loop.sock_recv_into(sock, header)
+    if n == 0:
+        return None
+    if n < len(header):
+        await sock_recv_into(loop, sock, memoryview(header)[n:])
+    (size,) = _HEADER.unpack(header)
+    body = bytearray(_check_length(size))
+    await sock_recv_into(loop, sock, memoryview(body))
+    return decode(bytes(body))
+
+
+async def sock_write_frame(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, obj: dict[str, Any]
+) -> None:
+    await loop.sock_sendall(sock, encode(obj))

@@ -1,0 +1,338 @@
+"""The NIXL transport: the engine's pool registered as DRAM with NIXL's UCX backend.
+
+What vLLM's NixlConnector does on the CPU platform, reduced to one region: the pool
+is registered once, each block is one prepared descriptor, and a READ of block ids is
+a prepared transfer from the peer's descriptor list into ours with the notification
+attached, so the owner learns of completion from NIXL itself. Transfers and
+notification polls run on the engine's event loop and never block it: the state is
+polled with yields in between. ``nixl`` is imported only here, and only on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from bidir_kv.engine.transport.base import (
+    KVAgent,
+    KVPool,
+    NotificationHandler,
+    ReadResult,
+    TransportError,
+)
+from bidir_kv.engine.transport.dispatch import NotificationDispatcher
+
+__all__ = ["NixlAgent", "probe"]
+
+logger = logging.getLogger("bidir_kv.engine.transport")
+
+WIRE_VERSION = 1
+_MEM = "DRAM"
+
+
+def _nixl_api() -> Any:
+    # vLLM sets this whenever NIXL is available; UCX reads it at context creation.
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    import nixl._api as api
+
+    return api
+
+
+def _ucx_tls_hint() -> str:
+    tls = os.environ.get("UCX_TLS")
+    if tls and "tcp" not in tls.split(",") and "all" not in tls:
+        return f" (UCX_TLS={tls} has no tcp: UCX then lacks an active-message transport)"
+    return ""
+
+
+def _new_agent(name: str, backends: Sequence[str]) -> Any:
+    api = _nixl_api()
+    conf = api.nixl_agent_config(
+        enable_prog_thread=True, backends=list(backends), capture_telemetry=True
+    )
+    agent = api.nixl_agent(name, conf)
+    missing = [b for b in backends if b not in agent.backends]
+    if missing:
+        raise TransportError(f"NIXL backend(s) {missing} did not start{_ucx_tls_hint()}")
+    return agent
+
+
+def probe() -> tuple[bool, str]:
+    """Can a UCX-backed NIXL agent be created in this process? ``(ok, reason)``."""
+    try:
+        _nixl_api()
+    except Exception as exc:
+        return False, f"nixl does not import: {exc}"
+    try:
+        agent = _new_agent(f"bidir-kv-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}", ["UCX"])
+    except Exception as exc:
+        return False, f"NIXL agent with UCX failed: {exc}{_ucx_tls_hint()}"
+    del agent
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return True, f"nixl {version('nixl')}"
+    except PackageNotFoundError:
+        return True, "nixl"
+
+
+def _block_descs(base: int, num_blocks: int, block_nbytes: int) -> np.ndarray:
+    """One ``(addr, len, devid)`` row per block: block ``i`` is descriptor ``i``."""
+    descs = np.empty((num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_nbytes)
+    descs[:, 1] = block_nbytes
+    descs[:, 2] = 0
+    return descs
+
+
+def _ids(blocks: Sequence[int], num_blocks: int, what: str) -> np.ndarray:
+    arr = np.asarray(list(blocks), dtype=np.int64)
+    if arr.ndim != 1:
+        raise TransportError(f"{what} block ids must be a flat list")
+    bad = arr[(arr < 0) | (arr >= num_blocks)]
+    if bad.size:
+        raise TransportError(
+            f"{what} block id {int(bad[0])} out of range for a pool of {num_blocks} blocks"
+        )
+    return arr.astype(np.int32)
+
+
+@dataclass
+class _Peer:
+    name: str
+    num_blocks: int
+    dlist: Any  # prepared remote descriptor list
+
+
+class NixlAgent(KVAgent):
+    """READs over NIXL/UCX with notifications, one DRAM registration per pool."""
+
+    backend = "nixl"
+
+    def __init__(
+        self,
+        name: str,
+        pool: KVPool,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        notif_poll_interval: float = 0.002,
+        io_timeout: float = 60.0,
+    ) -> None:
+        super().__init__(name, pool)
+        if not pool.data.flags["C_CONTIGUOUS"]:
+            raise TransportError("the KV pool must be C-contiguous to register with NIXL")
+        self.backends = tuple(backends)
+        self.notif_poll_interval = notif_poll_interval
+        self.io_timeout = io_timeout
+        self._agent: Any = None
+        self._reg: Any = None
+        self._local: Any = None
+        self._peers: dict[str, _Peer] = {}
+        self._dispatch: NotificationDispatcher | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    async def start(self, on_notification: NotificationHandler) -> None:
+        if self._agent is not None:
+            raise TransportError(f"agent {self.name} already started")
+        try:
+            agent = _new_agent(self.name, self.backends)
+            region = np.array(
+                [[self.pool.data.ctypes.data, self.pool.data.nbytes, 0]], dtype=np.uint64
+            )
+            self._reg = agent.register_memory(region, _MEM)
+            self._local = agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT",
+                _block_descs(
+                    self.pool.data.ctypes.data, self.pool.num_blocks, self.pool.block_nbytes
+                ),
+                _MEM,
+            )
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise TransportError(f"NIXL agent {self.name} failed to start: {exc}") from None
+        self._agent = agent
+        self._dispatch = NotificationDispatcher(on_notification)
+        self._dispatch.start()
+        self._poller = asyncio.get_running_loop().create_task(self._poll_notifs())
+
+    def _live(self) -> Any:
+        if self._agent is None:
+            raise TransportError(f"agent {self.name} is not started")
+        return self._agent
+
+    def metadata(self) -> bytes:
+        agent = self._live()
+        return msgpack.packb(
+            {
+                "transport": "nixl",
+                "v": WIRE_VERSION,
+                "name": self.name,
+                "agent_md": agent.get_agent_metadata(),
+                "base": int(self.pool.data.ctypes.data),
+                "num_blocks": self.pool.num_blocks,
+                "block_nbytes": self.pool.block_nbytes,
+            },
+            use_bin_type=True,
+        )
+
+    async def add_peer(self, metadata: bytes) -> str:
+        agent = self._live()
+        try:
+            md = msgpack.unpackb(metadata, raw=False)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise TransportError(f"malformed NIXL agent metadata: {exc}") from None
+        if not isinstance(md, dict) or md.get("transport") != "nixl":
+            raise TransportError("peer metadata is not from a NIXL agent")
+        if md.get("v") != WIRE_VERSION:
+            raise TransportError(f"NIXL agent metadata version {md.get('v')!r} unsupported")
+        if md["block_nbytes"] != self.pool.block_nbytes:
+            raise TransportError(
+                f"peer {md['name']} has {md['block_nbytes']}-byte blocks, "
+                f"ours are {self.pool.block_nbytes} bytes"
+            )
+        self._drop_peer(md["name"])  # re-registration (new generation): start afresh
+        try:
+            raw_name = agent.add_remote_agent(md["agent_md"])
+            name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+            dlist = agent.prep_xfer_dlist(
+                name, _block_descs(md["base"], md["num_blocks"], md["block_nbytes"]), _MEM
+            )
+        except Exception as exc:
+            raise TransportError(f"cannot add NIXL peer {md.get('name')}: {exc}") from None
+        if name != md["name"]:
+            raise TransportError(f"NIXL metadata names {name!r}, wrapper says {md['name']!r}")
+        with contextlib.suppress(Exception):  # optional: warms the connection up front
+            agent.make_connection(name)
+        self._peers[name] = _Peer(name, int(md["num_blocks"]), dlist)
+        return name
+
+    def _drop_peer(self, name: str) -> None:
+        peer = self._peers.pop(name, None)
+        if peer is None or self._agent is None:
+            return
+        with contextlib.suppress(Exception):
+            self._agent.release_dlist_handle(peer.dlist)
+        with contextlib.suppress(Exception):
+            self._agent.remove_remote_agent(name)
+
+    def _peer(self, name: str) -> _Peer:
+        try:
+            return self._peers[name]
+        except KeyError:
+            raise TransportError(f"unknown peer {name!r}; add_peer() it first") from None
+
+    async def read(
+        self,
+        peer: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        notification: bytes,
+    ) -> ReadResult:
+        agent = self._live()
+        p = self._peer(peer)
+        if len(local_blocks) != len(remote_blocks):
+            raise TransportError(
+                f"read pairs {len(local_blocks)} local with {len(remote_blocks)} remote blocks"
+            )
+        local = _ids(local_blocks, self.pool.num_blocks, "local")
+        remote = _ids(remote_blocks, p.num_blocks, "requested")
+        if local.size == 0:
+            await self.notify(peer, notification)
+            return ReadResult(bytes=0, descriptors=0, post_time=0.0, xfer_time=0.0)
+        try:
+            handle = agent.make_prepped_xfer(
+                "READ", self._local, local, p.dlist, remote, bytes(notification)
+            )
+        except Exception as exc:
+            raise TransportError(f"cannot prepare READ from {peer}: {exc}") from None
+        try:
+            return await self._run(agent, handle, peer, int(local.size))
+        finally:
+            with contextlib.suppress(Exception):
+                agent.release_xfer_handle(handle)
+
+    async def _run(self, agent: Any, handle: Any, peer: str, nblocks: int) -> ReadResult:
+        t0 = time.perf_counter()
+        try:
+            state = agent.transfer(handle)
+        except Exception as exc:
+            raise TransportError(f"posting READ from {peer} failed: {exc}") from None
+        post = time.perf_counter() - t0
+        polls = 0
+        deadline = t0 + self.io_timeout
+        while state == "PROC":
+            # Yield at once for the first polls (small reads finish in microseconds),
+            # then back off to at most 0.5 ms so a long READ does not spin a core.
+            await asyncio.sleep(0 if polls < 20 else min(0.0005, 0.00002 * polls))
+            polls += 1
+            try:
+                state = agent.check_xfer_state(handle)
+            except Exception as exc:
+                raise TransportError(f"READ from {peer} failed: {exc}") from None
+            if time.perf_counter() > deadline:
+                raise TransportError(f"READ from {peer} not done after {self.io_timeout} s")
+        xfer = time.perf_counter() - t0
+        if state != "DONE":
+            raise TransportError(f"READ from {peer} ended in state {state}")
+        nbytes = nblocks * self.pool.block_nbytes
+        descriptors = nblocks
+        with contextlib.suppress(Exception):
+            tel = agent.get_xfer_telemetry(handle)
+            descriptors = int(tel.descCount) or nblocks
+        return ReadResult(bytes=nbytes, descriptors=descriptors, post_time=post, xfer_time=xfer)
+
+    async def notify(self, peer: str, message: bytes) -> None:
+        agent = self._live()
+        self._peer(peer)
+        try:
+            agent.send_notif(peer, bytes(message))
+        except Exception as exc:
+            raise TransportError(f"notification to {peer} failed: {exc}") from None
+
+    async def _poll_notifs(self) -> None:
+        interval = self.notif_poll_interval
+        while True:
+            agent = self._agent
+            dispatch = self._dispatch
+            if agent is None or dispatch is None:
+                return
+            try:
+                notifs = agent.get_new_notifs()
+            except Exception:
+                logger.exception("NIXL agent %s: polling notifications failed", self.name)
+                notifs = {}
+            for peer, messages in notifs.items():
+                name = peer.decode() if isinstance(peer, bytes) else str(peer)
+                for m in messages:
+                    dispatch.put(name, bytes(m))
+            await asyncio.sleep(interval)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        agent = self._agent
+        if agent is not None:
+            for name in list(self._peers):
+                self._drop_peer(name)
+            with contextlib.suppress(Exception):
+                agent.release_dlist_handle(self._local)
+            with contextlib.suppress(Exception):
+                agent.deregister_memory(self._reg)
+            self._agent = None
+        if self._dispatch is not None:
+            await self._dispatch.close()
+            self._dispatch = None
