@@ -1,0 +1,81 @@
+"""``bidir-kv report DIR...``: Markdown summary, TTFT and prefill plots, ratio table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from bidir_kv.bench.report import (
+    Report,
+    build_report,
+    ratio_rows,
+    render_markdown,
+    write_plots,
+)
+from bidir_kv.bench.results import ResultError, load_result
+
+__all__ = ["main", "ratio_table", "render_dir"]
+
+
+def render_dir(path: Path, out: Path | None = None, min_turn: int = 2) -> tuple[Path, str]:
+    """Render one result directory; returns (report path, ratio table text)."""
+    result = load_result(path)
+    report = build_report(result, min_turn=min_turn)
+    out_dir = out or path
+    plots = write_plots(report, out_dir)
+    md = render_markdown(report, [str(p) for p in plots])
+    report_path = out_dir / "report.md"
+    report_path.write_text(md)
+    return report_path, ratio_table(report)
+
+
+def ratio_table(report: Report) -> str:
+    """Plain-text OFF/ON TTFT table for the console."""
+    lines = [f"{'prefix':>8} {'OFF ms':>9} {'ON ms':>9} {'OFF/ON':>7}"]
+    for row in ratio_rows(report):
+
+        def f(v: object, spec: str) -> str:
+            return "n/a" if v is None else format(v, spec)
+
+        lines.append(
+            f"{row['point']:>8} {f(row['ttft_off_ms'], '9.0f'):>9} "
+            f"{f(row['ttft_on_ms'], '9.0f'):>9} {f(row['ttft_ratio'], '6.2f'):>6}×"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="bidir-kv report",
+        description="Render bench result directories: report.md, ttft.png, prefill.png.",
+    )
+    ap.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="bench result directory")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="output folder (only with one DIR; default: DIR)"
+    )
+    ap.add_argument(
+        "--min-turn",
+        type=int,
+        default=2,
+        help="TTFT statistics use turns >= this (default 2: turn 1 misses in both legs)",
+    )
+    args = ap.parse_args(argv)
+    if args.out is not None and len(args.dirs) > 1:
+        ap.error("--out needs exactly one DIR")
+    rc = 0
+    for d in args.dirs:
+        try:
+            report_path, table = render_dir(d, args.out, args.min_turn)
+        except (ResultError, ValueError, OSError) as exc:
+            print(f"bidir-kv report: {d}: {exc}", file=sys.stderr)
+            rc = 1
+            continue
+        print(f"== {d}")
+        print(table)
+        print(
+            f"report: {report_path}  plots: {report_path.parent / 'ttft.png'}, "
+            f"{report_path.parent / 'prefill.png'}"
+        )
+    return rc

@@ -1,0 +1,197 @@
+"""Reading a ``bench`` result directory and reducing it to one row per (leg, point).
+
+Layout written by ``bidir-kv bench``::
+
+    DIR/manifest.json
+    DIR/<leg>/p<prefix>.stats.json     vLLM-compatible request records
+    DIR/<leg>/p<prefix>.metrics.json   duration + /metrics deltas per node
+
+KV transfer figures come from the prefill nodes (the initiator of D→P reads
+records them, protocol.md §11.1); prefill duration from the router's histogram.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bidir_kv.bench.stats import RequestRecord, load_records, percentile
+
+__all__ = [
+    "LegPoint",
+    "ResultDir",
+    "ResultError",
+    "load_result",
+    "prefill_duration_from_rows",
+    "summarize_point",
+]
+
+XFER_TIME = "vllm:nixl_xfer_time_seconds"
+XFER_BYTES = "vllm:nixl_bytes_transferred"
+TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+FAILED = "vllm:nixl_num_failed_transfers_total"
+# the router's prefill-duration histogram; first match wins
+PREFILL_HISTOGRAMS = (
+    "bidir_kv:router_prefill_duration_seconds",
+    "bidir_kv_router_prefill_duration_seconds",
+    "router_prefill_duration_seconds",
+)
+_PREFILL_RE = re.compile(r"prefill.*(duration|latency|time).*seconds$")
+
+
+class ResultError(ValueError):
+    """A result directory that is missing or malformed."""
+
+
+@dataclass
+class LegPoint:
+    """One leg at one sweep point, reduced. Times in milliseconds; ``None`` = not measured."""
+
+    leg: str
+    point: int
+    requests: int
+    errors: int
+    ttft_n: int
+    ttft_median: float
+    ttft_p10: float
+    ttft_p90: float
+    ttft_mean: float
+    input_tokens_mean: float
+    prefill_ms: float | None
+    prefill_count: int
+    xfer_ms_per_request: float | None
+    xfer_ms_per_transfer: float | None
+    xfer_count: int
+    mb_per_transfer: float | None
+    tokens_external: float
+    tokens_local_compute: float
+    tokens_local_cache_hit: float
+    expired: float
+    failed: float
+    duration_s: float
+    interrupted: bool
+
+
+@dataclass
+class ResultDir:
+    path: Path
+    manifest: dict[str, Any]
+    points: dict[tuple[str, int], tuple[list[RequestRecord], dict[str, Any]]]
+
+    @property
+    def legs(self) -> list[str]:
+        order = {"off": 0, "on": 1}
+        return sorted({leg for leg, _ in self.points}, key=lambda s: (order.get(s, 9), s))
+
+    @property
+    def prefix_points(self) -> list[int]:
+        return sorted({p for _, p in self.points})
+
+
+def load_result(path: Path) -> ResultDir:
+    if not path.is_dir():
+        raise ResultError(f"{path}: not a directory")
+    manifest_path = path / "manifest.json"
+    manifest: dict[str, Any] = {}
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+    points: dict[tuple[str, int], tuple[list[RequestRecord], dict[str, Any]]] = {}
+    for stats in sorted(path.glob("*/p*.stats.json")):
+        leg = stats.parent.name
+        m = re.fullmatch(r"p(\d+)\.stats\.json", stats.name)
+        if not m:
+            continue
+        point = int(m.group(1))
+        records = load_records(stats)
+        mpath = stats.with_name(stats.name.replace(".stats.json", ".metrics.json"))
+        info = json.loads(mpath.read_text()) if mpath.is_file() else {}
+        points[(leg, point)] = (records, info)
+    if not points:
+        raise ResultError(f"{path}: no <leg>/p<N>.stats.json files (is this a bench result?)")
+    return ResultDir(path, manifest, points)
+
+
+def _rows(info: Mapping[str, Any], prefix: str) -> Iterable[tuple[str, dict[str, str], float]]:
+    for node, rows in (info.get("metrics_delta") or {}).items():
+        if node.startswith(prefix) and rows:
+            for name, labels, value in rows:
+                yield name, labels, float(value)
+
+
+def _sum(rows: Iterable[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    return sum(
+        v for n, lab, v in rows if n == name and all(lab.get(k) == x for k, x in labels.items())
+    )
+
+
+def prefill_duration_from_rows(
+    rows: Sequence[tuple[str, dict[str, str], float]],
+) -> tuple[float, int] | None:
+    """(sum seconds, count) of the router's prefill histogram, if the router exports one."""
+    names = {n for n, _, _ in rows}
+    base = next((h for h in PREFILL_HISTOGRAMS if f"{h}_sum" in names), None)
+    if base is None:
+        base = next(
+            (
+                n[: -len("_sum")]
+                for n in sorted(names)
+                if n.endswith("_sum") and _PREFILL_RE.search(n[: -len("_sum")])
+            ),
+            None,
+        )
+    if base is None:
+        return None
+    total = _sum(rows, f"{base}_sum")
+    count = int(_sum(rows, f"{base}_count"))
+    return total, count
+
+
+def summarize_point(
+    leg: str,
+    point: int,
+    records: Sequence[RequestRecord],
+    info: Mapping[str, Any],
+    min_turn: int = 2,
+) -> LegPoint:
+    ok = [r for r in records if r.ok and r.turn >= min_turn]
+    ttft = [r.ttft_ms for r in ok]
+    p_rows = list(_rows(info, "prefill"))
+    r_rows = list(_rows(info, "router"))
+    prefill = prefill_duration_from_rows(r_rows)
+    prefill_ms = prefill[0] * 1e3 / prefill[1] if prefill and prefill[1] else None
+    prefill_count = prefill[1] if prefill else 0
+    xfer_s = _sum(p_rows, f"{XFER_TIME}_sum")
+    xfer_n = int(_sum(p_rows, f"{XFER_TIME}_count"))
+    xfer_bytes = _sum(p_rows, f"{XFER_BYTES}_sum")
+    requests = len(records) or 1
+    return LegPoint(
+        leg=leg,
+        point=point,
+        requests=len(records),
+        errors=sum(1 for r in records if not r.ok),
+        ttft_n=len(ttft),
+        ttft_median=percentile(ttft, 50),
+        ttft_p10=percentile(ttft, 10),
+        ttft_p90=percentile(ttft, 90),
+        ttft_mean=sum(ttft) / len(ttft) if ttft else math.nan,
+        input_tokens_mean=sum(r.input_num_tokens for r in ok) / len(ok) if ok else math.nan,
+        prefill_ms=prefill_ms,
+        prefill_count=prefill_count,
+        xfer_ms_per_request=xfer_s * 1e3 / (prefill_count or requests),
+        xfer_ms_per_transfer=xfer_s * 1e3 / xfer_n if xfer_n else None,
+        xfer_count=xfer_n,
+        mb_per_transfer=xfer_bytes / xfer_n / 2**20 if xfer_n else None,
+        tokens_external=_sum(p_rows, TOKENS_BY_SOURCE, source="external_kv_transfer"),
+        tokens_local_compute=_sum(p_rows, TOKENS_BY_SOURCE, source="local_compute"),
+        tokens_local_cache_hit=_sum(p_rows, TOKENS_BY_SOURCE, source="local_cache_hit"),
+        expired=_sum(p_rows, EXPIRED),
+        failed=_sum(p_rows, FAILED),
+        duration_s=float(info.get("duration_s", math.nan)),
+        interrupted=bool(info.get("interrupted", False)),
+    )

@@ -1,0 +1,131 @@
+"""Per-request records with the field names of vLLM's multi-turn benchmark.
+
+``--stats-json-output`` of ``benchmark_serving_multi_turn.py`` writes a JSON
+array of records with exactly the ``VLLM_FIELDS`` below; tools written for it
+read ours. Extra fields (leg, point, turn, errors) come after them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SUMMARY_FIELDS",
+    "VLLM_FIELDS",
+    "RequestRecord",
+    "load_records",
+    "percentile",
+    "summarize",
+    "write_records",
+]
+
+VLLM_FIELDS: tuple[str, ...] = (
+    "ttft_ms",
+    "tpot_ms",
+    "latency_ms",
+    "start_time_ms",
+    "input_num_turns",
+    "input_num_tokens",
+    "output_num_tokens",
+    "output_num_chunks",
+    "output_num_first_chunk_tokens",
+    "approx_cached_percent",
+    "conversation_id",
+    "client_id",
+)
+SUMMARY_FIELDS: tuple[str, ...] = (
+    "ttft_ms",
+    "tpot_ms",
+    "latency_ms",
+    "input_num_turns",
+    "input_num_tokens",
+    "output_num_tokens",
+)
+
+
+@dataclass
+class RequestRecord:
+    """One request. ``start_time_ms`` is relative to the start of the point's run."""
+
+    ttft_ms: float
+    tpot_ms: float
+    latency_ms: float
+    start_time_ms: float
+    input_num_turns: int
+    input_num_tokens: int
+    output_num_tokens: int
+    output_num_chunks: int
+    output_num_first_chunk_tokens: int
+    approx_cached_percent: float
+    conversation_id: str
+    client_id: int
+    # ours
+    leg: str = ""
+    point: int = 0
+    turn: int = 0
+    prompt_tokens: int | None = None
+    think_time_s: float = 0.0
+    beyond_ttl: bool = False
+    ok: bool = True
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def write_records(path: Path, records: Iterable[RequestRecord]) -> None:
+    """Atomic write (a Ctrl-C never leaves a truncated file)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps([r.to_dict() for r in records], indent=1))
+    tmp.replace(path)
+
+
+def load_records(path: Path) -> list[RequestRecord]:
+    data = json.loads(path.read_text())
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON array of request records")
+    out = []
+    for i, obj in enumerate(data):
+        missing = [f for f in VLLM_FIELDS if f not in obj]
+        if missing:
+            raise ValueError(f"{path}: record {i} lacks {', '.join(missing)}")
+        known = {k: v for k, v in obj.items() if k in RequestRecord.__dataclass_fields__}
+        out.append(RequestRecord(**known))
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (``q`` in 0..100), NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    if len(xs) == 1:
+        return float(xs[0])
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """The console summary of vLLM's benchmark: count, mean, std, min, percentiles, max."""
+    n = len(values)
+    if n == 0:
+        return {"count": 0}
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / n)
+    out = {"count": float(n), "mean": mean, "std": std, "min": float(min(values))}
+    for q in (10, 25, 50, 75, 90, 99):
+        out[f"p{q}"] = percentile(values, q)
+    out["max"] = float(max(values))
+    return out
+
+
+def summarize_records(records: Sequence[RequestRecord]) -> Mapping[str, dict[str, float]]:
+    ok = [r for r in records if r.ok]
+    return {f: summarize([float(getattr(r, f)) for r in ok]) for f in SUMMARY_FIELDS}

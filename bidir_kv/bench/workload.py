@@ -1,0 +1,180 @@
+"""Deterministic synthetic multi-turn conversations.
+
+Same shape as the AWS blog's sweep (vLLM's ``generate_multi_turn.json`` with
+constant distributions): N conversations × T turns, a per-conversation prefix of
+``prefix_tokens`` in the first user message, ``input_tokens`` per later user
+message and ``output_tokens`` per answer. Every conversation has its own text
+(seeded per conversation), so prefix caches never share blocks between
+conversations. Token counts are made exact with the server's tokenizer
+(``/tokenize``) through a ``count`` callable; without one, words are counted.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bidir_kv.bench.distributions import Distribution
+
+__all__ = [
+    "Conversation",
+    "TokenCounter",
+    "Turn",
+    "WorkloadError",
+    "WorkloadSpec",
+    "build_conversations",
+    "count_words",
+    "fit_text",
+]
+
+TokenCounter = Callable[[str], int]
+
+_SYLLABLES = (
+    "ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "fa",
+    "gu", "he", "jo", "ve", "zu", "bi", "ro", "sa", "te", "nu",
+)  # fmt: skip
+
+
+class WorkloadError(ValueError):
+    """Bad workload parameters; the message names the parameter."""
+
+
+def count_words(text: str) -> int:
+    """Fallback counter when no tokenizer endpoint is available: one token per word."""
+    return len(text.split())
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """One sweep point. Think time is the gap before turns 2+ of a conversation."""
+
+    prefix_tokens: int = 2000
+    num_conversations: int = 10
+    num_turns: int = 10
+    input_tokens: int = 150
+    output_tokens: int = 300
+    think_time: Distribution = field(default_factory=lambda: Distribution("const", (0.0,)))
+    beyond_ttl_fraction: float = 0.0
+    beyond_ttl_gap_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_conversations", "num_turns", "input_tokens", "output_tokens"):
+            if getattr(self, name) < 1:
+                raise WorkloadError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_tokens < 0:
+            raise WorkloadError(f"prefix_tokens must be >= 0, got {self.prefix_tokens}")
+        if not 0.0 <= self.beyond_ttl_fraction <= 1.0:
+            raise WorkloadError(
+                f"beyond_ttl_fraction must be in [0, 1], got {self.beyond_ttl_fraction}"
+            )
+        if self.beyond_ttl_fraction > 0 and self.beyond_ttl_gap_s <= 0:
+            raise WorkloadError("beyond_ttl_fraction > 0 needs beyond_ttl_gap_s > 0")
+
+    def turn_prompt_tokens(self, turn: int) -> int:
+        """Nominal content tokens of the whole history sent at 0-based ``turn``."""
+        return self.prefix_tokens + (turn + 1) * self.input_tokens + turn * self.output_tokens
+
+
+@dataclass(frozen=True)
+class Turn:
+    index: int
+    content: str
+    content_tokens: int
+    max_tokens: int
+    think_time_s: float
+    beyond_ttl: bool = False
+
+
+@dataclass(frozen=True)
+class Conversation:
+    conversation_id: str
+    prefix_tokens: int
+    turns: tuple[Turn, ...]
+
+
+class _WordSource:
+    """An endless deterministic stream of pseudo-words."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self.words: list[str] = []
+
+    def take(self, n: int) -> list[str]:
+        while len(self.words) < n:
+            k = self._rng.randint(1, 3)
+            self.words.append("".join(self._rng.choice(_SYLLABLES) for _ in range(k)))
+        return self.words[:n]
+
+
+def fit_text(
+    target: int, rng: random.Random, count: TokenCounter = count_words, head: str = ""
+) -> tuple[str, int]:
+    """Text of ``target`` tokens under ``count`` (closest reachable; exact for most tokenizers).
+
+    Starts from one word per token and corrects proportionally, so a tokenizer
+    that is unknown here still converges in a few calls.
+    """
+    if target < 1:
+        raise WorkloadError(f"a message needs at least 1 token, got {target}")
+    src = _WordSource(rng)
+    head_words = head.split()
+
+    def text_of(n: int) -> str:
+        return " ".join([*head_words, *src.take(n)])
+
+    n = max(1, target - len(head_words))
+    seen: dict[int, int] = {}
+    for _ in range(16):
+        c = count(text_of(n))
+        seen[n] = c
+        if c == target:
+            break
+        step = round((target - c) * n / max(c, 1))
+        if step == 0:
+            step = 1 if c < target else -1
+        nxt = max(1, n + step)
+        if nxt in seen:
+            # oscillating around the target: walk one word at a time towards it
+            nxt = max(1, n + (1 if c < target else -1))
+            if nxt in seen:
+                break
+        n = nxt
+    best = min(seen, key=lambda k: (abs(seen[k] - target), seen[k] > target))
+    return text_of(best), seen[best]
+
+
+def build_conversations(
+    spec: WorkloadSpec, count: TokenCounter = count_words
+) -> list[Conversation]:
+    """The conversations of one sweep point; identical for the same spec and tokenizer."""
+    out: list[Conversation] = []
+    for i in range(spec.num_conversations):
+        key = f"bidir-kv:{spec.seed}:{spec.prefix_tokens}:{i}"
+        gap_rng = random.Random(f"{key}:gaps")
+        cid = f"conv-s{spec.seed}-p{spec.prefix_tokens}-{i:03d}"
+        turns: list[Turn] = []
+        for t in range(spec.num_turns):
+            target = spec.input_tokens + (spec.prefix_tokens if t == 0 else 0)
+            head = f"conversation {cid} turn {t + 1}:" if t == 0 else f"turn {t + 1}:"
+            text, ntok = fit_text(target, random.Random(f"{key}:{t}"), count, head=head)
+            beyond = t > 0 and gap_rng.random() < spec.beyond_ttl_fraction
+            if t == 0:
+                gap = 0.0
+            elif beyond:
+                gap = spec.beyond_ttl_gap_s
+            else:
+                gap = spec.think_time.sample(gap_rng)
+            turns.append(
+                Turn(
+                    index=t,
+                    content=text,
+                    content_tokens=ntok,
+                    max_tokens=spec.output_tokens,
+                    think_time_s=gap,
+                    beyond_ttl=beyond,
+                )
+            )
+        out.append(Conversation(cid, spec.prefix_tokens, tuple(turns)))
+    return out
