@@ -1,0 +1,171 @@
+"""Transports across two processes: side-channel handshake, real reads, notifications, death.
+
+The owner is ``python -m bidir_kv.engine.transport.peer owner`` (a seeded pool behind a
+side channel, logging each notification it receives); the reader is this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bidir_kv.engine.transport import KVAgent, KVPool, TransportError, create_agent, nixl_available
+from bidir_kv.engine.transport.peer import Peer, seeded_pool_bytes, spawn
+from bidir_kv.engine.transport.sidechannel import PeerInfo, handshake
+from bidir_kv.testing.plugin import skip_or_fail
+
+NUM_BLOCKS = 64
+BLOCK_NBYTES = 64 * 1024  # 4 MiB pool
+SEED = 5
+
+
+@pytest.fixture(params=["tcp", "nixl"])
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "nixl":
+        ok, why = nixl_available()
+        if not ok:
+            skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
+    return str(request.param)
+
+
+@pytest.fixture
+def owner(backend: str, tmp_path: Path) -> Iterator[Peer]:
+    peer = spawn(
+        [
+            "owner", "--backend", backend, "--num-blocks", str(NUM_BLOCKS),
+            "--block-nbytes", str(BLOCK_NBYTES), "--seed", str(SEED), "--engine-id", "d-1",
+        ],
+        tmp_path / "owner",
+    )  # fmt: skip
+    try:
+        yield peer
+    finally:
+        peer.stop()
+
+
+async def _connect(
+    backend: str, owner: Peer, name: str = "reader"
+) -> tuple[KVAgent, str, PeerInfo]:
+    agent = create_agent(backend, name, KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+    await agent.start(lambda _p, _m: None)
+    info = await handshake(
+        "127.0.0.1",
+        owner.ready["side_channel_port"],
+        local_hash=owner.ready["compat_hash"],
+        expected_engine_id="d-1",
+        backend=backend,
+    )
+    return agent, await agent.add_peer(info.meta.agent_metadata), info
+
+
+def _wait_notifs(owner: Peer, n: int, timeout: float = 10.0) -> list[tuple[str, str]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = owner.notifications()
+        if len(got) >= n or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
+def test_read_across_processes(backend: str, owner: Peer) -> None:
+    expected = seeded_pool_bytes(SEED, NUM_BLOCKS, BLOCK_NBYTES)
+    remote = [5, 6, 7, 8, 40, 63, 0]
+    local = [0, 1, 2, 3, 10, 11, 50]
+
+    async def main() -> None:
+        agent, peer, info = await _connect(backend, owner)
+        try:
+            # Same machine, same monotonic clock: the offset is within half the best RTT.
+            assert abs(info.offset) <= info.rtt / 2 + 1e-6
+            assert info.meta.num_blocks == NUM_BLOCKS
+            res = await agent.read(peer, local, remote, b"cmpl-d-1:1")
+            assert res.bytes == len(remote) * BLOCK_NBYTES
+            got = hashlib.sha256(agent.pool.data[local].tobytes()).hexdigest()
+            assert got == hashlib.sha256(expected[remote].tobytes()).hexdigest()
+            others = [b for b in range(NUM_BLOCKS) if b not in local]
+            assert not agent.pool.data[others].any()
+            await agent.notify(peer, b"HB:cmpl-p-9")
+        finally:
+            await agent.close()
+
+    asyncio.run(main())
+    notifs = _wait_notifs(owner, 2)
+    assert notifs == [("reader", "cmpl-d-1:1"), ("reader", "HB:cmpl-p-9")]
+
+
+def test_whole_pool_read_matches_owner_hash(backend: str, owner: Peer) -> None:
+    async def main() -> None:
+        agent, peer, _ = await _connect(backend, owner)
+        try:
+            ids = list(range(NUM_BLOCKS))
+            await agent.read(peer, ids, ids, b"all:1")
+            assert hashlib.sha256(agent.pool.data.tobytes()).hexdigest() == owner.ready["sha256"]
+        finally:
+            await agent.close()
+
+    asyncio.run(main())
+
+
+def test_out_of_range_and_no_stray_notification(backend: str, owner: Peer) -> None:
+    async def main() -> None:
+        agent, peer, _ = await _connect(backend, owner)
+        try:
+            with pytest.raises(TransportError, match="out of range"):
+                await agent.read(peer, [0], [NUM_BLOCKS + 3], b"bad:1")
+            await agent.read(peer, [1], [1], b"good:1")
+        finally:
+            await agent.close()
+
+    asyncio.run(main())
+    assert _wait_notifs(owner, 1) == [("reader", "good:1")]
+
+
+def test_two_readers_each_notify_exactly_once(backend: str, owner: Peer) -> None:
+    async def main() -> None:
+        a, pa, _ = await _connect(backend, owner, "reader-a")
+        b, pb, _ = await _connect(backend, owner, "reader-b")
+        try:
+            await asyncio.gather(
+                *(a.read(pa, [i], [i], f"a-{i}:1".encode()) for i in range(8)),
+                *(b.read(pb, [i], [63 - i], f"b-{i}:1".encode()) for i in range(8)),
+            )
+            expected = seeded_pool_bytes(SEED, NUM_BLOCKS, BLOCK_NBYTES)
+            assert np.array_equal(a.pool.data[:8], expected[:8])
+            assert np.array_equal(b.pool.data[:8], expected[63:55:-1])
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+    notifs = _wait_notifs(owner, 16)
+    assert sorted(notifs) == sorted(
+        [("reader-a", f"a-{i}:1") for i in range(8)] + [("reader-b", f"b-{i}:1") for i in range(8)]
+    )
+
+
+def test_dead_owner_fails_the_read_instead_of_hanging(backend: str, owner: Peer) -> None:
+    async def main() -> None:
+        agent, peer, _ = await _connect(backend, owner)
+        agent.io_timeout = 10.0
+        try:
+            await agent.read(peer, [0], [0], b"warm:1")
+            owner.stop()
+            with pytest.raises(TransportError):
+                await agent.read(peer, [1, 2], [1, 2], b"late:1")
+            with pytest.raises(TransportError):
+                await handshake(
+                    "127.0.0.1",
+                    owner.ready["side_channel_port"],
+                    local_hash=owner.ready["compat_hash"],
+                    timeout=2.0,
+                )
+        finally:
+            await agent.close()
+
+    asyncio.run(main())
