@@ -1,0 +1,338 @@
+"""The planner: when does pulling KV from D beat recomputing it, and what does the TTL cost?
+
+Pure functions over a per-token cost model. The cost model comes either from a
+model shape plus hardware figures (``CostModel.from_hardware``) or from a
+measured ``bench`` run (``calibrate``). Formulas (derivation in docs/profiles.md):
+
+* recompute ``n`` new tokens after ``c`` cached ones:
+  ``n × (a + b × (c + n/2) / 1000)`` µs (``a``: matmuls, ``b``: attention per 1k context)
+* pull ``n`` tokens: ``o + n × x`` µs (``o``: fixed per-pull overhead, ``x``: bytes/bandwidth)
+* break-even: the smallest ``n`` with recompute(n, 0) ≥ pull(n); at context 0 the
+  recompute is cheapest, so a threshold set there never pulls at a loss.
+* TTL memory (Little's law): D holds each finished turn's KV for ``min(gap, TTL)``
+  (released early when P reads it on the next turn) and the last turn's for the
+  full TTL (D cannot know it was the last).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bidir_kv.bench.distributions import Distribution
+from bidir_kv.bench.modelcfg import ModelShape
+from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
+
+__all__ = [
+    "DECLINE_MARGIN_S",
+    "CostModel",
+    "Hardware",
+    "PlanError",
+    "TtlRow",
+    "Workload",
+    "break_even_tokens",
+    "profile_fields",
+    "recommend_threshold",
+    "recommend_ttl",
+    "ttft_rows",
+    "ttl_rows",
+]
+
+DECLINE_MARGIN_S = 5.0  # P declines a read when now + 5 s >= D's deadline (vLLM PR #47021)
+
+
+class PlanError(ValueError):
+    """Inputs that cannot give a plan; the message says which."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Target figures. Defaults: p5en.48xlarge (8× H200, 16× 200 Gb/s EFA)."""
+
+    gpus: int = 8  # tensor-parallel size of one engine
+    peak_tflops_per_gpu: float = 989.0  # H200 dense BF16 tensor-core peak
+    mfu: float = 0.40  # achievable fraction of peak during prefill
+    hbm_gbytes_per_s: float = 4800.0  # H200 HBM3e
+    network_gbits_per_s: float = 3200.0  # EFA total per instance
+    network_efficiency: float = 0.8  # achieved fraction of line rate for NIXL READs
+    pull_overhead_us: float = 2000.0  # per pull: descriptor prep, post, notify, a scheduler step
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value <= 0:
+                raise PlanError(f"hardware figure {name} must be > 0, got {value}")
+        if self.mfu > 1 or self.network_efficiency > 1:
+            raise PlanError("mfu and network_efficiency are fractions in (0, 1]")
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.gpus * self.peak_tflops_per_gpu * 1e12 * self.mfu
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.network_gbits_per_s / 8 * 1e9 * self.network_efficiency
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-token costs in microseconds on the target (or as measured)."""
+
+    recompute_us_per_token: float
+    recompute_us_per_token_ctx: float  # per new token per 1k context tokens
+    xfer_us_per_token: float
+    pull_overhead_us: float
+    kv_bytes_per_token: float  # held/moved per token over the whole TP group
+    source: str = "hardware"
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in (
+            "recompute_us_per_token",
+            "recompute_us_per_token_ctx",
+            "xfer_us_per_token",
+            "pull_overhead_us",
+            "kv_bytes_per_token",
+        ):
+            value = getattr(self, name)
+            if value < 0 or math.isnan(value):
+                raise PlanError(f"{name} must be >= 0, got {value}")
+        if self.recompute_us_per_token <= 0 and self.recompute_us_per_token_ctx <= 0:
+            raise PlanError("recompute cost must be > 0 (both recompute terms are 0)")
+
+    @classmethod
+    def from_hardware(cls, shape: ModelShape, hw: Hardware) -> CostModel:
+        kv_total = shape.kv_bytes_per_token(hw.gpus)
+        notes = [
+            f"{shape.name}: {shape.attention.upper()}, {shape.num_layers} layers, "
+            f"{shape.active_params / 1e9:.1f}B active of {shape.total_params / 1e9:.1f}B params",
+            f"KV per token: {shape.kv_bytes_per_token_per_rank(hw.gpus):,.0f} B per rank × "
+            f"{hw.gpus} ranks = {kv_total:,.0f} B",
+            f"prefill: {hw.gpus} GPUs × {hw.peak_tflops_per_gpu:g} TFLOP/s × MFU {hw.mfu:g}",
+            f"network: {hw.network_gbits_per_s:g} Gb/s × efficiency {hw.network_efficiency:g}"
+            f" = {hw.bytes_per_s / 1e9:.0f} GB/s; fixed {hw.pull_overhead_us:g} µs per pull",
+        ]
+        return cls(
+            recompute_us_per_token=shape.linear_flops_per_token() / hw.flops_per_s * 1e6,
+            recompute_us_per_token_ctx=shape.context_flops_per_token()
+            * 1000
+            / hw.flops_per_s
+            * 1e6,
+            xfer_us_per_token=kv_total / hw.bytes_per_s * 1e6,
+            pull_overhead_us=hw.pull_overhead_us,
+            kv_bytes_per_token=kv_total,
+            source="hardware",
+            notes=tuple(notes),
+        )
+
+    def recompute_us(self, new_tokens: float, context_tokens: float = 0.0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        avg_ctx = context_tokens + new_tokens / 2
+        return new_tokens * (
+            self.recompute_us_per_token + self.recompute_us_per_token_ctx * avg_ctx / 1000
+        )
+
+    def pull_us(self, tokens: float) -> float:
+        return 0.0 if tokens <= 0 else self.pull_overhead_us + tokens * self.xfer_us_per_token
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
+
+
+def break_even_tokens(cost: CostModel, context_tokens: float = 0.0) -> float:
+    """Smallest real ``n`` with recompute(n, context) ≥ pull(n); ``inf`` if never."""
+    q = cost.recompute_us_per_token_ctx / 2000
+    lin = (
+        cost.recompute_us_per_token
+        + cost.recompute_us_per_token_ctx * context_tokens / 1000
+        - cost.xfer_us_per_token
+    )
+    o = cost.pull_overhead_us
+    if q == 0:
+        if lin <= 0:
+            return math.inf
+        return o / lin
+    # q n² + lin n − o = 0, positive root
+    return (-lin + math.sqrt(lin * lin + 4 * q * o)) / (2 * q)
+
+
+def recommend_threshold(cost: CostModel, block_size: int = 16) -> tuple[int | None, str]:
+    """A ``kv_recompute_threshold`` and the reasoning. ``None`` = leave the feature off."""
+    n = break_even_tokens(cost)
+    if math.isinf(n):
+        return None, (
+            "pulling never pays: per-token transfer "
+            f"({cost.xfer_us_per_token:.2f} µs) is not cheaper than recompute — keep "
+            "bidirectional_kv_xfer off, or raise network efficiency"
+        )
+    exact = max(1, math.ceil(n))
+    rounded = -(-exact // block_size) * block_size
+    why = (
+        f"pull pays from {n:.1f} tokens: a pull costs {cost.pull_overhead_us:.0f} µs fixed + "
+        f"{cost.xfer_us_per_token:.3f} µs/token, recompute costs "
+        f"{cost.recompute_us_per_token:.3f} µs/token (+{cost.recompute_us_per_token_ctx:.3f} "
+        f"µs/token per 1k context) — break-even at context 0 (the cheapest recompute), "
+        f"rounded up to a whole block of {block_size}; vLLM's default is "
+        f"{DEFAULT_RECOMPUTE_THRESHOLD}"
+    )
+    return rounded, why
+
+
+@dataclass(frozen=True)
+class TtftRow:
+    prompt_tokens: int
+    history_tokens: int
+    off_ms: float
+    on_ms: float
+    saving_ms: float
+    ratio: float
+    pulls: bool
+
+
+def ttft_rows(
+    cost: CostModel,
+    prompt_lengths: Sequence[int],
+    new_tokens: int,
+    threshold: int,
+    fixed_us: float = 0.0,
+) -> list[TtftRow]:
+    """Predicted TTFT per prompt length with P's prefix cache off (the blog's setting).
+
+    OFF recomputes the whole prompt; ON pulls the history (if it clears the
+    threshold) and computes the ``new_tokens`` tail. ``fixed_us`` (D's tail read
+    and first decode step, HTTP) is added to both.
+    """
+    rows = []
+    for length in prompt_lengths:
+        if length <= 0:
+            raise PlanError(f"prompt length must be > 0, got {length}")
+        history = max(0, length - new_tokens)
+        off = cost.recompute_us(length) + fixed_us
+        pulls = history > 0 and history >= threshold
+        if pulls:
+            on = cost.pull_us(history) + cost.recompute_us(length - history, history) + fixed_us
+        else:
+            on = off
+        rows.append(
+            TtftRow(
+                prompt_tokens=length,
+                history_tokens=history,
+                off_ms=off / 1e3,
+                on_ms=on / 1e3,
+                saving_ms=(off - on) / 1e3,
+                ratio=off / on if on > 0 else math.inf,
+                pulls=pulls,
+            )
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Conversation traffic seen by one D instance."""
+
+    conversations_per_s: float
+    turns: int
+    first_prompt_tokens: int
+    tokens_per_turn: int  # user input + answer added per turn
+    output_tokens: int
+    gap: Distribution
+
+    def __post_init__(self) -> None:
+        if self.conversations_per_s <= 0:
+            raise PlanError("conversation rate must be > 0")
+        if self.turns < 1:
+            raise PlanError("turns must be >= 1")
+
+    def held_tokens(self, turn: int) -> int:
+        """Tokens D retains after 1-based ``turn``: prompt + answer − 1 (protocol.md §3.6)."""
+        return self.first_prompt_tokens + (turn - 1) * self.tokens_per_turn + self.output_tokens - 1
+
+
+@dataclass(frozen=True)
+class TtlRow:
+    ttl_s: float
+    miss_fraction: float  # P(gap > TTL − decline margin): the next turn recomputes
+    held_tokens: float
+    held_gib: float
+    held_gib_per_gpu: float
+
+
+def ttl_rows(cost: CostModel, work: Workload, ttls: Sequence[float], gpus: int = 8) -> list[TtlRow]:
+    rows = []
+    for ttl in ttls:
+        if ttl <= 0:
+            raise PlanError(f"TTL must be > 0, got {ttl}")
+        usable = max(0.0, ttl - DECLINE_MARGIN_S)
+        miss = 1.0 - work.gap.cdf(usable) if work.turns > 1 else 0.0
+        mean_hold = work.gap.mean_truncated(ttl)
+        tokens_s = sum(work.held_tokens(t) for t in range(1, work.turns)) * mean_hold
+        tokens_s += work.held_tokens(work.turns) * ttl
+        held = work.conversations_per_s * tokens_s
+        gib = held * cost.kv_bytes_per_token / 2**30
+        rows.append(TtlRow(ttl, miss, held, gib, gib / gpus))
+    return rows
+
+
+def recommend_ttl(
+    rows: Sequence[TtlRow], miss_target: float, kv_budget_gib: float | None = None
+) -> tuple[TtlRow, str]:
+    """Smallest TTL meeting the miss target within the memory budget, with the reason."""
+    ordered = sorted(rows, key=lambda r: r.ttl_s)
+    if not ordered:
+        raise PlanError("no TTL candidates")
+    fits = [r for r in ordered if kv_budget_gib is None or r.held_gib <= kv_budget_gib]
+    meeting = [r for r in fits if r.miss_fraction <= miss_target]
+    if meeting:
+        best = meeting[0]
+        why = (
+            f"the smallest TTL whose expiry miss rate ({best.miss_fraction:.1%}) meets the "
+            f"target {miss_target:.0%}; longer TTLs hold more memory for little gain"
+        )
+    elif fits:
+        best = fits[-1]
+        why = (
+            f"no TTL within the memory budget meets the miss target {miss_target:.0%}; the "
+            f"largest one that fits misses {best.miss_fraction:.1%} of follow-up turns"
+        )
+    else:
+        best = ordered[0]
+        why = "even the smallest TTL exceeds the KV memory budget; add D capacity"
+    why += (
+        f". Keep the router's cache TTL below it (the upstream proxy uses 450 s under "
+        f"vLLM's default {DEFAULT_DECODER_KV_BLOCKS_TTL:g} s) and remember P declines reads "
+        f"within {DECLINE_MARGIN_S:g} s of expiry"
+    )
+    return best, why
+
+
+ALLREDUCE_US = 10.0  # one small tensor-parallel all-reduce inside a node (NVLink)
+HBM_EFFICIENCY = 0.7  # achieved fraction of HBM bandwidth when streaming weights
+
+
+def profile_fields(
+    shape: ModelShape, hw: Hardware, weight_bytes_per_param: float = 2.0, **extra: Any
+) -> dict[str, Any]:
+    """CostProfile fields for the emulator, derived like the planner derives its costs.
+
+    Decode (batch 1) streams the active weights once per step from HBM and does two
+    TP all-reduces per layer.
+    """
+    cost = CostModel.from_hardware(shape, hw)
+    weights_bytes = shape.active_params * weight_bytes_per_param / hw.gpus
+    decode_us = weights_bytes / (hw.hbm_gbytes_per_s * 1e9 * HBM_EFFICIENCY) * 1e6
+    decode_us += shape.num_layers * 2 * ALLREDUCE_US
+    out = {
+        "prefill_us_per_token": round(cost.recompute_us_per_token, 3),
+        "prefill_us_per_token_ctx": round(cost.recompute_us_per_token_ctx, 4),
+        "decode_us_per_step": round(decode_us, 1),
+        "kv_bytes_per_token_target": round(cost.kv_bytes_per_token),
+        "transfer_overhead_us": hw.pull_overhead_us,
+        "transfer_gbytes_per_s": round(hw.bytes_per_s / 1e9, 3),
+    }
+    out.update(extra)
+    return out
