@@ -23,6 +23,15 @@ __all__ = ["ConfigError", "KVTransferConfig", "LoadFailurePolicy"]
 LoadFailurePolicy = Literal["fail", "recompute"]
 _CONNECTORS = ("NixlConnector",)
 _ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# extra-config keys with a typed attribute; ``KVTransferConfig.extra`` keeps only the others
+_TYPED_EXTRA = (
+    "bidirectional_kv_xfer",
+    "kv_recompute_threshold",
+    "decoder_kv_blocks_ttl",
+    "kv_lease_duration",
+    "backends",
+    "enforce_handshake_compat",
+)
 
 
 class ConfigError(ValueError):
@@ -64,6 +73,7 @@ class KVTransferConfig:
     kv_lease_duration: int = DEFAULT_KV_LEASE_DURATION
     backends: tuple[str, ...] = ("UCX",)
     enforce_handshake_compat: bool = True
+    # unknown kv_connector_extra_config keys, kept verbatim so to_json() round-trips
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -130,7 +140,7 @@ class KVTransferConfig:
             kv_lease_duration=lease,
             backends=tuple(backends),
             enforce_handshake_compat=_get(extra, "enforce_handshake_compat", bool, True),
-            extra=dict(extra),
+            extra={k: v for k, v in extra.items() if k not in _TYPED_EXTRA},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,6 +151,7 @@ class KVTransferConfig:
             decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
             kv_lease_duration=self.kv_lease_duration,
             backends=list(self.backends),
+            enforce_handshake_compat=self.enforce_handshake_compat,
         )
         return {
             "kv_connector": self.kv_connector,
