@@ -1,0 +1,298 @@
+"""``bidir-kv plan``: break-even threshold, TTFT saving per prompt length, TTL memory.
+
+The cost model comes from a Hugging Face ``config.json`` plus hardware figures
+(defaults: p5en.48xlarge), from a ``bench`` result (``--calibration DIR``), or
+from explicit per-token figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bidir_kv.bench.distributions import Distribution, DistributionError
+from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
+from bidir_kv.bench.plan import (
+    CostModel,
+    Hardware,
+    PlanError,
+    Workload,
+    break_even_tokens,
+    recommend_threshold,
+    recommend_ttl,
+    ttft_rows,
+    ttl_rows,
+)
+from bidir_kv.bench.results import ResultError
+
+__all__ = ["build_parser", "main", "run_plan"]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(float(x)) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+
+
+def _dist(text: str) -> Distribution:
+    try:
+        return Distribution.parse(text)
+    except DistributionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    hw = Hardware()
+    ap = argparse.ArgumentParser(
+        prog="bidir-kv plan",
+        description="Plan kv_recompute_threshold and decoder_kv_blocks_ttl for a model/network.",
+    )
+    src = ap.add_argument_group("cost model (one of)")
+    src.add_argument("--config", type=Path, help="Hugging Face config.json of the model")
+    src.add_argument("--calibration", type=Path, metavar="DIR", help="a bench result directory")
+    src.add_argument("--recompute-us-per-token", type=float, help="explicit recompute cost")
+    src.add_argument("--xfer-us-per-token", type=float, help="explicit pull cost per token")
+    src.add_argument("--kv-bytes-per-token", type=float, help="KV bytes per token (whole TP group)")
+    h = ap.add_argument_group("hardware (with --config)")
+    h.add_argument("--tp", type=int, default=hw.gpus, help="tensor-parallel size (default 8)")
+    h.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=hw.peak_tflops_per_gpu,
+        help="per-GPU dense peak (default 989, H200 BF16; 1979 for FP8)",
+    )
+    h.add_argument("--mfu", type=float, default=hw.mfu, help="achieved fraction in prefill")
+    h.add_argument(
+        "--network-gbps",
+        type=float,
+        default=hw.network_gbits_per_s,
+        help="network line rate per instance in Gb/s (default 3200, EFA on p5en)",
+    )
+    h.add_argument("--network-efficiency", type=float, default=hw.network_efficiency)
+    h.add_argument(
+        "--pull-overhead-us",
+        type=float,
+        default=None,
+        help=f"fixed cost per pull (default {hw.pull_overhead_us:g}; "
+        "with --calibration: the fitted value)",
+    )
+    h.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the config's)")
+    w = ap.add_argument_group("workload")
+    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument(
+        "--prompt-lengths", type=_ints, default=[2000, 4000, 8000, 12000, 16000, 20000, 24000]
+    )
+    w.add_argument("--new-tokens", type=int, default=150, help="new tokens per turn P computes")
+    w.add_argument(
+        "--fixed-ms",
+        type=float,
+        default=0.0,
+        help="TTFT part common to both legs (D's tail read, first decode step)",
+    )
+    w.add_argument(
+        "--threshold",
+        type=int,
+        default=None,
+        help="evaluate this kv_recompute_threshold (default: the recommended one)",
+    )
+    w.add_argument(
+        "--conversation-rate",
+        type=float,
+        default=0.1,
+        help="new conversations per second per D instance",
+    )
+    w.add_argument("--turns", type=int, default=10)
+    w.add_argument("--first-prompt-tokens", type=int, default=2150)
+    w.add_argument("--output-tokens", type=int, default=300)
+    w.add_argument(
+        "--tokens-per-turn",
+        type=int,
+        default=450,
+        help="tokens a turn adds to the history (input + output)",
+    )
+    w.add_argument(
+        "--turn-gap",
+        type=_dist,
+        default=Distribution("exp", (60.0,)),
+        help="gap between turns: const:S, uniform:A,B, exp:MEAN, lognormal:MEDIAN,SIGMA",
+    )
+    w.add_argument("--ttls", type=_floats, default=[30, 60, 120, 240, 480, 960, 1800])
+    w.add_argument(
+        "--miss-target",
+        type=float,
+        default=0.05,
+        help="acceptable fraction of follow-up turns that find D's blocks expired",
+    )
+    w.add_argument(
+        "--kv-budget-gib",
+        type=float,
+        default=None,
+        help="KV memory one D instance may spend on retained blocks",
+    )
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    chosen = [
+        args.config is not None,
+        args.calibration is not None,
+        args.recompute_us_per_token is not None,
+    ]
+    if sum(chosen) != 1:
+        raise PlanError(
+            "give exactly one cost source: --config, --calibration or --recompute-us-per-token"
+        )
+    if args.config is not None:
+        shape = model_shape(load_model_config(args.config), args.kv_dtype)
+        hw = Hardware(
+            gpus=args.tp,
+            peak_tflops_per_gpu=args.peak_tflops,
+            mfu=args.mfu,
+            network_gbits_per_s=args.network_gbps,
+            network_efficiency=args.network_efficiency,
+            pull_overhead_us=(
+                args.pull_overhead_us
+                if args.pull_overhead_us is not None
+                else Hardware().pull_overhead_us
+            ),
+        )
+        return CostModel.from_hardware(shape, hw)
+    if args.calibration is not None:
+        from bidir_kv.bench.calibrate import calibrate
+        from bidir_kv.bench.results import load_result
+
+        cost = calibrate(load_result(args.calibration), args.kv_bytes_per_token)
+        if args.pull_overhead_us is not None:
+            cost = CostModel(
+                **{**cost.to_dict(), "pull_overhead_us": args.pull_overhead_us, "notes": cost.notes}
+            )
+        return cost
+    if args.xfer_us_per_token is None or args.kv_bytes_per_token is None:
+        raise PlanError(
+            "--recompute-us-per-token needs --xfer-us-per-token and --kv-bytes-per-token"
+        )
+    return CostModel(
+        recompute_us_per_token=args.recompute_us_per_token,
+        recompute_us_per_token_ctx=0.0,
+        xfer_us_per_token=args.xfer_us_per_token,
+        pull_overhead_us=(
+            args.pull_overhead_us
+            if args.pull_overhead_us is not None
+            else Hardware().pull_overhead_us
+        ),
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        source="explicit",
+    )
+
+
+def run_plan(args: argparse.Namespace) -> dict[str, Any]:
+    cost = _cost_model(args)
+    threshold, t_why = recommend_threshold(cost, args.block_size)
+    used = args.threshold if args.threshold is not None else (threshold or 2**31 - 1)
+    ttft = ttft_rows(cost, args.prompt_lengths, args.new_tokens, used, args.fixed_ms * 1e3)
+    work = Workload(
+        conversations_per_s=args.conversation_rate,
+        turns=args.turns,
+        first_prompt_tokens=args.first_prompt_tokens,
+        tokens_per_turn=args.tokens_per_turn,
+        output_tokens=args.output_tokens,
+        gap=args.turn_gap,
+    )
+    ttl = ttl_rows(cost, work, args.ttls, gpus=args.tp)
+    best, ttl_why = recommend_ttl(ttl, args.miss_target, args.kv_budget_gib)
+    return {
+        "cost_model": cost.to_dict(),
+        "break_even_tokens": break_even_tokens(cost),
+        "recommended_threshold": threshold,
+        "threshold_reason": t_why,
+        "evaluated_threshold": used,
+        "ttft": [r.__dict__ for r in ttft],
+        "ttl": [r.__dict__ for r in ttl],
+        "recommended_ttl_s": best.ttl_s,
+        "ttl_reason": ttl_why,
+        "workload": {
+            "conversations_per_s": work.conversations_per_s,
+            "turns": work.turns,
+            "turn_gap": str(work.gap),
+            "mean_gap_s": work.gap.mean(),
+        },
+    }
+
+
+def render_text(plan: dict[str, Any]) -> str:
+    c = plan["cost_model"]
+    lines = [f"Cost model ({c['source']}):"]
+    lines += [f"  {n}" for n in c["notes"]]
+    lines += [
+        f"  recompute {c['recompute_us_per_token']:.3f} µs/token "
+        f"(+{c['recompute_us_per_token_ctx']:.4f} µs/token per 1k context); pull "
+        f"{c['pull_overhead_us']:.0f} µs + {c['xfer_us_per_token']:.4f} µs/token; "
+        f"KV {c['kv_bytes_per_token']:,.0f} B/token",
+        "",
+        "Break-even kv_recompute_threshold:",
+    ]
+    be = plan["break_even_tokens"]
+    lines.append(f"  break-even at {be:.1f} tokens" if math.isfinite(be) else "  never")
+    lines.append(f"  recommended: {plan['recommended_threshold']}  — {plan['threshold_reason']}")
+    lines += [
+        "",
+        f"TTFT with P's prefix cache off (threshold {plan['evaluated_threshold']}):",
+        f"  {'prompt':>7} {'history':>8} {'OFF ms':>9} {'ON ms':>9} {'saving ms':>10} "
+        f"{'OFF/ON':>7}",
+    ]
+    for r in plan["ttft"]:
+        lines.append(
+            f"  {r['prompt_tokens']:>7} {r['history_tokens']:>8} {r['off_ms']:>9.1f} "
+            f"{r['on_ms']:>9.1f} {r['saving_ms']:>10.1f} {r['ratio']:>6.2f}×"
+            + ("" if r["pulls"] else "  (below threshold: recompute)")
+        )
+    wl = plan["workload"]
+    lines += [
+        "",
+        f"decoder_kv_blocks_ttl: {wl['conversations_per_s']:g} conversations/s per D, "
+        f"{wl['turns']} turns, gap {wl['turn_gap']} (mean {wl['mean_gap_s']:.1f} s):",
+        f"  {'TTL s':>7} {'expired':>8} {'held tokens':>12} {'held GiB':>9} {'GiB/GPU':>8}",
+    ]
+    for r in plan["ttl"]:
+        lines.append(
+            f"  {r['ttl_s']:>7g} {r['miss_fraction']:>8.1%} {r['held_tokens']:>12,.0f} "
+            f"{r['held_gib']:>9.2f} {r['held_gib_per_gpu']:>8.2f}"
+        )
+    lines += [
+        f"  recommended TTL: {plan['recommended_ttl_s']:g} s — {plan['ttl_reason']}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        plan = run_plan(args)
+    except (PlanError, ModelConfigError, ResultError, DistributionError) as exc:
+        print(f"bidir-kv plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan, indent=1, default=str))
+    else:
+        print(render_text(plan))
+    return 0
