@@ -1,0 +1,219 @@
+"""Worker side of the emulated NixlConnector: peers, claims, READs, notifications.
+
+The scheduler (``scheduler.py``) decides *what* to move; this module moves it
+through a :class:`~bidir_kv.engine.transport.base.KVAgent` and the side channel,
+applies transfer faults and pads durations to the cost profile. It never makes a
+protocol decision.
+
+Claims (our addition, docs/engine.md): before a READ the reader asks the owner,
+over the owner's HTTP port, to claim the handle ``remote_request_id`` for the
+blocks it will read. The owner grants a claim once, and only while it still holds
+those blocks, so a second read of a released or already-read handle fails instead
+of silently returning reused blocks (spec §15.5). The owner's HTTP port travels in
+an envelope around the agent metadata of the side-channel handshake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from bidir_kv.engine.faults import Faults
+from bidir_kv.engine.transport.base import KVAgent, NotificationHandler, ReadResult, TransportError
+from bidir_kv.engine.transport.sidechannel import (
+    EngineMetadata,
+    PeerInfo,
+    SideChannelServer,
+    handshake,
+)
+
+__all__ = ["ConnectorWorker", "Peer"]
+
+logger = logging.getLogger("bidir_kv.engine")
+_ENVELOPE = "bidir-kv-engine/1"
+
+
+@dataclass
+class Peer:
+    """A handshaken remote engine."""
+
+    info: PeerInfo
+    agent_name: str
+    http_port: int
+
+    @property
+    def engine_id(self) -> str:
+        return self.info.engine_id
+
+    @property
+    def offset(self) -> float:
+        return self.info.offset
+
+
+class ConnectorWorker:
+    """KV movement for one engine."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        agent: KVAgent,
+        side_host: str,
+        side_port: int,
+        block_size: int,
+        compat_hash: str,
+        enforce_compat: bool,
+        faults: Faults,
+        clock: Callable[[], float] = time.perf_counter,
+        transfer_floor: Callable[[int], float] | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.agent = agent
+        self.side_host = side_host
+        self.side_port = side_port
+        self.block_size = block_size
+        self.compat_hash = compat_hash
+        self.enforce_compat = enforce_compat
+        self.faults = faults
+        self.clock = clock
+        self.transfer_floor = transfer_floor
+        self.http_port = 0
+        self._side: SideChannelServer | None = None
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._session: Any = None  # aiohttp.ClientSession, created lazily
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    async def start(self, on_notification: NotificationHandler, http_port: int) -> None:
+        self.http_port = http_port
+        await self.agent.start(on_notification)
+        self._side = SideChannelServer(
+            self.side_host, self.side_port, self.local_metadata, clock=self.clock
+        )
+        await self._side.start()
+        self.side_port = self._side.port
+
+    async def close(self) -> None:
+        if self._side is not None:
+            await self._side.close()
+            self._side = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        await self.agent.close()
+
+    def local_metadata(self) -> EngineMetadata:
+        envelope = msgpack.packb(
+            {"envelope": _ENVELOPE, "agent": self.agent.metadata(), "http_port": self.http_port},
+            use_bin_type=True,
+        )
+        return EngineMetadata(
+            engine_id=self.engine_id,
+            compat_hash=self.compat_hash,
+            backend=self.agent.backend,
+            agent_metadata=envelope,
+            block_size=self.block_size,
+            block_nbytes=self.agent.pool.block_nbytes,
+            num_blocks=self.agent.pool.num_blocks,
+        )
+
+    # ---- peers ---------------------------------------------------------------------
+
+    async def peer(self, host: str, port: int, engine_id: str | None) -> Peer:
+        """Handshake once per (host, port); re-handshake if the engine id changed."""
+        key = (host, port)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            known = self._peers.get(key)
+            if known is not None and (engine_id is None or known.engine_id == engine_id):
+                return known
+            info = await handshake(
+                host,
+                port,
+                local_hash=self.compat_hash,
+                enforce_compat=self.enforce_compat,
+                expected_engine_id=engine_id,
+                backend=self.agent.backend,
+                clock=self.clock,
+            )
+            if info.meta.block_size != self.block_size:
+                raise TransportError(
+                    f"engine {info.engine_id} uses block size {info.meta.block_size}, "
+                    f"we use {self.block_size}"
+                )
+            try:
+                env = msgpack.unpackb(info.meta.agent_metadata, raw=False)
+            except (ValueError, msgpack.UnpackException) as exc:
+                raise TransportError(f"peer metadata envelope is malformed: {exc}") from None
+            if not isinstance(env, dict) or env.get("envelope") != _ENVELOPE:
+                raise TransportError(
+                    f"engine {info.engine_id} is not a bidir-kv engine (no metadata envelope)"
+                )
+            name = await self.agent.add_peer(env["agent"])
+            peer = Peer(info=info, agent_name=name, http_port=int(env["http_port"]))
+            self._peers[key] = peer
+            return peer
+
+    # ---- claims --------------------------------------------------------------------
+
+    async def claim(self, peer: Peer, request_id: str, blocks: Sequence[int]) -> None:
+        """Ask the owner for single-use access to ``blocks`` of ``request_id``."""
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        host = peer.info.host
+        url = f"http://{host}:{peer.http_port}/_emulator/claim"
+        body = {"request_id": request_id, "blocks": list(blocks), "reader": self.engine_id}
+        try:
+            async with self._session.post(url, json=body) as resp:
+                answer = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise TransportError(f"claim of {request_id} at {url} failed: {exc}") from None
+        if resp.status != 200:
+            reason = answer.get("error") if isinstance(answer, dict) else answer
+            raise TransportError(f"engine {peer.engine_id} refused to serve {request_id}: {reason}")
+
+    # ---- transfers -----------------------------------------------------------------
+
+    async def read(
+        self,
+        peer: Peer,
+        local: Sequence[int],
+        remote: Sequence[int],
+        notification: str,
+        tokens: int,
+    ) -> ReadResult:
+        """One READ with faults applied and the duration padded to the profile."""
+        start = time.perf_counter()
+        if self.faults.roll(self.faults.fail_transfers):
+            raise TransportError("injected transfer failure (fault fail_transfers)")
+        if self.faults.roll(self.faults.delay_transfers) and self.faults.delay_seconds > 0:
+            await asyncio.sleep(self.faults.delay_seconds)
+        res = await self.agent.read(peer.agent_name, local, remote, notification.encode())
+        if self.transfer_floor is not None:
+            floor = self.transfer_floor(tokens)
+            elapsed = time.perf_counter() - start
+            if floor > elapsed:
+                await asyncio.sleep(floor - elapsed)
+                res = ReadResult(res.bytes, res.descriptors, res.post_time, floor)
+        return res
+
+    async def notify(self, peer: Peer, message: str) -> None:
+        await self.agent.notify(peer.agent_name, message.encode())
+
+    async def heartbeat_loop(self, peer: Peer, request_ids: Sequence[str], interval: float) -> None:
+        """Send ``HB:<ids>`` every ``interval`` s until cancelled (D keeping P's lease)."""
+        msg = "HB:" + ",".join(request_ids)
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(TransportError):
+                await self.notify(peer, msg)

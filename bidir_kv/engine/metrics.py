@@ -1,0 +1,195 @@
+"""Prometheus metrics and the ``KV Transfer metrics:`` log line, with vLLM's names.
+
+One registry per engine (not the process-global default), so an in-process test
+can run two engines side by side. Telemetry of a READ is recorded by the side that
+initiates it, as in vLLM: D->P readbacks show up on P, P->D pulls on D.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from bidir_kv.engine.transport.base import ReadResult
+
+__all__ = ["EngineMetrics", "TransferWindow"]
+
+_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                 5.0, 10.0)  # fmt: skip
+_BYTE_BUCKETS = tuple(float(2**k) for k in range(10, 33, 2))
+_DESC_BUCKETS = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+
+@dataclass
+class TransferWindow:
+    """Reads and failures since the last ``KV Transfer metrics`` line."""
+
+    xfer: list[float] = field(default_factory=list)
+    post: list[float] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    descs: list[int] = field(default_factory=list)
+    failed: int = 0
+    expired: int = 0
+    notifs_after_expiry: int = 0
+
+    def empty(self) -> bool:
+        return not self.xfer and not (self.failed or self.expired or self.notifs_after_expiry)
+
+    def log_line(self) -> str:
+        """vLLM's key order; timing keys are 0 without successful transfers."""
+        n = len(self.xfer)
+        mib = [b / 2**20 for b in self.nbytes]
+        total_time = sum(self.xfer)
+        parts = [
+            ("Num successful transfers", str(n)),
+            ("Avg xfer time (ms)", _fmt(_avg(self.xfer) * 1e3)),
+            ("P90 xfer time (ms)", _fmt(_p90(self.xfer) * 1e3)),
+            ("Avg post time (ms)", _fmt(_avg(self.post) * 1e3)),
+            ("P90 post time (ms)", _fmt(_p90(self.post) * 1e3)),
+            ("Avg MB per transfer", _fmt(_avg(mib))),
+            ("Throughput (MB/s)", _fmt(sum(mib) / total_time if total_time > 0 else 0.0)),
+            ("Avg number of descriptors", _fmt(_avg([float(d) for d in self.descs]))),
+            ("Num failed transfers", str(self.failed)),
+            ("Num KV expired reqs", str(self.expired)),
+            ("Num notifs after expiry", str(self.notifs_after_expiry)),
+        ]
+        return "KV Transfer metrics: " + ", ".join(f"{k}={v}" for k, v in parts)
+
+
+def _avg(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _p90(xs: list[float]) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(0.9 * len(s)) - 1))]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3f}"
+
+
+class EngineMetrics:
+    """Every metric the engine exports; names as vLLM's."""
+
+    def __init__(self, model_name: str, engine_index: str = "0") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = {"model_name": model_name, "engine": engine_index}
+        names = list(self.labels)
+        r = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*names, *extra], registry=r)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
+        self.prompt_tokens_by_source = counter(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from.",
+            ("source",),
+        )
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens queried in the local prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the local prefix cache."
+        )
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "Prompt tokens queried from the KV connector.",
+        )
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits", "Prompt tokens loaded through the KV connector."
+        )
+        self.request_success = counter(
+            "vllm:request_success", "Finished requests.", ("finished_reason",)
+        )
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
+        )
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end latency.", _TTFT_BUCKETS)
+        self.running = Gauge("vllm:num_requests_running", "Running.", names, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Waiting.", names, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV usage (0-1).", names, registry=r)
+        self.xfer_time = hist("vllm:nixl_xfer_time_seconds", "READ duration.", _TIME_BUCKETS)
+        self.post_time = hist("vllm:nixl_post_time_seconds", "READ post time.", _TIME_BUCKETS)
+        self.bytes_transferred = hist(
+            "vllm:nixl_bytes_transferred", "Bytes per READ.", _BYTE_BUCKETS
+        )
+        self.num_descriptors = hist(
+            "vllm:nixl_num_descriptors", "Descriptors per READ.", _DESC_BUCKETS
+        )
+        self.failed_transfers = counter(
+            "vllm:nixl_num_failed_transfers", "Failed READs, handshakes and notifications."
+        )
+        self.failed_notifications = counter(
+            "vllm:nixl_num_failed_notifications", "Failed notifications."
+        )
+        self.kv_expired = counter(
+            "vllm:nixl_num_kv_expired_reqs", "Expired leases/retentions and declined reads."
+        )
+        self.notifs_after_expiry = counter(
+            "vllm:nixl_num_notifications_after_expiry", "Notifications for unknown requests."
+        )
+        # emulator-only: pulled blocks whose bytes differ from what this engine's prompt
+        # implies (a misaligned or stale read that vLLM would import silently)
+        self.kv_mismatch = counter(
+            "bidir_kv:kv_verify_mismatched_blocks", "Pulled blocks with unexpected contents."
+        )
+        self.window = TransferWindow()
+
+    # ---- recording helpers -----------------------------------------------------
+
+    def c(self, metric: Counter, n: float = 1, **labels: str) -> None:
+        if n:
+            metric.labels(**self.labels, **labels).inc(n)
+
+    def by_source(self, local_compute: int, local_cache_hit: int, external: int) -> None:
+        self.c(self.prompt_tokens_by_source, local_compute, source="local_compute")
+        self.c(self.prompt_tokens_by_source, local_cache_hit, source="local_cache_hit")
+        self.c(self.prompt_tokens_by_source, external, source="external_kv_transfer")
+
+    def read_done(self, res: ReadResult) -> None:
+        lab = self.labels
+        self.xfer_time.labels(**lab).observe(res.xfer_time)
+        self.post_time.labels(**lab).observe(res.post_time)
+        self.bytes_transferred.labels(**lab).observe(res.bytes)
+        self.num_descriptors.labels(**lab).observe(res.descriptors)
+        w = self.window
+        w.xfer.append(res.xfer_time)
+        w.post.append(res.post_time)
+        w.nbytes.append(res.bytes)
+        w.descs.append(res.descriptors)
+
+    def transfer_failed(self) -> None:
+        self.c(self.failed_transfers)
+        self.window.failed += 1
+
+    def notification_failed(self) -> None:
+        self.c(self.failed_notifications)
+        self.c(self.failed_transfers)
+        self.window.failed += 1
+
+    def expired(self) -> None:
+        self.c(self.kv_expired)
+        self.window.expired += 1
+
+    def notification_after_expiry(self) -> None:
+        self.c(self.notifs_after_expiry)
+        self.window.notifs_after_expiry += 1
+
+    def take_window(self) -> TransferWindow:
+        w, self.window = self.window, TransferWindow()
+        return w
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,236 @@
+"""The emulated model: a deterministic tokenizer, a ChatML template, KV contents, sampling.
+
+Why this shape: the suites need an engine whose output depends on its KV cache the
+way a real model's does. So KV bytes of every token slot are a pure function of
+(the token prefix up to that slot, layer), and the next token is a digest of the
+KV bytes actually present in the pool. Pulling the wrong blocks (misaligned pairing,
+expired and reused blocks, corrupted transfers) therefore changes the output, while
+a correct disaggregated run reproduces a single engine token for token.
+
+Tokenizer: ids 0-4 are the specials of the tiny model in cpu-vllm.md §4.1
+(``<|pad|> <|bos|> <|eos|> <|im_start|> <|im_end|>``), ids 5-260 are raw bytes and
+ids 261.. are pseudo-words (``" " + word``). Generation samples only pseudo-words (and
+EOS), so detokenized output re-tokenizes to the same ids and multi-turn text prompts
+stay token-exact continuations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "BOS",
+    "BYTE_BASE",
+    "EOS",
+    "IM_END",
+    "IM_START",
+    "PAD",
+    "SPECIALS",
+    "VOCAB_SIZE",
+    "WORDS",
+    "WORD_BASE",
+    "ChatTemplateError",
+    "KVContent",
+    "Tokenizer",
+    "next_token",
+    "render_chat",
+]
+
+PAD, BOS, EOS, IM_START, IM_END = 0, 1, 2, 3, 4
+SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
+BYTE_BASE = 5
+WORD_BASE = BYTE_BASE + 256
+VOCAB_SIZE = 1024
+
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "pa", "de", "zu", "fe",
+              "go", "bi", "lu", "so")  # fmt: skip
+
+
+def _make_words(n: int) -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    for a in _SYLLABLES:
+        seen.setdefault(a)
+    for a in _SYLLABLES:
+        for b in _SYLLABLES:
+            seen.setdefault(a + b)
+    for a in _SYLLABLES:
+        for b in _SYLLABLES:
+            for c in _SYLLABLES:
+                if len(seen) >= n:
+                    return tuple(seen)
+                seen.setdefault(a + b + c)
+    return tuple(seen)[:n]
+
+
+WORDS: tuple[str, ...] = _make_words(VOCAB_SIZE - WORD_BASE)
+_WORD_ID = {w: WORD_BASE + i for i, w in enumerate(WORDS)}
+_SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIALS))
+_PIECE_RE = re.compile(r" [a-z]+|[^ ]+| ")
+
+
+class ChatTemplateError(ValueError):
+    """A ``messages`` list the template cannot render; the message names the problem."""
+
+
+class Tokenizer:
+    """Deterministic byte/pseudo-word tokenizer (no files, no training)."""
+
+    vocab_size = VOCAB_SIZE
+    bos_token_id = BOS
+    eos_token_id = EOS
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings map to their ids."""
+        out: list[int] = [BOS] if add_special_tokens else []
+        pos = 0
+        for m in _SPECIAL_RE.finditer(text):
+            self._encode_plain(text[pos : m.start()], out)
+            out.append(SPECIALS.index(m.group()))
+            pos = m.end()
+        self._encode_plain(text[pos:], out)
+        return out
+
+    @staticmethod
+    def _encode_plain(text: str, out: list[int]) -> None:
+        for piece in _PIECE_RE.findall(text):
+            wid = _WORD_ID.get(piece[1:]) if piece[0] == " " and len(piece) > 1 else None
+            if wid is not None:
+                out.append(wid)
+            else:
+                out.extend(BYTE_BASE + b for b in piece.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        buf = bytearray()
+        for t in ids:
+            if t < BYTE_BASE:
+                if not skip_special_tokens and t >= 0:
+                    buf += SPECIALS[t].encode()
+            elif t < WORD_BASE:
+                buf.append(t - BYTE_BASE)
+            elif t < VOCAB_SIZE:
+                buf += b" " + WORDS[t - WORD_BASE].encode()
+            else:
+                raise ValueError(f"token id {t} is outside the vocabulary (size {VOCAB_SIZE})")
+        return buf.decode("utf-8", errors="replace")
+
+    def check_ids(self, ids: Sequence[Any]) -> list[int]:
+        """Validate a token-id prompt; raise naming the first bad id."""
+        out = []
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < VOCAB_SIZE:
+                raise ValueError(
+                    f"prompt token {i} is {t!r}; token ids must be ints in [0, {VOCAB_SIZE})"
+                )
+            out.append(t)
+        return out
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise ChatTemplateError(
+                    f"messages[{index}].content: only text parts are supported, got {part!r}"
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise ChatTemplateError(f"messages[{index}].content must be a string or a list of parts")
+
+
+def render_chat(messages: Any, add_generation_prompt: bool = True) -> str:
+    """ChatML-style template of the tiny model (cpu-vllm.md §4.1)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
+            raise ChatTemplateError(f"messages[{i}] must be an object with a string 'role'")
+        out.append(f"<|im_start|>{msg['role']}\n{_content_text(msg.get('content'), i)}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+# ---- KV contents -------------------------------------------------------------
+
+_M64 = (1 << 64) - 1
+_P = 0x9E3779B97F4A7C15  # odd, hence invertible mod 2**64
+_PINV = pow(_P, -1, 1 << 64)
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer, vectorised (uint64 wraps)."""
+    z = z ^ (z >> np.uint64(30))
+    z = z * np.uint64(0xBF58476D1CE4E5B9)
+    z = z ^ (z >> np.uint64(27))
+    z = z * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class KVContent:
+    """KV bytes of token slots, a pure function of (token prefix, layer).
+
+    The prefix hash ``h_i = sum_j (t_j + 1) * P**(i-j) mod 2**64`` is computed
+    vectorised from the previous slot's hash, so a 24k-token prefill costs a few
+    numpy passes.
+    """
+
+    def __init__(self, num_layers: int, bytes_per_layer_slot: int) -> None:
+        if num_layers <= 0 or bytes_per_layer_slot <= 0:
+            raise ValueError("num_layers and bytes_per_layer_slot must be positive")
+        self.num_layers = num_layers
+        self.per = bytes_per_layer_slot
+        self._words = -(-bytes_per_layer_slot // 8)
+        self._pow = np.ones(1, dtype=np.uint64)
+        self._inv = np.ones(1, dtype=np.uint64)
+        self._layer_salt = _mix64(np.arange(1, num_layers + 1, dtype=np.uint64) * _GOLD)
+        self._word_salt = np.arange(1, self._words + 1, dtype=np.uint64) * _GOLD
+
+    def _powers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self._pow) < n + 1:
+            size = max(n + 1, 2 * len(self._pow))
+            p = np.full(size, _P, dtype=np.uint64)
+            p[0] = 1
+            q = np.full(size, _PINV, dtype=np.uint64)
+            q[0] = 1
+            self._pow = np.cumprod(p, dtype=np.uint64)
+            self._inv = np.cumprod(q, dtype=np.uint64)
+        return self._pow, self._inv
+
+    def prefix_hashes(self, tokens: Sequence[int], prev_hash: int) -> np.ndarray:
+        """Hashes of the slots holding ``tokens``, given the hash of the slot before."""
+        n = len(tokens)
+        if n == 0:
+            return np.zeros(0, dtype=np.uint64)
+        pw, inv = self._powers(n)
+        u = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
+        acc = np.cumsum(u * inv[:n], dtype=np.uint64)
+        return pw[:n] * acc + np.uint64(prev_hash & _M64) * pw[1 : n + 1]
+
+    def slots(self, hashes: np.ndarray) -> np.ndarray:
+        """Slot bytes, shape ``(n, num_layers, per)`` uint8."""
+        seeds = _mix64(hashes[:, None] ^ self._layer_salt[None, :])
+        words = _mix64(seeds[:, :, None] + self._word_salt[None, None, :])
+        raw = words.view(np.uint8).reshape(len(hashes), self.num_layers, self._words * 8)
+        return raw[:, :, : self.per]
+
+
+def next_token(seq_digest: bytes, last_token: int, allow_eos: bool) -> int:
+    """Greedy next token from a digest of the sequence's KV contents."""
+    d = hashlib.blake2b(seq_digest, digest_size=8)
+    d.update(last_token.to_bytes(4, "little"))
+    v = int.from_bytes(d.digest(), "little")
+    if allow_eos and v % 97 == 0:
+        return EOS
+    return WORD_BASE + (v >> 8) % len(WORDS)

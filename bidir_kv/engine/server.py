@@ -1,0 +1,329 @@
+"""HTTP routes of the emulated engine (aiohttp): OpenAI API, /tokenize, /metrics, admin.
+
+``kv_transfer_params`` placement follows vLLM 0.33: top level of the non-streaming
+body, top level of the terminal SSE chunk (chat chunks carry ``null`` otherwise).
+With ``--emulate-vllm 0.32`` streams carry no params at all (spec §14).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from aiohttp import web
+
+from bidir_kv.engine.api import ApiError, ParsedRequest, error_body, now_s, parse_request, usage
+from bidir_kv.engine.faults import FaultError, Faults
+from bidir_kv.engine.model import ChatTemplateError, Tokenizer, render_chat
+from bidir_kv.engine.scheduler import EngineCore, Request, RequestError
+
+__all__ = ["Routes", "build_app"]
+
+logger = logging.getLogger("bidir_kv.engine")
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _json_error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response(error_body(status, message, kind), status=status)
+
+
+def _internal_error() -> web.Response:
+    return _json_error(500, "Internal server error", "InternalServerError")
+
+
+class Routes:
+    def __init__(
+        self,
+        core: EngineCore,
+        tokenizer: Tokenizer,
+        served_names: list[str],
+        model: str,
+        faults: Faults,
+    ) -> None:
+        self.core = core
+        self.tok = tokenizer
+        self.names = served_names
+        self.model = model
+        self.faults = faults
+        self.ready = False  # /health answers 503 until the transport and scheduler run
+
+    # ---- plain endpoints -------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.ready else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": now_s(),
+                "owned_by": "vllm",
+                "root": self.model,
+                "parent": None,
+                "max_model_len": self.core.opts.max_model_len,
+            }
+            for name in self.names
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self.core.metrics.render()
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            if "messages" in body:
+                text = render_chat(
+                    body["messages"],
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                )
+                tokens = self.tok.encode(text, bool(body.get("add_special_tokens", False)))
+            elif isinstance(body.get("prompt"), str):
+                tokens = self.tok.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
+            else:
+                return _json_error(400, "/tokenize needs 'prompt' (string) or 'messages'",
+                                   "BadRequestError")  # fmt: skip
+        except ChatTemplateError as exc:
+            return _json_error(400, str(exc), "BadRequestError")
+        return web.json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self.core.opts.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            ids = self.tok.check_ids(body.get("tokens") or [])
+        except ValueError as exc:
+            return _json_error(400, str(exc), "BadRequestError")
+        return web.json_response({"prompt": self.tok.decode(ids)})
+
+    # ---- admin -----------------------------------------------------------------------
+
+    async def faults_get(self, request: web.Request) -> web.Response:
+        return web.json_response(self.faults.to_dict())
+
+    async def faults_post(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            self.faults.update(body)
+        except FaultError as exc:
+            return _json_error(400, str(exc), "BadRequestError")
+        logger.info("faults set: %s", self.faults.to_dict())
+        return web.json_response(self.faults.to_dict())
+
+    async def claim(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        rid, blocks = body.get("request_id"), body.get("blocks")
+        if not isinstance(rid, str) or not isinstance(blocks, list):
+            return _json_error(400, "claim needs 'request_id' and 'blocks'", "BadRequestError")
+        refusal = self.core.claim(rid, [int(b) for b in blocks])
+        if refusal is not None:
+            return web.json_response({"ok": False, "error": refusal}, status=410)
+        return web.json_response({"ok": True})
+
+    async def state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.core.assert_idle())
+
+    # ---- completions -----------------------------------------------------------------
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return _json_error(400, "request body is not valid JSON", "BadRequestError")
+        if not isinstance(body, dict):
+            return _json_error(400, "request body must be a JSON object", "BadRequestError")
+        return body
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            pr = parse_request(body, chat=chat, tokenizer=self.tok, served_names=self.names)
+        except ApiError as exc:
+            return _json_error(exc.status, exc.message, exc.kind)
+        base = request.headers.get("X-Request-Id")
+        prefix = "chatcmpl" if chat else "cmpl"
+        rid = self.core.new_request_id(prefix, base)
+        public_id = f"{prefix}-{base}" if base else rid
+        max_tokens = pr.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.core.opts.max_model_len - len(pr.prompt))
+        req = Request(
+            request_id=rid,
+            prompt=pr.prompt,
+            max_tokens=max_tokens,
+            ignore_eos=pr.ignore_eos,
+            stop_token_ids=pr.stop_token_ids,
+            params=pr.params,
+        )
+        try:
+            self.core.submit(req)
+        except RequestError as exc:
+            return _json_error(exc.status, exc.message, "BadRequestError")
+        if pr.stream:
+            return await self._stream(request, req, pr, public_id)
+        await req.done.wait()
+        if req.error is not None:
+            return _internal_error()
+        return web.json_response(self._final_body(req, pr, public_id))
+
+    def _final_body(self, req: Request, pr: ParsedRequest, public_id: str) -> dict[str, Any]:
+        text = self.tok.decode(req.output)
+        choice: dict[str, Any] = {"index": 0}
+        if pr.chat:
+            choice["message"] = {
+                "role": "assistant",
+                "content": text,
+                "reasoning_content": None,
+                "tool_calls": [],
+            }
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=req.finish_reason, stop_reason=None)
+        if pr.return_token_ids:
+            choice["token_ids"] = list(req.output)
+            if not pr.chat:
+                choice["prompt_token_ids"] = list(req.prompt)
+        out: dict[str, Any] = {
+            "id": public_id,
+            "object": "chat.completion" if pr.chat else "text_completion",
+            "created": now_s(),
+            "model": pr.model,
+            "choices": [choice],
+            "usage": usage(req.prompt_len, len(req.output), self.core.usage_cached_tokens(req)),
+        }
+        if pr.chat and pr.return_token_ids:
+            out["prompt_token_ids"] = list(req.prompt)
+        out["kv_transfer_params"] = None if req.out_params is None else req.out_params.to_dict()
+        return out
+
+    async def _stream(
+        self, request: web.Request, req: Request, pr: ParsedRequest, public_id: str
+    ) -> web.StreamResponse:
+        first = await req.events.get()
+        if first is None and req.error is not None:
+            return _internal_error()
+        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        streamed = 0
+        v032 = self.core.opts.emulate_vllm == "0.32"
+        created = now_s()
+        obj = "chat.completion.chunk" if pr.chat else "text_completion"
+
+        def chunk(
+            choices: list[dict[str, Any]], params: Any = None, terminal: bool = False
+        ) -> bytes:
+            c: dict[str, Any] = {
+                "id": public_id,
+                "object": obj,
+                "created": created,
+                "model": pr.model,
+                "choices": choices,
+            }
+            if not v032 and (pr.chat or terminal):
+                c["kv_transfer_params"] = params
+            return b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
+
+        try:
+            await resp.prepare(request)
+            if pr.chat:
+                head: dict[str, Any] = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                await resp.write(chunk([head]))
+            tok: int | None = first
+            while tok is not None:
+                nxt = await req.events.get()
+                terminal = nxt is None
+                text = self.tok.decode([tok])
+                ch: dict[str, Any] = {"index": 0}
+                if pr.chat:
+                    ch["delta"] = {"content": text}
+                else:
+                    ch["text"] = text
+                ch["logprobs"] = None
+                ch["finish_reason"] = req.finish_reason if terminal else None
+                ch["stop_reason"] = None
+                if pr.return_token_ids:
+                    ch["token_ids"] = [tok]
+                params = None
+                if terminal and req.out_params is not None:
+                    params = req.out_params.to_dict()
+                await resp.write(chunk([ch], params, terminal))
+                streamed += 1
+                if self.faults.exit_after_tokens and streamed >= self.faults.exit_after_tokens:
+                    logger.error("fault exit_after_tokens=%d: exiting", streamed)
+                    os._exit(3)
+                tok = nxt
+            if req.error is not None:
+                await resp.write(
+                    b"data: "
+                    + json.dumps(error_body(500, "Internal server error", "InternalServerError"))
+                    .encode()
+                    + b"\n\n"
+                )
+            if pr.include_usage:
+                u = usage(req.prompt_len, len(req.output), self.core.usage_cached_tokens(req))
+                c: dict[str, Any] = {
+                    "id": public_id,
+                    "object": obj,
+                    "created": created,
+                    "model": pr.model,
+                    "choices": [],
+                    "usage": u,
+                }
+                if pr.chat and not v032:
+                    c["kv_transfer_params"] = None
+                await resp.write(_sse(c))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            self.core.abort(req)
+        return resp
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def build_app(routes: Routes) -> web.Application:
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/metrics", routes.metrics)
+    app.router.add_post("/tokenize", routes.tokenize)
+    app.router.add_post("/detokenize", routes.detokenize)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", routes.chat)
+    app.router.add_get("/_emulator/faults", routes.faults_get)
+    app.router.add_post("/_emulator/faults", routes.faults_post)
+    app.router.add_post("/_emulator/claim", routes.claim)
+    app.router.add_get("/_emulator/state", routes.state)
+    return app
