@@ -343,8 +343,10 @@ def might_be_terminal(data: bytes) -> bool:
 
     True when some ``finish_reason`` or ``kv_transfer_params`` value is not
     ``null``. False positives are fine (the caller then parses); false negatives
-    are not possible for valid JSON, so the router's hot path only decodes JSON
-    for candidate terminal chunks.
+    are not possible for valid JSON whose keys are written without ``\\u``
+    escapes (what vLLM's and every common serializer emit; a key spelled
+    ``"finish\\u005freason"`` would be missed), so the router's hot path only
+    decodes JSON for candidate terminal chunks.
     """
     null = ord("n")
     return any(v != null for v in _value_after(data, _FINISH_KEY)) or any(
