@@ -79,3 +79,4 @@ def run_dir(tmp_path: Path) -> Iterator[Path]:
     d = tmp_path / "run"
     d.mkdir()
     yield d
+from bidir_kv.testing.router import redis_server, router_process  # noqa: E402, F401
