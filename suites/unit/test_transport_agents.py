@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -27,7 +27,7 @@ BLOCK_NBYTES = 4096
 NUM_BLOCKS = 32
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
 def backend(request: pytest.FixtureRequest) -> str:
     if request.param == "nixl":
         ok, why = nixl_available()
@@ -36,34 +36,66 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _filled(seed: int) -> KVPool:
-    pool = KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES)
-    pool.data[:] = np.random.default_rng(seed).integers(0, 256, pool.data.shape, dtype=np.uint8)
-    return pool
+def _seeded(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (NUM_BLOCKS, BLOCK_NBYTES), dtype=np.uint8)
+
+
+class Pair:
+    """Owner ``d`` (seeded pool) and reader ``p`` (zeroed), started once per backend.
+
+    Agent start-up (a UCX context for NIXL) dominates these tests, so one pair serves
+    the module on one event loop; each test gets fresh pool contents and empty inboxes.
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.runner = asyncio.Runner()
+        self.d = create_agent(backend, "agent-d", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+        self.p = create_agent(backend, "agent-p", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+        self.got_d: list[tuple[str, bytes]] = []
+        self.got_p: list[tuple[str, bytes]] = []
+
+    async def start(self) -> None:
+        async def on_d(peer: str, msg: bytes) -> None:  # async handlers are awaited
+            await asyncio.sleep(0)
+            self.got_d.append((peer, msg))
+
+        await self.d.start(on_d)
+        await self.p.start(lambda peer, msg: self.got_p.append((peer, msg)))
+        assert await self.p.add_peer(self.d.metadata()) == "agent-d"
+        assert await self.d.add_peer(self.p.metadata()) == "agent-p"
+
+    async def close(self) -> None:
+        await self.p.close()
+        await self.d.close()
+
+    def reset(self) -> None:
+        self.d.pool.data[:] = _seeded(1)
+        self.p.pool.data[:] = 0
+        self.got_d.clear()
+        self.got_p.clear()
+
+
+@pytest.fixture(scope="module")
+def shared(backend: str) -> Iterator[Pair]:
+    pair = Pair(backend)
+    try:
+        pair.runner.run(pair.start())
+        yield pair
+    finally:
+        pair.runner.run(pair.close())
+        pair.runner.close()
 
 
 Scenario = Callable[[KVAgent, KVAgent, list, list], Awaitable[None]]
 
 
-def _run(backend: str, scenario: Scenario) -> None:
-    """Owner ``d`` (seeded pool) and reader ``p`` (zeroed), both started and peered."""
+@pytest.fixture
+def run(shared: Pair) -> Callable[[Scenario], None]:
+    def go(scenario: Scenario) -> None:
+        shared.reset()
+        shared.runner.run(scenario(shared.d, shared.p, shared.got_d, shared.got_p))
 
-    async def main() -> None:
-        d = create_agent(backend, "agent-d", _filled(1))
-        p = create_agent(backend, "agent-p", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
-        got_d: list[tuple[str, bytes]] = []
-        got_p: list[tuple[str, bytes]] = []
-        await d.start(lambda peer, msg: got_d.append((peer, msg)))
-        await p.start(lambda peer, msg: got_p.append((peer, msg)))
-        try:
-            assert await p.add_peer(d.metadata()) == "agent-d"
-            assert await d.add_peer(p.metadata()) == "agent-p"
-            await scenario(d, p, got_d, got_p)
-        finally:
-            await p.close()
-            await d.close()
-
-    asyncio.run(main())
+    return go
 
 
 async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -79,7 +111,7 @@ def _sha(rows: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest()
 
 
-def test_read_copies_exact_bytes_and_notifies_once(backend: str) -> None:
+def test_read_copies_exact_bytes_and_notifies_once(run: Callable[[Scenario], None]) -> None:
     remote = [3, 4, 5, 9, 0, 31]
     local = [10, 11, 20, 21, 22, 1]
 
@@ -97,10 +129,10 @@ def test_read_copies_exact_bytes_and_notifies_once(backend: str) -> None:
         assert got_d == [("agent-p", b"req-7:1"), ("agent-p", b"HB:sync")]
         assert got_p == []
 
-    _run(backend, scenario)
+    run(scenario)
 
 
-def test_out_of_range_remote_block_fails(backend: str) -> None:
+def test_out_of_range_remote_block_fails(run: Callable[[Scenario], None]) -> None:
     async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
         with pytest.raises(TransportError, match=f"{NUM_BLOCKS}.*out of range|out of range"):
             await p.read("agent-d", [0, 1], [2, NUM_BLOCKS], b"bad:1")
@@ -110,10 +142,10 @@ def test_out_of_range_remote_block_fails(backend: str) -> None:
         await _until(lambda: len(got_d) >= 1)
         assert got_d == [("agent-p", b"good:1")]
 
-    _run(backend, scenario)
+    run(scenario)
 
 
-def test_bad_local_ids_and_pairing_fail(backend: str) -> None:
+def test_bad_local_ids_and_pairing_fail(run: Callable[[Scenario], None]) -> None:
     async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
         with pytest.raises(TransportError, match="out of range"):
             await p.read("agent-d", [NUM_BLOCKS], [0], b"x:1")
@@ -122,10 +154,10 @@ def test_bad_local_ids_and_pairing_fail(backend: str) -> None:
         with pytest.raises(TransportError, match="unknown peer"):
             await p.read("nobody", [0], [0], b"x:1")
 
-    _run(backend, scenario)
+    run(scenario)
 
 
-def test_notify_only_and_many_notifications_exactly_once(backend: str) -> None:
+def test_notify_only_and_many_notifications_exactly_once(run: Callable[[Scenario], None]) -> None:
     msgs = [f"req-{i}:1".encode() for i in range(50)]
 
     async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
@@ -138,10 +170,10 @@ def test_notify_only_and_many_notifications_exactly_once(backend: str) -> None:
         assert got_p == [("agent-d", b"HB:a,b")]
         assert not p.pool.data.any()  # notify moves no KV
 
-    _run(backend, scenario)
+    run(scenario)
 
 
-def test_concurrent_reads_both_directions(backend: str) -> None:
+def test_concurrent_reads_both_directions(run: Callable[[Scenario], None]) -> None:
     async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
         p.pool.data[16:] = 7
         await asyncio.gather(
@@ -156,49 +188,20 @@ def test_concurrent_reads_both_directions(backend: str) -> None:
         assert sorted(m for _, m in got_d) == [b"a:1", b"b:1"]
         assert got_p == [("agent-d", b"c:1")]
 
-    _run(backend, scenario)
+    run(scenario)
 
 
-def test_async_handler_is_awaited(backend: str) -> None:
+def test_block_size_mismatch_refused_at_add_peer(backend: str, shared: Pair) -> None:
     async def main() -> None:
-        seen: list[bytes] = []
-        done = asyncio.Event()
-
-        async def handler(peer: str, msg: bytes) -> None:
-            await asyncio.sleep(0)
-            seen.append(msg)
-            done.set()
-
-        d = create_agent(backend, "agent-d2", KVPool.allocate(4, 64))
-        p = create_agent(backend, "agent-p2", KVPool.allocate(4, 64))
-        await d.start(handler)
-        await p.start(lambda peer, msg: None)
+        other = create_agent(backend, "agent-other", KVPool.allocate(4, 128))
+        await other.start(lambda peer, msg: None)
         try:
-            await p.add_peer(d.metadata())
-            await p.notify("agent-d2", b"ping:1")
-            await asyncio.wait_for(done.wait(), 5)
-            assert seen == [b"ping:1"]
+            with pytest.raises(TransportError, match="128-byte blocks"):
+                await shared.p.add_peer(other.metadata())
         finally:
-            await p.close()
-            await d.close()
+            await other.close()
 
-    asyncio.run(main())
-
-
-def test_block_size_mismatch_refused_at_add_peer(backend: str) -> None:
-    async def main() -> None:
-        d = create_agent(backend, "agent-d3", KVPool.allocate(4, 64))
-        p = create_agent(backend, "agent-p3", KVPool.allocate(4, 128))
-        await d.start(lambda peer, msg: None)
-        await p.start(lambda peer, msg: None)
-        try:
-            with pytest.raises(TransportError, match="64-byte blocks"):
-                await p.add_peer(d.metadata())
-        finally:
-            await p.close()
-            await d.close()
-
-    asyncio.run(main())
+    shared.runner.run(main())
 
 
 def test_block_runs() -> None:

@@ -9,6 +9,7 @@ starts fast.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Literal
 
 from bidir_kv.engine.transport.base import (
@@ -30,6 +31,8 @@ __all__ = [
     "nixl_available",
 ]
 
+logger = logging.getLogger("bidir_kv.engine.transport")
+
 Backend = Literal["auto", "nixl", "tcp"]
 BACKENDS: tuple[str, ...] = ("auto", "nixl", "tcp")
 
@@ -50,20 +53,23 @@ def create_agent(
 ) -> KVAgent:
     """A KV agent for ``backend``: ``nixl``, ``tcp``, or ``auto`` (nixl if it works, else tcp).
 
+    For ``nixl``/``auto`` the NIXL agent (and its UCX backend) is created right here,
+    so ``auto`` falls back to TCP, with a logged reason, when it cannot be.
+
     ``host``/``port`` are where the TCP agent listens for data (the NIXL agent talks
     through UCX and ignores them).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown transport {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "auto":
-        backend = "nixl" if nixl_available()[0] else "tcp"
-    if backend == "nixl":
-        ok, why = nixl_available()
-        if not ok:
-            raise TransportError(f"nixl transport unavailable: {why}")
-        from bidir_kv.engine.transport.nixl import NixlAgent
+    if backend in ("auto", "nixl"):
+        try:
+            from bidir_kv.engine.transport.nixl import NixlAgent
 
-        return NixlAgent(name, pool)
+            return NixlAgent(name, pool)
+        except TransportError as exc:
+            if backend == "nixl":
+                raise
+            logger.warning("NIXL transport unavailable (%s); using TCP", exc)
     from bidir_kv.engine.transport.tcp import TcpAgent
 
     return TcpAgent(name, pool, host=host, port=port)

@@ -152,9 +152,7 @@ def bench_agent(
     return asyncio.run(_agent_reads(backend, num_blocks, block_nbytes, iters, workdir))
 
 
-def _guarded(
-    name: str, nbytes: int, fn: Callable[..., CaseResult], *args: object
-) -> CaseResult:
+def _guarded(name: str, nbytes: int, fn: Callable[..., CaseResult], *args: object) -> CaseResult:
     try:
         return fn(*args)
     except Exception as exc:

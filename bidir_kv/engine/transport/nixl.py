@@ -56,7 +56,10 @@ def _ucx_tls_hint() -> str:
 
 
 def _new_agent(name: str, backends: Sequence[str]) -> Any:
-    api = _nixl_api()
+    try:
+        api = _nixl_api()
+    except ImportError as exc:
+        raise TransportError(f"nixl does not import: {exc}") from None
     conf = api.nixl_agent_config(
         enable_prog_thread=True, backends=list(backends), capture_telemetry=True
     )
@@ -134,6 +137,14 @@ class NixlAgent(KVAgent):
         self.backends = tuple(backends)
         self.notif_poll_interval = notif_poll_interval
         self.io_timeout = io_timeout
+        # Created here, not in start(), so create_agent("auto") learns at once whether
+        # NIXL works in this process and can fall back to TCP without a second agent.
+        try:
+            self._nixl: Any = _new_agent(name, self.backends)
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise TransportError(f"NIXL agent {name} failed: {exc}{_ucx_tls_hint()}") from None
         self._agent: Any = None
         self._reg: Any = None
         self._local: Any = None
@@ -144,8 +155,10 @@ class NixlAgent(KVAgent):
     async def start(self, on_notification: NotificationHandler) -> None:
         if self._agent is not None:
             raise TransportError(f"agent {self.name} already started")
+        agent = self._nixl
+        if agent is None:
+            raise TransportError(f"agent {self.name} was closed; create a new one")
         try:
-            agent = _new_agent(self.name, self.backends)
             region = np.array(
                 [[self.pool.data.ctypes.data, self.pool.data.nbytes, 0]], dtype=np.uint64
             )
@@ -333,6 +346,7 @@ class NixlAgent(KVAgent):
             with contextlib.suppress(Exception):
                 agent.deregister_memory(self._reg)
             self._agent = None
+        self._nixl = None
         if self._dispatch is not None:
             await self._dispatch.close()
             self._dispatch = None

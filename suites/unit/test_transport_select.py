@@ -1,0 +1,51 @@
+"""create_agent: backend choice, and the fallback from NIXL to TCP when UCX cannot start."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from bidir_kv.engine.transport import KVPool, TransportError, create_agent, nixl_available
+from bidir_kv.engine.transport.tcp import TcpAgent
+
+
+def _pool() -> KVPool:
+    return KVPool.allocate(2, 64)
+
+
+def test_unknown_backend_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown transport 'rdma'"):
+        create_agent("rdma", "x", _pool())
+
+
+def test_tcp_is_tcp() -> None:
+    agent = create_agent("tcp", "x", _pool(), host="127.0.0.1", port=0)
+    assert isinstance(agent, TcpAgent) and agent.backend == "tcp"
+
+
+@pytest.fixture
+def nixl_ok(request: pytest.FixtureRequest) -> None:
+    from bidir_kv.testing.plugin import skip_or_fail
+
+    ok, why = nixl_available()
+    if not ok:
+        skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
+
+
+def test_auto_prefers_nixl(nixl_ok: None) -> None:
+    assert nixl_available()[1].startswith("nixl")
+    assert create_agent("auto", "auto-nixl", _pool()).backend == "nixl"
+
+
+def test_ucx_without_tcp_falls_back_or_fails_clearly(
+    nixl_ok: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # cpu-vllm.md §6.4: UCX_TLS without tcp leaves UCX no active-message transport.
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    with caplog.at_level(logging.WARNING, logger="bidir_kv.engine.transport"):
+        agent = create_agent("auto", "auto-fallback", _pool())
+    assert agent.backend == "tcp"
+    assert any("using TCP" in m and "UCX_TLS=sm,self" in m for m in caplog.messages)
+    with pytest.raises(TransportError, match="has no tcp"):
+        create_agent("nixl", "forced-nixl", _pool())
