@@ -28,11 +28,11 @@ from bidir_kv.scrape import MetricsSnapshot, scrape
 from bidir_kv.topology.base import Node
 
 __all__ = [
+    "TOKENS_BY_SOURCE",
     "Completion",
     "EngineClient",
     "LegDelta",
     "PDTurn",
-    "TOKENS_BY_SOURCE",
     "run_pd_turn",
     "tokens_by_source",
 ]
@@ -199,8 +199,7 @@ def _read_body(body: dict[str, Any]) -> Completion:
 
 
 def _lines(resp: Any) -> Iterator[bytes]:
-    for line in resp:
-        yield line
+    yield from resp
 
 
 def _read_stream(resp: Any) -> Completion:
