@@ -34,6 +34,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--decode-url", default=None, help="external backend: decode node URL")
     group.addoption("--proxy-url", default=None, help="certify this running router instead of ours")
     group.addoption(
+        "--hw-prompt-tokens",
+        default="4096,16384",
+        help="hardware tier: comma-separated history lengths for the TTFT comparison",
+    )
+    group.addoption(
+        "--hw-ttft-ratio-max",
+        type=float,
+        default=1.0,
+        help="hardware tier: largest allowed median TTFT ratio readback/recompute",
+    )
+    group.addoption(
+        "--hw-model", default=None, help="hardware tier: served model name of the deployment"
+    )
+    group.addoption(
         "--require-tier",
         action="append",
         default=[],
@@ -79,4 +93,6 @@ def run_dir(tmp_path: Path) -> Iterator[Path]:
     d = tmp_path / "run"
     d.mkdir()
     yield d
+from bidir_kv.testing.engines import engine_pair, shared_pair  # noqa: E402, F401
+from bidir_kv.testing.hardware import gpu_pd  # noqa: E402, F401
 from bidir_kv.testing.router import redis_server, router_process  # noqa: E402, F401
