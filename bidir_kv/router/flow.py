@@ -10,6 +10,7 @@ from everything the client sees.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -82,6 +83,8 @@ class Turn:
     key: ConversationKey | None
     stream: bool
     t0: float = field(default_factory=time.perf_counter)
+    prompt_tokens: list[int] | None = None  # P's tokenization of this turn's prompt
+    tokenize_task: asyncio.Task[list[int]] | None = None
     upstream: float = 0.0  # seconds spent waiting on engines
     first_byte: bool = False
 
@@ -145,7 +148,10 @@ class RouterFlow:
         if auth:
             headers["Authorization"] = auth
         turn = Turn(rid, endpoint, body, headers, key, bool(body.get("stream")))
-        return await self._run(request, turn)
+        try:
+            return await self._run(request, turn)
+        finally:
+            self._drop_tokenize(turn)
 
     async def _run(self, request: web.Request, turn: Turn) -> web.StreamResponse:
         m = self.metrics
@@ -172,6 +178,14 @@ class RouterFlow:
                     # Not a hit: P recomputes everything; remote_num_tokens=0 only makes
                     # it notify D, so the pinned blocks are freed now, not at the TTL.
                     release = release_params(cached)
+        if (
+            turn.prompt_tokens is None
+            and turn.key is not None
+            and self.config.guard
+            and turn.single_choice
+        ):
+            # D may not echo its prompt ids on streams; tokenize off the critical path.
+            turn.tokenize_task = asyncio.create_task(self._tokenize(turn, p_node, timed=False))
         if hit is not None:
             m.hits.inc()
             log.info("[%s] conv=%s: sending D's cached blocks to P (remote_request_id=%s)",
@@ -227,6 +241,7 @@ class RouterFlow:
             return GuardVerdict(cached, "guard-off")
         try:
             prompt_tokens = await self._tokenize(turn, p_node)
+            turn.prompt_tokens = prompt_tokens
         except UpstreamFailure as exc:
             verdict = GuardVerdict(None, "tokenize-failed")
             log.warning("[%s] conv=%s: cannot verify continuation (%s)", turn.rid, turn.conv, exc)
@@ -245,7 +260,7 @@ class RouterFlow:
                     turn.rid, turn.conv, verdict.reason)
         return verdict
 
-    async def _tokenize(self, turn: Turn, node: Backend) -> list[int]:
+    async def _tokenize(self, turn: Turn, node: Backend, timed: bool = True) -> list[int]:
         body = turn.body
         prompt = body.get("prompt")
         if turn.endpoint == "completions":
@@ -278,7 +293,8 @@ class RouterFlow:
         except TimeoutError:
             raise UpstreamFailure("timeout", f"/tokenize on {node.id} timed out") from None
         finally:
-            turn.upstream += time.perf_counter() - t
+            if timed:
+                turn.upstream += time.perf_counter() - t
         try:
             tokens = json.loads(raw)["tokens"]
             if not all(isinstance(x, int) for x in tokens):
@@ -439,6 +455,7 @@ class RouterFlow:
         if resp.status // 100 != 2:
             raw = await resp.read()
             self.metrics.errors.labels("decode_http").inc()
+            self._drop_tokenize(turn)
             log.warning("[%s] D %s returned HTTP %d", turn.rid, d_node.id, resp.status)
             return web.Response(status=resp.status, body=raw,
                                 content_type=resp.content_type or _JSON)
@@ -458,8 +475,12 @@ class RouterFlow:
                 d_node.mark(False, relay.failure)
                 log.error("[%s] conv=%s: D %s failed mid-stream: %s; entry dropped", turn.rid,
                           turn.conv, d_node.id, relay.failure)
+                self._drop_tokenize(turn)
+            elif relay.client_gone:
+                self._drop_tokenize(turn)
             else:
                 await self._remember(turn, p_node, d_node, relay)
+            await relay.finish(out)
             return out
         t = time.perf_counter()
         try:
@@ -467,6 +488,7 @@ class RouterFlow:
         except (aiohttp.ClientError, OSError) as exc:
             self.metrics.errors.labels("decode_mid_stream").inc()
             d_node.mark(False, str(exc))
+            self._drop_tokenize(turn)
             return error_response(502, f"decode node {d_node.id} failed: {exc}", "BadGateway")
         finally:
             turn.upstream += time.perf_counter() - t
@@ -475,21 +497,39 @@ class RouterFlow:
             client_body = relay.digest_response(payload)
         except (ValueError, ProtocolError, TypeError) as exc:
             self.metrics.errors.labels("decode_bad_response").inc()
+            self._drop_tokenize(turn)
             return error_response(502, f"decode node {d_node.id} answer unusable: {exc}",
                                   "BadGateway")
-        if turn.stream:
-            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                          "Cache-Control": "no-cache"})
-            await out.prepare(request)
-            self._mark_first_byte(turn)
-            include_usage = bool((turn.body.get("stream_options") or {}).get("include_usage"))
-            await out.write(synthesize_sse(client_body, turn.endpoint, include_usage))
-            await out.write_eof()
-        else:
-            self._mark_first_byte(turn)
-            out = web.Response(body=json.dumps(client_body).encode(), content_type=_JSON)
+        self._mark_first_byte(turn)
         await self._remember(turn, p_node, d_node, relay)
+        if not turn.stream:
+            return web.Response(body=json.dumps(client_body).encode(), content_type=_JSON)
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                      "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        include_usage = bool((turn.body.get("stream_options") or {}).get("include_usage"))
+        await out.write(synthesize_sse(client_body, turn.endpoint, include_usage))
+        await out.write_eof()
         return out
+
+    @staticmethod
+    def _drop_tokenize(turn: Turn) -> None:
+        if turn.tokenize_task is not None:
+            turn.tokenize_task.cancel()
+            turn.tokenize_task = None
+
+    async def _prompt_ids(self, turn: Turn) -> list[int] | None:
+        if turn.prompt_tokens is not None:
+            return turn.prompt_tokens
+        task, turn.tokenize_task = turn.tokenize_task, None
+        if task is None:
+            return None
+        try:
+            return await task
+        except UpstreamFailure as exc:
+            log.warning("[%s] conv=%s: cannot record the prompt tokens (%s)", turn.rid,
+                        turn.conv, exc)
+            return None
 
     def _mark_first_byte(self, turn: Turn) -> None:
         if not turn.first_byte:
@@ -505,12 +545,14 @@ class RouterFlow:
         if turn.key is None:
             return
         if params is None or not params.has_remote_blocks:
+            self._drop_tokenize(turn)
             m.not_cached.labels("no_params").inc()
             return
         if not turn.single_choice:
+            self._drop_tokenize(turn)
             m.not_cached.labels("n_gt_1").inc()
             return
-        tokens = relay.tokens()
+        tokens = relay.tokens(await self._prompt_ids(turn)) if relay.collect_ids else None
         verifiable = self.config.guard and tokens is not None
         if not verifiable:
             untracked = relay.untracked or (

@@ -67,11 +67,12 @@ class StreamRelay:
         self._gen_ids: list[int] = []
         self._ids_seen = False
 
-    def tokens(self) -> list[int] | None:
-        """D's sequence (prompt + generated ids) if the D leg returned both."""
-        if self._prompt_ids is None or not self._ids_seen:
+    def tokens(self, prompt_ids: list[int] | None = None) -> list[int] | None:
+        """D's sequence (prompt + generated ids); ``prompt_ids`` stand in when D sent none."""
+        prompt = self._prompt_ids if self._prompt_ids is not None else prompt_ids
+        if prompt is None or not self._ids_seen:
             return None
-        return self._prompt_ids + self._gen_ids
+        return prompt + self._gen_ids
 
     # ---- streaming ------------------------------------------------------------
 
@@ -103,7 +104,14 @@ class StreamRelay:
         if self.failure is not None:
             err = {"error": {"message": f"decode node failed mid-stream: {self.failure}",
                              "type": "BadGateway", "code": 502}}
-            await self._write(out, b"data: " + _dumps(err) + b"\n\n" + _DONE)
+            await self._write(out, b"data: " + _dumps(err) + b"\n\n")
+
+    async def finish(self, out: web.StreamResponse) -> None:
+        """Send the held-back ``[DONE]`` and end the response."""
+        if self.client_gone:
+            return
+        if self.done or self.failure is not None:
+            await self._write(out, _DONE)
         if not self.client_gone:
             try:
                 await out.write_eof()
@@ -140,8 +148,10 @@ class StreamRelay:
             return event + sep
         payload = event[5:].strip()
         if payload == b"[DONE]":
+            # Held back: the flow stores D's params first, then ends the stream, so
+            # a client that sends its next turn right after [DONE] finds the entry.
             self.done = True
-            return event + sep
+            return b""
         changed = False
         if self.collect_ids:
             if _PID in payload:

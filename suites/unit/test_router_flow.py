@@ -102,6 +102,17 @@ def test_miss_then_hit_wire_shape() -> None:
     run(go)
 
 
+def test_hit_when_d_does_not_echo_prompt_ids() -> None:
+    """The router tokenizes the prompt on P itself when D's stream lacks prompt ids."""
+    async def go() -> None:
+        async with StubStack() as s:
+            s.decode[0].stream_prompt_ids = False
+            status, _ = await two_turns(s)
+            assert status == 200
+            assert counter(s.flow, "cache_hits") == 1
+    run(go)
+
+
 def test_non_streaming_client_and_completions() -> None:
     async def go() -> None:
         async with StubStack() as s:
