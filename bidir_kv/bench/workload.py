@@ -119,7 +119,7 @@ def fit_text(
     if target < 1:
         raise WorkloadError(f"a message needs at least 1 token, got {target}")
     src = _WordSource(rng)
-    head_words = head.split()
+    head_words = head.split() if head and count(head) * 2 < target else []
 
     def text_of(n: int) -> str:
         return " ".join([*head_words, *src.take(n)])
@@ -142,6 +142,31 @@ def fit_text(
                 break
         n = nxt
     best = min(seen, key=lambda k: (abs(seen[k] - target), seen[k] > target))
+    if seen[best] == target:
+        return text_of(best), target
+    # Sub-word tokenizers (byte-level BPE, the emulator's): trim characters of a
+    # slightly longer text until the count lands on the target.
+    longer = (
+        max(k for k in seen if seen[k] >= target) if any(seen[k] >= target for k in seen) else None
+    )
+    if longer is None:
+        return text_of(best), seen[best]
+    text = text_of(longer)
+    lo, hi = 1, len(text)  # count(text[:hi]) >= target
+    found: tuple[str, int] | None = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        cand = text[:mid]
+        c = count(cand)
+        if c == target:
+            found = (cand, c)
+            break
+        if c < target:
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    if found is not None:
+        return found
     return text_of(best), seen[best]
 
 
