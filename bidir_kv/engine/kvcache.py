@@ -116,7 +116,8 @@ class BlockManager:
         Uncached blocks go to the front of the queue (reused first), cached ones to
         the back, so the prefix cache keeps recently used history longest.
         """
-        for b in blocks:
+        # reversed: front insertion then leaves the first block first in line for reuse
+        for b in reversed(list(blocks)):
             if self._ref[b] <= 0:
                 raise RuntimeError(f"block {b} freed more often than referenced")
             self._ref[b] -= 1

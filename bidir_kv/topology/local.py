@@ -141,10 +141,9 @@ class LocalTopology(Topology):
             if s.redis:
                 server = RedisServer(self.run_dir).start()
                 self.redis = server
-                self.stores.append(
-                    Node(role="store", name="redis", host=server.host, port=server.port,
-                         info={"url": server.url})  # fmt: skip
-                )
+                node = Node(role="store", name="redis", host=server.host, port=server.port)
+                node.info["url"] = server.url
+                self.stores.append(node)
                 store = server.url
             self.routers = [self._start_router(i, store) for i in range(s.routers)]
             self._wait_healthy(self.routers)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.testing.engines import EnginePair, engine_pair, random_prompt, sources  # noqa: F401
+from bidir_kv.testing.engines import EnginePair, random_prompt, sources
 
 FAILED = "vllm:nixl_num_failed_transfers_total"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
@@ -165,11 +165,13 @@ def test_exit_after_streamed_tokens_truncates_the_stream(engine_pair: Factory) -
         {"Content-Type": "application/json"},
     )
     chunks = []
-    with contextlib.suppress(http.client.HTTPException, OSError):
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            for line in resp:
-                if line.startswith(b"data: "):
-                    chunks.append(line[6:].strip())
+    with (
+        contextlib.suppress(http.client.HTTPException, OSError),
+        urllib.request.urlopen(req, timeout=30) as resp,
+    ):
+        for line in resp:
+            if line.startswith(b"data: "):
+                chunks.append(line[6:].strip())
     assert b"[DONE]" not in chunks
     assert len(chunks) == 3
     assert all(b'"finish_reason":null' in c for c in chunks)

@@ -120,7 +120,7 @@ def test_turn2_pull_when_count_reaches_threshold(pair: EnginePair) -> None:
     _, d1 = pair.turn(prompt, 100)
     assert d1 is not None and d1.params is not None
     prompt2 = [*prompt, *d1.token_ids, *random_prompt(rng, 300)]
-    p0, d0 = pair.snap()
+    p0, _ = pair.snap()
     pr, dr = pair.turn(prompt2, 16, d1.params)
     p1, _ = pair.snap()
     assert pr.ok and dr is not None and dr.ok
@@ -158,7 +158,7 @@ def test_second_notification_for_released_handle_is_reported(pair: EnginePair) -
 
 def test_streaming_d_returns_params_on_terminal_chunk(pair: EnginePair) -> None:
     prompt = random_prompt(rng_for("stream"), 100)
-    pr, dr = pair.turn(prompt, 8, stream=True)
+    _, dr = pair.turn(prompt, 8, stream=True)
     assert dr is not None and dr.ok
     assert dr.params is not None and dr.params_on_terminal
     assert dr.params_chunk == dr.chunks - 1
@@ -172,7 +172,7 @@ def test_oracle_disaggregated_equals_single_engine(pair: EnginePair) -> None:
     prompt = random_prompt(rng, 500)
     prev: KVTransferParams | None = None
     for turn in range(3):
-        pr, dr = pair.turn(prompt, 12, prev)
+        _, dr = pair.turn(prompt, 12, prev)
         assert dr is not None and dr.ok
         ref = pair.d.complete(prompt, 12)  # D without params: a plain single-engine run
         assert dr.token_ids == ref.token_ids, f"turn {turn}"
