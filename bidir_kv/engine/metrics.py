@@ -146,6 +146,15 @@ class EngineMetrics:
             "bidir_kv:kv_verify_mismatched_blocks", "Pulled blocks with unexpected contents."
         )
         self.window = TransferWindow()
+        # children exist from the start, so every series scrapes as 0 before first use
+        for m in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
+                  self.prefix_cache_hits, self.external_queries, self.external_hits,
+                  self.ttft, self.e2e, self.xfer_time, self.post_time, self.bytes_transferred,
+                  self.num_descriptors, self.failed_transfers, self.failed_notifications,
+                  self.kv_expired, self.notifs_after_expiry, self.kv_mismatch):  # fmt: skip
+            m.labels(**self.labels)
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+            self.prompt_tokens_by_source.labels(**self.labels, source=source)
 
     # ---- recording helpers -----------------------------------------------------
 
