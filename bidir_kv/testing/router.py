@@ -7,7 +7,10 @@ Loaded by the plugin; suites use the fixtures ``redis_server`` and
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bidir_kv.config import KVTransferConfig
 from bidir_kv.router.app import FLOW_KEY, AppSettings, build_app
 from bidir_kv.router.flow import RouterConfig, RouterFlow
 from bidir_kv.router.store import ConversationStore
@@ -26,10 +30,14 @@ from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.topology.redis_server import RedisServer
 
 __all__ = [
+    "ChatResult",
     "RouterProcess",
     "StubStack",
+    "bidirectional_config",
+    "chat",
     "counter",
     "redis_server",
+    "router_counter",
     "router_process",
     "start_router_process",
 ]
@@ -181,7 +189,7 @@ def start_router_process(
     port: int | None = None,
     name: str = "router",
 ) -> RouterProcess:
-    """Start ``bidir-kv proxy`` on loopback and wait for ``/health``."""
+    """Start ``bidir-kv proxy`` on loopback and wait until it serves HTTP."""
     port = port or free_port()
     argv = [
         sys.executable, "-m", "bidir_kv", "proxy", "--host", "127.0.0.1", "--port", str(port),
@@ -193,7 +201,8 @@ def start_router_process(
     ]
     proc = ManagedProcess(name, argv, run_dir / f"{name}-{port}.log").start()
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", 20, alive=proc)
+        # /metrics, not /health: /health is 503 while no P or no D is healthy.
+        wait_http_ok(f"http://127.0.0.1:{port}/metrics", 20, alive=proc)
     except BaseException:
         proc.stop()
         raise
@@ -215,3 +224,84 @@ def router_process(run_dir: Path) -> Iterator[Callable[..., RouterProcess]]:
     finally:
         for rp in started:
             rp.proc.stop()
+
+
+# ---- a synchronous client for the integration tier ------------------------------
+
+
+@dataclass
+class ChatResult:
+    """One chat turn as a client saw it."""
+
+    status: int
+    text: str
+    raw: bytes
+    body: Any = None
+
+    @property
+    def error(self) -> Any:
+        if isinstance(self.body, dict) and "error" in self.body:
+            return self.body["error"]
+        for line in self.raw.split(b"\n"):
+            if line.startswith(b"data: {") and b'"error"' in line:
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    return obj["error"]
+        return None
+
+
+def chat(
+    url: str,
+    messages: Sequence[dict[str, Any]],
+    conv: str | None = None,
+    *,
+    headers: dict[str, str] | None = None,
+    stream: bool = True,
+    max_tokens: int = 12,
+    timeout: float = 60.0,
+    **extra: Any,
+) -> ChatResult:
+    """POST ``/v1/chat/completions`` (greedy); collect the text of a stream or a body."""
+    body: dict[str, Any] = {"model": "tiny", "messages": list(messages), "max_tokens": max_tokens,
+                            "temperature": 0, "stream": stream, **extra}
+    if conv is not None:
+        body["conversation_id"] = conv
+    req = urllib.request.Request(
+        url.rstrip("/") + "/v1/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        return ChatResult(exc.code, "", raw, json.loads(raw) if raw else None)
+    if not stream:
+        obj = json.loads(raw)
+        return ChatResult(status, obj["choices"][0]["message"]["content"] or "", raw, obj)
+    parts = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            obj = json.loads(line[6:])
+            for c in obj.get("choices") or []:
+                parts.append((c.get("delta") or {}).get("content") or "")
+    return ChatResult(status, "".join(parts), raw)
+
+
+def bidirectional_config(role: str, **extra: Any) -> KVTransferConfig:
+    """``--kv-transfer-config`` of a bidirectional NixlConnector engine (threshold 64)."""
+    return KVTransferConfig.from_dict({
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": True,
+                                      "kv_recompute_threshold": 64,
+                                      "decoder_kv_blocks_ttl": 480, **extra},
+    })
+
+
+def router_counter(url: str, name: str, **labels: str) -> float:
+    """A ``bidir_kv_router_*_total`` counter scraped from a running router."""
+    from bidir_kv.scrape import scrape
+
+    return scrape(url).value(f"bidir_kv_router_{name}_total", **labels)

@@ -1,0 +1,278 @@
+"""``bidir-kv proxy`` in front of emulated engines, all processes on loopback.
+
+One 1P1D pair (P without prefix caching, as in the AWS recipe, so every token P
+takes from D shows up as ``external_kv_transfer`` on P) is shared by the module;
+tests isolate themselves with unique conversations and assert on metric deltas.
+Variants of the router (no guard, keep params, short TTL, Redis) are extra
+router processes in front of the same engines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from bidir_kv.scrape import MetricsSnapshot, scrape
+from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.router import ChatResult, RouterProcess, chat, router_counter
+from bidir_kv.topology.process import free_port
+
+TOKENS = "vllm:prompt_tokens_by_source_total"
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+_ids = itertools.count()
+
+
+def conv_id(tag: str) -> str:
+    return f"{tag}-{next(_ids)}"
+
+
+def story(tag: str) -> list[dict[str, Any]]:
+    """A first user turn long enough (well over 64 tokens) to make pulls worthwhile."""
+    text = f"Conversation {tag}: tell me a long story about dragons, castles and rivers. " * 4
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    try:
+        import bidir_kv.engine.cli  # noqa: F401
+        from bidir_kv.topology.local import LocalTopology
+    except ImportError as exc:
+        skip_or_fail(request.config, "integration", f"emulated engine unavailable: {exc}")
+    from bidir_kv.testing.router import bidirectional_config as kv_config
+    from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
+
+    spec = TopologySpec(
+        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", enable_prefix_caching=False),
+        decode=EngineSpec(kv=kv_config("decode"), transport="tcp"),
+        router=RouterSpec(extra_args=("--health-interval", "0.5")),
+    )
+    with LocalTopology(spec, tmp_path_factory.mktemp("router-local")) as t:
+        yield t
+
+
+@pytest.fixture
+def extra_router(topo: Any, router_process: Callable[..., RouterProcess]) -> Callable[..., str]:
+    """Start another router in front of the shared engines; returns its URL."""
+    def start(*flags: str, prefill: list[tuple[str, int]] | None = None) -> str:
+        rp = router_process(
+            prefill or [(n.host, n.port) for n in topo.prefill],
+            [(n.host, n.port) for n in topo.decode],
+            extra=("--block-size", "16", *flags),
+        )
+        return rp.url
+    return start
+
+
+class Engines:
+    """Metric deltas of P and D around a block of requests."""
+
+    def __init__(self, topo: Any) -> None:
+        self.topo = topo
+
+    def snap(self) -> tuple[MetricsSnapshot, MetricsSnapshot]:
+        return scrape(self.topo.prefill[0].url), scrape(self.topo.decode[0].url)
+
+
+def p_pulled(topo: Any, fn: Callable[[], ChatResult]) -> tuple[ChatResult, float, MetricsSnapshot]:
+    """Run ``fn``; return its result, P's external_kv_transfer tokens, and P's delta."""
+    before = scrape(topo.prefill[0].url)
+    res = fn()
+    delta = scrape(topo.prefill[0].url) - before
+    return res, delta.value(TOKENS, source="external_kv_transfer"), delta
+
+
+def oracle(topo: Any, messages: list[dict[str, Any]], max_tokens: int = 12) -> str:
+    """The same conversation on one engine, no transfer: the expected greedy text."""
+    return chat(topo.prefill[0].url, messages, stream=False, max_tokens=max_tokens).text
+
+
+def test_multi_turn_hits_pull_history_from_d_and_match_the_oracle(topo: Any) -> None:
+    url, conv = topo.router_url, conv_id("multi")
+    msgs = story(conv)
+    hits0 = router_counter(url, "cache_hits")
+    for turn in range(3):
+        res, pulled, _ = p_pulled(topo, lambda m=msgs: chat(url, m, conv))  # type: ignore[misc]
+        assert res.status == 200 and res.text
+        assert res.text == oracle(topo, msgs), f"turn {turn + 1} differs from the oracle"
+        if turn == 0:
+            assert pulled == 0
+        else:
+            assert pulled >= 64, f"turn {turn + 1}: P pulled {pulled} tokens from D"
+        msgs = [*msgs, {"role": "assistant", "content": res.text},
+                {"role": "user", "content": f"Continue the story, part {turn + 2}."}]
+    assert router_counter(url, "cache_hits") - hits0 == 2
+
+
+def test_without_conversation_id_nothing_is_reused(topo: Any) -> None:
+    url = topo.router_url
+    msgs = story(conv_id("anon"))
+    res = chat(url, msgs)
+    msgs = [*msgs, {"role": "assistant", "content": res.text}, {"role": "user", "content": "go"}]
+    res2, pulled, _ = p_pulled(topo, lambda: chat(url, msgs))
+    assert res2.status == 200 and pulled == 0
+
+
+def test_tenant_isolation(topo: Any) -> None:
+    url, conv = topo.router_url, conv_id("tenant")
+    alice, mallory = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer mallory"}
+    msgs = story(conv)
+    first = chat(url, msgs, conv, headers=alice)
+    msgs2 = [*msgs, {"role": "assistant", "content": first.text},
+             {"role": "user", "content": "and then?"}]
+    forged, pulled, _ = p_pulled(topo, lambda: chat(url, msgs2, conv, headers=mallory))
+    assert forged.status == 200 and pulled == 0
+    # mallory's attempt neither reused nor consumed alice's entry
+    own, pulled_own, _ = p_pulled(topo, lambda: chat(url, msgs2, conv, headers=alice))
+    assert own.status == 200 and pulled_own >= 64
+
+
+def test_internal_params_never_reach_the_client(topo: Any, extra_router: Callable[..., str]
+                                                ) -> None:
+    forged = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[1]],
+              "remote_engine_id": "x", "remote_request_id": "x", "remote_host": "127.0.0.1",
+              "remote_port": free_port(), "remote_num_tokens": 16}
+    msgs = story(conv_id("strip"))
+    for stream in (True, False):
+        res = chat(topo.router_url, msgs, conv_id("strip"), stream=stream,
+                   kv_transfer_params=forged)
+        assert res.status == 200
+        assert b"kv_transfer_params" not in res.raw and b"remote_block_ids" not in res.raw
+        assert b"token_ids" not in res.raw
+    assert router_counter(topo.router_url, "client_kv_params_dropped") >= 2
+    # control: the debug flag shows what stripping removes
+    debug = extra_router("--keep-kv-params")
+    res = chat(debug, msgs, conv_id("strip"))
+    assert b'"remote_block_ids"' in res.raw
+
+
+def _diverging_turn(topo: Any, url: str, tag: str, mangle: Callable[[str], str]
+                    ) -> tuple[ChatResult, float, list[dict[str, Any]]]:
+    conv = conv_id(tag)
+    msgs = story(conv)
+    first = chat(url, msgs, conv)
+    msgs2 = [*msgs, {"role": "assistant", "content": mangle(first.text)},
+             {"role": "user", "content": "Please continue."}]
+    res, pulled, _ = p_pulled(topo, lambda: chat(url, msgs2, conv))
+    return res, pulled, msgs2
+
+
+def test_rewritten_history_is_not_reused_and_output_is_correct(
+    topo: Any, extra_router: Callable[..., str]
+) -> None:
+    url = extra_router()  # guard on, block size known
+    rejections = router_counter(url, "guard_rejections") + router_counter(url, "guard_trims")
+    res, pulled, msgs2 = _diverging_turn(topo, url, "rewrite", lambda t: "I refuse. " + t)
+    assert res.status == 200
+    assert res.text == oracle(topo, msgs2)
+    total = router_counter(url, "guard_rejections") + router_counter(url, "guard_trims")
+    assert total - rejections == 1
+    # what P took from D is at most the verified common prefix (the first user turn)
+    assert pulled < 16 * 100
+
+
+def test_stripped_reasoning_is_not_reused_and_output_is_correct(
+    topo: Any, extra_router: Callable[..., str]
+) -> None:
+    """A template that drops the start of the answer (as reasoning parsers do)."""
+    url = extra_router()
+    res, _, msgs2 = _diverging_turn(topo, url, "strip-think", lambda t: t.split(" ", 2)[-1])
+    assert res.status == 200 and res.text == oracle(topo, msgs2)
+
+
+def test_unguarded_router_reuses_wrong_kv(topo: Any, extra_router: Callable[..., str]) -> None:
+    """Control for the two tests above: upstream behaviour pulls D's blocks regardless."""
+    url = extra_router("--no-continuation-guard")
+    res, pulled, msgs2 = _diverging_turn(topo, url, "unguarded", lambda t: "I refuse. " + t)
+    assert res.status == 200 and pulled >= 64
+    assert res.text != oracle(topo, msgs2), "wrong KV should change the emulator's output"
+
+
+def test_declined_read_falls_back_to_a_miss(topo: Any, extra_router: Callable[..., str]) -> None:
+    """D exports an expiry already past: P declines (policy fail -> 500); the router retries."""
+    url = topo.router_url
+    conv = conv_id("decline")
+    msgs = story(conv)
+    d_url = topo.decode[0].url
+    _set_faults(d_url, {"clock_skew": -10_000.0})
+    try:
+        first = chat(url, msgs, conv)
+    finally:
+        _set_faults(d_url, {"clock_skew": 0.0})
+    msgs2 = [*msgs, {"role": "assistant", "content": first.text},
+             {"role": "user", "content": "more please"}]
+    fallbacks = router_counter(url, "fallbacks", cause="prefill_http")
+    res, pulled, delta = p_pulled(topo, lambda: chat(url, msgs2, conv))
+    assert res.status == 200 and res.error is None
+    assert res.text == oracle(topo, msgs2)
+    assert delta.value(EXPIRED) >= 1, "P should have declined the expired read"
+    assert router_counter(url, "fallbacks", cause="prefill_http") - fallbacks == 1
+    assert pulled == 0
+
+
+def _set_faults(url: str, faults: dict[str, Any]) -> None:
+    import urllib.request
+
+    req = urllib.request.Request(url + "/_emulator/faults", data=json.dumps(faults).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
+
+
+def test_prefill_down_gives_503_naming_it(topo: Any, extra_router: Callable[..., str]) -> None:
+    dead = free_port()
+    url = extra_router(prefill=[("127.0.0.1", dead)])
+    res = chat(url, story("p-down"), conv_id("p-down"))
+    assert res.status == 503
+    assert "no healthy prefill node" in res.error["message"]
+    assert f"127.0.0.1:{dead}" in res.error["message"]
+
+
+def test_stale_entry_is_discarded(topo: Any, extra_router: Callable[..., str]) -> None:
+    import time
+
+    url = extra_router("--cache-ttl", "0.3")
+    conv = conv_id("stale")
+    msgs = story(conv)
+    first = chat(url, msgs, conv)
+    stored_at = time.monotonic()
+    assert router_counter(url, "cache_stores") == 1
+    # The entry's age is what is under test: let the TTL pass (not a synchronization).
+    time.sleep(max(0.0, stored_at + 0.5 - time.monotonic()))
+    msgs2 = [*msgs, {"role": "assistant", "content": first.text}, {"role": "user", "content": "?"}]
+    res, pulled, _ = p_pulled(topo, lambda: chat(url, msgs2, conv))
+    assert res.status == 200 and pulled == 0
+    assert router_counter(url, "cache_stale") == 1
+    assert router_counter(url, "cache_hits") == 0
+
+
+def _get(url: str) -> bytes:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body: bytes = resp.read()
+        return body
+
+
+def test_openai_client_through_the_router(topo: Any) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=topo.router_url + "/v1", api_key="sk-test")
+    conv = conv_id("openai")
+    msgs: list[dict[str, Any]] = story(conv)
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12,
+                                            temperature=0, stream=True,
+                                            extra_body={"conversation_id": conv})
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == oracle(topo, msgs)
+    msgs = [*msgs, {"role": "assistant", "content": text}, {"role": "user", "content": "next"}]
+    before = scrape(topo.prefill[0].url)
+    out = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12,
+                                         temperature=0, extra_body={"conversation_id": conv})
+    pulled = (scrape(topo.prefill[0].url) - before).value(TOKENS, source="external_kv_transfer")
+    assert out.choices[0].message.content == oracle(topo, msgs)
+    assert pulled >= 64
+    assert getattr(out, "kv_transfer_params", None) is None
