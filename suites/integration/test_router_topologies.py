@@ -1,0 +1,247 @@
+"""Router behaviour that needs its own topology: 2P2D stickiness, a D dying
+mid-stream, replicas sharing Redis, a restart with Redis, and the Redis store."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bidir_kv.protocol import KVTransferParams
+from bidir_kv.scrape import scrape
+from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.router import (
+    bidirectional_config,
+    chat,
+    router_counter,
+    start_router_process,
+)
+from bidir_kv.topology.redis_server import RedisServer
+
+TOKENS = "vllm:prompt_tokens_by_source_total"
+
+
+def _local(request: pytest.FixtureRequest) -> Any:
+    try:
+        import bidir_kv.engine.cli  # noqa: F401
+        from bidir_kv.topology.local import LocalTopology
+    except ImportError as exc:
+        skip_or_fail(request.config, "integration", f"emulated engine unavailable: {exc}")
+    return LocalTopology
+
+
+def _spec(num_prefill: int = 1, num_decode: int = 1, routers: int = 1, redis: bool = False,
+          router_args: tuple[str, ...] = ()) -> Any:
+    from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
+
+    return TopologySpec(
+        num_prefill=num_prefill, num_decode=num_decode, routers=routers, redis=redis,
+        prefill=EngineSpec(kv=bidirectional_config("prefill"), transport="tcp",
+                           enable_prefix_caching=False),
+        decode=EngineSpec(kv=bidirectional_config("decode"), transport="tcp"),
+        router=RouterSpec(extra_args=("--health-interval", "0.5", *router_args)),
+    )
+
+
+def _story(tag: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"{tag}: a long tale of ships, storms and maps. " * 5}]
+
+
+def _next(msgs: list[dict[str, Any]], answer: str, n: int) -> list[dict[str, Any]]:
+    return [*msgs, {"role": "assistant", "content": answer},
+            {"role": "user", "content": f"Go on with part {n}."}]
+
+
+def _pulled(topo: Any, before: list[Any]) -> float:
+    return sum((scrape(n.url) - b).value(TOKENS, source="external_kv_transfer")
+               for n, b in zip(topo.prefill, before, strict=True))
+
+
+def test_2p2d_next_turn_goes_to_the_d_holding_the_conversation(
+    request: pytest.FixtureRequest, run_dir: Path
+) -> None:
+    with _local(request)(_spec(2, 2), run_dir) as topo:
+        convs = {"A": _story("A"), "B": _story("B")}
+        home: dict[str, int] = {}
+        turns = {"A": 0, "B": 0}
+        # An order in which per-request round-robin would move B2 and A2 to the other D.
+        for name in ("A", "B", "B", "A", "A", "B"):
+            turn = turns[name]
+            turns[name] += 1
+            before = [scrape(d.url) for d in topo.decode]
+            res = chat(topo.router_url, convs[name], f"sticky-{name}")
+            assert res.status == 200
+            deltas = [scrape(d.url) - b for d, b in zip(topo.decode, before, strict=True)]
+            served = [i for i, dl in enumerate(deltas)
+                      if sum(dl.value(TOKENS, source=s) for s in
+                             ("local_compute", "local_cache_hit", "external_kv_transfer"))]
+            assert len(served) == 1
+            home.setdefault(name, served[0])
+            assert served[0] == home[name], f"turn {turn + 1} of {name} moved to another D"
+            if turn:
+                # D's own prefix cache holds the history: it pulls only the new tail
+                assert deltas[served[0]].value(TOKENS, source="local_cache_hit") >= 64
+            convs[name] = _next(convs[name], res.text, turn + 2)
+        assert home["A"] != home["B"], "least-loaded placement should spread conversations"
+        assert router_counter(topo.router_url, "cache_hits") == 4
+
+
+def test_decode_dying_mid_stream_gives_an_sse_error_and_drops_the_entry(
+    request: pytest.FixtureRequest, run_dir: Path
+) -> None:
+    import json
+    import urllib.request
+
+    with _local(request)(_spec(1, 2), run_dir) as topo:
+        for d in topo.decode:
+            req = urllib.request.Request(d.url + "/_emulator/faults",
+                                         data=json.dumps({"exit_after_tokens": 3}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=10).close()
+        msgs = _story("dies")
+        res = chat(topo.router_url, msgs, "dies")
+        assert res.status == 200  # headers were sent before D died
+        assert res.error is not None and res.error["code"] == 502
+        assert "mid-stream" in res.error["message"]
+        assert res.raw.rstrip().endswith(b"data: [DONE]")
+        dead = [d for d in topo.decode if topo.process(d.name).returncode is not None]
+        assert len(dead) == 1
+        alive = next(d for d in topo.decode if d not in dead)
+        req = urllib.request.Request(alive.url + "/_emulator/faults",
+                                     data=json.dumps({"exit_after_tokens": 0}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).close()
+        assert router_counter(topo.router_url, "errors", cause="decode_mid_stream") == 1
+        assert router_counter(topo.router_url, "cache_stores") == 0
+        before = [scrape(p.url) for p in topo.prefill]
+        again = chat(topo.router_url, _next(msgs, res.text, 2), "dies")
+        assert again.status == 200 and again.error is None
+        assert _pulled(topo, before) == 0  # the entry was dropped: a miss
+
+
+@pytest.fixture
+def redis_binary(request: pytest.FixtureRequest) -> None:
+    if shutil.which("redis-server") is None:
+        skip_or_fail(request.config, "integration",
+                     "redis-server binary not found (ci/provision.d/redis.sh installs it)")
+
+
+def test_two_replicas_on_redis_alternate_turns_and_survive_a_restart(
+    request: pytest.FixtureRequest, run_dir: Path, redis_binary: None
+) -> None:
+    with _local(request)(_spec(routers=2, redis=True), run_dir) as topo:
+        r0, r1 = (r.url for r in topo.routers)
+        msgs = _story("replicas")
+        answer = chat(r0, msgs, "rep").text
+        for n, url in enumerate((r1, r0), start=2):
+            msgs = _next(msgs, answer, n)
+            before = [scrape(p.url) for p in topo.prefill]
+            res = chat(url, msgs, "rep")
+            assert res.status == 200
+            assert _pulled(topo, before) >= 64, f"turn {n} via another replica did not hit"
+            answer = res.text
+        assert router_counter(r1, "cache_hits") == 1 and router_counter(r0, "cache_hits") == 1
+        # restart: a new router process on the same Redis keeps the conversation
+        topo.process("router-0").stop()
+        topo.process("router-1").stop()
+        assert topo.redis is not None
+        fresh = start_router_process(
+            run_dir, [(p.host, p.port) for p in topo.prefill],
+            [(d.host, d.port) for d in topo.decode],
+            extra=("--store", topo.redis.url, "--block-size", "16"), name="router-restarted",
+        )
+        try:
+            msgs = _next(msgs, answer, 4)
+            before = [scrape(p.url) for p in topo.prefill]
+            res = chat(fresh.url, msgs, "rep")
+            assert res.status == 200 and _pulled(topo, before) >= 64
+            assert router_counter(fresh.url, "cache_hits") == 1
+        finally:
+            fresh.proc.stop()
+
+
+def test_memory_store_loses_conversations_on_restart(
+    request: pytest.FixtureRequest, run_dir: Path
+) -> None:
+    """Control for the restart above: the same sequence with the memory store misses."""
+    with _local(request)(_spec(), run_dir) as topo:
+        msgs = _story("restart-mem")
+        answer = chat(topo.router_url, msgs, "rm").text
+        topo.process("router-0").stop()
+        fresh = start_router_process(
+            run_dir, [(p.host, p.port) for p in topo.prefill],
+            [(d.host, d.port) for d in topo.decode], name="router-mem-restarted",
+        )
+        try:
+            before = [scrape(p.url) for p in topo.prefill]
+            res = chat(fresh.url, _next(msgs, answer, 2), "rm")
+            assert res.status == 200 and _pulled(topo, before) == 0
+        finally:
+            fresh.proc.stop()
+
+
+# ---- the Redis store itself ---------------------------------------------------------
+
+
+def _entry(t: float) -> Any:
+    from bidir_kv.router.store import Entry
+
+    params = KVTransferParams.parse({"do_remote_decode": True, "do_remote_prefill": False,
+                                     "remote_block_ids": [[1, 2]], "remote_engine_id": "d",
+                                     "remote_request_id": "r", "remote_host": "h",
+                                     "remote_port": 1, "remote_num_tokens": 20})
+    return Entry(params, "h:1", "p:1", t, [1, 2, 3])
+
+
+def test_redis_store_single_use_under_concurrency_ttl_and_bound(redis_server: RedisServer
+                                                                ) -> None:
+    from bidir_kv.router.store import RedisStore
+
+    now = [time.time()]
+
+    async def go() -> None:
+        a = RedisStore(redis_server.url, ttl=10, max_entries=3, now=lambda: now[0])
+        b = RedisStore(redis_server.url, ttl=10, max_entries=3, now=lambda: now[0])
+        try:
+            await a.put("t/c", _entry(now[0]))
+            results = await asyncio.gather(*(s.take("t/c") for s in (a, b, a, b)))
+            assert sum(r.entry is not None for r in results) == 1  # GETDEL: exactly one
+            got = next(r.entry for r in results if r.entry is not None)
+            assert list(got.tokens or []) == [1, 2, 3] and got.decode == "h:1"
+            await a.put("t/old", _entry(now[0]))
+            now[0] += 11
+            stale = await b.take("t/old")
+            assert stale.entry is None and stale.stale
+            for k in range(5):
+                await a.put(f"t/{k}", _entry(now[0] + k))
+            assert await b.size() == 3 and a.evicted_lru == 2
+            assert (await b.take("t/0")).entry is None and (await b.take("t/4")).entry
+            now[0] += 100
+            assert await a.sweep() == 2 and await a.size() == 0
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
+
+
+def test_redis_store_down_is_a_clear_error(run_dir: Path, redis_binary: None) -> None:
+    from bidir_kv.router.store import RedisStore, StoreError
+
+    server = RedisServer(run_dir).start()
+    url = server.url
+    server.stop()
+
+    async def go() -> None:
+        s = RedisStore(url, ttl=10, max_entries=3)
+        try:
+            with pytest.raises(StoreError, match=r"redis store .* GETDEL failed"):
+                await s.take("t/x")
+        finally:
+            await s.close()
+
+    asyncio.run(go())
