@@ -93,6 +93,7 @@ def run_dir(tmp_path: Path) -> Iterator[Path]:
     d = tmp_path / "run"
     d.mkdir()
     yield d
+from bidir_kv.testing.containers import container_image, container_topology, docker_client  # noqa: E402, F401
 from bidir_kv.testing.engines import engine_pair, shared_pair  # noqa: E402, F401
 from bidir_kv.testing.hardware import gpu_pd  # noqa: E402, F401
 from bidir_kv.testing.router import redis_server, router_process  # noqa: E402, F401
