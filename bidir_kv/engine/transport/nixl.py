@@ -55,13 +55,19 @@ def _ucx_tls_hint() -> str:
     return ""
 
 
-def _new_agent(name: str, backends: Sequence[str]) -> Any:
+def _prog_thread_default() -> bool:
+    return os.environ.get("BIDIR_KV_NIXL_PROG_THREAD", "0").lower() in ("1", "true", "yes")
+
+
+def _new_agent(name: str, backends: Sequence[str], prog_thread: bool | None = None) -> Any:
     try:
         api = _nixl_api()
     except ImportError as exc:
         raise TransportError(f"nixl does not import: {exc}") from None
     conf = api.nixl_agent_config(
-        enable_prog_thread=True, backends=list(backends), capture_telemetry=True
+        enable_prog_thread=_prog_thread_default() if prog_thread is None else prog_thread,
+        backends=list(backends),
+        capture_telemetry=True,
     )
     agent = api.nixl_agent(name, conf)
     missing = [b for b in backends if b not in agent.backends]

@@ -4,6 +4,8 @@ Roles (``python -m bidir_kv.engine.transport.peer ROLE ...``):
 
 * ``raw-target``: a bare NIXL agent owning one seeded buffer, exactly the target of
   cpu-vllm.md §6.2; publishes agent metadata and serialized descriptors in a file.
+* ``raw-tcp-target``: the same buffer served over plain blocking TCP (the loopback
+  ceiling for the TCP transport);
 * ``owner``: one of our agents (``--backend tcp|nixl``) owning a seeded pool, behind a
   real side channel; every notification it receives is appended to ``notifs.log``.
 
@@ -52,7 +54,8 @@ def _raw_target(args: argparse.Namespace) -> int:
     from bidir_kv.engine.transport.nixl import _nixl_api
 
     api = _nixl_api()
-    agent = api.nixl_agent("raw-target", api.nixl_agent_config(backends=["UCX"]))
+    conf = api.nixl_agent_config(enable_prog_thread=args.prog_thread, backends=["UCX"])
+    agent = api.nixl_agent("raw-target", conf)
     buf = seeded_pool_bytes(args.seed, 1, args.nbytes).reshape(-1)
     region = np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64)
     reg = agent.register_memory(region, "DRAM")
@@ -69,6 +72,35 @@ def _raw_target(args: argparse.Namespace) -> int:
     )
     signal.sigwait({signal.SIGTERM})
     agent.deregister_memory(reg)
+    return 0
+
+
+def _raw_tcp_target(args: argparse.Namespace) -> int:
+    """Serve one seeded buffer over plain blocking TCP: each byte received asks for it all."""
+    import socket
+    import threading
+
+    buf = seeded_pool_bytes(args.seed, 1, args.nbytes).reshape(-1)
+    lsock = socket.create_server(("127.0.0.1", 0))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def serve() -> None:
+        while True:
+            conn, _ = lsock.accept()
+            with conn:
+                while conn.recv(1):
+                    conn.sendall(buf.data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    write_atomic(
+        Path(args.dir) / READY,
+        {
+            "port": lsock.getsockname()[1],
+            "sha256": hashlib.sha256(buf.tobytes()).hexdigest(),
+            "pid": os.getpid(),
+        },
+    )
+    signal.sigwait({signal.SIGTERM})
     return 0
 
 
@@ -183,6 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw.add_argument("--dir", required=True)
     raw.add_argument("--nbytes", type=int, required=True)
     raw.add_argument("--seed", type=int, default=0)
+    raw.add_argument("--prog-thread", action="store_true", help="NIXL progress thread on")
+    rtcp = sub.add_parser("raw-tcp-target", help="one buffer over plain blocking TCP")
+    rtcp.add_argument("--dir", required=True)
+    rtcp.add_argument("--nbytes", type=int, required=True)
+    rtcp.add_argument("--seed", type=int, default=0)
     own = sub.add_parser("owner", help="one of our agents behind a side channel")
     own.add_argument("--dir", required=True)
     own.add_argument("--backend", choices=["tcp", "nixl"], required=True)
@@ -193,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.role == "raw-target":
         return _raw_target(args)
+    if args.role == "raw-tcp-target":
+        return _raw_tcp_target(args)
     return asyncio.run(_owner(args))
 
 
