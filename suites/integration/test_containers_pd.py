@@ -1,0 +1,166 @@
+"""1P1D + router in Docker containers: a multi-turn conversation with a real D->P pull
+over the container network, and faults (a cut P->D link, a killed D) through the router.
+
+P runs with prefix caching off (the AWS blog's setting, spec §13.2), so on turn 2
+everything D retained must come from D (``external_kv_transfer`` on P, bytes moved,
+telemetry on P as the initiator, spec §11.1) or be recomputed. Each turn's answer is
+compared with the same conversation served without reuse: the emulated model is
+deterministic, so pulled KV that belonged to other tokens would change the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bidir_kv.scrape import MetricsSnapshot, scrape
+from bidir_kv.testing.router import bidirectional_config, chat
+from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
+from bidir_kv.topology.container import ContainerTopology
+
+TOKENS = "vllm:prompt_tokens_by_source_total"
+BYTES = "vllm:nixl_bytes_transferred_sum"
+XFERS = "vllm:nixl_xfer_time_seconds_count"
+FAILED = "vllm:nixl_num_failed_transfers_total"
+FALLBACKS = "bidir_kv_router_fallbacks_total"
+HITS = "bidir_kv_router_cache_hits_total"
+
+Factory = Callable[..., ContainerTopology]
+
+
+def _spec(num_decode: int = 1) -> TopologySpec:
+    return TopologySpec(
+        num_prefill=1,
+        num_decode=num_decode,
+        prefill=EngineSpec(kv=bidirectional_config("prefill"), enable_prefix_caching=False),
+        decode=EngineSpec(kv=bidirectional_config("decode")),
+        router=RouterSpec(extra_args=("--health-interval", "0.5")),
+    )
+
+
+def _opening(tag: str) -> list[dict[str, Any]]:
+    # ~300 tokens, far above the 64-token recompute threshold
+    return [{"role": "user", "content": f"{tag}: the harbour log of a long voyage. " * 30}]
+
+
+def _next(msgs: list[dict[str, Any]], answer: str, n: int) -> list[dict[str, Any]]:
+    return [*msgs, {"role": "assistant", "content": answer},
+            {"role": "user", "content": f"Continue with chapter {n}, please."}]  # fmt: skip
+
+
+def _delta(url: str, before: MetricsSnapshot) -> MetricsSnapshot:
+    return scrape(url) - before
+
+
+def _reference(url: str, turns: list[list[dict[str, Any]]]) -> list[str]:
+    """Answers with no conversation id: every turn is a miss, nothing is reused."""
+    out = []
+    for msgs in turns:
+        res = chat(url, msgs, None)
+        assert res.status == 200, res.raw
+        out.append(res.text)
+    return out
+
+
+def test_multiturn_conversation_pulls_history_from_d_across_containers(
+    container_topology: Factory,
+) -> None:
+    topo = container_topology(_spec())
+    p, d = topo.prefill[0], topo.decode[0]
+    url = topo.router_url
+
+    msgs = _opening("pd")
+    t1 = chat(url, msgs, "conv-pd")
+    assert t1.status == 200 and t1.text
+
+    answers = [t1.text]
+    history = [msgs]
+    for n in (2, 3):
+        msgs = _next(msgs, answers[-1], n)
+        history.append(msgs)
+        p0, d0, r0 = scrape(p.url), scrape(d.url), scrape(url)
+        res = chat(url, msgs, "conv-pd")
+        assert res.status == 200, res.raw
+        answers.append(res.text)
+        dp, dr = _delta(p.url, p0), _delta(url, r0)
+        # the router sent D's params to P, and P read D's retained blocks over the network
+        assert dr.value(HITS) == 1
+        assert dr.value(FALLBACKS) == 0
+        pulled = dp.value(TOKENS, source="external_kv_transfer")
+        assert pulled >= 64, f"turn {n}: P pulled {pulled} tokens (threshold 64)"
+        assert dp.value(TOKENS, source="local_cache_hit") == 0  # P's prefix cache is off
+        assert dp.value(XFERS) >= 1 and dp.value(BYTES) > 0  # initiator records telemetry
+        assert dp.value(FAILED) == 0
+        # D served the turn and still had most of the history in its own prefix cache
+        dd = _delta(d.url, d0)
+        assert dd.value(TOKENS, source="local_cache_hit") > 0
+
+    assert _reference(url, history) == answers
+
+
+def test_cut_p_to_d_link_falls_back_to_recompute_with_the_same_answer(
+    container_topology: Factory,
+) -> None:
+    topo = container_topology(_spec())
+    p, d = topo.prefill[0], topo.decode[0]
+    url = topo.router_url
+
+    msgs = _opening("cut")
+    t1 = chat(url, msgs, "conv-cut")
+    assert t1.status == 200
+    msgs2 = _next(msgs, t1.text, 2)
+
+    # P can no longer open (or use) connections to D; D still reaches P and the router
+    topo.block_outbound(p.name, d.name)
+    p0, r0 = scrape(p.url), scrape(url)
+    t2 = chat(url, msgs2, "conv-cut")
+    assert t2.status == 200, t2.raw
+    dp, dr = _delta(p.url, p0), _delta(url, r0)
+    assert dr.value(HITS) == 1  # the router did try reuse ...
+    assert dr.value(FALLBACKS) >= 1  # ... P failed the read, the router retried as a miss
+    assert dp.value(FAILED) >= 1
+    assert dp.value(TOKENS, source="external_kv_transfer") == 0
+    assert dp.value(TOKENS, source="local_compute") > 0
+
+    # the link heals: the next turn pulls again
+    topo.unblock_all()
+    msgs3 = _next(msgs2, t2.text, 3)
+    p1 = scrape(p.url)
+    t3 = chat(url, msgs3, "conv-cut")
+    assert t3.status == 200, t3.raw
+    assert _delta(p.url, p1).value(TOKENS, source="external_kv_transfer") >= 64
+
+    assert _reference(url, [msgs, msgs2, msgs3]) == [t1.text, t2.text, t3.text]
+
+
+def test_killed_decode_container_conversation_continues_on_the_other_d(
+    container_topology: Factory,
+) -> None:
+    topo = container_topology(_spec(num_decode=2))
+    p = topo.prefill[0]
+    url = topo.router_url
+
+    msgs = _opening("kill")
+    before = [scrape(n.url) for n in topo.decode]
+    t1 = chat(url, msgs, "conv-kill")
+    assert t1.status == 200
+    served = [
+        n for n, b in zip(topo.decode, before, strict=True)
+        if _delta(n.url, b).value(TOKENS) > 0
+    ]  # fmt: skip
+    assert len(served) == 1
+    home = served[0]
+    other = next(n for n in topo.decode if n is not home)
+
+    topo.kill(home.name)  # SIGKILL: D's retained blocks are gone with it
+    assert topo.status(home.name) == "exited"
+
+    msgs2 = _next(msgs, t1.text, 2)
+    p0, o0, r0 = scrape(p.url), scrape(other.url), scrape(url)
+    t2 = chat(url, msgs2, "conv-kill")
+    assert t2.status == 200, t2.raw
+    dp, do, dr = _delta(p.url, p0), _delta(other.url, o0), _delta(url, r0)
+    assert dr.value(FALLBACKS) >= 1
+    assert dp.value(TOKENS, source="external_kv_transfer") == 0  # nothing left to pull
+    assert do.value(TOKENS) > 0  # the surviving D served the turn
+    assert _reference(url, [msgs, msgs2]) == [t1.text, t2.text]
