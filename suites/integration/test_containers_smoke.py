@@ -16,11 +16,13 @@ from bidir_kv.topology.container_image import IMAGE_PYTHON, ImageBuild
 def test_image_runs_the_package_without_a_registry(
     docker_client: Any, container_image: ImageBuild
 ) -> None:
+    code = (
+        "import sys, bidir_kv.engine.cli, bidir_kv.router.cli, numpy, aiohttp, ssl; "
+        "print(sys.version_info[:2], bidir_kv.__file__)"
+    )
     out = docker_client.containers.run(
         container_image.tag,
-        [IMAGE_PYTHON, "-c",
-         "import sys, bidir_kv.engine.cli, bidir_kv.router.cli, numpy, aiohttp, ssl; "
-         "print(sys.version_info[:2], bidir_kv.__file__)"],  # fmt: skip
+        [IMAGE_PYTHON, "-c", code],
         remove=True,
         init=True,
         network_mode="none",  # nothing is fetched at run time
