@@ -1,0 +1,86 @@
+"""Startup benchmark: launch-to-``/health``-200 of ``bidir-kv engine`` per transport.
+
+``python -m bidir_kv.engine.bench_startup --transport tcp nixl --runs 5`` starts one
+engine at a time (so runs do not compete for the CPU), polls ``/health`` every 5 ms
+and prints min/median per transport, next to the cost of a bare interpreter that only
+imports the engine's dependencies, measured in the same run as the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from bidir_kv.topology.process import ManagedProcess, free_port
+
+__all__ = ["main", "measure_once"]
+
+
+def _poll(url: str, proc: ManagedProcess, timeout: float) -> None:
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        if proc.returncode is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode}\n{proc.log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.005)
+    raise RuntimeError(f"{url} not healthy after {timeout} s\n{proc.log_tail()}")
+
+
+def measure_once(transport: str, log_dir: Path) -> float:
+    port, side = free_port(), free_port()
+    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}  # fmt: skip
+    argv = [sys.executable, "-m", "bidir_kv", "engine", "tiny", "--host", "127.0.0.1",
+            "--port", str(port), "--transport", transport]  # fmt: skip
+    proc = ManagedProcess(f"engine-{transport}", argv, log_dir / f"{transport}-{port}.log", env)
+    t0 = time.perf_counter()
+    proc.start()
+    try:
+        _poll(f"http://127.0.0.1:{port}/health", proc, 120)
+        return time.perf_counter() - t0
+    finally:
+        proc.stop()
+
+
+def baseline_import() -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import aiohttp.web, numpy, prometheus_client"],
+                   check=True)  # fmt: skip
+    return time.perf_counter() - t0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bidir_kv.engine.bench_startup")
+    p.add_argument("--transport", nargs="+", default=["tcp"], choices=("tcp", "nixl", "auto"))
+    p.add_argument("--runs", type=int, default=5)
+    ns = p.parse_args(argv)
+    if ns.runs < 1:
+        p.error("--runs must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="bidir-kv-startup-") as tmp:
+        base = [baseline_import() for _ in range(ns.runs)]
+        print(f"baseline (python + import aiohttp.web, numpy, prometheus_client): "
+              f"min {min(base):.3f} s, median {statistics.median(base):.3f} s")  # fmt: skip
+        for transport in ns.transport:
+            times = [measure_once(transport, Path(tmp)) for _ in range(ns.runs)]
+            med = statistics.median(times)
+            print(f"{transport}: launch -> /health 200: min {min(times):.3f} s, median "
+                  f"{med:.3f} s ({med / statistics.median(base):.2f}x baseline)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
