@@ -244,14 +244,43 @@ def _write_manifest(out: Path, manifest: Mapping[str, Any]) -> None:
     tmp.replace(out / "manifest.json")
 
 
+class _Interrupt:
+    """First Ctrl-C: finish in-flight requests, write what ran, stop. Second: abort now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.request()
+
+    def request(self) -> None:
+        if not self.requested:
+            print(
+                "interrupt: stopping after the requests in flight (Ctrl-C again to abort)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.requested = True
+
+
 def _run_point_interruptible(
-    convs: Sequence[Conversation], opts: RunOptions, leg: str, on_request: Callable[..., None]
+    convs: Sequence[Conversation],
+    opts: RunOptions,
+    leg: str,
+    on_request: Callable[..., None],
+    intr: _Interrupt,
 ) -> PointResult:
     async def go() -> PointResult:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
         def first_sigint() -> None:
+            intr.request()
             stop.set()
             loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C aborts hard
 
@@ -261,7 +290,10 @@ def _run_point_interruptible(
         finally:
             loop.remove_signal_handler(signal.SIGINT)
 
-    return asyncio.run(go())
+    try:
+        return asyncio.run(go())
+    finally:
+        intr.install()
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -333,6 +365,9 @@ def run_bench(args: argparse.Namespace) -> int:
     progress = _Progress(total, args.progress)
     conv_cache: dict[int, list[Conversation]] = {}
     interrupted = False
+    intr = _Interrupt()
+    previous_handler = signal.getsignal(signal.SIGINT)
+    intr.install()
 
     def conversations(spec: WorkloadSpec, counter: TokenCounter) -> list[Conversation]:
         if spec.prefix_tokens not in conv_cache:
@@ -349,13 +384,19 @@ def run_bench(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout_sec,
         )
         for i, spec in enumerate(specs):
+            if intr.requested:
+                return False
             if i and args.point_sleep > 0:
-                time.sleep(args.point_sleep)
+                wake = time.monotonic() + args.point_sleep
+                while not intr.requested and time.monotonic() < wake:
+                    time.sleep(min(0.2, wake - time.monotonic()))
             progress.describe(f"{leg.upper()} prefix {spec.prefix_tokens}: preparing prompts")
             convs = conversations(spec, counter)
+            if intr.requested:
+                return False
             progress.describe(f"{leg.upper()} prefix {spec.prefix_tokens}")
             before = snapshot_nodes(nodes)
-            result = _run_point_interruptible(convs, opts, leg, progress.advance)
+            result = _run_point_interruptible(convs, opts, leg, progress.advance, intr)
             after = snapshot_nodes(nodes)
             write_point(out, leg, spec.prefix_tokens, result, metrics_delta(before, after))
             manifest["runs"].setdefault(leg, {})[str(spec.prefix_tokens)] = {
@@ -396,17 +437,26 @@ def run_bench(args: argparse.Namespace) -> int:
                 progress.describe(f"{leg.upper()}: starting {args.topology} 1P1D + router")
                 with start_leg(leg, setup) as topo:
                     manifest.setdefault("nodes", {})[leg] = {
-                        n.name: {"role": n.role, "url": n.url, "log": n.log_path}
+                        n.name: {
+                            "role": n.role,
+                            "url": n.url,
+                            "log": n.log_path,
+                            "pid": n.info.get("pid"),
+                        }
                         for n in topo.nodes()
                     }
                     counter = HttpTokenCounter(topo.prefill[0].url, args.model)
-                    ok = sweep(leg, topo.router_url, node_urls(topo), counter)
-                if not ok:
+                    ok = not intr.requested and sweep(
+                        leg, topo.router_url, node_urls(topo), counter
+                    )
+                if not ok or intr.requested:
                     interrupted = True
                     break
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        interrupted = interrupted or intr.requested
         progress.close()
         manifest["complete"] = not interrupted
         manifest["interrupted"] = interrupted

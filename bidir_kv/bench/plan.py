@@ -156,8 +156,11 @@ def break_even_tokens(cost: CostModel, context_tokens: float = 0.0) -> float:
         if lin <= 0:
             return math.inf
         return o / lin
-    # q n² + lin n − o = 0, positive root
-    return (-lin + math.sqrt(lin * lin + 4 * q * o)) / (2 * q)
+    # q n² + lin n − o = 0, positive root, in the form without cancellation
+    disc = math.sqrt(lin * lin + 4 * q * o)
+    if lin > 0:
+        return 2 * o / (lin + disc)
+    return (disc - lin) / (2 * q)
 
 
 def recommend_threshold(cost: CostModel, block_size: int = 16) -> tuple[int | None, str]:

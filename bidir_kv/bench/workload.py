@@ -11,6 +11,7 @@ conversations. Token counts are made exact with the server's tokenizer
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -182,7 +183,8 @@ def build_conversations(
         turns: list[Turn] = []
         for t in range(spec.num_turns):
             target = spec.input_tokens + (spec.prefix_tokens if t == 0 else 0)
-            head = f"conversation {cid} turn {t + 1}:" if t == 0 else f"turn {t + 1}:"
+            tag = hashlib.sha1(key.encode()).hexdigest()[:12]
+            head = f"{tag} {cid} turn {t + 1}:" if t == 0 else f"turn {t + 1}:"
             text, ntok = fit_text(target, random.Random(f"{key}:{t}"), count, head=head)
             beyond = t > 0 and gap_rng.random() < spec.beyond_ttl_fraction
             if t == 0:

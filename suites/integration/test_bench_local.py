@@ -1,0 +1,119 @@
+"""A tiny OFF/ON sweep through LocalTopology (emulated 1P1D + router as processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bidir_kv.bench.report import build_report, ratio_rows
+from bidir_kv.bench.report_cli import main as report_main
+from bidir_kv.bench.results import load_result
+from bidir_kv.bench.stats import VLLM_FIELDS
+from bidir_kv.scrape import scrape
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench_argv(out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "bidir_kv", "bench", "--topology", "emulator", "--profile", "tiny",
+        "--transport", "tcp", "--num-conversations", "2", "--input-tokens", "24",
+        "--output-tokens", "6", "--no-progress", "-o", str(out), *extra,
+    ]  # fmt: skip
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def started_pids(manifest: dict) -> list[int]:
+    return [
+        n["pid"] for leg in manifest.get("nodes", {}).values() for n in leg.values() if n.get("pid")
+    ]
+
+
+def test_tiny_sweep_engages_reuse_only_when_on(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        bench_argv(out, "--prefix-tokens", "64,600", "--num-turns", "3", "--no-client-check"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    pids = started_pids(manifest)
+    assert len(pids) == 6  # P, D, router per leg
+    assert not any(pid_alive(p) for p in pids)
+    result = load_result(out)
+    assert result.legs == ["off", "on"] and result.prefix_points == [64, 600]
+    raw = json.loads((out / "on" / "p000600.stats.json").read_text())
+    assert len(raw) == 6 and all(set(VLLM_FIELDS) <= set(r) for r in raw)
+    assert all(r["ok"] for r in raw)
+    # exact prompt lengths via the engine's /tokenize: turn 1 = prefix + input tokens
+    assert sorted({r["input_num_tokens"] for r in raw if r["turn"] == 1}) == [624]
+    report = build_report(result)
+    for point in (64, 600):
+        off, on = report.get("off", point), report.get("on", point)
+        assert off is not None and on is not None
+        # the mechanism, not TTFT: ON pulled history from D on P, OFF never did
+        assert off.tokens_external == 0 and off.xfer_count == 0
+        assert on.tokens_external > 0 and on.xfer_count > 0
+        assert on.tokens_local_compute < off.tokens_local_compute
+        assert off.prefill_count == on.prefill_count == 6  # router histogram, all requests
+    assert [r["point"] for r in ratio_rows(report)] == [64, 600]
+    assert report_main([str(out)]) == 0
+    assert (out / "ttft.png").is_file() and (out / "prefill.png").is_file()
+
+
+def test_ctrl_c_leaves_a_valid_partial_result(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    proc = subprocess.Popen(
+        bench_argv(out, "--prefix-tokens", "64,128,256", "--num-turns", "40", "--legs", "on"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        first = out / "on" / "p000064.stats.json"
+        while not first.exists():  # the first point (80 requests) is written
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "bench never finished its first point"
+            time.sleep(0.1)
+        router = json.loads((out / "manifest.json").read_text())["nodes"]["on"]["router-0"]
+        while scrape(router["url"]).value("bidir_kv_router_requests_total") < 82:
+            assert time.monotonic() < deadline, "bench never started its second point"
+            time.sleep(0.05)  # polling: the second point's requests are now flowing
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["interrupted"] is True
+    assert not any(pid_alive(p) for p in started_pids(manifest))
+    result = load_result(out)  # every file present parses
+    assert (("on", 64)) in result.points
+    partial = result.points.get(("on", 128))
+    assert partial is not None and partial[1]["interrupted"] is True
+    assert 0 < len(partial[0]) < 80
+    assert ("on", 256) not in result.points
+    assert not list(out.rglob("*.tmp"))
+    assert report_main([str(out)]) == 0
+    assert "partial result" in (out / "report.md").read_text()

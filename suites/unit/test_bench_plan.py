@@ -1,0 +1,188 @@
+"""Planner math: KV bytes per token (GQA, MLA), FLOPs, break-even, TTFT rows, TTL memory."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bidir_kv.bench.distributions import Distribution
+from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
+from bidir_kv.bench.plan import (
+    CostModel,
+    Hardware,
+    PlanError,
+    Workload,
+    break_even_tokens,
+    profile_fields,
+    recommend_threshold,
+    recommend_ttl,
+    ttft_rows,
+    ttl_rows,
+)
+from bidir_kv.bench.plan_cli import main as plan_main
+from bidir_kv.engine.profiles import load_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "fixtures" / "model_configs"
+
+
+def shape(name: str):
+    return model_shape(load_model_config(CONFIGS / f"{name}.json"))
+
+
+def test_qwen3_32b_gqa_kv_bytes_and_params() -> None:
+    s = shape("qwen3-32b")
+    assert s.attention == "gqa"
+    # 64 layers × 8 KV heads × 128 × 2 (K, V) × 2 bytes
+    assert s.kv_bytes_per_token(1) == 64 * 8 * 128 * 2 * 2 == 262_144
+    # TP 8: one KV head per rank, the group total is unchanged
+    assert s.kv_bytes_per_token_per_rank(8) == 32_768
+    assert s.kv_bytes_per_token(8) == 262_144
+    # TP 16 > 8 KV heads: heads are replicated, the group holds twice as much
+    assert s.kv_bytes_per_token(16) == 2 * 262_144
+    assert s.total_params == pytest.approx(32.8e9, rel=0.01)  # Qwen3-32B model card
+
+
+def test_glm5_mla_kv_bytes_and_params() -> None:
+    s = shape("glm-5-fp8")
+    assert s.attention == "mla"
+    latent = 78 * (512 + 64) * 2  # one latent per layer, bf16
+    indexer = 78 * (128 + 4)  # FP8 indexer keys + fp32 scale
+    assert s.kv_bytes_per_token_per_rank(8) == latent + indexer
+    assert s.kv_bytes_per_token(8) == 8 * (latent + indexer)  # replicated on every rank
+    assert s.total_params == pytest.approx(744e9, rel=0.01)  # GLM-5 model card: 744B
+    assert s.active_params == pytest.approx(40e9, rel=0.03)  # 40B active
+
+
+def test_mla_without_rope_dim_is_named() -> None:
+    with pytest.raises(ModelConfigError, match="qk_rope_head_dim"):
+        model_shape(
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "vocab_size": 10,
+                "kv_lora_rank": 4,
+                "intermediate_size": 16,
+            }
+        )
+    with pytest.raises(ModelConfigError, match="num_hidden_layers"):
+        model_shape({"hidden_size": 8})
+
+
+def test_profiles_match_the_planner_derivation() -> None:
+    """fixtures/profiles/*-p5en.json are what profile_fields derives (docs/profiles.md)."""
+    cases = [
+        ("qwen3-32b-p5en", "qwen3-32b", Hardware(), 2.0),
+        ("glm5-fp8-p5en", "glm-5-fp8", Hardware(peak_tflops_per_gpu=1979.0, mfu=0.20), 1.0),
+    ]
+    for prof_name, cfg, hw, wbytes in cases:
+        prof = load_profile(prof_name)
+        want = profile_fields(shape(cfg), hw, wbytes)
+        for key, value in want.items():
+            assert getattr(prof, key) == pytest.approx(value, rel=1e-3), (prof_name, key)
+        # the emulator's transfer model equals the planner's pull model
+        cost = CostModel.from_hardware(shape(cfg), hw)
+        assert prof.transfer_seconds(10_000) * 1e6 == pytest.approx(cost.pull_us(10_000), rel=1e-3)
+        assert prof.prefill_seconds(5_000, 1_000) * 1e6 == pytest.approx(
+            cost.recompute_us(5_000, 1_000), rel=1e-3
+        )
+
+
+def cost(a=20.0, b=0.0, x=1.0, o=2000.0) -> CostModel:
+    return CostModel(a, b, x, o, kv_bytes_per_token=1000.0)
+
+
+def test_break_even_linear() -> None:
+    # 2000 µs fixed / (20 − 1) µs saved per token
+    assert break_even_tokens(cost()) == pytest.approx(2000 / 19)
+    t, why = recommend_threshold(cost(), block_size=16)
+    assert t == 112 and "105.3" in why
+    never, why = recommend_threshold(cost(a=1.0, x=2.0))
+    assert never is None and "never" in why
+
+
+@given(
+    a=st.floats(0.1, 100),
+    b=st.one_of(st.just(0.0), st.floats(1e-6, 5)),
+    x=st.floats(0, 50),
+    o=st.floats(0, 1e5),
+)
+def test_break_even_is_the_crossover(a: float, b: float, x: float, o: float) -> None:
+    c = cost(a, b, x, o)
+    n = break_even_tokens(c)
+    if math.isinf(n):
+        assert b == 0 and a <= x
+        return
+    # at n recompute equals pull; above it pulling is cheaper, below it recomputing is
+    assert c.recompute_us(n) == pytest.approx(c.pull_us(n), rel=1e-6, abs=1e-6)
+    if n > 1:
+        assert c.recompute_us(n * 0.5) <= c.pull_us(n * 0.5) + 1e-6
+    assert c.recompute_us(n * 2 + 1) >= c.pull_us(n * 2 + 1) - 1e-6
+
+
+@given(length=st.integers(200, 100_000), thr=st.integers(0, 10_000))
+def test_ttft_rows(length: int, thr: int) -> None:
+    c = cost(b=0.5)
+    (row,) = ttft_rows(c, [length], new_tokens=150, threshold=thr, fixed_us=1000)
+    assert row.history_tokens == length - 150
+    assert row.pulls == (length - 150 >= thr)
+    assert row.off_ms == pytest.approx((c.recompute_us(length) + 1000) / 1e3)
+    if not row.pulls:
+        assert row.on_ms == row.off_ms
+    else:
+        expect = c.pull_us(length - 150) + c.recompute_us(150, length - 150) + 1000
+        assert row.on_ms == pytest.approx(expect / 1e3)
+    assert row.saving_ms == pytest.approx(row.off_ms - row.on_ms)
+
+
+def test_ttl_memory_littles_law() -> None:
+    c = cost()
+    w = Workload(
+        conversations_per_s=0.5,
+        turns=3,
+        first_prompt_tokens=1000,
+        tokens_per_turn=400,
+        output_tokens=100,
+        gap=Distribution.parse("const:20"),
+    )
+    assert w.held_tokens(1) == 1099 and w.held_tokens(3) == 1899
+    short, long_ = ttl_rows(c, w, [10, 60], gpus=8)
+    # TTL 10 s < gap 20 s: every follow-up misses, turns held 10 s each
+    assert short.miss_fraction == 1.0
+    assert short.held_tokens == pytest.approx(0.5 * (1099 + 1499 + 1899) * 10)
+    # TTL 60 s: turns 1-2 held until the next turn (20 s), the last for the full TTL
+    assert long_.miss_fraction == 0.0
+    assert long_.held_tokens == pytest.approx(0.5 * ((1099 + 1499) * 20 + 1899 * 60))
+    assert long_.held_gib == pytest.approx(long_.held_tokens * 1000 / 2**30)
+    assert long_.held_gib_per_gpu == pytest.approx(long_.held_gib / 8)
+
+
+def test_recommend_ttl() -> None:
+    c = cost()
+    w = Workload(0.1, 10, 2150, 450, 300, Distribution.parse("exp:60"))
+    rows = ttl_rows(c, w, [30, 60, 120, 240, 480, 960])
+    best, why = recommend_ttl(rows, miss_target=0.05)
+    # exp(60): P(gap > TTL - 5) <= 5% needs TTL - 5 >= 60 ln 20 ≈ 179.7 s
+    assert best.ttl_s == 240 and "5%" in why
+    tight, why = recommend_ttl(rows, miss_target=0.05, kv_budget_gib=rows[1].held_gib)
+    assert tight.ttl_s == 60 and "budget" in why
+    with pytest.raises(PlanError):
+        Hardware(mfu=0)
+
+
+def test_plan_cli_prints_a_plan(capsys) -> None:
+    assert plan_main(["--config", str(CONFIGS / "qwen3-32b.json"), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["recommended_threshold"] >= 16
+    assert plan["ttft"][-1]["ratio"] > plan["ttft"][0]["ratio"] > 1
+    assert plan["recommended_ttl_s"] in (30, 60, 120, 240, 480, 960, 1800)
+    assert plan_main(["--config", str(CONFIGS / "glm-5-fp8.json")]) == 0
+    assert "MLA" in capsys.readouterr().out
+    assert plan_main([]) == 2
+    assert "exactly one cost source" in capsys.readouterr().err
