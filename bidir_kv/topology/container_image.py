@@ -47,7 +47,8 @@ IMAGE_PYTHON = "/usr/local/bin/python3"
 BASE_REPO = "bidir-kv-base"
 APP_REPO = "bidir-kv"
 LABEL = "org.bidir-kv.image"
-_FORMAT = "2"  # bump when the layout below changes, so old cached images are not reused
+_FORMAT = "2"  # bump when the base layout changes, so old cached images are not reused
+_APP_FORMAT = "2"  # same for the app layer's Dockerfile
 
 # stdlib parts a headless server never imports
 _STDLIB_SKIP_TOP = {
@@ -320,6 +321,8 @@ def _app_context(base_tag: str, files: list[tuple[str, Path]], digest: str) -> i
         "COPY app /app\n"
         "WORKDIR /app\n"
         "ENV PYTHONPATH=/app PYTHONUNBUFFERED=1\n"
+        # bytecode once at build time instead of in every container start (~0.5 s each)
+        f'RUN ["{IMAGE_PYTHON}", "-m", "compileall", "-q", "/app/bidir_kv"]\n'
         f"LABEL {LABEL}=app {LABEL}.source={digest}\n"
     ).encode()
     buf = io.BytesIO()
@@ -347,6 +350,8 @@ def _build_lock(cache: Path) -> Iterator[None]:
 
 def ensure_image(client: Any | None = None, project_root: Path = PROJECT_ROOT) -> ImageBuild:
     """Return the project image, building whichever layer is missing."""
+    import docker.errors
+
     client = client or _docker_client()
     cache = project_root / ".cache"
     with _build_lock(cache):
@@ -376,7 +381,7 @@ def ensure_image(client: Any | None = None, project_root: Path = PROJECT_ROOT) -
             base_built, base_seconds = True, time.perf_counter() - t0
 
         app = _app_files(project_root)
-        digest = hashlib.sha256(base_tag.encode())
+        digest = hashlib.sha256(f"{_APP_FORMAT}|{base_tag}".encode())
         for rel, host in app:
             digest.update(rel.encode() + b"\0" + host.read_bytes() + b"\0")
         app_hash = digest.hexdigest()[:16]
@@ -384,14 +389,20 @@ def ensure_image(client: Any | None = None, project_root: Path = PROJECT_ROOT) -
         app_built, app_seconds = False, 0.0
         if not _image_exists(client, tag):
             t0 = time.perf_counter()
-            client.images.build(
-                fileobj=_app_context(base_tag, app, app_hash),
-                custom_context=True,
-                tag=tag,
-                rm=True,
-                forcerm=True,
-                pull=False,
-            )
+            try:
+                client.images.build(
+                    fileobj=_app_context(base_tag, app, app_hash),
+                    custom_context=True,
+                    tag=tag,
+                    rm=True,
+                    forcerm=True,
+                    pull=False,
+                )
+            except docker.errors.BuildError as exc:
+                lines = [str(x.get("stream", x.get("error", ""))).rstrip() for x in exc.build_log]
+                raise BackendUnavailable(
+                    f"building {tag} FROM {base_tag} failed: {exc}\n" + "\n".join(lines[-20:])
+                ) from None
             app_built, app_seconds = True, time.perf_counter() - t0
             _prune_old(client, keep={tag, base_tag})
         size = int(client.images.get(tag).attrs.get("Size", 0))
