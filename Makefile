@@ -49,7 +49,8 @@ pytest: venv
 	bash ci/pytest.sh $(PYTEST_ARGS)
 
 test: venv lint typecheck provision
-	bash ci/pytest.sh $(PYTEST_ARGS)
+	@# leftover test containers/networks are removed even when pytest fails (containers.md §4.3)
+	bash ci/pytest.sh $(PYTEST_ARGS); rc=$$?; bash ci/docker-cleanup.sh; exit $$rc
 
 demo: venv
 	$(VENV)/bin/bidir-kv demo
