@@ -178,14 +178,6 @@ class RouterFlow:
                     # Not a hit: P recomputes everything; remote_num_tokens=0 only makes
                     # it notify D, so the pinned blocks are freed now, not at the TTL.
                     release = release_params(cached)
-        if (
-            turn.prompt_tokens is None
-            and turn.key is not None
-            and self.config.guard
-            and turn.single_choice
-        ):
-            # D may not echo its prompt ids on streams; tokenize off the critical path.
-            turn.tokenize_task = asyncio.create_task(self._tokenize(turn, p_node, timed=False))
         if hit is not None:
             m.hits.inc()
             log.info("[%s] conv=%s: sending D's cached blocks to P (remote_request_id=%s)",
@@ -197,6 +189,10 @@ class RouterFlow:
             p_node, p_params = await self._prefill_with_fallback(turn, p_node, hit, release)
         except UpstreamFailure as exc:
             return self._failure_response(turn, "prefill", exc)
+        if turn.prompt_tokens is None and self._wants_ids(turn):
+            # P did not echo the prompt ids (and D may not on streams): tokenize off the
+            # critical path, while D decodes.
+            turn.tokenize_task = asyncio.create_task(self._tokenize(turn, p_node, timed=False))
         return await self._decode(request, turn, p_node, d_node, p_params)
 
     # ---- store and guard --------------------------------------------------------
@@ -342,6 +338,8 @@ class RouterFlow:
         body["stream"] = False
         body["max_tokens"] = 1
         body["kv_transfer_params"] = params.to_dict()
+        if self._wants_ids(turn) and "return_token_ids" not in body:
+            body["return_token_ids"] = True  # P's prompt ids record D's prompt for the guard
         t = time.perf_counter()
         node.inflight += 1
         outcome = "error"
@@ -370,7 +368,11 @@ class RouterFlow:
         log.info("[%s] Prefill done in %.0fms", turn.rid, dt * 1000)
         try:
             out = json.loads(raw)
-            return params_from_response(out) if isinstance(out, dict) else None
+            if not isinstance(out, dict):
+                return None
+            if turn.prompt_tokens is None and self._wants_ids(turn):
+                turn.prompt_tokens = _prompt_ids(out)
+            return params_from_response(out)
         except (ValueError, ProtocolError) as exc:
             raise UpstreamFailure("bad_response", f"P {node.id} answer unusable: {exc}") from None
 
@@ -512,6 +514,9 @@ class RouterFlow:
         await out.write_eof()
         return out
 
+    def _wants_ids(self, turn: Turn) -> bool:
+        return self.config.guard and turn.key is not None and turn.single_choice
+
     @staticmethod
     def _drop_tokenize(turn: Turn) -> None:
         if turn.tokenize_task is not None:
@@ -602,3 +607,14 @@ class RouterFlow:
             return web.Response(status=exc.status, body=exc.body, content_type=_JSON)
         return error_response(502, str(exc), "BadGateway")
 
+
+def _prompt_ids(body: dict[str, Any]) -> list[int] | None:
+    """``prompt_token_ids`` of a non-streaming answer (chat: top level; completions: choice)."""
+    ids = body.get("prompt_token_ids")
+    if ids is None:
+        choices = body.get("choices") or []
+        if choices and isinstance(choices[0], dict):
+            ids = choices[0].get("prompt_token_ids")
+    if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+        return list(ids)
+    return None

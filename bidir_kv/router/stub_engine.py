@@ -212,3 +212,28 @@ class StubEngine:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bidir_kv.router.stub_engine --port N [--name p0]`` (benchmark upstream)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bidir_kv.router.stub_engine")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--name", default="stub")
+    ap.add_argument("--side-port", type=int, default=5600)
+    args = ap.parse_args(argv)
+    try:
+        import uvloop
+    except ImportError:
+        pass
+    else:
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    engine = StubEngine(name=args.name, side_port=args.side_port, record=False)
+    web.run_app(engine.app(), host=args.host, port=args.port, access_log=None, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

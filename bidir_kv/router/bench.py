@@ -1,0 +1,327 @@
+"""Router benchmark: added latency and throughput of ``bidir-kv proxy``.
+
+``python -m bidir_kv.router.bench`` starts two stub engines (P and D,
+:mod:`bidir_kv.router.stub_engine`, separate processes), our router, and a
+minimal FastAPI + httpx relay of the same flow (the upstream example proxy's
+stack), then drives multi-turn streaming conversations at each concurrency
+against: the engines directly (the client does the P and D legs itself), the
+relay, and our router (guard on, and with ``--no-continuation-guard``). All
+in one run; it prints p50/p99 latency, added latency against direct, request
+throughput and the ratios. Numbers depend on the machine: compare within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bidir_kv.protocol import KVTransferParams
+from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
+
+__all__ = ["main", "relay_app"]
+
+HOST = "127.0.0.1"
+TURNS_PER_CONVERSATION = 5
+
+
+# ---- the comparison relay (FastAPI + httpx, like the upstream example proxy) ----------
+
+
+def relay_app(prefill_url: str, decode_url: str, prefill_host: str, decode_host: str) -> Any:
+    """The upstream proxy's flow on its stack, minimal: dict cache, P leg, streamed D leg."""
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+    cache: dict[str, tuple[dict[str, Any], float]] = {}
+    client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
+                                                                 max_keepalive_connections=512))
+    miss = KVTransferParams.miss().to_dict()
+
+    async def chat(request: Request) -> StreamingResponse:
+        body = await request.json()
+        conv = body.pop("conversation_id", None)
+        cached = cache.pop(conv, None) if conv else None
+        params = dict(cached[0], do_remote_decode=True, do_remote_prefill=False) \
+            if cached and time.time() - cached[1] < 450 else dict(miss)
+        p_body = dict(body, stream=False, max_tokens=1, kv_transfer_params=params)
+        for k in ("max_completion_tokens", "min_tokens", "stream_options"):
+            p_body.pop(k, None)
+        headers = {"X-Request-Id": str(uuid.uuid4())}
+        r = await client.post(f"{prefill_url}/v1/chat/completions", json=p_body, headers=headers)
+        r.raise_for_status()
+        p_params = r.json().get("kv_transfer_params")
+        d_body = dict(body, stream=True)
+        if p_params:
+            d_body["kv_transfer_params"] = dict(p_params, remote_host=prefill_host)
+        else:
+            d_body["kv_transfer_params"] = dict(miss)
+
+        async def gen() -> Any:
+            async with client.stream("POST", f"{decode_url}/v1/chat/completions", json=d_body,
+                                     headers=headers) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunk = json.loads(line[6:])
+                        kv = chunk.get("kv_transfer_params")
+                        if kv and conv:
+                            cache[conv] = (dict(kv, remote_host=decode_host), time.time())
+                    if line:
+                        yield line + "\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    # Postponed annotations are strings here; FastAPI needs the real types to inject.
+    chat.__annotations__ = {"request": Request, "return": StreamingResponse}
+    app.post("/v1/chat/completions")(chat)
+    return app
+
+
+def _serve_relay(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bidir_kv.router.bench relay")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--prefill", required=True, help="host:port")
+    ap.add_argument("--decode", required=True, help="host:port")
+    args = ap.parse_args(argv)
+    import uvicorn
+
+    p_host, d_host = args.prefill.split(":")[0], args.decode.split(":")[0]
+    app = relay_app(f"http://{args.prefill}", f"http://{args.decode}", p_host, d_host)
+    uvicorn.run(app, host=HOST, port=args.port, log_level="warning", access_log=False,
+                loop="auto", http="auto")
+    return 0
+
+
+# ---- load generation ----------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    mode: str
+    concurrency: int
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    elapsed: float = 0.0
+
+    @property
+    def rps(self) -> float:
+        return len(self.latencies) / self.elapsed if self.elapsed else 0.0
+
+    def pct(self, q: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class Conversation:
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self._new()
+
+    def _new(self) -> None:
+        self.id = f"bench-{self.worker}-{uuid.uuid4().hex[:8]}"
+        self.turn = 0
+        self.messages: list[dict[str, str]] = [
+            {"role": "user", "content": f"worker {self.worker}: " + "tell me about the sea. " * 8}
+        ]
+
+    def body(self) -> dict[str, Any]:
+        return {"model": "tiny", "messages": self.messages, "max_tokens": 8, "stream": True,
+                "conversation_id": self.id}
+
+    def answered(self, text: str) -> None:
+        self.turn += 1
+        if self.turn >= TURNS_PER_CONVERSATION:
+            self._new()
+            return
+        self.messages = [*self.messages, {"role": "assistant", "content": text},
+                         {"role": "user", "content": f"more, part {self.turn}"}]
+
+
+def _text(raw: bytes) -> str:
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            obj = json.loads(line[6:])
+            for c in obj.get("choices") or []:
+                out.append((c.get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
+async def _read_stream(resp: aiohttp.ClientResponse) -> bytes:
+    raw = await resp.read()
+    if resp.status != 200 or not raw.rstrip().endswith(b"data: [DONE]"):
+        raise RuntimeError(f"HTTP {resp.status}: {raw[-200:]!r}")
+    return raw
+
+
+async def _via_proxy(session: aiohttp.ClientSession, url: str, conv: Conversation) -> bytes:
+    async with session.post(url + "/v1/chat/completions", json=conv.body()) as resp:
+        return await _read_stream(resp)
+
+
+async def _direct(session: aiohttp.ClientSession, p_url: str, d_url: str,
+                  conv: Conversation) -> bytes:
+    body = conv.body()
+    body.pop("conversation_id")
+    p_body = dict(body, stream=False, max_tokens=1,
+                  kv_transfer_params=KVTransferParams.miss().to_dict())
+    async with session.post(p_url + "/v1/chat/completions", json=p_body) as resp:
+        params = (await resp.json())["kv_transfer_params"]
+    params["remote_host"] = HOST
+    async with session.post(d_url + "/v1/chat/completions",
+                            json=dict(body, kv_transfer_params=params)) as resp:
+        return await _read_stream(resp)
+
+
+async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
+                   warmup: float) -> Cell:
+    cell = Cell(mode, concurrency)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        stop_at = [0.0]
+        measuring = [False]
+
+        async def worker(i: int) -> None:
+            conv = Conversation(i)
+            while time.perf_counter() < stop_at[0]:
+                t = time.perf_counter()
+                try:
+                    if mode == "direct":
+                        raw = await _direct(session, target[0], target[1], conv)
+                    else:
+                        raw = await _via_proxy(session, target, conv)
+                except (aiohttp.ClientError, RuntimeError, KeyError, ValueError):
+                    if measuring[0]:
+                        cell.errors += 1
+                    continue
+                if measuring[0]:
+                    cell.latencies.append(time.perf_counter() - t)
+                conv.answered(_text(raw))
+
+        stop_at[0] = time.perf_counter() + warmup
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        measuring[0] = True
+        start = time.perf_counter()
+        stop_at[0] = start + duration
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        cell.elapsed = time.perf_counter() - start
+    return cell
+
+
+# ---- orchestration ----------------------------------------------------------------
+
+
+def _start(name: str, argv: list[str], log_dir: Path, port: int) -> ManagedProcess:
+    proc = ManagedProcess(name, argv, log_dir / f"{name}.log").start()
+    try:
+        wait_http_ok(f"http://{HOST}:{port}/health" if name != "relay" else
+                     f"http://{HOST}:{port}/docs", 30, alive=proc)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def _fmt(x: float) -> str:
+    return f"{x * 1000:8.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["relay"]:
+        return _serve_relay(args_list[1:])
+    ap = argparse.ArgumentParser(prog="python -m bidir_kv.router.bench", description=__doc__)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds measured per cell")
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring")
+    ap.add_argument("--modes", nargs="+", default=["direct", "relay", "router", "router-noguard"],
+                    choices=["direct", "relay", "router", "router-noguard"])
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args(args_list)
+    try:
+        import uvloop
+    except ImportError:
+        loop_name = "asyncio"
+    else:
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        loop_name = "uvloop"
+
+    py = sys.executable
+    procs: list[ManagedProcess] = []
+    log_dir = Path(tempfile.mkdtemp(prefix="bidir-kv-router-bench-"))
+    try:
+        p_port, d_port = free_port(), free_port()
+        procs.append(_start("stub-p", [py, "-m", "bidir_kv.router.stub_engine", "--port",
+                                       str(p_port), "--name", "p"], log_dir, p_port))
+        procs.append(_start("stub-d", [py, "-m", "bidir_kv.router.stub_engine", "--port",
+                                       str(d_port), "--name", "d", "--side-port", "5700"],
+                            log_dir, d_port))
+        targets: dict[str, Any] = {"direct": (f"http://{HOST}:{p_port}", f"http://{HOST}:{d_port}")}
+        upstream = ["--prefiller-hosts", HOST, "--prefiller-ports", str(p_port),
+                    "--decoder-hosts", HOST, "--decoder-ports", str(d_port)]
+        for mode, extra in (("router", []), ("router-noguard", ["--no-continuation-guard"])):
+            if mode in args.modes:
+                port = free_port()
+                procs.append(_start(mode, [py, "-m", "bidir_kv", "proxy", "--host", HOST,
+                                           "--port", str(port), *upstream,
+                                           "--log-level", "warning", *extra], log_dir, port))
+                targets[mode] = f"http://{HOST}:{port}"
+        if "relay" in args.modes:
+            port = free_port()
+            procs.append(_start("relay", [py, "-m", "bidir_kv.router.bench", "relay", "--port",
+                                          str(port), "--prefill", f"{HOST}:{p_port}",
+                                          "--decode", f"{HOST}:{d_port}"], log_dir, port))
+            targets["relay"] = f"http://{HOST}:{port}"
+
+        print(f"router benchmark: upstream = stub engines ({__package__}.stub_engine, aiohttp, "
+              f"8-token streamed answers), {TURNS_PER_CONVERSATION}-turn conversations, "
+              f"client loop {loop_name}, {args.duration:g}s per cell; logs in {log_dir}")
+        results: list[Cell] = []
+        for c in args.concurrency:
+            cells = {}
+            for mode in args.modes:
+                cell = asyncio.run(run_cell(mode, targets[mode], c, args.duration, args.warmup))
+                cells[mode] = cell
+                results.append(cell)
+            base = cells.get("direct")
+            print(f"\nconcurrency {c}")
+            print(f"  {'mode':<15} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+                  f"{'+p50 ms':>8} {'+p99 ms':>8} errors")
+            for mode, cell in cells.items():
+                add50 = cell.pct(0.5) - base.pct(0.5) if base else float("nan")
+                add99 = cell.pct(0.99) - base.pct(0.99) if base else float("nan")
+                print(f"  {mode:<15} {cell.rps:8.1f} {_fmt(cell.pct(0.5))} "
+                      f"{_fmt(cell.pct(0.99))} {_fmt(add50)} {_fmt(add99)} {cell.errors}")
+            relay = cells.get("relay")
+            for mode in ("router", "router-noguard"):
+                if mode in cells and relay and relay.rps:
+                    print(f"  {mode} / relay throughput: {cells[mode].rps / relay.rps:.2f}x")
+                if mode in cells and base and base.rps:
+                    print(f"  {mode} / direct throughput: {cells[mode].rps / base.rps:.2f}x")
+        if args.json:
+            args.json.write_text(json.dumps([
+                {"mode": r.mode, "concurrency": r.concurrency, "rps": r.rps,
+                 "p50_s": r.pct(0.5), "p99_s": r.pct(0.99), "n": len(r.latencies),
+                 "errors": r.errors} for r in results], indent=2))
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
