@@ -129,6 +129,7 @@ def render_markdown(report: Report, plots: Sequence[str] = ()) -> str:
             f"| {r.tokens_external:.0f} | {r.tokens_local_compute:.0f} | {r.expired:.0f} "
             f"| {r.failed:.0f} | {r.errors} |"
         )
+    lines += _prediction_lines(report)
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
@@ -224,3 +225,41 @@ def write_plots(report: Report, out_dir: Path) -> list[Path]:
     plt.close(fig)
     written.append(path)
     return written
+
+
+def _prediction_lines(report: Report) -> list[str]:
+    from bidir_kv.bench.predict import predict
+
+    pred = predict(report)
+    if pred is None:
+        return []
+    be = pred.break_even_tokens
+    lines = [
+        "",
+        f"## Planner prediction ({pred.source})",
+        "",
+        f"Break-even: pulling pays from {be:.0f} history tokens"
+        if math.isfinite(be)
+        else "Break-even: pulling never pays with this cost model",
+        "",
+        "| prefix tokens | mean history tokens (turns ≥ 2) | predicted prefill OFF/ON |"
+        " measured prefill OFF/ON (all turns) | measured TTFT OFF/ON |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for p in pred.points:
+        lines.append(
+            f"| {p.point} | {p.history_tokens:.0f} | {p.predicted_ratio:.2f}× "
+            f"| {_fmt(p.measured_prefill_ratio, '.2f')}× | {_fmt(p.measured_ratio, '.2f')}× |"
+        )
+    if pred.measured_crossover is not None:
+        lo, hi = pred.measured_crossover
+        lines += [
+            "",
+            f"Measured crossover (TTFT): ON starts to win between {lo:.0f} and {hi:.0f} "
+            f"history tokens; the planner's break-even is {be:.0f}.",
+        ]
+    lines.append(
+        "\nThe prediction covers P's prefill only; measured TTFT adds D's work, HTTP and "
+        "queueing, and measured prefill averages in turn 1 (a miss in both legs)."
+    )
+    return lines
