@@ -61,27 +61,38 @@ def _pulled(topo: Any, before: list[Any]) -> float:
                for n, b in zip(topo.prefill, before, strict=True))
 
 
+def _served(deltas: list[Any]) -> list[int]:
+    """Indexes of the engines that processed prompt tokens in a metrics delta."""
+    return [i for i, dl in enumerate(deltas)
+            if sum(dl.value(TOKENS, source=s)
+                   for s in ("local_compute", "local_cache_hit", "external_kv_transfer"))]
+
+
 def test_2p2d_next_turn_goes_to_the_d_holding_the_conversation(
     request: pytest.FixtureRequest, run_dir: Path
 ) -> None:
     with _local(request)(_spec(2, 2), run_dir) as topo:
         convs = {"A": _story("A"), "B": _story("B")}
         home: dict[str, int] = {}
+        p_home: dict[str, int] = {}
         turns = {"A": 0, "B": 0}
         # An order in which per-request round-robin would move B2 and A2 to the other D.
         for name in ("A", "B", "B", "A", "A", "B"):
             turn = turns[name]
             turns[name] += 1
             before = [scrape(d.url) for d in topo.decode]
+            p_before = [scrape(p.url) for p in topo.prefill]
             res = chat(topo.router_url, convs[name], f"sticky-{name}")
             assert res.status == 200
             deltas = [scrape(d.url) - b for d, b in zip(topo.decode, before, strict=True)]
-            served = [i for i, dl in enumerate(deltas)
-                      if sum(dl.value(TOKENS, source=s) for s in
-                             ("local_compute", "local_cache_hit", "external_kv_transfer"))]
-            assert len(served) == 1
+            served = _served(deltas)
+            p_served = _served([scrape(p.url) - b for p, b in zip(topo.prefill, p_before,
+                                                                   strict=True)])
+            assert len(served) == 1 and len(p_served) == 1
             home.setdefault(name, served[0])
+            p_home.setdefault(name, p_served[0])
             assert served[0] == home[name], f"turn {turn + 1} of {name} moved to another D"
+            assert p_served[0] == p_home[name], f"turn {turn + 1} of {name} moved to another P"
             if turn:
                 # D's own prefix cache holds the history: it pulls only the new tail
                 assert deltas[served[0]].value(TOKENS, source="local_cache_hit") >= 64

@@ -1,0 +1,50 @@
+"""``bidir-kv proxy`` flag validation (upstream-compatible flags plus ours)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bidir_kv.router.app import AppSettings
+from bidir_kv.router.cli import build_parser, main, settings_from_args
+
+
+def settings(*argv: str) -> AppSettings:
+    return settings_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_upstream_flags_and_defaults() -> None:
+    s = settings("--prefiller-host", "p1", "p2", "--prefiller-port", "8100", "8101",
+                 "--decoder-hosts", "d1", "--decoder-ports", "8200")
+    assert s.prefill_hosts == ("p1", "p2") and s.prefill_ports == (8100, 8101)
+    assert s.decode_hosts == ("d1",) and s.decode_ports == (8200,)
+    assert s.router.cache_ttl == 450 and s.router.decode_stream == "always"
+    assert s.router.guard and not s.router.keep_kv_params and s.store == "memory"
+    d = settings()
+    assert d.prefill_hosts == ("localhost",) and d.prefill_ports == (8100,)
+    assert d.decode_ports == (8200,)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefiller-hosts", "a", "b", "--prefiller-ports", "1"], "--prefiller-hosts has 2"),
+        (["--decoder-hosts", "a", "--decoder-ports", "1", "2"], "--decoder-hosts has 1"),
+        (["--cache-ttl", "480"], "must be below --decoder-kv-blocks-ttl"),
+        (["--cache-ttl", "100", "--decoder-kv-blocks-ttl", "60"], "(100s) must be below"),
+        (["--cache-ttl", "0"], "--cache-ttl must be positive"),
+        (["--store", "mysql://x"], "--store must be 'memory' or a redis:// URL"),
+        (["--max-conversations", "0"], "--max-conversations must be positive"),
+        (["--block-size", "-1"], "--block-size must be positive"),
+    ],
+)
+def test_bad_combinations_are_refused_with_a_clear_message(argv: list[str], message: str,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_decode_stream_choices() -> None:
+    assert settings("--decode-stream", "never").router.decode_stream == "never"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--decode-stream", "sometimes"])
