@@ -128,6 +128,9 @@ def test_report_cli_writes_markdown_and_plots(tmp_path: Path, capsys) -> None:
     assert "OFF/ON" in out and "9.78×" in out  # 4000: medians 401 / 41
     md = (res / "report.md").read_text()
     assert "| 4000 |" in md and "![ttft](ttft.png)" in md and "![prefill](prefill.png)" in md
+    # no profile costs ("tiny" is all zeros): the prediction comes from a calibration
+    assert "## Planner prediction (calibration)" in md
+    assert "pulling pays from 10 history tokens" in md  # 1000 µs / (100 − 2) µs per token
     for png in ("ttft.png", "prefill.png"):
         assert (res / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
