@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Final
 
@@ -211,6 +211,16 @@ class KVTransferParams:
     def without_fields(self, *names: str) -> KVTransferParams:
         merged = {k: v for k, v in self.to_dict().items() if k not in names}
         return KVTransferParams.parse(merged)
+
+    def with_remote_host(self, host: str) -> KVTransferParams:
+        """A copy with ``remote_host`` set, without re-validating the other fields.
+
+        The router rewrites ``remote_host`` on every request (upstream proxy
+        behaviour); the rest of the object was validated when it was parsed.
+        """
+        if not isinstance(host, str):
+            raise ProtocolError("remote_host", f"must be a string, got {_describe(host)}")
+        return replace(self, remote_host=host, present=self.present | {"remote_host"})
 
     def for_prefill_hit(self, decode_http_host: str | None = None) -> KVTransferParams:
         """D's stored dict turned into the hit dict for P on the next turn.
