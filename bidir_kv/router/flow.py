@@ -387,7 +387,7 @@ class RouterFlow:
     ) -> tuple[dict[str, Any], bool]:
         body = dict(turn.body)
         if p_params is not None and p_params.to_dict():
-            body["kv_transfer_params"] = p_params.with_fields(remote_host=p_node.host).to_dict()
+            body["kv_transfer_params"] = p_params.with_remote_host(p_node.host).to_dict()
         else:
             body["kv_transfer_params"] = KVTransferParams.miss().to_dict()
         body["stream"] = stream
@@ -576,7 +576,7 @@ class RouterFlow:
                          "prompt)", turn.rid, turn.conv, untracked)
                 return
         entry = Entry(
-            params=params.with_fields(remote_host=d_node.host),
+            params=params,  # remote_host is rewritten to D's HTTP host when it is used
             decode=d_node.id,
             prefill=p_node.id,
             created=self.store.now(),

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bidir_kv.protocol import KVTransferParams
+from bidir_kv.protocol import KVTransferParams, ProtocolError
 from bidir_kv.router.guard import judge_continuation, release_params
 from bidir_kv.router.identity import ANONYMOUS_TENANT, IdentityError, conversation_key
 from bidir_kv.router.relay import StreamRelay, synthesize_sse
@@ -174,6 +174,16 @@ def test_guard_rejects_shorter_prompt_and_unverifiable() -> None:
     assert judge_continuation(p, d, d[:30], block_size=None).reason == "shorter-prompt"
     assert judge_continuation(p, None, d, block_size=16).reason == "unverifiable"
     assert judge_continuation(p, d[:10], d, block_size=16).reason == "unverifiable"
+
+
+def test_with_remote_host_is_with_fields_without_revalidation() -> None:
+    p = KVTransferParams.parse(D_PARAMS)
+    assert p.with_remote_host("10.1.1.1") == p.with_fields(remote_host="10.1.1.1")
+    assert p.with_remote_host("h").to_dict() == {**D_PARAMS, "remote_host": "h"}
+    miss = KVTransferParams.parse({"do_remote_decode": True})
+    assert miss.with_remote_host("h").to_dict() == {"do_remote_decode": True, "remote_host": "h"}
+    with pytest.raises(ProtocolError, match="remote_host"):
+        p.with_remote_host(5)  # type: ignore[arg-type]
 
 
 def test_release_params_make_p_count_zero() -> None:
