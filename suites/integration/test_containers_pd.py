@@ -10,8 +10,11 @@ deterministic, so pulled KV that belonged to other tokens would change the text.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
+
+import pytest
 
 from bidir_kv.scrape import MetricsSnapshot, scrape
 from bidir_kv.testing.router import bidirectional_config, chat
@@ -24,17 +27,19 @@ XFERS = "vllm:nixl_xfer_time_seconds_count"
 FAILED = "vllm:nixl_num_failed_transfers_total"
 FALLBACKS = "bidir_kv_router_fallbacks_total"
 HITS = "bidir_kv_router_cache_hits_total"
+MISSES = "bidir_kv_router_cache_misses_total"
+HEALTHY = "bidir_kv_router_backend_healthy"
 
 Factory = Callable[..., ContainerTopology]
 
 
-def _spec(num_decode: int = 1) -> TopologySpec:
+def _spec(num_decode: int = 1, health_interval: float = 0.5) -> TopologySpec:
     return TopologySpec(
         num_prefill=1,
         num_decode=num_decode,
         prefill=EngineSpec(kv=bidirectional_config("prefill"), enable_prefix_caching=False),
         decode=EngineSpec(kv=bidirectional_config("decode")),
-        router=RouterSpec(extra_args=("--health-interval", "0.5")),
+        router=RouterSpec(extra_args=("--health-interval", str(health_interval))),
     )
 
 
@@ -133,10 +138,28 @@ def test_cut_p_to_d_link_falls_back_to_recompute_with_the_same_answer(
     assert _reference(url, [msgs, msgs2, msgs3]) == [t1.text, t2.text, t3.text]
 
 
+def _wait_marked_down(router_url: str, node: str, timeout: float = 30.0) -> None:
+    """Poll the router's health gauge until it reports ``node`` down."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if scrape(router_url).samples.get((HEALTHY, (("node", node), ("role", "decode")))) == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"router never marked {node} down within {timeout} s")
+
+
+@pytest.mark.parametrize("noticed", [True, False], ids=["router-noticed", "router-unaware"])
 def test_killed_decode_container_conversation_continues_on_the_other_d(
-    container_topology: Factory,
+    container_topology: Factory, noticed: bool
 ) -> None:
-    topo = container_topology(_spec(num_decode=2))
+    """D holding the conversation is SIGKILLed between turns (its retained KV is gone).
+
+    router-noticed: health checks mark it down first; the router treats the turn as a
+    miss without trying reuse. router-unaware (health checks effectively off): the
+    router sends D's params to P, P's read fails, the router retries as a miss and
+    moves the D leg to the surviving D. Either way the client sees a normal answer.
+    """
+    topo = container_topology(_spec(num_decode=2, health_interval=0.5 if noticed else 3600))
     p = topo.prefill[0]
     url = topo.router_url
 
@@ -154,13 +177,22 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
 
     topo.kill(home.name)  # SIGKILL: D's retained blocks are gone with it
     assert topo.status(home.name) == "exited"
+    if noticed:
+        _wait_marked_down(url, f"{home.name}:{home.info['internal_url'].rsplit(':', 1)[1]}")
 
     msgs2 = _next(msgs, t1.text, 2)
     p0, o0, r0 = scrape(p.url), scrape(other.url), scrape(url)
     t2 = chat(url, msgs2, "conv-kill")
     assert t2.status == 200, t2.raw
     dp, do, dr = _delta(p.url, p0), _delta(other.url, o0), _delta(url, r0)
-    assert dr.value(FALLBACKS) >= 1
+    if noticed:
+        assert dr.value(MISSES, reason="holder_down") == 1
+        assert dr.value(FALLBACKS) == 0
+        assert dp.value(FAILED) == 0  # P was never asked to read from the dead D
+    else:
+        assert dr.value(HITS) == 1
+        assert dr.value(FALLBACKS) >= 1
+        assert dp.value(FAILED) >= 1
     assert dp.value(TOKENS, source="external_kv_transfer") == 0  # nothing left to pull
     assert do.value(TOKENS) > 0  # the surviving D served the turn
     assert _reference(url, [msgs, msgs2]) == [t1.text, t2.text]
