@@ -24,7 +24,7 @@ from bidir_kv.protocol import (
     params_from_response,
     scan_terminal_chunk,
 )
-from bidir_kv.scrape import MetricsSnapshot, scrape
+from bidir_kv.scrape import MetricsSnapshot, parse_metrics, scrape
 from bidir_kv.topology.base import Node
 
 __all__ = [
@@ -42,6 +42,11 @@ NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 NIXL_XFERS = "vllm:nixl_xfer_time_seconds_count"
 NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
 NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+NOTIFS_AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+# the counters scenarios assert on (scraped cheaply, see EngineClient.metrics)
+WATCHED = (TOKENS_BY_SOURCE, NIXL_BYTES, NIXL_XFERS, NIXL_FAILED, NIXL_EXPIRED,
+           NOTIFS_AFTER_EXPIRY, CACHED_BY_SOURCE)
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
@@ -158,8 +163,16 @@ class EngineClient:
 
     # ---- observation ------------------------------------------------------------
 
-    def metrics(self) -> MetricsSnapshot:
-        return scrape(self.url, timeout=self.timeout)
+    def metrics(self, names: Sequence[str] | None = None) -> MetricsSnapshot:
+        """Scrape ``/metrics``; with ``names`` only those samples are parsed (vLLM's
+        exposition is ~100 KB of histograms, and parsing it all is slow on busy CI)."""
+        if names is None:
+            return scrape(self.url, timeout=self.timeout)
+        with urllib.request.urlopen(self.url + "/metrics", timeout=self.timeout) as resp:
+            text = resp.read().decode()
+        keep = tuple(names)
+        lines = [ln for ln in text.splitlines() if ln.startswith(keep)]
+        return MetricsSnapshot(parse_metrics("\n".join(lines) + "\n"))
 
     def log_mark(self) -> int:
         """Current size of the node's log (for :meth:`log_since`); 0 without a log."""
@@ -266,21 +279,14 @@ def settled_metrics(client: EngineClient, timeout: float = 5.0, interval: float 
         MetricsSnapshot:
     """Scrape until two consecutive snapshots agree (stats land a step after a response)."""
     deadline = time.monotonic() + timeout
-    prev = client.metrics()
+    prev = client.metrics(WATCHED)
     while time.monotonic() < deadline:
         time.sleep(interval)
-        cur = client.metrics()
-        if _counters(cur) == _counters(prev):
+        cur = client.metrics(WATCHED)
+        if cur.samples == prev.samples:
             return cur
         prev = cur
     return prev
-
-
-def _counters(snap: MetricsSnapshot) -> dict[Any, float]:
-    return {
-        k: v for k, v in snap.samples.items()
-        if k[0] in (TOKENS_BY_SOURCE, NIXL_BYTES, NIXL_XFERS, NIXL_FAILED, NIXL_EXPIRED)
-    }
 
 
 def run_pd_turn(

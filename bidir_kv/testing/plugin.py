@@ -97,3 +97,5 @@ from bidir_kv.testing.containers import container_image, container_topology, doc
 from bidir_kv.testing.engines import engine_pair, shared_pair  # noqa: E402, F401
 from bidir_kv.testing.hardware import gpu_pd  # noqa: E402, F401
 from bidir_kv.testing.router import redis_server, router_process  # noqa: E402, F401
+
+pytest_plugins = ["bidir_kv.testing.conformance"]  # conformance: options, backends, matrix

@@ -1,0 +1,310 @@
+"""The P/D backends the conformance scenarios run against, behind one handle.
+
+``emulator`` (our ``bidir-kv engine`` processes), ``vllm-cpu`` (real ``vllm serve``
+with NixlConnector, see ``bidir_kv.topology.vllm_cpu``) and ``external`` (URLs) all
+look the same to a scenario: a :class:`PDBackend` with a P client, a D client, the
+configuration the scenario must know (block size, threshold, D's TTL, emulated
+vLLM version), a way to get a non-disaggregated reference output, and a way to
+start a P *variant* (other failure policy, feature off, no prefix cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bidir_kv.config import KVTransferConfig
+from bidir_kv.protocol import KVTransferParams
+from bidir_kv.testing.pd_client import Completion, EngineClient
+from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
+
+__all__ = [
+    "BACKEND_CONFIG",
+    "BackendConfig",
+    "PDBackend",
+    "PromptFactory",
+    "start_backend",
+]
+
+# Token ids that are ordinary tokens in both the tiny vLLM model (vocab 1024, ids
+# 0-4 special) and the emulator's model (BYTE_BASE 5, vocab 1024).
+TOKEN_LO, TOKEN_HI = 5, 1000
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """What every local backend is started with, so scenarios can rely on it."""
+
+    block_size: int = 128  # vLLM's CPU block size; the emulator is told the same
+    threshold: int = 64
+    decoder_ttl: float = 30.0  # short enough for the TTL scenario, long for slow CI
+    lease: int = 30
+    failure_policy: str = "fail"
+    max_model_len: int = 4096
+
+    def kv(self, role: str, engine_id: str, **extra: Any) -> KVTransferConfig:
+        top: dict[str, Any] = {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_buffer_device": "cpu",
+            "engine_id": engine_id,
+            "kv_load_failure_policy": extra.pop("kv_load_failure_policy", self.failure_policy),
+        }
+        cfg: dict[str, Any] = {
+            "bidirectional_kv_xfer": True,
+            "kv_recompute_threshold": self.threshold,
+            "decoder_kv_blocks_ttl": self.decoder_ttl,
+            "kv_lease_duration": self.lease,
+            **extra,
+        }
+        top["kv_connector_extra_config"] = cfg
+        return KVTransferConfig.from_dict(top)
+
+
+BACKEND_CONFIG = BackendConfig()
+
+
+class PromptFactory:
+    """Token-id prompts that never share a first block with another test's prompts.
+
+    Seeded from the test id, so a scenario sends the same prompts to every backend
+    (their outputs can be compared), and a per-factory counter keeps prompts of one
+    test distinct. Prefix-cache state therefore never leaks between tests.
+    """
+
+    _serial = itertools.count()
+
+    def __init__(self, seed_text: str) -> None:
+        self.rng = random.Random(seed_text)
+        self.tag = next(self._serial)
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
+
+    def prompt(self, n: int) -> list[int]:
+        """A fresh prompt of ``n`` tokens (its first tokens are unique to this call)."""
+        return self.tokens(n)
+
+
+@dataclass
+class PDBackend:
+    """A started 1P1D backend as the scenarios see it."""
+
+    name: str
+    topology: Topology
+    prefill: EngineClient
+    decode: EngineClient
+    config: BackendConfig
+    version: str  # vLLM version the backend behaves as ("0.32" or "0.33")
+    same_clock: bool  # engines stamp expiry on this machine's CLOCK_MONOTONIC
+    description: dict[str, Any] = field(default_factory=dict)
+    _variant_starter: Callable[[str, EngineSpec], Topology] | None = None
+    _reference: EngineClient | None = None
+    run_dir: Path = Path("out/conformance")
+
+    # ---- facts scenarios branch on ------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def threshold(self) -> int:
+        return self.config.threshold
+
+    @property
+    def streams_params(self) -> bool:
+        """vLLM >= 0.33 (PR #40186) puts D's params on the terminal stream chunk."""
+        return self.version >= "0.33"
+
+    @property
+    def has_registration_generation(self) -> bool:
+        """``remote_registration_generation`` is new in connector version 15 (0.33)."""
+        return self.version >= "0.33"
+
+    # ---- reference output ---------------------------------------------------------
+
+    def reference(self, prompt: Sequence[int], max_tokens: int) -> Completion:
+        """Greedy output of a non-disaggregated run that reuses no cached KV at all.
+
+        Runs on P without ``kv_transfer_params`` and with a fresh ``cache_salt`` (so
+        no prefix-cache block, possibly filled from a pull, can be reused), unless a
+        dedicated reference server is configured.
+        """
+        if self._reference is not None:
+            return self._reference.complete(prompt, max_tokens).require_ok()
+        salt = f"ref-{time.time_ns()}-{random.random()}"
+        return self.prefill.complete(
+            prompt, max_tokens, extra={"cache_salt": salt}
+        ).require_ok()
+
+    # ---- variants -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def prefill_variant(self, name: str, **kv_extra: Any) -> Iterator[EngineClient]:
+        """Start an extra P with a different configuration; stopped on exit.
+
+        ``kv_extra`` are ``kv_connector_extra_config`` keys plus the top-level
+        ``kv_load_failure_policy``; ``enable_prefix_caching=False`` turns P's prefix
+        cache off (the AWS blog's setting).
+        """
+        if self._variant_starter is None:
+            raise BackendUnavailable(f"the {self.name} backend cannot start P variants")
+        prefix = kv_extra.pop("enable_prefix_caching", True)
+        spec = EngineSpec(
+            kv=self.config.kv("prefill", f"prefill-{name}", **kv_extra),
+            block_size=self.config.block_size,
+            enable_prefix_caching=prefix,
+            max_model_len=self.config.max_model_len,
+        )
+        topo = self._variant_starter(name, spec)
+        try:
+            yield EngineClient(topo.prefill[0])
+        finally:
+            topo.close()
+
+    def close(self) -> None:
+        self.topology.close()
+
+
+# ---- starting backends ------------------------------------------------------------
+
+
+def _specs(cfg: BackendConfig, **engine: Any) -> TopologySpec:
+    def spec(role: str) -> EngineSpec:
+        return EngineSpec(
+            kv=cfg.kv(role, f"{role}-engine-000"),
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            **engine,
+        )
+
+    return TopologySpec(prefill=spec("prefill"), decode=spec("decode"), routers=0)
+
+
+def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBackend:
+    try:
+        from bidir_kv.topology.local import LocalTopology
+    except ImportError as exc:
+        raise BackendUnavailable(f"the emulator topology does not import: {exc}") from None
+    spec = _specs(cfg, emulate_vllm=version)
+    topo = LocalTopology(spec, run_dir / "emulator").start()
+
+    def variant(name: str, espec: EngineSpec) -> Topology:
+        # LocalTopology names every first P "prefill-engine-000"; a variant sharing the
+        # main P's engine id would alias it in D's peer table, so the variant's own
+        # --kv-transfer-config (with its engine id) is appended and wins (last flag).
+        own = ("--kv-transfer-config", espec.kv.to_json())
+        vspec = TopologySpec(num_prefill=1, num_decode=0, routers=0,
+                             prefill=replace(espec, emulate_vllm=version,
+                                             extra_args=(*espec.extra_args, *own)))
+        topo = LocalTopology(vspec, run_dir / f"emulator-{name}").start()
+        topo.prefill[0].info["engine_id"] = espec.kv.engine_id
+        return topo
+
+    return PDBackend(
+        name="emulator",
+        topology=topo,
+        prefill=EngineClient(topo.prefill[0]),
+        decode=EngineClient(topo.decode[0]),
+        config=cfg,
+        version=version,
+        same_clock=True,
+        description={"backend": "emulator", "emulate_vllm": version,
+                     "startup_seconds": getattr(topo, "startup_seconds", {})},
+        _variant_starter=variant,
+        run_dir=run_dir,
+    )
+
+
+def _start_vllm_cpu(cfg: BackendConfig, run_dir: Path, compiled: bool) -> PDBackend:
+    from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
+
+    opts = VllmCpuOptions(log_dir=run_dir / "vllm-cpu", enforce_eager=not compiled,
+                          block_size=None)
+    if cfg.block_size != 128:
+        opts = replace(opts, block_size=cfg.block_size)
+    topo = VllmCpuTopology(_specs(cfg), opts).start()
+
+    def variant(name: str, espec: EngineSpec) -> Topology:
+        vspec = TopologySpec(num_prefill=1, num_decode=0, routers=0, prefill=espec)
+        vopts = replace(opts, log_dir=run_dir / f"vllm-cpu-{name}")
+        return VllmCpuTopology(vspec, vopts).start()
+
+    return PDBackend(
+        name="vllm-cpu",
+        topology=topo,
+        prefill=EngineClient(topo.prefill[0]),
+        decode=EngineClient(topo.decode[0]),
+        config=cfg,
+        version="0.32",
+        same_clock=True,
+        description=topo.describe(),
+        _variant_starter=variant,
+        run_dir=run_dir,
+    )
+
+
+def _start_external(
+    prefill_url: str | None,
+    decode_url: str | None,
+    proxy_url: str | None,
+    reference_url: str | None,
+    cfg: BackendConfig,
+    version: str,
+) -> PDBackend:
+    from bidir_kv.topology.external import ExternalTopology, parse_node_url
+
+    topo = ExternalTopology([prefill_url] if prefill_url else [],
+                            [decode_url] if decode_url else [], proxy_url).start()
+    ref = (EngineClient(parse_node_url(reference_url, "prefill", "reference"))
+           if reference_url else None)
+    return PDBackend(
+        name="external",
+        topology=topo,
+        prefill=EngineClient(topo.prefill[0]),
+        decode=EngineClient(topo.decode[0]),
+        config=cfg,
+        version=version,
+        same_clock=False,
+        description={"backend": "external", "prefill": prefill_url, "decode": decode_url,
+                     "proxy": proxy_url},
+        _reference=ref,
+    )
+
+
+def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBackend:
+    """Start (or attach to) backend ``name``; :class:`BackendUnavailable` says why not."""
+    cfg = options.get("config") or BACKEND_CONFIG
+    if name == "emulator":
+        return _start_emulator(cfg, run_dir, options.get("emulate_vllm", "0.32"))
+    if name == "vllm-cpu":
+        from bidir_kv.topology.vllm_cpu import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise BackendUnavailable(reason)
+        return _start_vllm_cpu(cfg, run_dir, bool(options.get("compiled")))
+    if name == "external":
+        ext_cfg = replace(cfg, block_size=int(options.get("block_size") or cfg.block_size),
+                          threshold=int(options.get("threshold") or cfg.threshold),
+                          decoder_ttl=float(options.get("decoder_ttl") or 480.0))
+        return _start_external(options.get("prefill_url"), options.get("decode_url"),
+                               options.get("proxy_url"), options.get("reference_url"),
+                               ext_cfg, str(options.get("version") or "0.33"))
+    raise BackendUnavailable(f"unknown backend {name!r}")
+
+
+def first_params(resp: Completion) -> KVTransferParams:
+    """The params of a successful response, or an assertion naming what came back."""
+    resp.require_ok()
+    if resp.params is None:
+        raise AssertionError(f"response carried no kv_transfer_params (key present: "
+                             f"{resp.params_present})")
+    return resp.params

