@@ -210,3 +210,20 @@ def test_d_with_bidirectional_off_returns_no_params(engine_pair: Factory) -> Non
         assert pr.params is not None and dr is not None and dr.ok
         assert dr.params is None
     assert pair.state("d")["retained"] == 0
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_d_gone_between_turns_follows_failure_policy(engine_pair: Factory, policy: str) -> None:
+    """A real (not injected) failure: D's process is gone when P tries to read from it."""
+    pair = engine_pair(prefill=NO_P_CACHE, prefill_kv={"kv_load_failure_policy": policy})
+    rng, prompt, d1 = _history(pair, f"d-gone-{policy}")
+    pair.topo.process("decode-0").stop()
+    prompt2 = [*prompt, *d1.token_ids, *random_prompt(rng, 50)]
+    p0 = pair.p.metrics()
+    pr = pair.p.complete(prompt2, 1, d1.params.for_prefill_hit(), timeout=60)
+    dp = pair.p.metrics() - p0
+    assert dp.value(FAILED) == 1
+    if policy == "fail":
+        assert pr.status == 500
+    else:
+        assert pr.ok and sources(dp)["local_compute"] == len(prompt2)
