@@ -46,6 +46,7 @@ class EngineSettings:
     side_host: str = "localhost"
     side_port: int = 5600
     metrics_log_interval: float = 10.0
+    kv_verify: bool = True
     faults: Faults = field(default_factory=Faults)
 
 
@@ -88,6 +89,7 @@ async def run_engine(s: EngineSettings, stop: asyncio.Event) -> None:
         emulate_vllm=s.emulate_vllm,
         side_host=s.side_host,
         metrics_log_interval=s.metrics_log_interval,
+        kv_verify=s.kv_verify,
     )
     core = EngineCore(opts, s.kv, profile, blocks, worker, metrics, s.faults)
     routes = Routes(core, Tokenizer(), s.served_names, s.model, s.faults)

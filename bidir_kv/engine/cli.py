@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how pulled remote blocks map to local ones; suffix-trim reproduces vLLM",
     )
     e.add_argument("--kv-metrics-log-interval", type=float, default=10.0, metavar="S")
+    e.add_argument(
+        "--kv-verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare pulled KV with the reader's own prompt (metric only; costs CPU)",
+    )
     add_fault_flags(p)
     return p
 
@@ -129,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         side_host=side_host,
         side_port=side_port,
         metrics_log_interval=ns.kv_metrics_log_interval,
+        kv_verify=ns.kv_verify,
         faults=faults,
     )
     if settings.kv_bytes_per_token % settings.num_layers:
