@@ -332,7 +332,14 @@ def run_bench(args: argparse.Namespace) -> int:
         kv_load_failure_policy=args.kv_load_failure_policy,
         decode_stream=decode_stream,
         transport=args.transport,
-        router_args=tuple(args.router_arg),
+        router_args=tuple(args.router_arg)
+        + (
+            # real vLLM on a small shared CPU can take tens of seconds per long prefill
+            ("--prefill-timeout", "600")
+            if args.topology == "vllm-cpu"
+            and not any(a.startswith("--prefill-timeout") for a in args.router_arg)
+            else ()
+        ),
         log_dir=out / "logs",
     )
     manifest: dict[str, Any] = {
