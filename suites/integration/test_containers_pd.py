@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from bidir_kv.scrape import MetricsSnapshot, scrape
+from bidir_kv.testing.pd_client import EngineClient, settled_metrics
 from bidir_kv.testing.router import bidirectional_config, chat
-from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
+from bidir_kv.topology.base import EngineSpec, Node, RouterSpec, TopologySpec
 from bidir_kv.topology.container import ContainerTopology
 
 TOKENS = "vllm:prompt_tokens_by_source_total"
@@ -53,8 +54,9 @@ def _next(msgs: list[dict[str, Any]], answer: str, n: int) -> list[dict[str, Any
             {"role": "user", "content": f"Continue with chapter {n}, please."}]  # fmt: skip
 
 
-def _delta(url: str, before: MetricsSnapshot) -> MetricsSnapshot:
-    return scrape(url) - before
+def _delta(node: Node, before: MetricsSnapshot) -> MetricsSnapshot:
+    """Engine metrics now minus ``before``, once the engine's counters stopped moving."""
+    return settled_metrics(EngineClient(node)) - before
 
 
 def _reference(url: str, turns: list[list[dict[str, Any]]]) -> list[str]:
@@ -87,7 +89,7 @@ def test_multiturn_conversation_pulls_history_from_d_across_containers(
         res = chat(url, msgs, "conv-pd")
         assert res.status == 200, res.raw
         answers.append(res.text)
-        dp, dr = _delta(p.url, p0), _delta(url, r0)
+        dp, dr = _delta(p, p0), scrape(url) - r0
         # the router sent D's params to P, and P read D's retained blocks over the network
         assert dr.value(HITS) == 1
         assert dr.value(FALLBACKS) == 0
@@ -97,7 +99,7 @@ def test_multiturn_conversation_pulls_history_from_d_across_containers(
         assert dp.value(XFERS) >= 1 and dp.value(BYTES) > 0  # initiator records telemetry
         assert dp.value(FAILED) == 0
         # D served the turn and still had most of the history in its own prefix cache
-        dd = _delta(d.url, d0)
+        dd = _delta(d, d0)
         assert dd.value(TOKENS, source="local_cache_hit") > 0
 
     assert _reference(url, history) == answers
@@ -120,7 +122,7 @@ def test_cut_p_to_d_link_falls_back_to_recompute_with_the_same_answer(
     p0, r0 = scrape(p.url), scrape(url)
     t2 = chat(url, msgs2, "conv-cut")
     assert t2.status == 200, t2.raw
-    dp, dr = _delta(p.url, p0), _delta(url, r0)
+    dp, dr = _delta(p, p0), scrape(url) - r0
     assert dr.value(HITS) == 1  # the router did try reuse ...
     assert dr.value(FALLBACKS) >= 1  # ... P failed the read, the router retried as a miss
     assert dp.value(FAILED) >= 1
@@ -133,7 +135,7 @@ def test_cut_p_to_d_link_falls_back_to_recompute_with_the_same_answer(
     p1 = scrape(p.url)
     t3 = chat(url, msgs3, "conv-cut")
     assert t3.status == 200, t3.raw
-    assert _delta(p.url, p1).value(TOKENS, source="external_kv_transfer") >= 64
+    assert _delta(p, p1).value(TOKENS, source="external_kv_transfer") >= 64
 
     assert _reference(url, [msgs, msgs2, msgs3]) == [t1.text, t2.text, t3.text]
 
@@ -169,7 +171,7 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
     assert t1.status == 200
     served = [
         n for n, b in zip(topo.decode, before, strict=True)
-        if _delta(n.url, b).value(TOKENS) > 0
+        if _delta(n, b).value(TOKENS) > 0
     ]  # fmt: skip
     assert len(served) == 1
     home = served[0]
@@ -184,7 +186,7 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
     p0, o0, r0 = scrape(p.url), scrape(other.url), scrape(url)
     t2 = chat(url, msgs2, "conv-kill")
     assert t2.status == 200, t2.raw
-    dp, do, dr = _delta(p.url, p0), _delta(other.url, o0), _delta(url, r0)
+    dp, do, dr = _delta(p, p0), _delta(other, o0), scrape(url) - r0
     if noticed:
         assert dr.value(MISSES, reason="holder_down") == 1
         assert dr.value(FALLBACKS) == 0

@@ -13,7 +13,7 @@ from bidir_kv.policy import (
     pull_decision,
 )
 
-PROPS = settings(max_examples=120, deadline=None, database=None)
+PROPS = settings(max_examples=80, deadline=None, database=None)
 BS = 16
 
 
