@@ -46,8 +46,8 @@ def relay_app(prefill_url: str, decode_url: str, prefill_host: str, decode_host:
 
     app = FastAPI()
     cache: dict[str, tuple[dict[str, Any], float]] = {}
-    client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
-                                                                 max_keepalive_connections=512))
+    # As upstream: no timeout, httpx's default pool limits.
+    client = httpx.AsyncClient(timeout=None)
     miss = KVTransferParams.miss().to_dict()
 
     async def chat(request: Request) -> StreamingResponse:
@@ -114,6 +114,8 @@ class Cell:
     latencies: list[float] = field(default_factory=list)
     errors: int = 0
     elapsed: float = 0.0
+    internal_p50: float | None = None  # router's own time before the first byte (histogram)
+    internal_p99: float | None = None
 
     @property
     def rps(self) -> float:
@@ -236,6 +238,29 @@ def _start(name: str, argv: list[str], log_dir: Path, port: int) -> ManagedProce
     return proc
 
 
+_HIST = "bidir_kv_router_added_latency_seconds_bucket"
+
+
+def _buckets(url: str) -> dict[float, float]:
+    from bidir_kv.scrape import scrape
+
+    snap = scrape(url)
+    out: dict[float, float] = {}
+    for le in ("0.0001", "0.00025", "0.0005", "0.001", "0.002", "0.005", "0.01", "0.025",
+               "0.05", "0.1", "0.25", "1.0", "+Inf"):
+        out[float(le)] = snap.value(_HIST, le=le)
+    return out
+
+
+def _quantile_bound(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Upper bucket bound below which a fraction ``q`` of the observations fell."""
+    total = after[float("inf")] - before[float("inf")]
+    for le in sorted(after):
+        if total and after[le] - before[le] >= q * total:
+            return le
+    return float("nan")
+
+
 def _fmt(x: float) -> str:
     return f"{x * 1000:8.2f}"
 
@@ -294,7 +319,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in args.concurrency:
             cells = {}
             for mode in args.modes:
+                router = mode.startswith("router")
+                hist0 = _buckets(targets[mode]) if router else None
                 cell = asyncio.run(run_cell(mode, targets[mode], c, args.duration, args.warmup))
+                if hist0 is not None:
+                    hist1 = _buckets(targets[mode])
+                    cell.internal_p50 = _quantile_bound(hist0, hist1, 0.5)
+                    cell.internal_p99 = _quantile_bound(hist0, hist1, 0.99)
                 cells[mode] = cell
                 results.append(cell)
             base = cells.get("direct")
@@ -306,6 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 add99 = cell.pct(0.99) - base.pct(0.99) if base else float("nan")
                 print(f"  {mode:<15} {cell.rps:8.1f} {_fmt(cell.pct(0.5))} "
                       f"{_fmt(cell.pct(0.99))} {_fmt(add50)} {_fmt(add99)} {cell.errors}")
+            for mode, cell in cells.items():
+                if cell.internal_p50 is not None:
+                    print(f"  {mode}: own time before first byte (outside engine waits, warmup "
+                          f"included) p50 <= {cell.internal_p50 * 1000:g} ms, "
+                          f"p99 <= {(cell.internal_p99 or 0) * 1000:g} ms")
             relay = cells.get("relay")
             for mode in ("router", "router-noguard"):
                 if mode in cells and relay and relay.rps:
@@ -316,7 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.json.write_text(json.dumps([
                 {"mode": r.mode, "concurrency": r.concurrency, "rps": r.rps,
                  "p50_s": r.pct(0.5), "p99_s": r.pct(0.99), "n": len(r.latencies),
-                 "errors": r.errors} for r in results], indent=2))
+                 "errors": r.errors, "router_own_p50_s_bound": r.internal_p50,
+                 "router_own_p99_s_bound": r.internal_p99} for r in results], indent=2))
     finally:
         for proc in reversed(procs):
             proc.stop()
