@@ -276,3 +276,42 @@ def test_openai_client_through_the_router(topo: Any) -> None:
     assert out.choices[0].message.content == oracle(topo, msgs)
     assert pulled >= 64
     assert getattr(out, "kv_transfer_params", None) is None
+
+
+def _complete(url: str, prompt: list[int], conv: str | None, stream: bool) -> dict[str, Any]:
+    import urllib.request
+
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 10,
+                            "temperature": 0, "stream": stream, "return_token_ids": True}
+    if conv:
+        body["conversation_id"] = conv
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        raw = resp.read()
+    if not stream:
+        out: dict[str, Any] = json.loads(raw)
+        return {"ids": out["choices"][0]["token_ids"], "raw": raw}
+    ids: list[int] = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for c in json.loads(line[6:]).get("choices") or []:
+                ids += c.get("token_ids") or []
+    return {"ids": ids, "raw": raw}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_completions_with_token_ids_the_client_asked_for(topo: Any, stream: bool) -> None:
+    """Token-id prompts (as the conformance tier sends them); the client's own
+    ``return_token_ids`` is honoured, not stripped, and turn 2 reuses D's KV."""
+    url, conv = topo.router_url, conv_id("compl")
+    prompt = [300 + (i * 7) % 500 for i in range(150)]
+    first = _complete(url, prompt, conv, stream)
+    assert len(first["ids"]) == 10 and b"kv_transfer_params" not in first["raw"]
+    prompt2 = prompt + first["ids"] + [301, 302, 303]
+    before = scrape(topo.prefill[0].url)
+    second = _complete(url, prompt2, conv, stream)
+    pulled = (scrape(topo.prefill[0].url) - before).value(TOKENS, source="external_kv_transfer")
+    assert pulled >= 64
+    direct = _complete(topo.prefill[0].url, prompt2, None, False)
+    assert second["ids"] == direct["ids"]

