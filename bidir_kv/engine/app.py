@@ -37,6 +37,7 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     max_model_len: int = 32768
     max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
     kv_bytes_per_token: int = 64
     num_layers: int = 2
     kv_capacity_tokens: int = 262144
@@ -84,6 +85,7 @@ async def run_engine(s: EngineSettings, stop: asyncio.Event) -> None:
         enable_prefix_caching=s.enable_prefix_caching,
         max_model_len=s.max_model_len,
         max_num_batched_tokens=s.max_num_batched_tokens,
+        max_num_seqs=s.max_num_seqs,
         kv_capacity_tokens=s.kv_capacity_tokens,
         kv_pairing=s.kv_pairing,
         emulate_vllm=s.emulate_vllm,
@@ -101,6 +103,7 @@ async def run_engine(s: EngineSettings, stop: asyncio.Event) -> None:
         await worker.start(core.on_notification, http_port=_bound_port(runner, s.port))
         core.start()
         routes.ready = True
+        logger.info("Creating v1 connector with name: NixlPullConnector")
         line = s.kv.startup_log_line()
         if line:
             logger.info("%s", line)

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-config", default=None, metavar="JSON")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     # accepted for launch-script compatibility; they do not change the emulation
-    for flag in ("--dtype", "--gpu-memory-utilization", "--seed", "--max-num-seqs",
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    for flag in ("--dtype", "--gpu-memory-utilization", "--seed",
                  "--tensor-parallel-size", "--uvicorn-log-level"):  # fmt: skip
         p.add_argument(flag, default=None, help="accepted, no effect in the emulator")
     p.add_argument("--enforce-eager", action="store_true", help="accepted, no effect")
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if ns.tensor_parallel_size not in (None, "1"):
         parser.error("--tensor-parallel-size: the emulator runs one rank; only 1 is supported")
-    for name in ("block_size", "max_model_len", "kv_capacity_tokens"):
+    for name in ("block_size", "max_model_len", "kv_capacity_tokens", "max_num_seqs"):
         if getattr(ns, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if ns.max_num_batched_tokens is not None and ns.max_num_batched_tokens <= 0:
@@ -126,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         enable_prefix_caching=ns.enable_prefix_caching,
         max_model_len=ns.max_model_len,
         max_num_batched_tokens=ns.max_num_batched_tokens or profile.max_num_batched_tokens,
+        max_num_seqs=ns.max_num_seqs,
         kv_bytes_per_token=ns.kv_bytes_per_token or profile.kv_bytes_per_token,
         num_layers=profile.num_layers,
         kv_capacity_tokens=ns.kv_capacity_tokens,

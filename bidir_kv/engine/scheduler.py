@@ -72,6 +72,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     max_model_len: int = 32768
     max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
     kv_capacity_tokens: int = 262144
     kv_pairing: Pairing = "position"
     emulate_vllm: str = "0.33"
@@ -153,6 +154,7 @@ class EngineCore:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.requests_seen = 0
+        self.num_remote = 0  # requests waiting for a READ (they hold blocks, not compute)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -225,7 +227,7 @@ class EngineCore:
     # ---- admission (scheduler-side decisions) ---------------------------------------
 
     def _admit(self) -> None:
-        while self.waiting:
+        while self.waiting and len(self.running) + self.num_remote < self.opts.max_num_seqs:
             req = self.waiting[0]
             bs = self.opts.block_size
             n = req.prompt_len
@@ -314,9 +316,11 @@ class EngineCore:
                 remote = position_pairing(remote_list, h, count, bs)
         except ValueError as exc:
             req.state = "remote"
+            self.num_remote += 1
             self._spawn(self._pull_failed(req, h, f"cannot pair blocks: {exc}"))
             return
         req.state = "remote"
+        self.num_remote += 1
         self._spawn(self._pull(req, h, count, local, remote, from_p))
 
     # ---- worker-side tasks ----------------------------------------------------------
@@ -359,9 +363,12 @@ class EngineCore:
             res = await self.worker.read(
                 peer, local, remote, f"{p.remote_request_id}:1", tokens=count
             )
-        except (TransportError, OSError) as exc:
+        except Exception as exc:  # any failure ends in the policy, never in a hang
             self.metrics.transfer_failed()
-            logger.warning("KV transfer for %s failed: %s", req.request_id, exc)
+            if isinstance(exc, TransportError | OSError):
+                logger.warning("KV transfer for %s failed: %s", req.request_id, exc)
+            else:
+                logger.exception("KV transfer for %s failed unexpectedly", req.request_id)
             self._pull_resolved(req, h, 0, failed=True)
             return
         finally:
@@ -378,6 +385,7 @@ class EngineCore:
         self._pull_resolved(req, h, 0, failed=True)
 
     def _pull_resolved(self, req: Request, h: int, count: int, *, failed: bool) -> None:
+        self.num_remote -= 1
         if req.abort_pending:
             self._finish(req, "abort")
             return

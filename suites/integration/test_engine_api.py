@@ -191,3 +191,16 @@ def test_metrics_use_vllm_names(pair: EnginePair) -> None:
               "vllm:time_to_first_token_seconds_count", "vllm:prompt_tokens_total",
               "vllm:generation_tokens_total"):  # fmt: skip
         assert n in names, n
+
+
+def test_max_num_seqs_queues_without_deadlock(engine_pair: Factory) -> None:
+    """With one sequence slot, concurrent requests queue and all finish, same tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pair = engine_pair(decode={"extra_args": ("--max-num-seqs", "1")})
+    prompts = [random_prompt(random.Random(f"seqs-{i}"), 50) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda pr: pair.d.complete(pr, 6, stream=True), prompts))
+    assert all(r.ok and len(r.token_ids) == 6 for r in results)
+    for prompt, r in zip(prompts, results, strict=True):
+        assert pair.d.complete(prompt, 6).token_ids == r.token_ids
