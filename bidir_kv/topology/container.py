@@ -29,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +106,16 @@ class ContainerTopology(Topology):
         net.name = f"{self.prefix}-net"
         self.network = net.create()
         s = self.spec
-        self.prefill = [self._start_engine("prefill", i, s.prefill) for i in range(s.num_prefill)]
-        self.decode = [self._start_engine("decode", i, s.decode) for i in range(s.num_decode)]
+        jobs: list[tuple[Role, int, EngineSpec]] = [
+            *[("prefill", i, s.prefill) for i in range(s.num_prefill)],
+            *[("decode", i, s.decode) for i in range(s.num_decode)],
+        ]
+        # container creation is I/O-bound on the daemon: start all engines at once
+        with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+            futures = [pool.submit(self._start_engine, *job) for job in jobs]
+            nodes = [f.result() for f in futures]
+        self.prefill = [n for n in nodes if n.role == "prefill"]
+        self.decode = [n for n in nodes if n.role == "decode"]
         self._wait_healthy([*self.prefill, *self.decode])
         if s.routers > 0:
             self.routers = [self._start_router(i) for i in range(s.routers)]
