@@ -140,16 +140,6 @@ def test_cut_p_to_d_link_falls_back_to_recompute_with_the_same_answer(
     assert _reference(url, [msgs, msgs2, msgs3]) == [t1.text, t2.text, t3.text]
 
 
-def _wait_marked_down(router_url: str, node: str, timeout: float = 30.0) -> None:
-    """Poll the router's health gauge until it reports ``node`` down."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if scrape(router_url).samples.get((HEALTHY, (("node", node), ("role", "decode")))) == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"router never marked {node} down within {timeout} s")
-
-
 @pytest.mark.parametrize("noticed", [True, False], ids=["router-noticed", "router-unaware"])
 def test_killed_decode_container_conversation_continues_on_the_other_d(
     container_topology: Factory, noticed: bool
@@ -180,7 +170,7 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
     topo.kill(home.name)  # SIGKILL: D's retained blocks are gone with it
     assert topo.status(home.name) == "exited"
     if noticed:
-        _wait_marked_down(url, f"{home.name}:{home.info['internal_url'].rsplit(':', 1)[1]}")
+        _wait_health(url, "decode", f"{home.name}:8000", up=False)
 
     msgs2 = _next(msgs, t1.text, 2)
     p0, o0, r0 = scrape(p.url), scrape(other.url), scrape(url)
@@ -197,4 +187,45 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
         assert dp.value(FAILED) >= 1
     assert dp.value(TOKENS, source="external_kv_transfer") == 0  # nothing left to pull
     assert do.value(TOKENS) > 0  # the surviving D served the turn
+    assert _reference(url, [msgs, msgs2]) == [t1.text, t2.text]
+
+
+def _wait_health(router_url: str, role: str, node: str, up: bool, timeout: float = 30.0) -> None:
+    """Poll the router's health gauge until it reports ``node`` up (1) or down (0)."""
+    want = 1.0 if up else 0.0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if scrape(router_url).samples.get((HEALTHY, (("node", node), ("role", role)))) == want:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"router never marked {role} {node} {'up' if up else 'down'}")
+
+
+def test_prefill_pulled_off_the_network_and_back(container_topology: Factory) -> None:
+    """Router<->P link cut (P detached from the network), then restored.
+
+    While P is unreachable the router answers 503 naming the prefill node instead of
+    hanging; after P rejoins under the same name, the conversation goes on and the
+    answers are still the ones computed without any reuse.
+    """
+    topo = container_topology(_spec())
+    p = topo.prefill[0]
+    url = topo.router_url
+    p_id = f"{p.name}:8000"
+
+    msgs = _opening("net")
+    t1 = chat(url, msgs, "conv-net")
+    assert t1.status == 200
+    msgs2 = _next(msgs, t1.text, 2)
+
+    topo.disconnect(p.name)
+    _wait_health(url, "prefill", p_id, up=False)
+    down = chat(url, msgs2, "conv-net", timeout=30)
+    assert down.status == 503
+    assert p.name in str(down.error)
+
+    topo.reconnect(p.name)
+    _wait_health(url, "prefill", p_id, up=True)
+    t2 = chat(url, msgs2, "conv-net")
+    assert t2.status == 200, t2.raw
     assert _reference(url, [msgs, msgs2]) == [t1.text, t2.text]
