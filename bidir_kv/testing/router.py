@@ -44,7 +44,7 @@ __all__ = [
 
 
 async def _serve(app: web.Application, host: str = "127.0.0.1") -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
     await runner.setup()
     port = free_port(host)
     await web.TCPSite(runner, host, port).start()

@@ -213,8 +213,8 @@ def test_failed_hit_is_retried_as_miss() -> None:
 
 def test_slow_hit_is_retried_as_miss_on_the_same_prefill() -> None:
     async def go() -> None:
-        async with StubStack(config=RouterConfig(prefill_timeout=0.5)) as s:
-            s.prefill[0].hit_delay = 5.0
+        async with StubStack(config=RouterConfig(prefill_timeout=2.0)) as s:
+            s.prefill[0].hit_delay = 10.0
             status, events = await two_turns(s)
             assert status == 200 and events[-1] == b"[DONE]"
             assert last_params(s.prefill[0]) == KVTransferParams.miss()
