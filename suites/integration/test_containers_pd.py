@@ -10,6 +10,7 @@ deterministic, so pulled KV that belonged to other tokens would change the text.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 
 from bidir_kv.scrape import MetricsSnapshot, scrape
 from bidir_kv.testing.pd_client import EngineClient, settled_metrics
+from bidir_kv.testing.plugin import skip_or_fail
 from bidir_kv.testing.router import bidirectional_config, chat
 from bidir_kv.topology.base import EngineSpec, Node, RouterSpec, TopologySpec
 from bidir_kv.topology.container import ContainerTopology
@@ -106,8 +108,10 @@ def test_multiturn_conversation_pulls_history_from_d_across_containers(
 
 
 def test_cut_p_to_d_link_falls_back_to_recompute_with_the_same_answer(
-    container_topology: Factory,
+    container_topology: Factory, request: pytest.FixtureRequest
 ) -> None:
+    if os.geteuid() != 0:
+        skip_or_fail(request.config, "integration", "cutting a link needs root (nsenter, iptables)")
     topo = container_topology(_spec())
     p, d = topo.prefill[0], topo.decode[0]
     url = topo.router_url
