@@ -374,3 +374,28 @@ def test_health_and_metrics() -> None:
             assert "bidir_kv_router_prefill_duration_seconds_count" in text
             assert "bidir_kv_router_added_latency_seconds_count 1.0" in text
     run(go)
+
+
+def test_health_checks_move_conversations_off_a_dead_decode_node() -> None:
+    """Background checks mark the D holding a conversation down; its next turn is a
+    miss ("holder_down") on the surviving D instead of a P read from a dead node."""
+    async def go() -> None:
+        async with StubStack(num_decode=2, health_interval=0.05) as s:
+            msgs = [{"role": "user", "content": "who holds me"}]
+            status, _, events = await s.post(CHAT, chat_body(msgs, conv="h"))
+            assert status == 200
+            holder = next(i for i, e in enumerate(s.decode) if e.received)
+            await s.stop_engine("decode", holder)
+            node = s.flow.decode.nodes[holder]
+            deadline = asyncio.get_running_loop().time() + 10
+            while node.healthy and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            assert not node.healthy and "health" in (node.last_error or "")
+            msgs2 = [*msgs, {"role": "assistant", "content": text_of(events)},
+                     {"role": "user", "content": "still there?"}]
+            status, _, _ = await s.post(CHAT, chat_body(msgs2, conv="h"))
+            assert status == 200
+            assert counter(s.flow, "cache_misses", reason="holder_down") == 1
+            assert last_params(s.prefill[0]) == KVTransferParams.miss()
+            assert len(s.decode[1 - holder].received) == 1
+    run(go)
