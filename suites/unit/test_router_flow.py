@@ -399,3 +399,17 @@ def test_health_checks_move_conversations_off_a_dead_decode_node() -> None:
             assert last_params(s.prefill[0]) == KVTransferParams.miss()
             assert len(s.decode[1 - holder].received) == 1
     run(go)
+
+
+def test_unreachable_decode_is_replaced_by_another() -> None:
+    async def go() -> None:
+        async with StubStack(num_decode=2) as s:
+            await s.stop_engine("decode", 0)
+            for _ in range(2):
+                status, _, events = await s.post(CHAT, chat_body([{"role": "user", "content": "x"}],
+                                                                 conv=None))
+                assert status == 200 and events[-1] == b"[DONE]"
+            assert len(s.decode[1].received) == 2
+            assert not s.flow.decode.nodes[0].healthy
+            assert counter(s.flow, "fallbacks", cause="decode_unreachable") == 1
+    run(go)
