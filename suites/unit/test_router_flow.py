@@ -303,15 +303,19 @@ def test_decode_stream_never_synthesizes_the_stream() -> None:
     run(go)
 
 
-def test_always_stream_against_032_never_hits() -> None:
-    """Control: without --decode-stream never, a 0.32-like D gives no hits."""
+def test_always_stream_against_032_never_hits(caplog: pytest.LogCaptureFixture) -> None:
+    """Control: without --decode-stream never, a 0.32-like D gives no hits (and the
+    router says why, once)."""
     async def go() -> None:
         async with StubStack() as s:
             for e in s.decode:
                 e.stream_params = False
             await two_turns(s)
             assert counter(s.flow, "cache_hits") == 0
+    caplog.set_level("WARNING", logger="bidir_kv.router")
     run(go)
+    hints = [r for r in caplog.records if "--decode-stream never" in r.getMessage()]
+    assert len(hints) == 1
 
 
 @pytest.mark.parametrize("knob", ["reasoning", "tool_call"])
