@@ -137,6 +137,7 @@ def _start_router(
         "--cache-ttl", str(rspec.cache_ttl),
         "--decoder-kv-blocks-ttl", str(decoder_ttl),
         "--decode-stream", rspec.decode_stream,
+        "--block-size", str(getattr(topo, "block_size", None) or topo.spec.prefill.block_size),
         *rspec.extra_args,
     ]  # fmt: skip
     proc = ManagedProcess("router-0", argv, log).start()
