@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -294,6 +295,10 @@ def render(results: Sequence[CaseResult]) -> str:
     return "\n".join(lines)
 
 
+def _terminate(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bidir_kv.engine.transport.bench",
@@ -324,8 +329,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     nbytes = args.mib * MiB
     if nbytes % block_nbytes:
         ap.error("--mib must be a multiple of --block-kib")
-    with tempfile.TemporaryDirectory(prefix="bidir-kv-bench-") as tmp:
-        results = run_cases(names, nbytes, block_nbytes, args.iters, Path(tmp), args)
+    # `timeout` and CI send SIGTERM: unwind so every child process is stopped.
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bidir-kv-bench-") as tmp:
+            results = run_cases(names, nbytes, block_nbytes, args.iters, Path(tmp), args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(render(results))
     if args.json:
         payload = [asdict(r) | {"median_gbps": r.median_gbps} for r in results]

@@ -22,6 +22,7 @@ import hashlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,7 +61,8 @@ def _raw_target(args: argparse.Namespace) -> int:
     region = np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64)
     reg = agent.register_memory(region, "DRAM")
     descs = agent.get_xfer_descs(region, "DRAM")
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda _s, _f: stop.set())
     write_atomic(
         Path(args.dir) / READY,
         {
@@ -70,7 +72,10 @@ def _raw_target(args: argparse.Namespace) -> int:
             "pid": os.getpid(),
         },
     )
-    signal.sigwait({signal.SIGTERM})
+    # As the recipe's target does, poll for notifications; without a progress thread
+    # this is also what lets UCX accept the initiator's connection.
+    while not stop.wait(0.001):
+        agent.get_new_notifs()
     agent.deregister_memory(reg)
     return 0
 
@@ -78,7 +83,6 @@ def _raw_target(args: argparse.Namespace) -> int:
 def _raw_tcp_target(args: argparse.Namespace) -> int:
     """Serve one seeded buffer over plain blocking TCP: each byte received asks for it all."""
     import socket
-    import threading
 
     buf = seeded_pool_bytes(args.seed, 1, args.nbytes).reshape(-1)
     lsock = socket.create_server(("127.0.0.1", 0))
@@ -208,6 +212,18 @@ def spawn(role_args: Sequence[str], workdir: Path, *, timeout: float = 60.0) -> 
     return Peer(proc, ready, workdir)
 
 
+def _exit_with_parent() -> None:
+    """Stop (SIGTERM to ourselves) when the process that spawned us is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bidir_kv.engine.transport.peer")
     sub = ap.add_subparsers(dest="role", required=True)
@@ -228,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own.add_argument("--seed", type=int, default=0)
     own.add_argument("--engine-id", default="owner")
     args = ap.parse_args(argv)
+    _exit_with_parent()
     if args.role == "raw-target":
         return _raw_target(args)
     if args.role == "raw-tcp-target":
