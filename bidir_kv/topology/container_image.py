@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ APP_REPO = "bidir-kv"
 LABEL = "org.bidir-kv.image"
 _FORMAT = "2"  # bump when the base layout changes, so old cached images are not reused
 _APP_FORMAT = "2"  # same for the app layer's Dockerfile
+PRUNE_AFTER_SECONDS = 6 * 3600.0
 
 # stdlib parts a headless server never imports
 _STDLIB_SKIP_TOP = {
@@ -409,13 +411,32 @@ def ensure_image(client: Any | None = None, project_root: Path = PROJECT_ROOT) -
     return ImageBuild(tag, base_tag, base_built, app_built, base_seconds, app_seconds, size)
 
 
-def _prune_old(client: Any, keep: set[str]) -> None:
-    """Drop our older app/base tags so edits do not pile up images (only our repositories)."""
+def _prune_old(client: Any, keep: set[str], min_age: float = PRUNE_AFTER_SECONDS) -> None:
+    """Drop our tags older than ``min_age`` so edits do not pile up images.
+
+    Only our two repositories are touched, and never a recent tag: another test
+    session on the same daemon may still be about to start containers from it
+    (its image was current when it began). Images in use by containers are kept
+    by Docker itself.
+    """
     import docker.errors
 
+    now = time.time()
     for repo in (APP_REPO, BASE_REPO):
         for image in client.images.list(name=repo):
+            created = _created_epoch(str(image.attrs.get("Created", "")))
+            if created is None or now - created < min_age:
+                continue
             for t in image.tags:
                 if t.split(":")[0] == repo and t not in keep:
                     with contextlib.suppress(docker.errors.APIError):
                         client.images.remove(t, noprune=False)
+
+
+def _created_epoch(text: str) -> float | None:
+    """Docker's ``Created`` (RFC 3339, nanoseconds) as a Unix time."""
+    m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", text)
+    if m is None:
+        return None
+    zone = "+00:00" if m.group(3) == "Z" else m.group(3)
+    return datetime.fromisoformat(m.group(1) + zone).timestamp()

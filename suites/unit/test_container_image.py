@@ -47,3 +47,10 @@ def test_app_files_are_sources_only() -> None:
     assert "bidir_kv/topology/container_image.py" in files
     assert not any("__pycache__" in rel or rel.endswith(".pyc") for rel in files)
     assert all(rel.split("/")[0] in ("bidir_kv", "fixtures") for rel in files)
+
+
+def test_docker_created_timestamps_parse() -> None:
+    assert ci._created_epoch("1970-01-01T00:01:40.123456789Z") == 100.0
+    assert ci._created_epoch("1970-01-01T02:00:00+02:00") == 0.0
+    assert ci._created_epoch("") is None
+    assert ci._created_epoch("yesterday") is None
