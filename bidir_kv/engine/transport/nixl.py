@@ -134,7 +134,8 @@ class NixlAgent(KVAgent):
         pool: KVPool,
         *,
         backends: Sequence[str] = ("UCX",),
-        notif_poll_interval: float = 0.002,
+        notif_poll_interval: float = 0.001,
+        notif_poll_idle: float = 0.01,
         io_timeout: float = 60.0,
     ) -> None:
         super().__init__(name, pool)
@@ -142,6 +143,7 @@ class NixlAgent(KVAgent):
             raise TransportError("the KV pool must be C-contiguous to register with NIXL")
         self.backends = tuple(backends)
         self.notif_poll_interval = notif_poll_interval
+        self.notif_poll_idle = max(notif_poll_idle, notif_poll_interval)
         self.io_timeout = io_timeout
         # Created here, not in start(), so create_agent("auto") learns at once whether
         # NIXL works in this process and can fall back to TCP without a second agent.
@@ -320,6 +322,11 @@ class NixlAgent(KVAgent):
             raise TransportError(f"notification to {peer} failed: {exc}") from None
 
     async def _poll_notifs(self) -> None:
+        """Poll NIXL for notifications; this also drives UCX progress on the owner side.
+
+        Every ``notif_poll_interval`` s while messages arrive, backing off to
+        ``notif_poll_idle`` s when idle, so an idle engine costs next to no CPU.
+        """
         interval = self.notif_poll_interval
         while True:
             agent = self._agent
@@ -335,6 +342,10 @@ class NixlAgent(KVAgent):
                 name = peer.decode() if isinstance(peer, bytes) else str(peer)
                 for m in messages:
                     dispatch.put(name, bytes(m))
+            if notifs:
+                interval = self.notif_poll_interval
+            else:
+                interval = min(self.notif_poll_idle, interval * 1.5)
             await asyncio.sleep(interval)
 
     async def close(self) -> None:
