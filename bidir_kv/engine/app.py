@@ -48,6 +48,7 @@ class EngineSettings:
     side_port: int = 5600
     metrics_log_interval: float = 10.0
     kv_verify: bool = True
+    kv_guard: bool = True
     faults: Faults = field(default_factory=Faults)
 
 
@@ -92,6 +93,7 @@ async def run_engine(s: EngineSettings, stop: asyncio.Event) -> None:
         side_host=s.side_host,
         metrics_log_interval=s.metrics_log_interval,
         kv_verify=s.kv_verify,
+        kv_guard=s.kv_guard,
     )
     core = EngineCore(opts, s.kv, profile, blocks, worker, metrics, s.faults)
     routes = Routes(core, Tokenizer(), s.served_names, s.model, s.faults)

@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="compare pulled KV with the reader's own prompt (metric only; costs CPU)",
     )
+    e.add_argument(
+        "--kv-guard",
+        choices=("hashes", "off"),
+        default="hashes",
+        help="cap pulls at the prefix the owner provably holds for this prompt (hashes), "
+        "or trust the params like vLLM (off)",
+    )
     add_fault_flags(p)
     return p
 
@@ -138,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         side_port=side_port,
         metrics_log_interval=ns.kv_metrics_log_interval,
         kv_verify=ns.kv_verify,
+        kv_guard=ns.kv_guard == "hashes",
         faults=faults,
     )
     if settings.kv_bytes_per_token % settings.num_layers:

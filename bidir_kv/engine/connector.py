@@ -26,6 +26,7 @@ from typing import Any
 import msgpack
 
 from bidir_kv.engine.faults import Faults
+from bidir_kv.engine.guard import HandleTokens
 from bidir_kv.engine.transport.base import KVAgent, NotificationHandler, ReadResult, TransportError
 from bidir_kv.engine.transport.sidechannel import (
     EngineMetadata,
@@ -164,8 +165,11 @@ class ConnectorWorker:
 
     # ---- claims --------------------------------------------------------------------
 
-    async def claim(self, peer: Peer, request_id: str, blocks: Sequence[int]) -> None:
-        """Ask the owner for single-use access to ``blocks`` of ``request_id``."""
+    async def claim(
+        self, peer: Peer, request_id: str, blocks: Sequence[int]
+    ) -> HandleTokens | None:
+        """Ask the owner for single-use access to ``blocks`` of ``request_id``; returns
+        what the handle holds (hashes of its tokens) when the owner says."""
         import aiohttp
 
         if self._session is None:
@@ -181,6 +185,13 @@ class ConnectorWorker:
         if resp.status != 200:
             reason = answer.get("error") if isinstance(answer, dict) else answer
             raise TransportError(f"engine {peer.engine_id} refused to serve {request_id}: {reason}")
+        held = answer.get("tokens") if isinstance(answer, dict) else None
+        if held is None:
+            return None
+        try:
+            return HandleTokens.from_wire(held)
+        except ValueError as exc:
+            raise TransportError(str(exc)) from None
 
     # ---- transfers -----------------------------------------------------------------
 

@@ -145,13 +145,18 @@ class EngineMetrics:
         self.kv_mismatch = counter(
             "bidir_kv:kv_verify_mismatched_blocks", "Pulled blocks with unexpected contents."
         )
+        self.guard_rejected = counter(
+            "bidir_kv:kv_guard_rejected_tokens",
+            "Tokens not pulled because the owner's sequence does not match the prompt.",
+        )
         self.window = TransferWindow()
         # children exist from the start, so every series scrapes as 0 before first use
         for m in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
                   self.prefix_cache_hits, self.external_queries, self.external_hits,
                   self.ttft, self.e2e, self.xfer_time, self.post_time, self.bytes_transferred,
                   self.num_descriptors, self.failed_transfers, self.failed_notifications,
-                  self.kv_expired, self.notifs_after_expiry, self.kv_mismatch):  # fmt: skip
+                  self.kv_expired, self.notifs_after_expiry, self.kv_mismatch,
+                  self.guard_rejected):  # fmt: skip
             m.labels(**self.labels)
         for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
             self.prompt_tokens_by_source.labels(**self.labels, source=source)

@@ -31,6 +31,7 @@ import numpy as np
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.engine.connector import ConnectorWorker, Peer
 from bidir_kv.engine.faults import Faults
+from bidir_kv.engine.guard import HandleTokens, verified_tokens
 from bidir_kv.engine.kvcache import BlockManager, NoFreeBlocks
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.model import EOS, KVContent, next_token
@@ -79,6 +80,7 @@ class EngineOptions:
     side_host: str = "localhost"
     metrics_log_interval: float = 10.0
     kv_verify: bool = True
+    kv_guard: bool = True
 
 
 @dataclass(eq=False)
@@ -148,6 +150,7 @@ class EngineCore:
         self.leases = LeaseTable(duration=kv.kv_lease_duration)
         self._lease_blocks: dict[str, list[int]] = {}
         self._claimed: set[str] = set()
+        self._handle_tokens: dict[str, HandleTokens] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._wake = asyncio.Event()
@@ -359,7 +362,15 @@ class EngineCore:
                 self.metrics.expired()
                 self._pull_resolved(req, h, 0, failed=True)
                 return
-            await self.worker.claim(peer, p.remote_request_id, remote)
+            owner = await self.worker.claim(peer, p.remote_request_id, remote)
+            if self.opts.kv_guard and owner is not None:
+                count = self._guarded_count(req, h, count, owner, p)
+                n = cdiv(h + count, self.opts.block_size) - h // self.opts.block_size
+                local, remote = local[:n], remote[:n]
+            if count <= 0:
+                await self.worker.notify(peer, f"{p.remote_request_id}:1")
+                self._pull_resolved(req, h, 0, failed=False)
+                return
             res = await self.worker.read(
                 peer, local, remote, f"{p.remote_request_id}:1", tokens=count
             )
@@ -378,6 +389,35 @@ class EngineCore:
         if self.opts.kv_verify:
             self._verify(req, h, count)
         self._pull_resolved(req, h, count, failed=False)
+
+    def _guarded_count(
+        self, req: Request, h: int, count: int, owner: HandleTokens, p: KVTransferParams
+    ) -> int:
+        """Cap a pull at the prefix the owner provably holds for our prompt (guard.py).
+
+        A capped pull below the threshold becomes notify-only, as vLLM's rule would
+        have decided had it known."""
+        bs = self.opts.block_size
+        chain = req._chain[: req.prompt_len // bs]
+        ok = verified_tokens(req.prompt, chain, owner, bs) - h
+        if ok >= count:
+            return count
+        capped = max(ok, 0)
+        threshold = self.kv.kv_recompute_threshold
+        if not p.do_remote_prefill and threshold > 0 and capped < threshold:
+            capped = 0
+        logger.warning(
+            "Prefix guard: prompt of %s does not continue request %s of engine %s after "
+            "token %d; pulling %d of %d tokens",
+            req.request_id,
+            p.remote_request_id,
+            p.remote_engine_id,
+            h + max(ok, 0),
+            capped,
+            count,
+        )
+        self.metrics.c(self.metrics.guard_rejected, count - capped)
+        return capped
 
     async def _pull_failed(self, req: Request, h: int, why: str) -> None:
         self.metrics.transfer_failed()
@@ -459,11 +499,11 @@ class EngineCore:
         if rid in self.ledger:
             rel = self.ledger.notify(rid, n)
             if rel is not None:
-                self._claimed.discard(rid)
+                self._forget(rid)
                 self.bm.free(rel.blocks)
         elif rid in self.leases:
             self.leases.release(rid)
-            self._claimed.discard(rid)
+            self._forget(rid)
             self.bm.free(self._lease_blocks.pop(rid))
         else:
             logger.error(
@@ -476,7 +516,9 @@ class EngineCore:
         self._wake.set()
 
     def claim(self, request_id: str, blocks: list[int]) -> str | None:
-        """Grant single-use access to a held handle; return a refusal reason or None."""
+        """Grant single-use access to a held handle; return a refusal reason or None.
+
+        After a grant, :meth:`handle_tokens` tells the reader what the handle holds."""
         now = self.clock()
         if request_id in self._claimed:
             return f"request {request_id} was already read (handles are single use)"
@@ -493,6 +535,13 @@ class EngineCore:
             return f"blocks {foreign[:8]} are not held for request {request_id}"
         self._claimed.add(request_id)
         return None
+
+    def handle_tokens(self, request_id: str) -> HandleTokens | None:
+        return self._handle_tokens.get(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._claimed.discard(request_id)
+        self._handle_tokens.pop(request_id, None)
 
     # ---- step loop ------------------------------------------------------------------
 
@@ -639,6 +688,10 @@ class EngineCore:
         self.bm.free(extra)
         p = req.params
         ok = reason in ("stop", "length") and keep_n > 0 and p is not None
+        if ok and (req.is_p_node or self.kv.bidirectional_kv_xfer):
+            self._handle_tokens[req.request_id] = HandleTokens.of(
+                req.tokens[: req.num_computed], req._chain, bs
+            )
         if ok and req.is_p_node:
             self.leases.hold(req.request_id, self.clock())
             self._lease_blocks[req.request_id] = keep
@@ -706,7 +759,7 @@ class EngineCore:
             reads,
         )
         self.metrics.expired()
-        self._claimed.discard(rid)
+        self._forget(rid)
         self.bm.free(blocks)
         self._wake.set()
 

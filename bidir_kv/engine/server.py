@@ -136,7 +136,8 @@ class Routes:
         refusal = self.core.claim(rid, [int(b) for b in blocks])
         if refusal is not None:
             return web.json_response({"ok": False, "error": refusal}, status=410)
-        return web.json_response({"ok": True})
+        held = self.core.handle_tokens(rid)
+        return web.json_response({"ok": True, "tokens": None if held is None else held.to_wire()})
 
     async def state(self, request: web.Request) -> web.Response:
         return web.json_response(self.core.assert_idle())

@@ -144,8 +144,9 @@ def test_remote_blocks_exceed_prompt(engine_pair: Factory, pairing: str) -> None
     """D holds more than P's (shorter, branched) prompt: count is capped at L. Position
     pairing reads D's first blocks and stays correct; vLLM's suffix trimming reads D's
     last blocks - the wrong positions (suspected upstream defect 3)."""
+    # the guard is off so that pairing alone decides what is read
     pair = engine_pair(prefill={"enable_prefix_caching": False,
-                                "extra_args": ("--kv-pairing", pairing)},
+                                "extra_args": ("--kv-pairing", pairing, "--kv-guard", "off")},
                        kv={"kv_recompute_threshold": 0})  # fmt: skip
     rng = random.Random("exceed")
     prompt = random_prompt(rng, 200)
@@ -166,3 +167,37 @@ def test_remote_blocks_exceed_prompt(engine_pair: Factory, pairing: str) -> None
     else:
         assert dp.value(MISMATCH) == cdiv(120, BS)
         assert d.token_ids != ref.token_ids  # wrong KV gives different tokens
+
+
+@pytest.mark.parametrize("guard", ["hashes", "off"])
+def test_rewritten_history_guard(engine_pair: Factory, guard: str) -> None:
+    """The next prompt edits D's last answer (§6.3). vLLM pulls KV of the old tokens;
+    our default guard caps the pull at the verified prefix, so output equals recompute."""
+    pair = engine_pair(prefill={"enable_prefix_caching": False,
+                                "extra_args": ("--kv-guard", guard)})  # fmt: skip
+    rng = random.Random("rewrite")
+    prompt = random_prompt(rng, 200)
+    _, d1 = pair.turn(prompt, 40)
+    assert d1 is not None and d1.params is not None
+    edited = [*d1.token_ids[:10], *random_prompt(rng, 30)]  # answer rewritten after token 10
+    prompt2 = [*prompt, *edited, *random_prompt(rng, 50)]
+    mark = pair.p.log_mark()
+    p0 = pair.p.metrics()
+    pr = pair.p.complete(prompt2, 1, d1.params.for_prefill_hit())
+    dp = pair.p.metrics() - p0
+    assert pr.ok and pr.params is not None
+    d2 = pair.d.complete(prompt2, 8, pr.params)
+    # the reference is P without params: no prefix cache there, so a clean recompute
+    # (D's cache may now hold the imported KV under prompt2's hashes, as vLLM's would)
+    ref = pair.p.complete(prompt2, 8)
+    if guard == "hashes":
+        verified = 210 // BS * BS  # blocks before the edit
+        assert sources(dp)["external_kv_transfer"] == verified
+        assert dp.value("bidir_kv:kv_guard_rejected_tokens_total") == 239 - verified
+        assert dp.value(MISMATCH) == 0
+        assert "Prefix guard: prompt of cmpl-" in pair.p.log_since(mark)
+        assert d2.token_ids == ref.token_ids
+    else:
+        assert sources(dp)["external_kv_transfer"] == 239
+        assert dp.value(MISMATCH) > 0
+        assert d2.token_ids != ref.token_ids
