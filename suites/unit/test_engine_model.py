@@ -145,3 +145,24 @@ def test_kv_transfer_metrics_line_zero_without_transfers() -> None:
     line2 = w2.log_line()
     assert "Avg xfer time (ms)=3.000" in line2 and "P90 xfer time (ms)=4.000" in line2
     assert "Avg MB per transfer=1.000" in line2 and "Throughput (MB/s)=333.333" in line2
+
+
+def test_guard_verifies_chain_prefix_and_partial_tail() -> None:
+    from bidir_kv.engine.guard import HandleTokens, verified_tokens
+
+    bs = 4
+    owner_tokens = list(range(100, 114))  # 3 full blocks + 2 tail tokens
+    owner = HandleTokens.of(owner_tokens, block_hashes(owner_tokens, bs), bs)
+    assert HandleTokens.from_wire(owner.to_wire()) == owner
+
+    def check(prompt: list[int]) -> int:
+        return verified_tokens(prompt, block_hashes(prompt, bs), owner, bs)
+
+    assert check([*owner_tokens, 1, 2, 3]) == 14  # exact continuation: everything
+    assert check(owner_tokens[:10]) == 8  # shorter prompt: whole blocks only
+    edited = [*owner_tokens[:9], 0, *owner_tokens[10:], 7]
+    assert check(edited) == 8  # the edit is in block 2
+    assert check([*owner_tokens[:12], 0, 0, 5]) == 12  # tail differs
+    assert check([0, *owner_tokens]) == 0
+    with pytest.raises(ValueError, match="malformed"):
+        HandleTokens.from_wire({"chain": ["zz"], "tail": "", "num_tokens": 1})
