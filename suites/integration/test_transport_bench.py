@@ -27,7 +27,7 @@ def test_bench_all_cases_small(
     for name, r in rows.items():
         assert not r["error"], (name, r["error"])
         assert len(r["seconds"]) == 2 and r["nbytes"] == 1024 * 1024, name
-    assert "vs raw" in table and "engine-d2p" in table
+    assert "median/raw" in table and "engine-d2p" in table
 
 
 def test_bench_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
