@@ -190,8 +190,9 @@ async def _direct(session: aiohttp.ClientSession, p_url: str, d_url: str,
 
 
 async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
-                   warmup: float) -> Cell:
-    cell = Cell(mode, concurrency)
+                   warmup: float, cell: Cell | None = None) -> Cell:
+    """Drive ``concurrency`` closed-loop clients for ``duration`` s (adds to ``cell``)."""
+    cell = cell or Cell(mode, concurrency)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         stop_at = [0.0]
@@ -220,7 +221,7 @@ async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
         start = time.perf_counter()
         stop_at[0] = start + duration
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        cell.elapsed = time.perf_counter() - start
+        cell.elapsed += time.perf_counter() - start
     return cell
 
 
@@ -272,7 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bidir_kv.router.bench", description=__doc__)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds measured per cell")
-    ap.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring")
+    ap.add_argument("--warmup", type=float, default=0.5,
+                    help="seconds before measuring, per round")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="modes alternate in this many rounds per concurrency")
     ap.add_argument("--modes", nargs="+", default=["direct", "relay", "router", "router-noguard"],
                     choices=["direct", "relay", "router", "router-noguard"])
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -314,20 +318,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"router benchmark: upstream = stub engines ({__package__}.stub_engine, aiohttp, "
               f"8-token streamed answers), {TURNS_PER_CONVERSATION}-turn conversations, "
-              f"client loop {loop_name}, {args.duration:g}s per cell; logs in {log_dir}")
+              f"client loop {loop_name}, {args.duration:g}s per cell in {args.rounds} "
+              f"interleaved rounds; logs in {log_dir}")
         results: list[Cell] = []
         for c in args.concurrency:
-            cells = {}
-            for mode in args.modes:
-                router = mode.startswith("router")
-                hist0 = _buckets(targets[mode]) if router else None
-                cell = asyncio.run(run_cell(mode, targets[mode], c, args.duration, args.warmup))
-                if hist0 is not None:
-                    hist1 = _buckets(targets[mode])
-                    cell.internal_p50 = _quantile_bound(hist0, hist1, 0.5)
-                    cell.internal_p99 = _quantile_bound(hist0, hist1, 0.99)
-                cells[mode] = cell
-                results.append(cell)
+            cells = {mode: Cell(mode, c) for mode in args.modes}
+            hist0 = {m: _buckets(targets[m]) for m in args.modes if m.startswith("router")}
+            # Modes take turns in short rounds, so drifting machine load hits all alike.
+            for _ in range(args.rounds):
+                for mode in args.modes:
+                    asyncio.run(run_cell(mode, targets[mode], c, args.duration / args.rounds,
+                                         args.warmup, cells[mode]))
+            for mode, before in hist0.items():
+                after = _buckets(targets[mode])
+                cells[mode].internal_p50 = _quantile_bound(before, after, 0.5)
+                cells[mode].internal_p99 = _quantile_bound(before, after, 0.99)
+            results.extend(cells.values())
             base = cells.get("direct")
             print(f"\nconcurrency {c}")
             print(f"  {'mode':<15} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
