@@ -36,8 +36,9 @@ def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 
 def calibrate(result: ResultDir, kv_bytes_per_token: float | None = None) -> CostModel:
     rows = build_report(result, min_turn=1).rows
-    off = [r for r in rows if r.leg == "off" and r.prefill_ms and r.prefill_count]
-    on = [r for r in rows if r.leg == "on" and r.xfer_count and r.tokens_external]
+    # points with failed requests are left out: their timings are not the engine's
+    off = [r for r in rows if r.leg == "off" and r.prefill_ms and r.prefill_count and not r.errors]
+    on = [r for r in rows if r.leg == "on" and r.xfer_count and r.tokens_external and not r.errors]
     if not off:
         raise PlanError(
             f"{result.path}: no OFF points with a router prefill histogram; cannot fit recompute"
@@ -47,6 +48,11 @@ def calibrate(result: ResultDir, kv_bytes_per_token: float | None = None) -> Cos
     xs = [r.tokens_local_compute / r.prefill_count for r in off]
     ys = [(r.prefill_ms or 0.0) * 1e3 for r in off]
     _, recompute = linear_fit(xs, ys)
+    if recompute <= 0:
+        raise PlanError(
+            f"{result.path}: OFF prefill time did not grow with the tokens P computed "
+            f"(slope {recompute:.3g} µs/token); the run is too small or too noisy to calibrate"
+        )
     px = [r.tokens_external / r.xfer_count for r in on]
     py = [(r.xfer_ms_per_transfer or 0.0) * 1e3 for r in on]
     overhead, per_token = linear_fit(px, py)
@@ -58,7 +64,7 @@ def calibrate(result: ResultDir, kv_bytes_per_token: float | None = None) -> Cos
         f"pull fit over {', '.join(f'{x:.0f}' for x in px)} tokens/transfer",
     )
     return CostModel(
-        recompute_us_per_token=max(recompute, 1e-9),
+        recompute_us_per_token=recompute,
         recompute_us_per_token_ctx=0.0,
         xfer_us_per_token=max(per_token, 0.0),
         pull_overhead_us=max(overhead, 0.0),

@@ -61,8 +61,8 @@ def cost_from_profile(name: str) -> CostModel | None:
     )
 
 
-def predict(report: Report) -> Prediction | None:
-    """``None`` when neither a profile nor a calibration gives a cost model."""
+def predict(report: Report) -> Prediction | str:
+    """The prediction, or why there is none (no profile costs and no usable calibration)."""
     manifest = report.result.manifest
     cost = cost_from_profile(str(manifest["profile"])) if manifest.get("profile") else None
     if cost is None:
@@ -70,8 +70,8 @@ def predict(report: Report) -> Prediction | None:
 
         try:
             cost = calibrate(report.result)
-        except PlanError:
-            return None
+        except PlanError as exc:
+            return str(exc)
     points: list[PointPrediction] = []
     for point in report.result.prefix_points:
         recs = report.result.points.get(("on", point)) or report.result.points.get(("off", point))

@@ -231,8 +231,8 @@ def _prediction_lines(report: Report) -> list[str]:
     from bidir_kv.bench.predict import predict
 
     pred = predict(report)
-    if pred is None:
-        return []
+    if isinstance(pred, str):
+        return ["", "## Planner prediction", "", f"Not available: {pred}."]
     be = pred.break_even_tokens
     lines = [
         "",

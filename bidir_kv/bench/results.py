@@ -147,8 +147,10 @@ def prefill_duration_from_rows(
         )
     if base is None:
         return None
-    total = _sum(rows, f"{base}_sum")
-    count = int(_sum(rows, f"{base}_count"))
+    # failed P legs (timeouts) would distort the mean: only the router's ok outcomes
+    ok_rows = [(n, lab, v) for n, lab, v in rows if lab.get("outcome", "ok") == "ok"]
+    total = _sum(ok_rows, f"{base}_sum")
+    count = int(_sum(ok_rows, f"{base}_count"))
     return total, count
 
 
