@@ -227,3 +227,19 @@ def test_d_gone_between_turns_follows_failure_policy(engine_pair: Factory, polic
         assert pr.status == 500
     else:
         assert pr.ok and sources(dp)["local_compute"] == len(prompt2)
+
+
+def test_stall_freezes_scheduling_but_not_health(engine_pair: Factory) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    pair = engine_pair()
+    pair.set_faults("p", stall=True)
+    prompt = random_prompt(random.Random("stall"), 32)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(pair.p.complete, prompt, 4)
+        wait_for(lambda: pair.state("p")["running"] == 1)
+        with urllib.request.urlopen(pair.p.url + "/health", timeout=10) as r:
+            assert r.status == 200
+        assert not pending.done()
+        pair.set_faults("p", stall=False)
+        assert pending.result(timeout=30).ok
