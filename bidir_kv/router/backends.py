@@ -35,6 +35,7 @@ class Backend:
     healthy: bool = True
     inflight: int = 0
     last_error: str | None = None
+    strikes: int = 0  # consecutive failed health probes
     last_change: float = field(default_factory=time.monotonic)
 
     @property
@@ -98,12 +99,14 @@ class Pool:
 class HealthChecker:
     """Polls every node's ``/health`` in the background and flips ``healthy``."""
 
+    SLOW_STRIKES = 2
+
     def __init__(
         self,
         pools: Sequence[Pool],
         session: aiohttp.ClientSession,
         interval: float,
-        timeout: float = 2.0,
+        timeout: float = 5.0,
     ) -> None:
         self.pools = pools
         self.session = session
@@ -113,15 +116,26 @@ class HealthChecker:
         self.rounds = 0
 
     async def check(self, node: Backend) -> None:
+        """One probe. A refused connection marks the node down at once; a slow or
+        failing answer only after ``SLOW_STRIKES`` probes in a row (a busy engine is
+        not a dead one)."""
         try:
             async with self.session.get(f"{node.url}/health", timeout=self.timeout) as resp:
                 await resp.read()
                 if resp.status == 200:
+                    node.strikes = 0
                     node.mark(True)
-                else:
-                    node.mark(False, f"/health returned {resp.status}")
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    return
+                problem = f"/health returned {resp.status}"
+        except aiohttp.ClientConnectorError as exc:
+            node.strikes = self.SLOW_STRIKES
             node.mark(False, f"/health failed: {exc.__class__.__name__}: {exc}")
+            return
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            problem = f"/health failed: {exc.__class__.__name__}: {exc}"
+        node.strikes += 1
+        if node.strikes >= self.SLOW_STRIKES:
+            node.mark(False, problem)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(n) for p in self.pools for n in p.nodes))

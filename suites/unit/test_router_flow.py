@@ -417,3 +417,25 @@ def test_unreachable_decode_is_replaced_by_another() -> None:
             assert not s.flow.decode.nodes[0].healthy
             assert counter(s.flow, "fallbacks", cause="decode_unreachable") == 1
     run(go)
+
+
+def test_health_checks_need_two_bad_answers_but_one_refused_connection() -> None:
+    from bidir_kv.router.backends import HealthChecker
+
+    async def go() -> None:
+        async with StubStack(num_decode=2) as s:
+            assert s.session is not None
+            checker = HealthChecker([s.flow.decode], s.session, interval=0)
+            busy, dead = s.flow.decode.nodes
+            s.decode[0].health_status = 503
+            await checker.check(busy)
+            assert busy.healthy  # one bad answer: maybe just busy
+            await checker.check(busy)
+            assert not busy.healthy and "503" in (busy.last_error or "")
+            s.decode[0].health_status = 200
+            await checker.check(busy)
+            assert busy.healthy
+            await s.stop_engine("decode", 1)
+            await checker.check(dead)
+            assert not dead.healthy  # refused: down at once
+    run(go)
