@@ -16,6 +16,7 @@ import logging
 import os
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -597,7 +598,7 @@ class RouterFlow:
             decode=d_node.id,
             prefill=p_node.id,
             created=self.store.now(),
-            tokens=tokens,
+            tokens=_packed(tokens),
         )
         try:
             await self.store.put(turn.key.storage_key, entry)
@@ -644,3 +645,14 @@ def _prompt_ids(body: dict[str, Any]) -> list[int] | None:
     if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
         return list(ids)
     return None
+
+
+def _packed(tokens: list[int] | None) -> array[int] | None:
+    """Token ids as 4-byte unsigned ints; ``None`` (unverifiable) if one does not fit."""
+    if tokens is None:
+        return None
+    try:
+        return array("I", tokens)
+    except (OverflowError, TypeError):
+        log.warning("token ids outside 0..2**32-1; turn stored without them (no reuse)")
+        return None

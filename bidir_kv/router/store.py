@@ -47,6 +47,7 @@ class Entry:
     ``tokens`` is D's token sequence (prompt + generated ids) when the D leg
     returned token ids; the continuation guard compares the next prompt with it.
     ``decode``/``prefill`` name the backends (``host:port``) for sticky routing.
+    Token ids are kept as ``array('I')`` (4 bytes each, not a Python int object).
     """
 
     params: KVTransferParams
@@ -56,7 +57,10 @@ class Entry:
     tokens: Sequence[int] | None = None
 
     def to_bytes(self) -> bytes:
-        toks = None if self.tokens is None else array("I", self.tokens).tobytes()
+        toks = None
+        if self.tokens is not None:
+            arr = self.tokens if isinstance(self.tokens, array) else array("I", self.tokens)
+            toks = arr.tobytes()
         packed: bytes = msgpack.packb(
             {
                 "v": _FORMAT,
@@ -77,7 +81,10 @@ class Entry:
             if not isinstance(obj, dict) or obj.get("v") != _FORMAT:
                 raise ValueError("unknown entry format")
             toks = obj.get("tok")
-            tokens = None if toks is None else array("I", toks).tolist()
+            tokens = None
+            if toks is not None:
+                tokens = array("I")
+                tokens.frombytes(toks)
             return cls(
                 params=KVTransferParams.parse(obj["params"]),
                 decode=str(obj["d"]),
