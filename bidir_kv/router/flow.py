@@ -344,7 +344,7 @@ class RouterFlow:
         body["stream"] = False
         body["max_tokens"] = 1
         body["kv_transfer_params"] = params.to_dict()
-        if self._wants_ids(turn) and "return_token_ids" not in body:
+        if self._wants_ids(turn) and turn.prompt_tokens is None:
             body["return_token_ids"] = True  # P's prompt ids record D's prompt for the guard
         t = time.perf_counter()
         node.inflight += 1
@@ -399,7 +399,7 @@ class RouterFlow:
             self.config.guard
             and turn.key is not None
             and turn.single_choice
-            and "return_token_ids" not in body
+            and body.get("return_token_ids") is not True
         )
         if inject:
             body["return_token_ids"] = True
@@ -472,7 +472,7 @@ class RouterFlow:
                                 content_type=resp.content_type or _JSON)
         relay = StreamRelay(
             keep_params=self.config.keep_kv_params,
-            collect_ids=injected or "return_token_ids" in turn.body,
+            collect_ids=injected or turn.body.get("return_token_ids") is True,
             strip_ids=injected,
         )
         if stream_d:
