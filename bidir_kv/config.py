@@ -34,6 +34,17 @@ _TYPED_EXTRA = (
 )
 
 
+# top-level keys with a typed attribute; ``KVTransferConfig.top_level`` keeps the others
+_TYPED_TOP = (
+    "kv_connector",
+    "kv_role",
+    "engine_id",
+    "kv_buffer_device",
+    "kv_load_failure_policy",
+    "kv_connector_extra_config",
+)
+
+
 class ConfigError(ValueError):
     """A bad ``--kv-transfer-config``; the message names the key."""
 
@@ -75,6 +86,8 @@ class KVTransferConfig:
     enforce_handshake_compat: bool = True
     # unknown kv_connector_extra_config keys, kept verbatim so to_json() round-trips
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # unknown top-level keys (kv_rank, kv_parallel_size, kv_port, ...), kept verbatim too
+    top_level: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, text: str | None) -> KVTransferConfig:
@@ -141,6 +154,7 @@ class KVTransferConfig:
             backends=tuple(backends),
             enforce_handshake_compat=_get(extra, "enforce_handshake_compat", bool, True),
             extra={k: v for k, v in extra.items() if k not in _TYPED_EXTRA},
+            top_level={k: v for k, v in obj.items() if k not in _TYPED_TOP},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,6 +168,7 @@ class KVTransferConfig:
             enforce_handshake_compat=self.enforce_handshake_compat,
         )
         return {
+            **self.top_level,
             "kv_connector": self.kv_connector,
             "kv_role": self.kv_role,
             "engine_id": self.engine_id,

@@ -166,3 +166,17 @@ def test_extra_holds_only_unknown_keys_and_typed_values_win() -> None:
     assert extra_out["kv_recompute_threshold"] == 32  # the typed value, not the raw string
     assert extra_out["enforce_handshake_compat"] is True
     assert KVTransferConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_unknown_top_level_keys_round_trip() -> None:
+    """The AWS recipe's kv_rank / kv_parallel_size survive a parse and re-serialisation."""
+    raw = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer",
+        "kv_rank": 0,
+        "kv_parallel_size": 2,
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
+    }
+    out = KVTransferConfig.from_dict(raw).to_dict()
+    assert out["kv_rank"] == 0 and out["kv_parallel_size"] == 2
+    assert KVTransferConfig.from_dict(out).to_dict() == out
