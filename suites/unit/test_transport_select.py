@@ -49,3 +49,12 @@ def test_ucx_without_tcp_falls_back_or_fails_clearly(
     assert any("using TCP" in m and "UCX_TLS=sm,self" in m for m in caplog.messages)
     with pytest.raises(TransportError, match="has no tcp"):
         create_agent("nixl", "forced-nixl", _pool())
+
+
+def test_tcp_wildcard_host_advertises_the_hostname() -> None:
+    # Property only: tests never listen beyond loopback.
+    import socket
+
+    assert TcpAgent("w", _pool(), host="0.0.0.0").advertised_host == socket.gethostname()
+    assert TcpAgent("w", _pool(), host="::").advertised_host == socket.gethostname()
+    assert TcpAgent("w", _pool(), host="127.0.0.1").advertised_host == "127.0.0.1"

@@ -40,6 +40,7 @@ logger = logging.getLogger("bidir_kv.engine.transport")
 
 WIRE_VERSION = 1
 _SOCK_BUF = 4 * 1024 * 1024
+_WILDCARDS = ("", "0.0.0.0", "::")
 
 
 def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int]]:
@@ -165,6 +166,13 @@ class TcpAgent(KVAgent):
             await self._dispatch.close()
             self._dispatch = None
 
+    @property
+    def advertised_host(self) -> str:
+        """Where peers should connect: the bound host, or our hostname for a wildcard."""
+        if self.host in _WILDCARDS:
+            return socket.gethostname()
+        return self.host
+
     def metadata(self) -> bytes:
         if self._listener is None:
             raise TransportError(f"agent {self.name} is not started")
@@ -173,7 +181,7 @@ class TcpAgent(KVAgent):
                 "transport": "tcp",
                 "v": WIRE_VERSION,
                 "name": self.name,
-                "host": self.host,
+                "host": self.advertised_host,
                 "port": self.port,
                 "num_blocks": self.pool.num_blocks,
                 "block_nbytes": self.pool.block_nbytes,
