@@ -1,7 +1,8 @@
 """``bidir-kv proxy`` in front of emulated engines, all processes on loopback.
 
 One 1P1D pair (P without prefix caching, as in the AWS recipe, so every token P
-takes from D shows up as ``external_kv_transfer`` on P) is shared by the module;
+takes from D shows up as ``external_kv_transfer`` on P; the engines' own pull
+guard off, as in vLLM) is shared by the module;
 tests isolate themselves with unique conversations and assert on metric deltas.
 Variants of the router (no guard, keep params, short TTL, Redis) are extra
 router processes in front of the same engines.
@@ -46,9 +47,13 @@ def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     from bidir_kv.testing.router import bidirectional_config as kv_config
     from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
 
+    # --kv-guard off: the engines trust params like vLLM, so only the router's guard
+    # stands between a rewritten history and wrong KV.
+    vllm_like = ("--kv-guard", "off")
     spec = TopologySpec(
-        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", enable_prefix_caching=False),
-        decode=EngineSpec(kv=kv_config("decode"), transport="tcp"),
+        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", enable_prefix_caching=False,
+                           extra_args=vllm_like),
+        decode=EngineSpec(kv=kv_config("decode"), transport="tcp", extra_args=vllm_like),
         router=RouterSpec(extra_args=("--health-interval", "0.5")),
     )
     with LocalTopology(spec, tmp_path_factory.mktemp("router-local")) as t:
