@@ -208,3 +208,15 @@ def test_block_runs() -> None:
     assert list(block_runs([])) == []
     assert list(block_runs([3, 4, 5, 9, 0, 1])) == [(3, 3), (9, 1), (0, 2)]
     assert list(block_runs([5, 4])) == [(5, 1), (4, 1)]
+
+
+def test_re_adding_a_peer_replaces_its_state(run: Callable[[Scenario], None]) -> None:
+    # A re-registered engine (new registration generation) is added again; reads go on.
+    async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
+        assert await p.add_peer(d.metadata()) == "agent-d"
+        await p.read("agent-d", [2], [7], b"again:1")
+        assert np.array_equal(p.pool.data[2], d.pool.data[7])
+        await _until(lambda: len(got_d) >= 1)
+        assert got_d == [("agent-p", b"again:1")]
+
+    run(scenario)
