@@ -117,3 +117,32 @@ def test_ctrl_c_leaves_a_valid_partial_result(tmp_path: Path) -> None:
     assert not list(out.rglob("*.tmp"))
     assert report_main([str(out)]) == 0
     assert "partial result" in (out / "report.md").read_text()
+
+
+def test_external_url_leg_into_an_existing_result(tmp_path: Path) -> None:
+    """`--url` measures a running deployment: one leg per run, metrics from --metrics-url."""
+    from bidir_kv.bench.topo import LegSetup, leg_spec
+    from bidir_kv.topology.local import LocalTopology
+
+    out = tmp_path / "res"
+    spec = leg_spec("on", LegSetup(transport="tcp"))
+    with LocalTopology(spec, tmp_path / "nodes") as topo:
+        argv = [
+            sys.executable, "-m", "bidir_kv", "bench", "--url", topo.router_url, "--legs", "on",
+            "--metrics-url", f"prefill={topo.prefill[0].url}",
+            "--metrics-url", f"router={topo.router_url}",
+            "--prefix-tokens", "300", "--num-conversations", "2", "--num-turns", "2",
+            "--input-tokens", "20", "--output-tokens", "4", "--no-progress",
+            "--no-client-check", "-o", str(out),
+        ]  # fmt: skip
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["topology"] == "external" and manifest["complete"] is True
+    report = build_report(load_result(out))
+    on = report.get("on", 300)
+    assert on is not None and on.requests == 4 and on.errors == 0
+    assert on.tokens_external > 0 and on.prefill_count == 4
+    # exact token counts came from the prefill node's /tokenize
+    raw = json.loads((out / "on" / "p000300.stats.json").read_text())
+    assert {r["input_num_tokens"] for r in raw if r["turn"] == 1} == {320}
