@@ -7,6 +7,7 @@ Two agents in one process on loopback. The NIXL cases run whenever ``nixl`` impo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -218,5 +219,22 @@ def test_re_adding_a_peer_replaces_its_state(run: Callable[[Scenario], None]) ->
         assert np.array_equal(p.pool.data[2], d.pool.data[7])
         await _until(lambda: len(got_d) >= 1)
         assert got_d == [("agent-p", b"again:1")]
+
+    run(scenario)
+
+
+def test_cancelled_read_leaves_the_agent_usable(run: Callable[[Scenario], None]) -> None:
+    async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
+        ids = list(range(NUM_BLOCKS))
+        task = asyncio.create_task(p.read("agent-d", ids, ids, b"cancel:1"))
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await p.read("agent-d", [0], [5], b"after:1")
+        assert np.array_equal(p.pool.data[0], d.pool.data[5])
+        await _until(lambda: ("agent-p", b"after:1") in got_d)
+        msgs = [m for _, m in got_d]
+        assert msgs.count(b"after:1") == 1 and msgs.count(b"cancel:1") <= 1
 
     run(scenario)

@@ -290,19 +290,14 @@ class NixlAgent(KVAgent):
         except Exception as exc:
             raise TransportError(f"posting READ from {peer} failed: {exc}") from None
         post = time.perf_counter() - t0
-        polls = 0
-        deadline = t0 + self.io_timeout
-        while state == "PROC":
-            # Yield at once for the first polls (small reads finish in microseconds),
-            # then back off to at most 0.5 ms so a long READ does not spin a core.
-            await asyncio.sleep(0 if polls < 20 else min(0.0005, 0.00002 * polls))
-            polls += 1
-            try:
-                state = agent.check_xfer_state(handle)
-            except Exception as exc:
-                raise TransportError(f"READ from {peer} failed: {exc}") from None
-            if time.perf_counter() > deadline:
-                raise TransportError(f"READ from {peer} not done after {self.io_timeout} s")
+        try:
+            state = await self._wait(agent, handle, peer, state, t0 + self.io_timeout)
+        except asyncio.CancelledError:
+            # The engine will hand these local blocks to someone else next: let the
+            # READ finish (or fail) first so no bytes land in them afterwards.
+            with contextlib.suppress(Exception):
+                await self._wait(agent, handle, peer, "PROC", time.perf_counter() + 5.0)
+            raise
         xfer = time.perf_counter() - t0
         if state != "DONE":
             raise TransportError(f"READ from {peer} ended in state {state}")
@@ -312,6 +307,23 @@ class NixlAgent(KVAgent):
             tel = agent.get_xfer_telemetry(handle)
             descriptors = int(tel.descCount) or nblocks
         return ReadResult(bytes=nbytes, descriptors=descriptors, post_time=post, xfer_time=xfer)
+
+    @staticmethod
+    async def _wait(agent: Any, handle: Any, peer: str, state: str, deadline: float) -> str:
+        """Poll a posted READ until it leaves ``PROC``, yielding to the event loop."""
+        polls = 0
+        while state == "PROC":
+            # Yield at once for the first polls (small reads finish in microseconds),
+            # then back off to at most 0.5 ms so a long READ does not spin a core.
+            await asyncio.sleep(0 if polls < 20 else min(0.0005, 0.00002 * polls))
+            polls += 1
+            try:
+                state = agent.check_xfer_state(handle)
+            except Exception as exc:
+                raise TransportError(f"READ from {peer} failed: {exc}") from None
+            if state == "PROC" and time.perf_counter() > deadline:
+                raise TransportError(f"READ from {peer} did not complete before its deadline")
+        return str(state)
 
     async def notify(self, peer: str, message: bytes) -> None:
         agent = self._live()

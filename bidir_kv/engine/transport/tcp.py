@@ -41,6 +41,7 @@ logger = logging.getLogger("bidir_kv.engine.transport")
 WIRE_VERSION = 1
 _SOCK_BUF = 4 * 1024 * 1024
 _WILDCARDS = ("", "0.0.0.0", "::")
+_MAX_IDLE = 8  # pooled connections kept per peer after a burst of concurrent reads
 
 
 def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int]]:
@@ -250,7 +251,10 @@ class TcpAgent(KVAgent):
                 f"peer {peer.name} did not complete within {self.io_timeout} s"
             ) from None
         except _Refused as exc:
-            peer.idle.append(sock)  # the owner refused before streaming; stream is clean
+            if len(peer.idle) < _MAX_IDLE:  # refused before streaming: stream is clean
+                peer.idle.append(sock)
+            else:
+                sock.close()
             raise TransportError(f"peer {peer.name} refused: {exc}") from None
         except (OSError, TransportError) as exc:
             sock.close()
@@ -258,7 +262,10 @@ class TcpAgent(KVAgent):
         except BaseException:
             sock.close()
             raise
-        peer.idle.append(sock)
+        if len(peer.idle) < _MAX_IDLE:
+            peer.idle.append(sock)
+        else:
+            sock.close()
         return result
 
     async def read(
