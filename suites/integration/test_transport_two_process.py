@@ -25,7 +25,7 @@ BLOCK_NBYTES = 64 * 1024  # 4 MiB pool
 SEED = 5
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
 def backend(request: pytest.FixtureRequest) -> str:
     if request.param == "nixl":
         ok, why = nixl_available()
@@ -34,15 +34,30 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def owner(backend: str, tmp_path: Path) -> Iterator[Peer]:
-    peer = spawn(
+def _spawn_owner(backend: str, workdir: Path) -> Peer:
+    return spawn(
         [
             "owner", "--backend", backend, "--num-blocks", str(NUM_BLOCKS),
             "--block-nbytes", str(BLOCK_NBYTES), "--seed", str(SEED), "--engine-id", "d-1",
         ],
-        tmp_path / "owner",
+        workdir,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def owner(backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
+    """One owner process per backend; tests tell their notifications apart by reader name."""
+    peer = _spawn_owner(backend, tmp_path_factory.mktemp(f"owner-{backend}"))
+    try:
+        yield peer
+    finally:
+        peer.stop()
+
+
+@pytest.fixture
+def own_owner(backend: str, tmp_path: Path) -> Iterator[Peer]:
+    """An owner this test may kill."""
+    peer = _spawn_owner(backend, tmp_path / "owner")
     try:
         yield peer
     finally:
@@ -64,10 +79,13 @@ async def _connect(
     return agent, await agent.add_peer(info.meta.agent_metadata), info
 
 
-def _wait_notifs(owner: Peer, n: int, timeout: float = 10.0) -> list[tuple[str, str]]:
+def _wait_notifs(
+    owner: Peer, readers: set[str], n: int, timeout: float = 10.0
+) -> list[tuple[str, str]]:
+    """The owner's notifications from ``readers`` once there are ``n`` (or at timeout)."""
     deadline = time.monotonic() + timeout
     while True:
-        got = owner.notifications()
+        got = [(r, m) for r, m in owner.notifications() if r in readers]
         if len(got) >= n or time.monotonic() > deadline:
             return got
         time.sleep(0.01)
@@ -79,7 +97,7 @@ def test_read_across_processes(backend: str, owner: Peer) -> None:
     local = [0, 1, 2, 3, 10, 11, 50]
 
     async def main() -> None:
-        agent, peer, info = await _connect(backend, owner)
+        agent, peer, info = await _connect(backend, owner, "reader-1")
         try:
             # Same machine, same monotonic clock: the offset is within half the best RTT.
             assert abs(info.offset) <= info.rtt / 2 + 1e-6
@@ -95,13 +113,13 @@ def test_read_across_processes(backend: str, owner: Peer) -> None:
             await agent.close()
 
     asyncio.run(main())
-    notifs = _wait_notifs(owner, 2)
-    assert notifs == [("reader", "cmpl-d-1:1"), ("reader", "HB:cmpl-p-9")]
+    notifs = _wait_notifs(owner, {"reader-1"}, 2)
+    assert notifs == [("reader-1", "cmpl-d-1:1"), ("reader-1", "HB:cmpl-p-9")]
 
 
 def test_whole_pool_read_matches_owner_hash(backend: str, owner: Peer) -> None:
     async def main() -> None:
-        agent, peer, _ = await _connect(backend, owner)
+        agent, peer, _ = await _connect(backend, owner, "reader-2")
         try:
             ids = list(range(NUM_BLOCKS))
             await agent.read(peer, ids, ids, b"all:1")
@@ -114,7 +132,7 @@ def test_whole_pool_read_matches_owner_hash(backend: str, owner: Peer) -> None:
 
 def test_out_of_range_and_no_stray_notification(backend: str, owner: Peer) -> None:
     async def main() -> None:
-        agent, peer, _ = await _connect(backend, owner)
+        agent, peer, _ = await _connect(backend, owner, "reader-3")
         try:
             with pytest.raises(TransportError, match="out of range"):
                 await agent.read(peer, [0], [NUM_BLOCKS + 3], b"bad:1")
@@ -123,7 +141,7 @@ def test_out_of_range_and_no_stray_notification(backend: str, owner: Peer) -> No
             await agent.close()
 
     asyncio.run(main())
-    assert _wait_notifs(owner, 1) == [("reader", "good:1")]
+    assert _wait_notifs(owner, {"reader-3"}, 1) == [("reader-3", "good:1")]
 
 
 def test_two_readers_each_notify_exactly_once(backend: str, owner: Peer) -> None:
@@ -143,15 +161,17 @@ def test_two_readers_each_notify_exactly_once(backend: str, owner: Peer) -> None
             await b.close()
 
     asyncio.run(main())
-    notifs = _wait_notifs(owner, 16)
+    notifs = _wait_notifs(owner, {"reader-a", "reader-b"}, 16)
     assert sorted(notifs) == sorted(
         [("reader-a", f"a-{i}:1") for i in range(8)] + [("reader-b", f"b-{i}:1") for i in range(8)]
     )
 
 
-def test_dead_owner_fails_the_read_instead_of_hanging(backend: str, owner: Peer) -> None:
+def test_dead_owner_fails_the_read_instead_of_hanging(backend: str, own_owner: Peer) -> None:
+    owner = own_owner
+
     async def main() -> None:
-        agent, peer, _ = await _connect(backend, owner)
+        agent, peer, _ = await _connect(backend, owner, "reader-4")
         agent.io_timeout = 10.0
         try:
             await agent.read(peer, [0], [0], b"warm:1")
