@@ -222,11 +222,16 @@ class TcpAgent(KVAgent):
         except KeyError:
             raise TransportError(f"unknown peer {name!r}; add_peer() it first") from None
 
-    async def _connect(self, peer: _Peer) -> socket.socket:
-        if peer.idle:
-            return peer.idle.pop()
+    async def _connect(self, peer: _Peer, *, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A pooled connection (``reused`` True) or a new one."""
+        if peer.idle and not fresh:
+            return peer.idle.pop(), True
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
+        where = f"peer {peer.name} at {peer.host}:{peer.port}"
+        try:
+            infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise TransportError(f"cannot resolve {where}: {exc}") from None
         family, _, _, _, addr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         _tune(sock)
@@ -234,39 +239,63 @@ class TcpAgent(KVAgent):
             await loop.sock_connect(sock, addr)
         except OSError as exc:
             sock.close()
-            raise TransportError(
-                f"cannot connect to peer {peer.name} at {peer.host}:{peer.port}: "
-                f"{exc.strerror or exc}"
-            ) from None
-        return sock
+            raise TransportError(f"cannot connect to {where}: {exc.strerror or exc}") from None
+        return sock, False
 
-    async def _request(self, peer: _Peer, work: Any) -> Any:
-        """Run ``work(sock)`` on a pooled connection; a broken connection is discarded."""
-        sock = await self._connect(peer)
-        try:
-            result = await asyncio.wait_for(work(sock), self.io_timeout)
-        except TimeoutError:
-            sock.close()
-            raise TransportError(
-                f"peer {peer.name} did not complete within {self.io_timeout} s"
-            ) from None
-        except _Refused as exc:
-            if len(peer.idle) < _MAX_IDLE:  # refused before streaming: stream is clean
-                peer.idle.append(sock)
-            else:
-                sock.close()
-            raise TransportError(f"peer {peer.name} refused: {exc}") from None
-        except (OSError, TransportError) as exc:
-            sock.close()
-            raise TransportError(f"transfer with peer {peer.name} failed: {exc}") from None
-        except BaseException:
-            sock.close()
-            raise
+    def _release(self, peer: _Peer, sock: socket.socket) -> None:
         if len(peer.idle) < _MAX_IDLE:
             peer.idle.append(sock)
         else:
             sock.close()
-        return result
+
+    async def _request(self, peer: _Peer, work: Any) -> Any:
+        """Run ``work(sock)`` on a pooled connection; a broken connection is discarded.
+
+        A pooled connection the owner has meanwhile closed (restart, idle close) fails
+        before any answer; that case alone is retried once on a fresh connection,
+        since the owner cannot have acted on the request.
+        """
+        fresh = False
+        while True:
+            sock, reused = await self._connect(peer, fresh=fresh)
+            try:
+                result = await asyncio.wait_for(work(sock), self.io_timeout)
+            except _Stale as exc:
+                sock.close()
+                if reused and not fresh:
+                    fresh = True
+                    continue
+                raise TransportError(f"transfer with peer {peer.name} failed: {exc}") from None
+            except TimeoutError:
+                sock.close()
+                raise TransportError(
+                    f"peer {peer.name} did not complete within {self.io_timeout} s"
+                ) from None
+            except _Refused as exc:
+                self._release(peer, sock)  # refused before streaming: the stream is clean
+                raise TransportError(f"peer {peer.name} refused: {exc}") from None
+            except (OSError, TransportError) as exc:
+                sock.close()
+                raise TransportError(f"transfer with peer {peer.name} failed: {exc}") from None
+            except BaseException:
+                sock.close()
+                raise
+            self._release(peer, sock)
+            return result
+
+    @staticmethod
+    async def _first_answer(
+        loop: asyncio.AbstractEventLoop, sock: socket.socket, req: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Send ``req`` and read the first answer; a dead connection is :class:`_Stale`."""
+        try:
+            await sock_write_frame(loop, sock, req)
+            answer = await sock_read_frame(loop, sock)
+        except (ConnectionError, TransportError) as exc:
+            raise _Stale(str(exc)) from None
+        if answer is None:
+            raise _Stale("connection closed before the owner answered")
+        return answer
 
     async def read(
         self,
@@ -286,17 +315,12 @@ class TcpAgent(KVAgent):
         loop = asyncio.get_running_loop()
         times: dict[str, float] = {}
 
+        req = {"op": "read", "from": self.name, "blocks": remote, "notif": bytes(notification)}
+
         async def work(sock: socket.socket) -> None:
             t0 = time.perf_counter()
-            await sock_write_frame(
-                loop,
-                sock,
-                {"op": "read", "from": self.name, "blocks": remote, "notif": bytes(notification)},
-            )
+            head = await self._first_answer(loop, sock, req)
             times["post"] = time.perf_counter() - t0
-            head = await sock_read_frame(loop, sock)
-            if head is None:
-                raise TransportError("connection closed before the read header")
             if not head.get("ok"):
                 raise _Refused(str(head.get("error")))
             if head.get("nbytes") != nbytes:
@@ -320,13 +344,10 @@ class TcpAgent(KVAgent):
         p = self._peer(peer)
         loop = asyncio.get_running_loop()
 
+        req = {"op": "notif", "from": self.name, "msg": bytes(message)}
+
         async def work(sock: socket.socket) -> None:
-            await sock_write_frame(
-                loop, sock, {"op": "notif", "from": self.name, "msg": bytes(message)}
-            )
-            ack = await sock_read_frame(loop, sock)
-            if ack is None:
-                raise TransportError("connection closed before the notification was acknowledged")
+            ack = await self._first_answer(loop, sock, req)
             if not ack.get("ok"):
                 raise _Refused(str(ack.get("error")))
 
@@ -392,3 +413,7 @@ class TcpAgent(KVAgent):
 
 class _Refused(Exception):
     """The owner answered with an error before any bulk bytes (connection still clean)."""
+
+
+class _Stale(Exception):
+    """The connection died before the owner answered: the request had no effect."""
