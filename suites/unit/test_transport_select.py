@@ -58,3 +58,39 @@ def test_tcp_wildcard_host_advertises_the_hostname() -> None:
     assert TcpAgent("w", _pool(), host="0.0.0.0").advertised_host == socket.gethostname()
     assert TcpAgent("w", _pool(), host="::").advertised_host == socket.gethostname()
     assert TcpAgent("w", _pool(), host="127.0.0.1").advertised_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_add_peer_names_what_is_wrong_with_metadata(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    import asyncio
+
+    import msgpack
+
+    if backend == "nixl":
+        ok, why = nixl_available()
+        if not ok:
+            from bidir_kv.testing.plugin import skip_or_fail
+
+            skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
+
+    async def main() -> None:
+        agent = create_agent(backend, f"md-{backend}", _pool())
+        await agent.start(lambda _p, _m: None)
+        try:
+            good = msgpack.unpackb(agent.metadata())
+            lacking = {k: v for k, v in good.items() if k != "num_blocks"}
+            with pytest.raises(TransportError, match="lacks 'num_blocks'"):
+                await agent.add_peer(msgpack.packb(lacking))
+            with pytest.raises(TransportError, match=r"'port'|'base'"):
+                bad = dict(good, port="x", base="x")
+                await agent.add_peer(msgpack.packb(bad))
+            with pytest.raises(TransportError, match="not from a"):
+                await agent.add_peer(msgpack.packb(dict(good, transport="carrier-pigeon")))
+            with pytest.raises(TransportError, match="malformed"):
+                await agent.add_peer(b"\xc1")
+        finally:
+            await agent.close()
+
+    asyncio.run(main())

@@ -18,6 +18,7 @@ from bidir_kv.engine.transport.base import TransportError
 
 __all__ = [
     "MAX_FRAME",
+    "checked_map",
     "decode",
     "encode",
     "read_frame",
@@ -47,6 +48,19 @@ def decode(body: bytes) -> dict[str, Any]:
         raise TransportError(f"malformed frame: {exc}") from None
     if not isinstance(obj, dict):
         raise TransportError(f"frame is not a map: {type(obj).__name__}")
+    return obj
+
+
+def checked_map(obj: Any, kinds: dict[str, type], what: str) -> dict[str, Any]:
+    """``obj`` as a map that has every key of ``kinds`` with that type (bools are not ints)."""
+    if not isinstance(obj, dict):
+        raise TransportError(f"{what} is not a map: {type(obj).__name__}")
+    for key, kind in kinds.items():
+        if key not in obj:
+            raise TransportError(f"{what} lacks {key!r}")
+        value = obj[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise TransportError(f"{what} field {key!r} has type {type(value).__name__}")
     return obj
 
 

@@ -31,6 +31,7 @@ from bidir_kv.engine.transport.base import (
     TransportError,
 )
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
+from bidir_kv.engine.transport.framing import checked_map
 
 __all__ = ["NixlAgent", "probe"]
 
@@ -38,6 +39,7 @@ logger = logging.getLogger("bidir_kv.engine.transport")
 
 WIRE_VERSION = 1
 _MEM = "DRAM"
+_MD_FIELDS = {"name": str, "agent_md": bytes, "base": int, "num_blocks": int, "block_nbytes": int}
 
 
 def _nixl_api() -> Any:
@@ -210,13 +212,14 @@ class NixlAgent(KVAgent):
     async def add_peer(self, metadata: bytes) -> str:
         agent = self._live()
         try:
-            md = msgpack.unpackb(metadata, raw=False)
+            raw = msgpack.unpackb(metadata, raw=False)
         except (ValueError, msgpack.UnpackException) as exc:
             raise TransportError(f"malformed NIXL agent metadata: {exc}") from None
-        if not isinstance(md, dict) or md.get("transport") != "nixl":
+        if not isinstance(raw, dict) or raw.get("transport") != "nixl":
             raise TransportError("peer metadata is not from a NIXL agent")
-        if md.get("v") != WIRE_VERSION:
-            raise TransportError(f"NIXL agent metadata version {md.get('v')!r} unsupported")
+        if raw.get("v") != WIRE_VERSION:
+            raise TransportError(f"NIXL agent metadata version {raw.get('v')!r} unsupported")
+        md = checked_map(raw, _MD_FIELDS, "NIXL agent metadata")
         if md["block_nbytes"] != self.pool.block_nbytes:
             raise TransportError(
                 f"peer {md['name']} has {md['block_nbytes']}-byte blocks, "

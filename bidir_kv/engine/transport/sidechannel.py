@@ -23,7 +23,7 @@ from typing import Any
 
 import bidir_kv
 from bidir_kv.engine.transport.base import TransportError
-from bidir_kv.engine.transport.framing import read_frame, write_frame
+from bidir_kv.engine.transport.framing import checked_map, read_frame, write_frame
 from bidir_kv.policy import HandshakeSample, clock_offset
 
 __all__ = [
@@ -105,26 +105,20 @@ class EngineMetadata:
 
     @classmethod
     def from_wire(cls, obj: Any) -> EngineMetadata:
-        if not isinstance(obj, dict):
-            raise TransportError(f"handshake metadata is not a map: {type(obj).__name__}")
-        kinds: dict[str, type | tuple[type, ...]] = {
-            "engine_id": str,
-            "compat_hash": str,
-            "backend": str,
-            "agent_metadata": bytes,
-            "block_size": int,
-            "block_nbytes": int,
-            "num_blocks": int,
-            "registration_generation": int,
-        }
-        for key, kind in kinds.items():
-            if key not in obj:
-                raise TransportError(f"handshake metadata lacks {key!r}")
-            if not isinstance(obj[key], kind) or isinstance(obj[key], bool):
-                raise TransportError(
-                    f"handshake metadata field {key!r} has type {type(obj[key]).__name__}"
-                )
-        return cls(**{k: obj[k] for k in kinds})
+        md = checked_map(obj, _META_FIELDS, "handshake metadata")
+        return cls(**{k: md[k] for k in _META_FIELDS})
+
+
+_META_FIELDS: dict[str, type] = {
+    "engine_id": str,
+    "compat_hash": str,
+    "backend": str,
+    "agent_metadata": bytes,
+    "block_size": int,
+    "block_nbytes": int,
+    "num_blocks": int,
+    "registration_generation": int,
+}
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,12 @@ from bidir_kv.engine.transport.base import (
     TransportError,
 )
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
-from bidir_kv.engine.transport.framing import sock_read_frame, sock_recv_into, sock_write_frame
+from bidir_kv.engine.transport.framing import (
+    checked_map,
+    sock_read_frame,
+    sock_recv_into,
+    sock_write_frame,
+)
 
 __all__ = ["TcpAgent", "block_runs"]
 
@@ -41,6 +46,7 @@ logger = logging.getLogger("bidir_kv.engine.transport")
 WIRE_VERSION = 1
 _SOCK_BUF = 4 * 1024 * 1024
 _WILDCARDS = ("", "0.0.0.0", "::")
+_MD_FIELDS = {"name": str, "host": str, "port": int, "num_blocks": int, "block_nbytes": int}
 _MAX_IDLE = 8  # pooled connections kept per peer after a burst of concurrent reads
 
 
@@ -192,13 +198,14 @@ class TcpAgent(KVAgent):
 
     async def add_peer(self, metadata: bytes) -> str:
         try:
-            md = msgpack.unpackb(metadata, raw=False)
+            raw = msgpack.unpackb(metadata, raw=False)
         except (ValueError, msgpack.UnpackException) as exc:
             raise TransportError(f"malformed TCP agent metadata: {exc}") from None
-        if not isinstance(md, dict) or md.get("transport") != "tcp":
+        if not isinstance(raw, dict) or raw.get("transport") != "tcp":
             raise TransportError("peer metadata is not from a TCP agent")
-        if md.get("v") != WIRE_VERSION:
-            raise TransportError(f"TCP transport wire version {md.get('v')!r} unsupported")
+        if raw.get("v") != WIRE_VERSION:
+            raise TransportError(f"TCP transport wire version {raw.get('v')!r} unsupported")
+        md = checked_map(raw, _MD_FIELDS, "TCP agent metadata")
         if md["block_nbytes"] != self.pool.block_nbytes:
             raise TransportError(
                 f"peer {md['name']} has {md['block_nbytes']}-byte blocks, "
