@@ -45,6 +45,9 @@ conformance-env: venv
 unit: venv
 	bash ci/pytest.sh -m unit $(PYTEST_ARGS)
 
+conformance: venv conformance-env
+	bash ci/pytest.sh suites/conformance $(PYTEST_ARGS)
+
 pytest: venv
 	bash ci/pytest.sh $(PYTEST_ARGS)
 

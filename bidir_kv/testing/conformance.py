@@ -40,11 +40,15 @@ class Exemption:
 
     reason: str
     evidence: str
+    params: tuple[tuple[str, str], ...] = ()  # only these parametrizations (all if empty)
+
+    def matches(self, params: dict[str, Any]) -> bool:
+        return all(str(params.get(k)) == v for k, v in self.params)
 
 
-# (scenario test name, backend) -> exemption. Filled from runs on real vLLM; each
+# (scenario test name, backend) -> exemptions. Filled from runs on real vLLM; each
 # reason cites the upstream issue/PR, each evidence says what was observed.
-EXEMPTIONS: dict[tuple[str, str], Exemption] = {}
+EXEMPTIONS: dict[tuple[str, str], list[Exemption]] = {}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -89,9 +93,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         backend = _backend_of(item)
         scenario = getattr(item, "originalname", item.name)
-        ex = EXEMPTIONS.get((scenario, backend)) if backend else None
-        if ex is not None:
-            item.add_marker(pytest.mark.xfail(strict=True, reason=ex.reason))
+        callspec = getattr(item, "callspec", None)
+        params = dict(callspec.params) if callspec is not None else {}
+        for ex in EXEMPTIONS.get((scenario, backend or ""), []):
+            if ex.matches(params):
+                item.add_marker(pytest.mark.xfail(strict=True, reason=ex.reason))
+                break
 
 
 def _backend_of(item: pytest.Item) -> str | None:
@@ -245,8 +252,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count()},
         "backends": matrix.backends,
-        "exemptions": {f"{s} @ {b}": {"reason": e.reason, "evidence": e.evidence}
-                       for (s, b), e in EXEMPTIONS.items()},
+        "exemptions": {
+            f"{s}[{','.join(f'{k}={v}' for k, v in e.params)}] @ {b}":
+                {"reason": e.reason, "evidence": e.evidence}
+            for (s, b), exs in EXEMPTIONS.items() for e in exs
+        },
         "results": [r.__dict__ for r in rows],
     }
     (out / "matrix.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")

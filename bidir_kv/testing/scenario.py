@@ -7,6 +7,8 @@ means the same thing on every backend (block 128 on vLLM CPU, 16 on GPU).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from bidir_kv.testing.pd_client import (
     NIXL_FAILED,
     NIXL_XFERS,
     NOTIFS_AFTER_EXPIRY,
+    Completion,
     EngineClient,
     PDTurn,
     run_pd_turn,
@@ -31,9 +34,11 @@ __all__ = [
     "EXPIRED",
     "NOTIFS_AFTER_EXPIRY",
     "Pulled",
+    "complete_watching",
     "evidence",
     "expire_soon",
     "hit_dict",
+    "queue_state",
     "two_turns",
     "wait_for",
     "wait_metric_increase",
@@ -110,6 +115,47 @@ def two_turns(
     t2 = run_pd_turn(p, pd.decode, [*t1.sequence, *prompts.tokens(new_tokens)], gen,
                      t1.d.params)
     return t1, t2
+
+
+def queue_state(client: EngineClient) -> dict[str, float]:
+    """Running / waiting / deferred request gauges: the evidence of a stall.
+
+    A request parked for a KV load that never comes shows as waiting with reason
+    ``deferred`` (vLLM's ``vllm:num_requests_waiting_by_reason``).
+    """
+    snap = client.metrics(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+    return {
+        "running": snap.value("vllm:num_requests_running"),
+        "waiting": snap.value("vllm:num_requests_waiting"),
+        "deferred": snap.value("vllm:num_requests_waiting_by_reason", reason="deferred"),
+    }
+
+
+def complete_watching(
+    client: EngineClient, prompt: list[int], max_tokens: int, params: KVTransferParams,
+    timeout: float, interval: float = 1.0,
+) -> tuple[Completion, dict[str, float]]:
+    """Send a request and sample the node's queue while it is pending.
+
+    Returns the response and the maxima of running / waiting / deferred seen during
+    the wait: a request that never runs but sits deferred until the client gives up
+    is a stall, however loaded the machine is.
+    """
+    box: dict[str, Completion] = {}
+    th = threading.Thread(
+        target=lambda: box.setdefault(
+            "r", client.complete(prompt, max_tokens, params, timeout=timeout)),
+        daemon=True,
+    )
+    peak = {"running": 0.0, "waiting": 0.0, "deferred": 0.0, "samples": 0.0}
+    th.start()
+    while th.is_alive():
+        with contextlib.suppress(OSError):
+            for key, value in queue_state(client).items():
+                peak[key] = max(peak[key], value)
+            peak["samples"] += 1
+        th.join(interval)
+    return box["r"], peak
 
 
 def hit_dict(turn: PDTurn) -> KVTransferParams:

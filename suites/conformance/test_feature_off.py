@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.pd_client import NIXL_BYTES, TOKENS_BY_SOURCE, run_pd_turn
+from bidir_kv.testing.scenario import complete_watching
 
 GEN = 16
 
@@ -20,8 +21,13 @@ def test_feature_off_p_ignores_d_params(pd: PDBackend, prompts: PromptFactory) -
     prompt2 = [*t1.sequence, *prompts.tokens(60)]
     with pd.prefill_variant("bidir-off", bidirectional_kv_xfer=False) as p_off:
         before = p_off.metrics()
-        resp = p_off.complete(prompt2, GEN, t1.d.params.for_prefill_hit(), timeout=60)
-        assert resp.status != 0, f"P (feature off) did not answer within 60 s: {resp.error}"
+        resp, peak = complete_watching(p_off, prompt2, GEN, t1.d.params.for_prefill_hit(), 90)
+        if resp.status == 0:
+            raise AssertionError(
+                f"P (feature off) did not answer within 90 s ({resp.error}); queue peaks "
+                f"while waiting: {peak}; bytes moved: "
+                f"{(p_off.metrics() - before).value(NIXL_BYTES)}"
+            )
         assert resp.ok, f"P (feature off) failed: {resp.status} {resp.error}"
         delta = p_off.metrics() - before
         assert delta.value(NIXL_BYTES) == 0

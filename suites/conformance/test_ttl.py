@@ -13,13 +13,19 @@ policy under test.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
 
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.pd_client import NIXL_BYTES, NIXL_EXPIRED, run_pd_turn
-from bidir_kv.testing.scenario import expire_soon, wait_for, wait_metric_increase
+from bidir_kv.testing.scenario import (
+    complete_watching,
+    expire_soon,
+    wait_for,
+    wait_metric_increase,
+)
 
 GEN = 16
 # turn-1 length: P caches 3 blocks, D offers 115 more tokens (>= threshold 64), so P
@@ -85,14 +91,20 @@ def test_decline_outcome_per_failure_policy(pd: PDBackend, prompts: PromptFactor
     """What the client of P sees when P declines: ``fail`` -> HTTP 500, ``recompute`` ->
     a normal answer equal to the non-disaggregated output. Never a hang."""
     _need_same_clock(pd)
-    with pd.prefill_variant(f"policy-{policy}", kv_load_failure_policy=policy) as p:
+    same = policy == pd.config.failure_policy
+    with (contextlib.nullcontext(pd.prefill) if same
+          else pd.prefill_variant(f"policy-{policy}", kv_load_failure_policy=policy)) as p:
         t1 = run_pd_turn(p, pd.decode, _first(pd, prompts), GEN)
         assert t1.d is not None and t1.d.params is not None
         late = expire_soon(t1.d.params, 2.0)
         prompt2 = [*t1.sequence, *prompts.tokens(50)]
         before = p.metrics()
-        resp = p.complete(prompt2, GEN, late.for_prefill_hit(), timeout=90)
-        assert resp.status != 0, f"P did not answer within 90 s (hang): {resp.error}"
+        resp, peak = complete_watching(p, prompt2, GEN, late.for_prefill_hit(), 90)
+        if resp.status == 0:
+            raise AssertionError(
+                f"P did not answer within 90 s after declining ({resp.error}); "
+                f"queue peaks while waiting: {peak}"
+            )
         delta = p.metrics() - before
         assert delta.value(NIXL_EXPIRED) == 1, "the decline is counted as an expiry"
         assert delta.value(NIXL_BYTES) == 0
