@@ -43,6 +43,26 @@ class ParsedRequest:
     params: KVTransferParams | None
 
 
+# accepted only at their neutral values; anything else would be silently ignored
+_UNSUPPORTED = ("echo", "stop", "logprobs", "top_logprobs", "prompt_logprobs", "best_of",
+                "tools", "response_format", "guided_json", "guided_regex", "guided_choice",
+                "suffix")  # fmt: skip
+
+
+def _neutral(key: str, value: Any) -> bool:
+    if value is None or value is False:
+        return True
+    if key == "best_of":
+        return bool(value == 1)
+    if key == "top_logprobs":
+        return bool(value == 0)
+    if key in ("stop", "tools"):
+        return value in ([], "")
+    if key == "response_format":
+        return isinstance(value, Mapping) and value.get("type") == "text"
+    return False
+
+
 def _bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
     v = body.get(key, default)
     if v is None:
@@ -74,6 +94,9 @@ def parse_request(
     n = body.get("n", 1)
     if n not in (1, None):
         raise ApiError(400, "only n=1 is supported by the emulated engine")
+    for key in _UNSUPPORTED:
+        if not _neutral(key, body.get(key)):
+            raise ApiError(400, f"'{key}' is not supported by the emulated engine")
     try:
         params = params_from_request(body)
     except ProtocolError as exc:

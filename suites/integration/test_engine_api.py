@@ -146,6 +146,11 @@ def test_032_and_033_engines_refuse_to_handshake(engine_pair: Factory) -> None:
         ("/v1/completions", {"prompt": [5] * 40000}, "maximum context length"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/completions", {"prompt": "x", "n": 2}, "n=1"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "'echo' is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "stop": ["kalo"]}, "'stop' is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "logprobs": True}, "'logprobs' is not supported"),
     ],
 )
 def test_bad_requests_name_the_problem(
