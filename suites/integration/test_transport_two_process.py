@@ -189,3 +189,37 @@ def test_dead_owner_fails_the_read_instead_of_hanging(backend: str, own_owner: P
             await agent.close()
 
     asyncio.run(main())
+
+
+def test_many_random_concurrent_reads_are_exact(backend: str, owner: Peer) -> None:
+    """200 reads of random block sets, 8 in flight, each checked; one notification each."""
+    import random
+
+    rng = random.Random(1234)
+    expected = seeded_pool_bytes(SEED, NUM_BLOCKS, BLOCK_NBYTES)
+    jobs = []
+    for i in range(200):
+        n = rng.randint(1, 6)
+        jobs.append((i, rng.sample(range(NUM_BLOCKS), n)))
+
+    async def main() -> None:
+        agents = [await _connect(backend, owner, f"rnd-{k}") for k in range(8)]
+        try:
+
+            async def lane(k: int) -> None:
+                agent, peer, _ = agents[k]
+                for i, remote in jobs[k::8]:
+                    local = list(range(len(remote)))
+                    agent.pool.data[local] = 0
+                    await agent.read(peer, local, remote, f"rnd-{i}:1".encode())
+                    assert np.array_equal(agent.pool.data[local], expected[remote]), i
+
+            await asyncio.gather(*(lane(k) for k in range(8)))
+        finally:
+            for agent, _, _ in agents:
+                await agent.close()
+
+    asyncio.run(main())
+    readers = {f"rnd-{k}" for k in range(8)}
+    notifs = _wait_notifs(owner, readers, 200)
+    assert sorted(m for _, m in notifs) == sorted(f"rnd-{i}:1" for i in range(200))
