@@ -84,9 +84,9 @@ def test_threshold_skip_is_logged_at_debug(engine_pair: Factory) -> None:
 def test_lifecycle_holds_then_frees_everything(engine_pair: Factory) -> None:
     """P holds its blocks until D's read; D holds until P's read or its TTL; both end
     empty (upstream ``assert_scheduler_empty``)."""
-    # D keeps blocks 1 s but exports a deadline 10 s later, so P never declines
-    pair = engine_pair(decode_kv={"decoder_kv_blocks_ttl": 1.0})
-    pair.set_faults("d", clock_skew=10.0)
+    # D keeps blocks 5 s but exports a deadline 20 s later, so P never declines
+    pair = engine_pair(decode_kv={"decoder_kv_blocks_ttl": 5.0})
+    pair.set_faults("d", clock_skew=20.0)
     rng = random.Random("lifecycle")
     prompt = random_prompt(rng, 150)
     pr = pair.prefill(prompt, None)
@@ -99,7 +99,7 @@ def test_lifecycle_holds_then_frees_everything(engine_pair: Factory) -> None:
     _, dr2 = pair.turn(prompt2, 8, dr.params)
     assert dr2 is not None and dr2.ok and dr2.params is not None
     assert (pair.p.metrics() - p0).value(XFERS) == 1  # one read, never a second
-    wait_for(lambda: idle(pair, "p") and idle(pair, "d"))
+    wait_for(lambda: idle(pair, "p") and idle(pair, "d"), timeout=20)
     for which in ("p", "d"):
         st = pair.state(which)
         assert st["free_blocks"] == st["usable_blocks"]  # nothing referenced anymore

@@ -141,15 +141,15 @@ def test_p_holds_blocks_under_lease_until_d_reads_or_it_lapses(engine_pair: Fact
 
 
 def test_dropped_notification_leaves_d_blocks_to_the_ttl(engine_pair: Factory) -> None:
-    # D keeps its blocks 3 s but exports a deadline 10 s later, so P still reads
-    pair = engine_pair(prefill=NO_P_CACHE, decode_kv={"decoder_kv_blocks_ttl": 3.0})
-    pair.set_faults("d", drop_notifications=1.0, clock_skew=10.0)
+    # D keeps its blocks 8 s but exports a deadline 20 s later, so P still reads
+    pair = engine_pair(prefill=NO_P_CACHE, decode_kv={"decoder_kv_blocks_ttl": 8.0})
+    pair.set_faults("d", drop_notifications=1.0, clock_skew=20.0)
     rng, prompt, d1 = _history(pair, "drop")
     prompt2 = [*prompt, *d1.token_ids, *random_prompt(rng, 50)]
     d0 = pair.d.metrics()
     assert pair.p.complete(prompt2, 1, d1.params.for_prefill_hit()).ok
     assert pair.state("d")["retained"] == 1
-    wait_for(lambda: pair.state("d")["retained"] == 0, timeout=10)
+    wait_for(lambda: pair.state("d")["retained"] == 0, timeout=20)
     assert (pair.d.metrics() - d0).value(EXPIRED) == 1
 
 
