@@ -80,7 +80,7 @@ async def _connect(
 
 
 def _wait_notifs(
-    owner: Peer, readers: set[str], n: int, timeout: float = 10.0
+    owner: Peer, readers: set[str], n: int, timeout: float = 30.0
 ) -> list[tuple[str, str]]:
     """The owner's notifications from ``readers`` once there are ``n`` (or at timeout)."""
     deadline = time.monotonic() + timeout

@@ -99,7 +99,7 @@ def run(shared: Pair) -> Callable[[Scenario], None]:
     return go
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+async def _until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not cond():

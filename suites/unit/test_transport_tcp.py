@@ -29,7 +29,7 @@ def test_restarted_owner_on_same_port_is_reached_through_a_fresh_connection() ->
             second.pool.data[3] = 42
             await reader.read("owner", [1], [3], b"two:1")  # no add_peer: same address
             assert (reader.pool.data[1] == 42).all()
-            await asyncio.wait_for(_until(lambda: b"two:1" in got), 5)
+            await asyncio.wait_for(_until(lambda: b"two:1" in got), 30)
             assert got == [b"one:1", b"two:1"]
         finally:
             await reader.close()
