@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -172,8 +171,7 @@ async def _serve(settings: object) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop.set)  # POSIX only, like vllm serve on CPU
     try:
         await run_engine(settings, stop)  # type: ignore[arg-type]
     except (TransportError, OSError) as exc:
