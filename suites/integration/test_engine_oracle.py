@@ -128,3 +128,29 @@ def test_oracle_chat_text_round_trips(
         assert (pair.p.metrics() - p0).value("vllm:nixl_xfer_time_seconds_count") == 20
     finally:
         pair.topo.close()
+
+
+def test_oracle_holds_under_failed_transfers_with_recompute(
+    reference: EngineClient, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A third of the reads fail on both sides; policy ``recompute`` must fall back to a
+    local computation that is just as correct (and never hang)."""
+    pair = _start_pair(
+        tmp_path_factory.mktemp("oracle-faults"),
+        prefill={"enable_prefix_caching": False},
+        kv={"kv_load_failure_policy": "recompute"},
+    )
+    try:
+        pair.set_faults("p", fail_transfers=0.34, seed=1)
+        pair.set_faults("d", fail_transfers=0.34, seed=2)
+        p0, d0 = pair.snap()
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda s: _conversation(pair, reference, 1000 + s),
+                                    range(40)))  # fmt: skip
+        p1, d1 = pair.snap()
+        assert sum(r["mismatches"] for r in results) == 0
+        failed = "vllm:nixl_num_failed_transfers_total"
+        assert (p1 - p0).value(failed) > 0 and (d1 - d0).value(failed) > 0
+        assert (p1 - p0).value("vllm:nixl_xfer_time_seconds_count") > 0  # some still pulled
+    finally:
+        pair.topo.close()
