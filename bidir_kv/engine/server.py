@@ -54,6 +54,12 @@ class Routes:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.ready else 503)
 
+    async def version(self, request: web.Request) -> web.Response:
+        from bidir_kv import __version__
+
+        emulated = "0.32.0" if self.core.opts.emulate_vllm == "0.32" else "0.33.0"
+        return web.json_response({"version": emulated, "bidir_kv": __version__})
+
     async def models(self, request: web.Request) -> web.Response:
         data = [
             {
@@ -318,6 +324,7 @@ def build_app(routes: Routes) -> web.Application:
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/version", routes.version)
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)

@@ -59,6 +59,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
 def test_health_models_tokenize(pair: EnginePair) -> None:
     url = pair.p.url
     assert call(url, "/health")[0] == 200
+    status, version = call(url, "/version")
+    assert status == 200 and version["version"] == "0.33.0"
     status, models = call(url, "/v1/models")
     assert status == 200 and models["data"][0]["id"] == "tiny"
     msgs = [{"role": "user", "content": "hello kalo"}]
