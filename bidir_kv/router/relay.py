@@ -38,6 +38,15 @@ _DONE = b"data: [DONE]\n\n"
 _PID = b'"prompt_token_ids"'
 _TID = b'"token_ids"'
 _PARAMS = b'"kv_transfer_params"'
+_NULL_PARAMS = b'"kv_transfer_params":null'
+_COMMA_NULL_PARAMS = b',"kv_transfer_params":null'
+_FINISH = b'"finish_reason"'
+_NULL_FINISH = b'"finish_reason":null'
+_UNTRACKED_HINTS = (b'"reasoning', b'"tool_calls"', b'"function_call"')
+
+
+def _maybe_untracked(payload: bytes) -> bool:
+    return any(h in payload for h in _UNTRACKED_HINTS)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -168,15 +177,29 @@ class StreamRelay:
                     self._ids_seen = True
                 changed |= new is not payload
                 payload = new
-        if self.untracked is None:
+        if self.untracked is None and _maybe_untracked(payload):
             self.untracked = untracked_delta(payload)
-        if might_be_terminal(payload):
+        n_params = payload.count(_PARAMS)
+        n_null_params = payload.count(_NULL_PARAMS) if n_params else 0
+        if (
+            payload.count(_FINISH) == payload.count(_NULL_FINISH)
+            and n_params == n_null_params
+        ):
+            # Fast path (compact JSON, every value null): an ordinary chunk.
+            if n_params and not self.keep_params:
+                stripped = payload.replace(_COMMA_NULL_PARAMS, b"")
+                if _PARAMS in stripped:
+                    slow = strip_null_params(payload)
+                    stripped = slow if slow is not None else self._strip_by_json(payload)
+                payload = stripped
+                changed = True
+        elif might_be_terminal(payload):
             rewritten = self._terminal(payload)
             if rewritten is not None:
                 return b"data: " + rewritten + b"\n\n"
         elif not self.keep_params and _PARAMS in payload:
-            stripped = strip_null_params(payload)
-            payload = stripped if stripped is not None else self._strip_by_json(payload)
+            cut = strip_null_params(payload)
+            payload = cut if cut is not None else self._strip_by_json(payload)
             changed = True
         if changed:
             return b"data: " + payload + b"\n\n"

@@ -69,6 +69,17 @@ def take_int_list(data: bytes, key: bytes, remove: bool) -> tuple[list[int] | No
     ``key`` is the bare name (``b"token_ids"``). A ``null`` value yields ``None``
     and is removed too. Only the first occurrence is handled (``n == 1`` streams).
     """
+    compact = b',"' + key + b'":['
+    i = data.find(compact)
+    if i >= 0:  # fast path: vLLM's compact JSON, member not first in its object
+        k = data.find(b"]", i)
+        if k > 0:
+            try:
+                inner = data[i + len(compact) : k]
+                ids = [int(x) for x in inner.split(b",")] if inner.strip() else []
+            except ValueError:
+                return None, data
+            return ids, (data[:i] + data[k + 1 :]) if remove else data
     needle = b'"' + key + b'"'
     start = 0
     while (i := data.find(needle, start)) >= 0:

@@ -226,3 +226,23 @@ def test_entry_round_trip() -> None:
     back = Entry.from_bytes(e.to_bytes())
     assert back.params.to_dict() == D_PARAMS and list(back.tokens or []) == [1, 2, 70000]
     assert (back.decode, back.prefill, back.created) == ("d:1", "p:1", 5.5)
+
+
+def test_relay_handles_non_compact_json_too() -> None:
+    """vLLM sends compact JSON (fast path); other servers may not."""
+    relay = StreamRelay(keep_params=False, collect_ids=True, strip_ids=True)
+    plain = b"data: " + json.dumps({"choices": [{"delta": {"content": "a"}, "finish_reason": None,
+                                                 "token_ids": [97]}],
+                                    "prompt_token_ids": [1, 2], "kv_transfer_params": None}
+                                   ).encode()
+    last = b"data: " + json.dumps({"choices": [{"delta": {}, "finish_reason": "stop",
+                                                "token_ids": [98]}],
+                                   "kv_transfer_params": D_PARAMS}).encode()
+    out = relay.process_event(plain, b"\n\n") + relay.process_event(last, b"\n\n")
+    assert b"kv_transfer_params" not in out and b"token_ids" not in out
+    assert relay.params is not None and relay.finish_reason == "stop"
+    assert relay.tokens() == [1, 2, 97, 98]
+    assert [json.loads(e[6:]) for e in out.split(b"\n\n") if e] == [
+        {"choices": [{"delta": {"content": "a"}, "finish_reason": None}]},
+        {"choices": [{"delta": {}, "finish_reason": "stop"}]},
+    ]
