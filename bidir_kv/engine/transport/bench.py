@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import signal
 import statistics
 import sys
@@ -334,12 +335,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if nbytes % block_nbytes:
         ap.error("--mib must be a multiple of --block-kib")
     # `timeout` and CI send SIGTERM: unwind so every child process is stopped.
+    load_before = os.getloadavg()[0]
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         with tempfile.TemporaryDirectory(prefix="bidir-kv-bench-") as tmp:
             results = run_cases(names, nbytes, block_nbytes, args.iters, Path(tmp), args)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    ok, why = nixl_available()
+    print(
+        f"{os.cpu_count()} CPUs, 1-min load average {load_before:.1f} -> "
+        f"{os.getloadavg()[0]:.1f}; {why if ok else 'no nixl: ' + why}"
+    )
     print(render(results))
     if args.json:
         payload = [asdict(r) | {"median_gbps": r.median_gbps} for r in results]
