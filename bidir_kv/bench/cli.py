@@ -40,6 +40,7 @@ from bidir_kv.bench.workload import (
     count_words,
 )
 from bidir_kv.topology import BackendUnavailable
+from bidir_kv.topology.process import ProcessFailed
 
 __all__ = ["build_parser", "main", "run_bench"]
 
@@ -527,3 +528,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (WorkloadError, DistributionError, BackendUnavailable) as exc:
         print(f"bidir-kv bench: {exc}", file=sys.stderr)
         return 2
+    except ProcessFailed as exc:
+        print(f"bidir-kv bench: a node failed to start or died: {exc}", file=sys.stderr)
+        return 1
