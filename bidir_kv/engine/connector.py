@@ -39,6 +39,9 @@ __all__ = ["ConnectorWorker", "Peer"]
 
 logger = logging.getLogger("bidir_kv.engine")
 _ENVELOPE = "bidir-kv-engine/1"
+# vLLM's side-channel receive timeout is 5 s; ours is longer so a heavily loaded test
+# machine does not turn scheduling delays into failed transfers
+CONTROL_TIMEOUT = 30.0
 
 
 @dataclass
@@ -144,6 +147,7 @@ class ConnectorWorker:
                 expected_engine_id=engine_id,
                 backend=self.agent.backend,
                 clock=self.clock,
+                timeout=CONTROL_TIMEOUT,
             )
             if info.meta.block_size != self.block_size:
                 raise TransportError(
@@ -173,7 +177,9 @@ class ConnectorWorker:
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT)
+            )
         host = peer.info.host
         url = f"http://{host}:{peer.http_port}/_emulator/claim"
         body = {"request_id": request_id, "blocks": list(blocks), "reader": self.engine_id}
