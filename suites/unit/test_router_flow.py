@@ -439,3 +439,21 @@ def test_health_checks_need_two_bad_answers_but_one_refused_connection() -> None
             await checker.check(dead)
             assert not dead.healthy  # refused: down at once
     run(go)
+
+
+def test_stream_is_relayed_as_it_arrives() -> None:
+    """D holds its second token until the client has seen the first: a relay that
+    buffered would deadlock here (and time out)."""
+    async def go() -> None:
+        async with StubStack() as s:
+            gate = asyncio.Event()
+            s.decode[0].gate = gate
+            assert s.session is not None
+            body = chat_body([{"role": "user", "content": "hi"}])
+            async with s.session.post(s.url + CHAT, json=body) as resp:
+                first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+                assert json.loads(first[6:])["choices"][0]["delta"]["content"]
+                gate.set()
+                rest = await asyncio.wait_for(resp.read(), 10)
+            assert rest.rstrip().endswith(b"data: [DONE]")
+    run(go)
