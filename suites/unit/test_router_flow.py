@@ -457,3 +457,18 @@ def test_stream_is_relayed_as_it_arrives() -> None:
                 rest = await asyncio.wait_for(resp.read(), 10)
             assert rest.rstrip().endswith(b"data: [DONE]")
     run(go)
+
+
+def test_decode_down_gives_503_naming_it() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            await s.stop_engine("decode", 0)
+            status, out, _ = await s.post(CHAT, chat_body([{"role": "user", "content": "hi"}]))
+            assert status == 503
+            msg = out["error"]["message"]
+            assert "no healthy decode node" in msg and f"127.0.0.1:{s.decode_ports[0]}" in msg
+            assert "prefill" not in msg
+            async with s.session.get(s.url + "/health") as r:  # type: ignore[union-attr]
+                health = await r.json()
+            assert r.status == 503 and health["status"] == "unavailable"
+    run(go)
