@@ -478,7 +478,11 @@ class RouterFlow:
         if stream_d:
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                           "Cache-Control": "no-cache"})
-            await out.prepare(request)
+            try:
+                await out.prepare(request)
+            except ConnectionError:
+                self._client_gone(turn)
+                return out
             self._mark_first_byte(turn)
             await relay.pump(resp, out, turn)
             if relay.failure is not None:
@@ -488,7 +492,7 @@ class RouterFlow:
                           turn.conv, d_node.id, relay.failure)
                 self._drop_tokenize(turn)
             elif relay.client_gone:
-                self._drop_tokenize(turn)
+                self._client_gone(turn)
             else:
                 await self._remember(turn, p_node, d_node, relay)
             await relay.finish(out)
@@ -517,11 +521,21 @@ class RouterFlow:
             return web.Response(body=json.dumps(client_body).encode(), content_type=_JSON)
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                       "Cache-Control": "no-cache"})
-        await out.prepare(request)
         include_usage = bool((turn.body.get("stream_options") or {}).get("include_usage"))
-        await out.write(synthesize_sse(client_body, turn.endpoint, include_usage))
-        await out.write_eof()
+        try:
+            await out.prepare(request)
+            await out.write(synthesize_sse(client_body, turn.endpoint, include_usage))
+            await out.write_eof()
+        except ConnectionError:
+            self._client_gone(turn)
         return out
+
+    def _client_gone(self, turn: Turn) -> None:
+        """The client closed its connection; nothing more to send (not an engine error)."""
+        self._drop_tokenize(turn)
+        self.metrics.errors.labels("client_gone").inc()
+        log.info("[%s] conv=%s: client went away before the answer was complete", turn.rid,
+                 turn.conv)
 
     def _explain_missing_params(self, d_node: Backend, relay: StreamRelay) -> None:
         """Say once per D why it returns nothing to cache (AWS post's "always MISS")."""

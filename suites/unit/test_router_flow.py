@@ -472,3 +472,25 @@ def test_decode_down_gives_503_naming_it() -> None:
                 health = await r.json()
             assert r.status == 503 and health["status"] == "unavailable"
     run(go)
+
+
+def test_client_leaving_mid_stream_is_not_an_engine_error() -> None:
+    async def go() -> None:
+        async with StubStack() as s:
+            gate = asyncio.Event()
+            s.decode[0].gate = gate
+            assert s.session is not None
+            body = chat_body([{"role": "user", "content": "bye"}])
+            resp = await s.session.post(s.url + CHAT, json=body)
+            await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+            resp.close()  # the client goes away
+            gate.set()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while counter(s.flow, "errors", cause="client_gone") < 1 and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            assert counter(s.flow, "errors", cause="client_gone") == 1
+            assert counter(s.flow, "errors", cause="decode_mid_stream") == 0
+            assert s.flow.decode.nodes[0].healthy
+            assert counter(s.flow, "cache_stores") == 0
+    run(go)
