@@ -320,3 +320,24 @@ def test_completions_with_token_ids_the_client_asked_for(topo: Any, stream: bool
     assert pulled >= 64
     direct = _complete(topo.prefill[0].url, prompt2, None, False)
     assert second["ids"] == direct["ids"]
+
+
+def test_rejected_hit_releases_ds_pinned_blocks_early(
+    topo: Any, router_process: Callable[..., RouterProcess]
+) -> None:
+    """Guard rejection without a block size sends D's dict with remote_num_tokens=0:
+    P recomputes, but notifies D, which frees the pinned turn now, not at the TTL."""
+    import time
+
+    url = router_process([(n.host, n.port) for n in topo.prefill],
+                         [(n.host, n.port) for n in topo.decode]).url  # no --block-size
+    d_state = topo.decode[0].url + "/_emulator/state"
+    retained0 = json.loads(_get(d_state))["retained"]
+    res, pulled, msgs2 = _diverging_turn(topo, url, "release", lambda t: "No. " + t)
+    assert res.status == 200 and pulled == 0 and res.text == oracle(topo, msgs2)
+    assert router_counter(url, "guard_rejections", reason="mismatch") == 1
+    # turn 1's pinned blocks are gone, turn 2's are pinned: one more than before
+    deadline = time.monotonic() + 10
+    while json.loads(_get(d_state))["retained"] != retained0 + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert json.loads(_get(d_state))["retained"] == retained0 + 1
