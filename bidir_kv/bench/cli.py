@@ -269,6 +269,10 @@ class _Interrupt:
         self.requested = True
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _run_point_interruptible(
     convs: Sequence[Conversation],
     opts: RunOptions,
@@ -375,7 +379,10 @@ def run_bench(args: argparse.Namespace) -> int:
     interrupted = False
     intr = _Interrupt()
     previous_handler = signal.getsignal(signal.SIGINT)
+    previous_term = signal.getsignal(signal.SIGTERM)
     intr.install()
+    # SIGTERM (timeout, CI cancel) must still stop every node: unwind like a hard Ctrl-C
+    signal.signal(signal.SIGTERM, _terminate)
 
     def conversations(spec: WorkloadSpec, counter: TokenCounter) -> list[Conversation]:
         if spec.prefix_tokens not in conv_cache:
@@ -453,6 +460,7 @@ def run_bench(args: argparse.Namespace) -> int:
                         }
                         for n in topo.nodes()
                     }
+                    _write_manifest(out, manifest)  # which PIDs are ours, should we die
                     counter = HttpTokenCounter(topo.prefill[0].url, args.model)
                     ok = not intr.requested and sweep(
                         leg, topo.router_url, node_urls(topo), counter
@@ -464,6 +472,7 @@ def run_bench(args: argparse.Namespace) -> int:
         interrupted = True
     finally:
         signal.signal(signal.SIGINT, previous_handler)
+        signal.signal(signal.SIGTERM, previous_term)
         interrupted = interrupted or intr.requested
         progress.close()
         manifest["complete"] = not interrupted

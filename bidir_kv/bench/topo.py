@@ -7,8 +7,10 @@ models a node that evicted the conversation; D keeps its prefix cache.
 
 from __future__ import annotations
 
+import signal
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -102,23 +104,50 @@ def _make_topology(setup: LegSetup, spec: TopologySpec, leg: str) -> Topology:
 
 @contextmanager
 def start_leg(leg: str, setup: LegSetup) -> Iterator[Topology]:
-    """Start the leg's topology (plus a router if the backend has none); stop all on exit."""
+    """Start the leg's topology (plus a router if the backend has none); stop all on exit.
+
+    Stopping is shielded from Ctrl-C/SIGTERM: a signal that lands while nodes are being
+    stopped is acted on only after every node is down, so none is orphaned.
+    """
     spec = leg_spec(leg, setup)
     topo = _make_topology(setup, spec, leg)
     router: ManagedProcess | None = None
-    with topo:
+
+    def stop_all() -> None:
         try:
-            if not topo.routers:
-                router = _start_router(
-                    topo,
-                    spec.router,
-                    setup.log_dir / leg / "router.log",
-                    setup.decoder_kv_blocks_ttl,
-                )
-            yield topo
-        finally:
             if router is not None:
                 router.stop()
+        finally:
+            topo.close()
+
+    try:
+        topo.start()
+        if not topo.routers:
+            router = _start_router(
+                topo, spec.router, setup.log_dir / leg / "router.log", setup.decoder_kv_blocks_ttl
+            )
+        yield topo
+    finally:
+        _shielded(stop_all)
+
+
+def _shielded(fn: Callable[[], None]) -> None:
+    """Run ``fn`` with SIGINT/SIGTERM deferred; re-raise as KeyboardInterrupt afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        fn()
+        return
+    pending: list[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.getsignal(s) for s in sigs}
+    for s in sigs:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        fn()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if pending:
+        raise KeyboardInterrupt(f"signal {pending[0]} while stopping nodes")
 
 
 def _start_router(

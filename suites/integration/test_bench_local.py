@@ -146,3 +146,36 @@ def test_external_url_leg_into_an_existing_result(tmp_path: Path) -> None:
     # exact token counts came from the prefill node's /tokenize
     raw = json.loads((out / "on" / "p000300.stats.json").read_text())
     assert {r["input_num_tokens"] for r in raw if r["turn"] == 1} == {320}
+
+
+def test_sigterm_stops_every_node(tmp_path: Path) -> None:
+    """A timeout or CI cancel (SIGTERM) must not orphan engines or routers."""
+    out = tmp_path / "res"
+    proc = subprocess.Popen(
+        bench_argv(out, "--prefix-tokens", "64", "--num-turns", "200", "--legs", "on"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        nodes: dict = {}
+        while not nodes:  # the leg's topology is up once the manifest lists its nodes
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "topology never came up"
+            time.sleep(0.1)
+            if (out / "manifest.json").exists():
+                nodes = json.loads((out / "manifest.json").read_text()).get("nodes", {})
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False, output
+    pids = started_pids(manifest)
+    assert len(pids) == 3
+    assert not any(pid_alive(p) for p in pids), output
