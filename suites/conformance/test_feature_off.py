@@ -8,6 +8,8 @@ never queued, so the request may wait forever.
 
 from __future__ import annotations
 
+import pytest
+
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.pd_client import NIXL_BYTES, TOKENS_BY_SOURCE, run_pd_turn
 from bidir_kv.testing.scenario import complete_watching
@@ -15,6 +17,7 @@ from bidir_kv.testing.scenario import complete_watching
 GEN = 16
 
 
+@pytest.mark.timeout(1800)  # a P variant or many turns on a loaded 2-core box
 def test_feature_off_p_ignores_d_params(pd: PDBackend, prompts: PromptFactory) -> None:
     t1 = run_pd_turn(pd.prefill, pd.decode, prompts.prompt(3 * pd.block_size + 50), GEN)
     assert t1.d is not None and t1.d.params is not None

@@ -37,6 +37,7 @@ def _plan(rng: random.Random, bs: int) -> list[tuple[int, int]]:
     return [(rng.randrange(bs // 2, 5 * bs), rng.randrange(8, 80)) for _ in range(TURNS)]
 
 
+@pytest.mark.timeout(1800)  # a P variant or many turns on a loaded 2-core box
 def test_oracle_direct(pd: PDBackend, prompts: PromptFactory) -> None:
     rng = random.Random(f"oracle-direct-{pd.block_size}")
     turns = pulls = 0
@@ -107,6 +108,7 @@ def _ask(url: str, conv: str, prompt: list[int], gen: int) -> list[int]:
     return [int(t) for t in ids]
 
 
+@pytest.mark.timeout(1800)  # a P variant or many turns on a loaded 2-core box
 @pytest.mark.parametrize("proxy", ["bidir-kv"])
 def test_oracle_through_router(pd: PDBackend, prompts: PromptFactory, router: str,
                                proxy: str) -> None:

@@ -85,6 +85,7 @@ def test_ttl_expiry_d_releases_and_p_declines(pd: PDBackend, prompts: PromptFact
         wait_metric_increase(pd.decode, d_before, NIXL_EXPIRED, ttl + 30)
 
 
+@pytest.mark.timeout(1800)  # a P variant or many turns on a loaded 2-core box
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_decline_outcome_per_failure_policy(pd: PDBackend, prompts: PromptFactory,
                                             policy: str) -> None:
