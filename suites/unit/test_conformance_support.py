@@ -1,0 +1,87 @@
+"""Unit checks of the conformance tier's support code (no processes started)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bidir_kv.testing.backends import BACKEND_CONFIG, PromptFactory
+from bidir_kv.testing.conformance import EXEMPTIONS, Exemption
+from bidir_kv.topology.base import BackendUnavailable, EngineSpec, TopologySpec
+from bidir_kv.topology.external import ExternalTopology, parse_node_url
+from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology, unavailable_reason
+
+
+def test_prompt_factory_is_seeded_by_test_and_unique_per_call() -> None:
+    a, b = PromptFactory("t::x"), PromptFactory("t::x")
+    assert a.prompt(50) == b.prompt(50)
+    assert a.prompt(50) != a.tokens(50)
+    assert PromptFactory("t::y").prompt(50) != PromptFactory("t::x").prompt(50)
+    assert all(5 <= t < 1000 for t in a.tokens(500))
+
+
+def test_exemption_matches_only_its_parametrization() -> None:
+    ex = Exemption("r", "e", params=(("policy", "recompute"),))
+    assert ex.matches({"policy": "recompute", "pd": "vllm-cpu"})
+    assert not ex.matches({"policy": "fail"})
+    assert Exemption("r", "e").matches({})
+
+
+def test_every_exemption_cites_upstream_and_has_evidence() -> None:
+    for (scenario, backend), exs in EXEMPTIONS.items():
+        assert scenario.startswith("test_") and backend in ("emulator", "vllm-cpu", "external")
+        for ex in exs:
+            assert "vLLM PR #" in ex.reason or "vLLM issue #" in ex.reason, scenario
+            assert ex.evidence.strip()
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("localhost:8000", "not an http"),
+    ("http://h:80/v1", "has a path"),
+    ("http://h:99999", "invalid port"),
+])
+def test_external_urls_are_checked(url: str, problem: str) -> None:
+    with pytest.raises(BackendUnavailable, match=problem):
+        parse_node_url(url, "prefill", "prefill-0")
+
+
+def test_external_needs_both_urls() -> None:
+    with pytest.raises(BackendUnavailable, match="--prefill-url and --decode-url"):
+        ExternalTopology(["http://p:1"], [])
+    node = parse_node_url("http://10.0.0.1:8100", "prefill", "p")
+    assert node.url == "http://10.0.0.1:8100"
+
+
+def test_vllm_cpu_command_line_and_environment(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    venv = tmp_path / "venv"
+    spec = EngineSpec(kv=BACKEND_CONFIG.kv("prefill", "p-1"), enable_prefix_caching=False,
+                      max_model_len=32768)
+    topo = VllmCpuTopology(TopologySpec(prefill=spec, decode=spec),
+                           VllmCpuOptions(venv=venv, model=model, log_dir=tmp_path))
+    argv = topo.argv("prefill", spec, 8100, "p-1")
+    assert argv[:3] == [str(venv / "bin" / "vllm"), "serve", str(model)]
+    assert argv[argv.index("--max-model-len") + 1] == "4096"  # capped by the model
+    assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_role"] == "kv_producer" and kv["kv_buffer_device"] == "cpu"
+    assert kv["engine_id"] == "p-1"
+    assert kv["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    assert json.loads(topo.argv("decode", spec, 8200, "d-1")[
+        topo.argv("decode", spec, 8200, "d-1").index("--kv-transfer-config") + 1
+    ])["kv_role"] == "kv_consumer"
+    assert "--kv-transfer-config" not in topo.argv("reference", spec, 8300, "r")
+    env = topo.env(1, 5700, spec)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
+    assert env["PYTHONPATH"].split(":")[0] == str(venv / "amx-fix")
+
+
+def test_vllm_cpu_unavailable_reason_names_the_missing_piece(tmp_path: Path) -> None:
+    reason = unavailable_reason(tmp_path / "nope", tmp_path)
+    assert reason is not None
+    assert "make conformance-env" in reason or "x86_64" in reason
