@@ -197,9 +197,8 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
     topo = LocalTopology(spec, run_dir / "emulator").start()
 
     def variant(name: str, espec: EngineSpec) -> Topology:
-        # LocalTopology names every first P "prefill-engine-000"; a variant sharing the
-        # main P's engine id would alias it in D's peer table, so the variant's own
-        # --kv-transfer-config (with its engine id) is appended and wins (last flag).
+        # The variant's own --kv-transfer-config (with its engine id) is appended and
+        # wins (last flag), so its engine id is the one the scenario chose.
         own = ("--kv-transfer-config", espec.kv.to_json())
         vspec = TopologySpec(num_prefill=1, num_decode=0, routers=0,
                              prefill=replace(espec, emulate_vllm=version,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -66,13 +67,16 @@ class LocalTopology(Topology):
         self.procs: dict[str, ManagedProcess] = {}
         self.redis: RedisServer | None = None
         self.startup_seconds: dict[str, float] = {}
+        # Engine ids must be unique across every topology a process starts: a D keeps
+        # its peers by engine id, so two topologies' "prefill-engine-000" would alias.
+        self._id_tag = secrets.token_hex(3)
 
     # ---- engines -------------------------------------------------------------------
 
     def _start_engine(self, role: Role, index: int, spec: EngineSpec) -> Node:
         name = f"{role}-{index}"
         port, side = free_port(HOST), free_port(HOST)
-        engine_id = f"{role}-engine-{index:03d}"
+        engine_id = f"{role}-engine-{index:03d}-{self._id_tag}"
         env = dict(os.environ)
         env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=HOST, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side))
         env.update(dict(spec.env))
