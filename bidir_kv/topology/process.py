@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +19,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 __all__ = ["ManagedProcess", "ProcessFailed", "free_port", "wait_http_ok"]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM us when our parent dies.
+
+    A test runner killed with SIGKILL runs no finalizer; without this its nodes
+    (in their own sessions) would outlive it. Linux only; elsewhere a no-op.
+    The signal follows the *thread* that started the child, so start nodes from a
+    thread that lives as long as they should (the main thread, as every caller does).
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
 class ProcessFailed(RuntimeError):
@@ -93,6 +111,7 @@ class ManagedProcess:
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         finally:
             log.close()

@@ -1,0 +1,56 @@
+"""Nodes never outlive the process that started them, even when it is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """
+import sys, time
+from bidir_kv.topology.process import ManagedProcess
+p = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"],
+                   sys.argv[1]).start()
+print(p.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); treat it as gone
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux-only")
+def test_child_dies_when_the_starter_is_sigkilled(tmp_path: Path) -> None:
+    starter = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "sleeper.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert starter.stdout is not None
+        child = int(starter.stdout.readline())
+        assert _alive(child)
+        starter.send_signal(signal.SIGKILL)
+        starter.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), f"child {child} outlived its SIGKILLed starter"
+    finally:
+        if starter.poll() is None:
+            starter.kill()
