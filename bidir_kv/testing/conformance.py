@@ -145,6 +145,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if ex.matches(params):
                 item.add_marker(pytest.mark.xfail(strict=True, reason=ex.reason))
                 break
+        else:
+            if backend == "vllm-cpu":
+                # Real vLLM pairs share 2 cores with everything else; one D->P READ was
+                # seen to take 61 s (until D's next step) and fail the turn. One visible
+                # rerun ("R" in the report), never more; the emulator gets none.
+                item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=5))
 
 
 def _backend_of(item: pytest.Item) -> str | None:
