@@ -64,6 +64,33 @@ def checked_map(obj: Any, kinds: dict[str, type], what: str) -> dict[str, Any]:
     return obj
 
 
+def decode_peer_metadata(
+    metadata: bytes,
+    transport: str,
+    version: int,
+    kinds: dict[str, type],
+    block_nbytes: int,
+) -> dict[str, Any]:
+    """A peer agent's ``metadata()`` blob, checked: right transport, wire version,
+    field types, and the same block size as ours (rows are copied whole)."""
+    label = transport.upper()
+    try:
+        raw = msgpack.unpackb(metadata, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise TransportError(f"malformed {label} agent metadata: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("transport") != transport:
+        raise TransportError(f"peer metadata is not from a {label} agent")
+    if raw.get("v") != version:
+        raise TransportError(f"{label} agent metadata version {raw.get('v')!r} unsupported")
+    md = checked_map(raw, kinds, f"{label} agent metadata")
+    if md["block_nbytes"] != block_nbytes:
+        raise TransportError(
+            f"peer {md['name']} has {md['block_nbytes']}-byte blocks, "
+            f"ours are {block_nbytes} bytes"
+        )
+    return md
+
+
 def _check_length(n: int) -> int:
     if n > MAX_FRAME:
         raise TransportError(f"peer announced a {n}-byte frame (limit {MAX_FRAME})")

@@ -31,7 +31,7 @@ from bidir_kv.engine.transport.base import (
     TransportError,
 )
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
-from bidir_kv.engine.transport.framing import checked_map
+from bidir_kv.engine.transport.framing import decode_peer_metadata
 
 __all__ = ["NixlAgent", "probe"]
 
@@ -211,20 +211,9 @@ class NixlAgent(KVAgent):
 
     async def add_peer(self, metadata: bytes) -> str:
         agent = self._live()
-        try:
-            raw = msgpack.unpackb(metadata, raw=False)
-        except (ValueError, msgpack.UnpackException) as exc:
-            raise TransportError(f"malformed NIXL agent metadata: {exc}") from None
-        if not isinstance(raw, dict) or raw.get("transport") != "nixl":
-            raise TransportError("peer metadata is not from a NIXL agent")
-        if raw.get("v") != WIRE_VERSION:
-            raise TransportError(f"NIXL agent metadata version {raw.get('v')!r} unsupported")
-        md = checked_map(raw, _MD_FIELDS, "NIXL agent metadata")
-        if md["block_nbytes"] != self.pool.block_nbytes:
-            raise TransportError(
-                f"peer {md['name']} has {md['block_nbytes']}-byte blocks, "
-                f"ours are {self.pool.block_nbytes} bytes"
-            )
+        md = decode_peer_metadata(
+            metadata, "nixl", WIRE_VERSION, _MD_FIELDS, self.pool.block_nbytes
+        )
         self._drop_peer(md["name"])  # re-registration (new generation): start afresh
         try:
             raw_name = agent.add_remote_agent(md["agent_md"])

@@ -33,7 +33,7 @@ from bidir_kv.engine.transport.base import (
 )
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
 from bidir_kv.engine.transport.framing import (
-    checked_map,
+    decode_peer_metadata,
     sock_read_frame,
     sock_recv_into,
     sock_write_frame,
@@ -197,20 +197,9 @@ class TcpAgent(KVAgent):
         )
 
     async def add_peer(self, metadata: bytes) -> str:
-        try:
-            raw = msgpack.unpackb(metadata, raw=False)
-        except (ValueError, msgpack.UnpackException) as exc:
-            raise TransportError(f"malformed TCP agent metadata: {exc}") from None
-        if not isinstance(raw, dict) or raw.get("transport") != "tcp":
-            raise TransportError("peer metadata is not from a TCP agent")
-        if raw.get("v") != WIRE_VERSION:
-            raise TransportError(f"TCP transport wire version {raw.get('v')!r} unsupported")
-        md = checked_map(raw, _MD_FIELDS, "TCP agent metadata")
-        if md["block_nbytes"] != self.pool.block_nbytes:
-            raise TransportError(
-                f"peer {md['name']} has {md['block_nbytes']}-byte blocks, "
-                f"ours are {self.pool.block_nbytes} bytes"
-            )
+        md = decode_peer_metadata(
+            metadata, "tcp", WIRE_VERSION, _MD_FIELDS, self.pool.block_nbytes
+        )
         old = self._peers.pop(md["name"], None)
         if old is not None:
             for s in old.idle:
