@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.bench.args import distribution, int_list
 from bidir_kv.bench.distributions import Distribution, DistributionError
 from bidir_kv.bench.runner import (
     HttpTokenCounter,
@@ -45,25 +46,6 @@ from bidir_kv.topology.process import ProcessFailed
 __all__ = ["build_parser", "main", "run_bench"]
 
 BLOG_POINTS = [2000, 4000, 8000, 12000, 16000, 20000, 24000]
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(float(x)) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return values
-
-
-def _dist(text: str) -> Distribution:
-    try:
-        return Distribution.parse(text)
-    except DistributionError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     wl = ap.add_argument_group("workload (defaults: the AWS blog's sweep)")
     wl.add_argument(
         "--prefix-tokens",
-        type=_ints,
+        type=int_list,
         default=BLOG_POINTS,
         help="sweep points: prefix tokens of each conversation's first message",
     )
@@ -121,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     wl.add_argument("--output-tokens", type=int, default=300, help="max_tokens per answer")
     wl.add_argument(
         "--think-time",
-        type=_dist,
+        type=distribution,
         default=Distribution("const", (0.0,)),
         help="gap before turns 2+: const:S, uniform:A,B, exp:MEAN, "
         "lognormal:MEDIAN,SIGMA (default const:0)",

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.bench.args import distribution, float_list, int_list
 from bidir_kv.bench.distributions import Distribution, DistributionError
 from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
 from bidir_kv.bench.plan import (
@@ -31,31 +32,6 @@ from bidir_kv.bench.plan import (
 from bidir_kv.bench.results import ResultError
 
 __all__ = ["build_parser", "main", "run_plan"]
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(float(x)) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
-
-
-def _dist(text: str) -> Distribution:
-    try:
-        return Distribution.parse(text)
-    except DistributionError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     w = ap.add_argument_group("workload")
     w.add_argument("--block-size", type=int, default=16)
     w.add_argument(
-        "--prompt-lengths", type=_ints, default=[2000, 4000, 8000, 12000, 16000, 20000, 24000]
+        "--prompt-lengths", type=int_list, default=[2000, 4000, 8000, 12000, 16000, 20000, 24000]
     )
     w.add_argument("--new-tokens", type=int, default=150, help="new tokens per turn P computes")
     w.add_argument(
@@ -129,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument(
         "--turn-gap",
-        type=_dist,
+        type=distribution,
         default=Distribution("exp", (60.0,)),
         help="gap between turns: const:S, uniform:A,B, exp:MEAN, lognormal:MEDIAN,SIGMA",
     )
-    w.add_argument("--ttls", type=_floats, default=[30, 60, 120, 240, 480, 960, 1800])
+    w.add_argument("--ttls", type=float_list, default=[30, 60, 120, 240, 480, 960, 1800])
     w.add_argument(
         "--miss-target",
         type=float,
