@@ -120,13 +120,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def selected_backends(config: pytest.Config) -> list[str]:
+    """Backends in run order. vllm-cpu goes first: pytest groups tests by this
+    session-scoped parameter and tears an instance down only when the next one is set
+    up, so the last backend lives until the session ends. A real vLLM pair keeps both
+    cores busy while it holds blocks; it must be gone before the other tiers run."""
     chosen = config.getoption("--backend")
     if chosen:
-        return list(dict.fromkeys(chosen))
-    out = ["emulator", "vllm-cpu"]
-    if config.getoption("--prefill-url"):
-        out.append("external")
-    return out
+        out = list(dict.fromkeys(chosen))
+    else:
+        out = ["emulator", "vllm-cpu"]
+        if config.getoption("--prefill-url"):
+            out.append("external")
+    return sorted(out, key=lambda name: name != "vllm-cpu")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
