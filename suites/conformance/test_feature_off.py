@@ -12,7 +12,7 @@ import pytest
 
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.pd_client import NIXL_BYTES, TOKENS_BY_SOURCE, run_pd_turn
-from bidir_kv.testing.scenario import complete_watching
+from bidir_kv.testing.scenario import ANSWER_WITHIN, complete_watching
 
 GEN = 16
 
@@ -24,11 +24,12 @@ def test_feature_off_p_ignores_d_params(pd: PDBackend, prompts: PromptFactory) -
     prompt2 = [*t1.sequence, *prompts.tokens(60)]
     with pd.prefill_variant("bidir-off", bidirectional_kv_xfer=False) as p_off:
         before = p_off.metrics()
-        resp, peak = complete_watching(p_off, prompt2, GEN, t1.d.params.for_prefill_hit(), 90)
+        resp, peak = complete_watching(p_off, prompt2, GEN, t1.d.params.for_prefill_hit(),
+                                      ANSWER_WITHIN)
         if resp.status == 0:
             raise AssertionError(
-                f"P (feature off) did not answer within 90 s ({resp.error}); queue peaks "
-                f"while waiting: {peak}; bytes moved: "
+                f"P (feature off) did not answer within {ANSWER_WITHIN:g} s ({resp.error}); "
+                f"queue peaks while waiting: {peak}; bytes moved: "
                 f"{(p_off.metrics() - before).value(NIXL_BYTES)}"
             )
         assert resp.ok, f"P (feature off) failed: {resp.status} {resp.error}"

@@ -21,6 +21,7 @@ import pytest
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.pd_client import NIXL_BYTES, NIXL_EXPIRED, run_pd_turn
 from bidir_kv.testing.scenario import (
+    ANSWER_WITHIN,
     complete_watching,
     expire_soon,
     wait_for,
@@ -100,10 +101,11 @@ def test_decline_outcome_per_failure_policy(pd: PDBackend, prompts: PromptFactor
         late = expire_soon(t1.d.params, 2.0)
         prompt2 = [*t1.sequence, *prompts.tokens(50)]
         before = p.metrics()
-        resp, peak = complete_watching(p, prompt2, GEN, late.for_prefill_hit(), 90)
+        resp, peak = complete_watching(p, prompt2, GEN, late.for_prefill_hit(),
+                                      ANSWER_WITHIN)
         if resp.status == 0:
             raise AssertionError(
-                f"P did not answer within 90 s after declining ({resp.error}); "
+                f"P did not answer within {ANSWER_WITHIN:g} s after declining ({resp.error}); "
                 f"queue peaks while waiting: {peak}"
             )
         delta = p.metrics() - before

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bidir_kv.testing.backends import BACKEND_CONFIG, PromptFactory
-from bidir_kv.testing.conformance import EXEMPTIONS, Exemption
+from bidir_kv.testing.conformance import EXEMPTIONS, Exemption, prompt_seed
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, TopologySpec
 from bidir_kv.topology.external import ExternalTopology, parse_node_url
 from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology, unavailable_reason
@@ -20,6 +20,23 @@ def test_prompt_factory_is_seeded_by_test_and_unique_per_call() -> None:
     assert a.prompt(50) != a.tokens(50)
     assert PromptFactory("t::y").prompt(50) != PromptFactory("t::x").prompt(50)
     assert all(5 <= t < 1000 for t in a.tokens(500))
+
+
+def test_prompt_seed_ignores_backend_and_changes_on_rerun() -> None:
+    from types import SimpleNamespace
+
+    def node(pd: str, attempt: int | None) -> SimpleNamespace:
+        n = SimpleNamespace(module=SimpleNamespace(__name__="suites.x"), name=f"test_a[{pd}-1]",
+                            originalname="test_a",
+                            callspec=SimpleNamespace(params={"pd": pd, "n": 1}))
+        if attempt is not None:
+            n.execution_count = attempt
+        return n
+
+    first = prompt_seed(node("emulator", None))
+    assert first == prompt_seed(node("vllm-cpu", 1)) == "suites.x::test_a|n=1"
+    # a rerun sends new prompts: the first attempt's are in P's prefix cache
+    assert prompt_seed(node("vllm-cpu", 2)) not in (first, prompt_seed(node("vllm-cpu", 3)))
 
 
 def test_exemption_matches_only_its_parametrization() -> None:
@@ -78,7 +95,8 @@ def test_vllm_cpu_command_line_and_environment(tmp_path: Path) -> None:
     env = topo.env(1, 5700, spec)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
-    assert env["PYTHONPATH"].split(":")[0] == str(venv / "amx-fix")
+    site = Path(env["PYTHONPATH"].split(":")[0])
+    assert (site / "sitecustomize.py").is_file()
 
 
 def test_vllm_cpu_unavailable_reason_names_the_missing_piece(tmp_path: Path) -> None:
