@@ -10,7 +10,7 @@ mkdir -p out
 if [ "${CI:-}" = "true" ] && [ -z "${BIDIR_KV_REQUIRE+x}" ]; then
   export BIDIR_KV_REQUIRE="unit,integration,conformance"
 fi
-"$PY" -m pytest "$@"
+"$PY" -m pytest --durations=15 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "ci/pytest.sh: pytest collected no tests (exit 5) - treating as failure" >&2
