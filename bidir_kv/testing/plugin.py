@@ -33,7 +33,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--prefill-url", default=None, help="external backend: prefill node URL")
     group.addoption("--decode-url", default=None, help="external backend: decode node URL")
-    group.addoption("--proxy-url", default=None, help="certify this running router instead of ours")
+    group.addoption(
+        "--proxy-url",
+        default=None,
+        help="conformance: also run the through-router scenarios through this running "
+        "router (it must front the external backend's P and D)",
+    )
+    group.addoption(
+        "--proxy-cmd",
+        default=None,
+        help="conformance: also run the through-router scenarios through a router started "
+        "by this command, per test; placeholders {python} {port} {prefill_host} "
+        "{prefill_port} {decode_host} {decode_port} {block_size} {decoder_ttl} {cache_ttl}",
+    )
     group.addoption(
         "--hw-prompt-tokens",
         default="4096,16384",

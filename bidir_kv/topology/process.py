@@ -49,8 +49,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http_ok(url: str, timeout: float, *, alive: ManagedProcess | None = None) -> None:
-    """Poll ``url`` until it answers 200, the process dies, or ``timeout`` passes."""
+def wait_http_ok(
+    url: str, timeout: float, *, alive: ManagedProcess | None = None, any_status: bool = False
+) -> None:
+    """Poll ``url`` until it answers 200, the process dies, or ``timeout`` passes.
+
+    ``any_status``: any HTTP answer counts (a foreign server may have no health route).
+    """
     deadline = time.monotonic() + timeout
     delay = 0.01
     last: object = None
@@ -65,6 +70,10 @@ def wait_http_ok(url: str, timeout: float, *, alive: ManagedProcess | None = Non
                 if resp.status == 200:
                     return
                 last = resp.status
+        except urllib.error.HTTPError as exc:
+            if any_status:
+                return
+            last = exc
         except (urllib.error.URLError, ConnectionError, OSError) as exc:
             last = exc
         time.sleep(delay)

@@ -3,9 +3,11 @@
 Many random multi-turn conversations, token-id prompts, ``temperature 0``: every
 answer through P/D -- with D->P pulls engaged -- must equal the answer of a
 non-disaggregated run that reuses no cached KV. Run directly (scenario drives P and
-D itself) and through our router (``bidir-kv proxy``; ``--decode-stream never`` for
-vLLM 0.32, which has no params on streams). Engagement is proven with metric deltas
-(tokens from ``external_kv_transfer`` and NIXL bytes on P), never with timings.
+D itself) and through a router: ours (``bidir-kv proxy``; ``--decode-stream never`` for
+vLLM 0.32, which has no params on streams) and any given with ``--proxy-cmd`` or
+``--proxy-url`` (the ``router`` fixture of :mod:`bidir_kv.testing.conformance`).
+Engagement is proven with metric deltas (tokens from ``external_kv_transfer`` and NIXL
+bytes on P), never with timings.
 
 The through-router variant also covers a non-continuation turn (stripped reasoning):
 with the router's continuation guard it must equal recompute as well.
@@ -16,9 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 
@@ -26,7 +26,6 @@ from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.pd_client import run_pd_turn
 from bidir_kv.testing.scenario import evidence
-from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 
 CONVERSATIONS = int(os.environ.get("BIDIR_KV_ORACLE_CONVERSATIONS", "4"))
 TURNS = 3
@@ -67,38 +66,14 @@ def test_oracle_direct(pd: PDBackend, prompts: PromptFactory) -> None:
     assert pulls >= turns // 2, f"pulls engaged on only {pulls} of {turns} later turns"
 
 
-# ---- through our router -------------------------------------------------------------
-
-
-@pytest.fixture
-def router(pd: PDBackend) -> Iterator[str]:
-    """``bidir-kv proxy`` in front of the backend's P and D (stopped afterwards)."""
-    cfg = pd.config
-    port = free_port()
-    p, d = pd.prefill.node, pd.decode.node
-    argv = [
-        sys.executable, "-m", "bidir_kv", "proxy", "--host", "127.0.0.1", "--port", str(port),
-        "--prefiller-hosts", p.host, "--prefiller-ports", str(p.port),
-        "--decoder-hosts", d.host, "--decoder-ports", str(d.port),
-        "--cache-ttl", str(max(1.0, cfg.decoder_ttl - 10)),
-        "--decoder-kv-blocks-ttl", str(cfg.decoder_ttl),
-        "--block-size", str(cfg.block_size),
-    ]  # fmt: skip
-    if not pd.streams_params:
-        argv += ["--decode-stream", "never"]
-    proc = ManagedProcess("router", argv, pd.run_dir / f"router-{pd.name}-{port}.log").start()
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", 120, alive=proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+# ---- through a router (ours, and --proxy-cmd / --proxy-url when given) -----------------
 
 
 def _ask(url: str, conv: str, prompt: list[int], gen: int) -> list[int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": gen, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "conversation_id": conv}
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", "X-Session-ID": conv})
     with urllib.request.urlopen(req, timeout=120) as resp:
         out = json.loads(resp.read())
     choice = out["choices"][0]
@@ -109,7 +84,6 @@ def _ask(url: str, conv: str, prompt: list[int], gen: int) -> list[int]:
 
 
 @pytest.mark.timeout(1800)  # a P variant or many turns on a loaded 2-core box
-@pytest.mark.parametrize("proxy", ["bidir-kv"])
 def test_oracle_through_router(pd: PDBackend, prompts: PromptFactory, router: str,
                                proxy: str) -> None:
     rng = random.Random(f"oracle-router-{pd.block_size}")
