@@ -31,7 +31,7 @@ from bidir_kv.testing.backends import PDBackend, PromptFactory, start_backend
 from bidir_kv.topology.base import BackendUnavailable
 from bidir_kv.topology.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 
-__all__ = ["EXEMPTIONS", "Exemption", "selected_backends"]
+__all__ = ["EXEMPTIONS", "Exemption", "prompt_seed", "selected_backends", "selected_proxies"]
 
 _REPO = Path(__file__).resolve().parents[2]
 
