@@ -441,7 +441,7 @@ class RouterFlow:
                     nxt = node
                 else:
                     node.mark(False, problem)
-                if nxt is None or (nxt in tried and nxt is not node) or len(tried) >= 2:
+                if nxt is None or len(tried) >= 2:
                     self.metrics.errors.labels("decode_unreachable").inc()
                     return self._unavailable(p_node, None)
                 self.metrics.fallbacks.labels("decode_unreachable").inc()
