@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.testing.backends import PDBackend, PromptFactory, start_backend
+from bidir_kv.testing.router import start_router_process
 from bidir_kv.topology.base import BackendUnavailable
 from bidir_kv.topology.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 
@@ -205,35 +206,36 @@ def router(request: pytest.FixtureRequest, pd: PDBackend, proxy: str) -> Iterato
         return
     p, d, kv = pd.prefill.node, pd.decode.node, pd.config
     port = free_port()
+    cache_ttl = max(1.0, kv.decoder_ttl - 10)
+    if proxy == "bidir-kv":
+        extra = ["--cache-ttl", str(cache_ttl), "--decoder-kv-blocks-ttl", str(kv.decoder_ttl),
+                 "--block-size", str(kv.block_size)]
+        if not pd.streams_params:
+            extra += ["--decode-stream", "never"]
+        ours = start_router_process(pd.run_dir, [(p.host, p.port)], [(d.host, d.port)], extra,
+                                    port=port, name=f"router-bidir-kv-{pd.name}", timeout=120,
+                                    ready_path="/health")
+        try:
+            yield ours.url
+        finally:
+            ours.proc.stop()
+        return
     fields = {
         "python": sys.executable, "port": port, "prefill_host": p.host,
         "prefill_port": p.port, "decode_host": d.host, "decode_port": d.port,
-        "block_size": kv.block_size, "decoder_ttl": kv.decoder_ttl,
-        "cache_ttl": max(1.0, kv.decoder_ttl - 10),
+        "block_size": kv.block_size, "decoder_ttl": kv.decoder_ttl, "cache_ttl": cache_ttl,
     }
-    if proxy == "cmd":
-        template = str(cfg.getoption("--proxy-cmd"))
-        try:
-            argv = shlex.split(template.format(**fields))
-        except (KeyError, IndexError, ValueError) as exc:
-            pytest.fail(f"--proxy-cmd {template!r} is unusable: {exc!r} (placeholders: "
-                        f"{', '.join(sorted(fields))})", pytrace=False)
-        health, any_status = "/", True
-    else:
-        argv = [
-            sys.executable, "-m", "bidir_kv", "proxy", "--host", "127.0.0.1",
-            "--port", str(port), "--prefiller-hosts", p.host,
-            "--prefiller-ports", str(p.port), "--decoder-hosts", d.host,
-            "--decoder-ports", str(d.port), "--cache-ttl", str(fields["cache_ttl"]),
-            "--decoder-kv-blocks-ttl", str(kv.decoder_ttl), "--block-size", str(kv.block_size),
-        ]  # fmt: skip
-        if not pd.streams_params:
-            argv += ["--decode-stream", "never"]
-        health, any_status = "/health", False
-    log = pd.run_dir / f"router-{proxy}-{pd.name}-{port}.log"
-    proc = ManagedProcess(f"router-{proxy}", argv, log).start()
+    template = str(cfg.getoption("--proxy-cmd"))
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}{health}", 120, alive=proc, any_status=any_status)
+        argv = shlex.split(template.format(**fields))
+    except (KeyError, IndexError, ValueError) as exc:
+        pytest.fail(f"--proxy-cmd {template!r} is unusable: {exc!r} (placeholders: "
+                    f"{', '.join(sorted(fields))})", pytrace=False)
+    log = pd.run_dir / f"router-cmd-{pd.name}-{port}.log"
+    proc = ManagedProcess("router-cmd", argv, log).start()
+    try:
+        # a foreign router may have no health route: any HTTP answer means it serves
+        wait_http_ok(f"http://127.0.0.1:{port}/", 120, alive=proc, any_status=True)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.stop()

@@ -188,8 +188,14 @@ def start_router_process(
     extra: Sequence[str] = (),
     port: int | None = None,
     name: str = "router",
+    timeout: float = 20.0,
+    ready_path: str = "/metrics",
 ) -> RouterProcess:
-    """Start ``bidir-kv proxy`` on loopback and wait until it serves HTTP."""
+    """Start ``bidir-kv proxy`` on loopback and wait until ``ready_path`` answers 200.
+
+    ``/metrics`` (the default) answers as soon as it serves; ``/health`` only once it
+    sees a healthy P and D.
+    """
     port = port or free_port()
     argv = [
         sys.executable, "-m", "bidir_kv", "proxy", "--host", "127.0.0.1", "--port", str(port),
@@ -201,8 +207,7 @@ def start_router_process(
     ]
     proc = ManagedProcess(name, argv, run_dir / f"{name}-{port}.log").start()
     try:
-        # /metrics, not /health: /health is 503 while no P or no D is healthy.
-        wait_http_ok(f"http://127.0.0.1:{port}/metrics", 20, alive=proc)
+        wait_http_ok(f"http://127.0.0.1:{port}{ready_path}", timeout, alive=proc)
     except BaseException:
         proc.stop()
         raise
