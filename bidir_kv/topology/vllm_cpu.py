@@ -17,11 +17,13 @@ Every process is stopped by PID/process group in :meth:`VllmCpuTopology.close`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,7 @@ class VllmCpuTopology(Topology):
         self.options = options or VllmCpuOptions()
         self.reference: Node | None = None
         self._procs: list[ManagedProcess] = []
+        self._by_name: dict[str, ManagedProcess] = {}
         self.startup_seconds: dict[str, float] = {}
 
     # ---- public -------------------------------------------------------------
@@ -178,10 +181,30 @@ class VllmCpuTopology(Topology):
 
     def close(self) -> None:
         procs, self._procs = self._procs, []
+        self._by_name = {}
         for proc in procs:
-            proc.send_signal(15)
+            proc.send_signal(signal.SIGCONT)  # a paused server must see its SIGTERM
+            proc.send_signal(signal.SIGTERM)
         for proc in procs:
             proc.stop(self.options.stop_timeout)
+
+    @contextlib.contextmanager
+    def paused(self, node: Node) -> Iterator[None]:
+        """Stop ``node``'s process group (SIGSTOP) for the block, then continue it.
+
+        Why: with one core per server, a third server (a P variant) shares a core with
+        an idle one whose NIXL progress thread busy-polls (docs/conformance.md); it
+        starts about 3x slower. A stopped server uses no CPU and keeps its state, its
+        sockets and its NIXL registrations; requests to it wait until it continues.
+        """
+        proc = self._by_name.get(node.name)
+        if proc is None or proc.returncode is not None:
+            raise ValueError(f"{node.name} is not a running server of this topology")
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            proc.send_signal(signal.SIGCONT)
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary for reports (ports, engine ids, logs, startup times)."""
@@ -283,6 +306,7 @@ class VllmCpuTopology(Topology):
             env=self.env(core, side, espec),
         ).start()
         self._procs.append(proc)
+        self._by_name[name] = proc
         node_role = "prefill" if role == "reference" else role
         node = Node(
             role=node_role,  # type: ignore[arg-type]

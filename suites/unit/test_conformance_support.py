@@ -103,3 +103,29 @@ def test_vllm_cpu_unavailable_reason_names_the_missing_piece(tmp_path: Path) -> 
     reason = unavailable_reason(tmp_path / "nope", tmp_path)
     assert reason is not None
     assert "make conformance-env" in reason or "x86_64" in reason
+
+
+def test_an_unusable_client_fails_fast_naming_why() -> None:
+    from bidir_kv.testing.pd_client import EngineClient
+    from bidir_kv.topology.base import Node
+
+    # port 9 (discard) on loopback: nothing is sent while the client is unusable
+    client = EngineClient(Node(role="prefill", name="prefill-0", host="127.0.0.1", port=9))
+    with client.unusable("paused while the P variant 'x' runs"):
+        with pytest.raises(RuntimeError, match="prefill-0 cannot be used here: paused"):
+            client.complete([5, 6, 7], 1)
+        with pytest.raises(RuntimeError, match="paused while the P variant"):
+            client.metrics()
+    resp = client.complete([5, 6, 7], 1, timeout=2)  # usable again: a real (failed) request
+    assert resp.status == 0 and resp.error
+
+
+def test_vllm_cpu_pause_names_a_node_it_does_not_run(tmp_path: Path) -> None:
+    from bidir_kv.topology.base import Node
+
+    topo = VllmCpuTopology(TopologySpec(prefill=EngineSpec(), decode=EngineSpec()),
+                           VllmCpuOptions(log_dir=tmp_path))
+    stranger = Node(role="prefill", name="prefill-0", host="127.0.0.1", port=9)
+    with pytest.raises(ValueError, match="prefill-0 is not a running server"), \
+            topo.paused(stranger):
+        pass
