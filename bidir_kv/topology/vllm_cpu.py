@@ -193,9 +193,10 @@ class VllmCpuTopology(Topology):
         """Stop ``node``'s process group (SIGSTOP) for the block, then continue it.
 
         Why: with one core per server, a third server (a P variant) shares a core with
-        an idle one whose NIXL progress thread busy-polls (docs/conformance.md); it
-        starts about 3x slower. A stopped server uses no CPU and keeps its state, its
-        sockets and its NIXL registrations; requests to it wait until it continues.
+        an idle one whose NIXL progress thread busy-polls (docs/conformance.md); it took
+        about twice as long to start (201 s vs 92-110 s measured). A stopped server uses
+        no CPU and keeps its state, its sockets and its NIXL registrations; requests to
+        it wait until it continues.
         """
         proc = self._by_name.get(node.name)
         if proc is None or proc.returncode is not None:
