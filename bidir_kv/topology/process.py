@@ -146,6 +146,7 @@ class ManagedProcess:
             return None
         if proc.poll() is None:
             self.send_signal(signal.SIGTERM)
+            self.send_signal(signal.SIGCONT)  # a stopped (paused) group acts on it only then
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:

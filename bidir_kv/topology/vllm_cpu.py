@@ -127,7 +127,6 @@ class VllmCpuTopology(Topology):
         self.options = options or VllmCpuOptions()
         self.reference: Node | None = None
         self._procs: list[ManagedProcess] = []
-        self._by_name: dict[str, ManagedProcess] = {}
         self.startup_seconds: dict[str, float] = {}
 
     # ---- public -------------------------------------------------------------
@@ -181,9 +180,7 @@ class VllmCpuTopology(Topology):
 
     def close(self) -> None:
         procs, self._procs = self._procs, []
-        self._by_name = {}
         for proc in procs:
-            proc.send_signal(signal.SIGCONT)  # a paused server must see its SIGTERM
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
             proc.stop(self.options.stop_timeout)
@@ -198,7 +195,7 @@ class VllmCpuTopology(Topology):
         no CPU and keeps its state, its sockets and its NIXL registrations; requests to
         it wait until it continues.
         """
-        proc = self._by_name.get(node.name)
+        proc = next((p for p in self._procs if p.name == node.name), None)
         if proc is None or proc.returncode is not None:
             raise ValueError(f"{node.name} is not a running server of this topology")
         proc.send_signal(signal.SIGSTOP)
@@ -307,7 +304,6 @@ class VllmCpuTopology(Topology):
             env=self.env(core, side, espec),
         ).start()
         self._procs.append(proc)
-        self._by_name[name] = proc
         node_role = "prefill" if role == "reference" else role
         node = Node(
             role=node_role,  # type: ignore[arg-type]

@@ -54,3 +54,17 @@ def test_child_dies_when_the_starter_is_sigkilled(tmp_path: Path) -> None:
     finally:
         if starter.poll() is None:
             starter.kill()
+
+
+def test_a_stopped_process_ends_on_sigterm_not_after_the_timeout(tmp_path: Path) -> None:
+    """A paused (SIGSTOPped) node still gets a graceful SIGTERM from ``stop``."""
+    from bidir_kv.topology.process import ManagedProcess
+
+    proc = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"],
+                          tmp_path / "sleeper.log").start()
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        # SIGTERM ends it (-15); SIGKILL after the timeout would give -9
+        assert proc.stop(timeout=60) == -signal.SIGTERM
+    finally:
+        proc.stop(1)
