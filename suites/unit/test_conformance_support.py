@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
+import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -129,3 +134,56 @@ def test_vllm_cpu_pause_names_a_node_it_does_not_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="prefill-0 is not a running server"), \
             topo.paused(stranger):
         pass
+
+
+def _load_site_fixes() -> ModuleType:
+    """The servers' sitecustomize, loaded under another name so it installs nothing."""
+    from bidir_kv.topology.vllm_cpu import SITE_FIXES
+
+    spec = importlib.util.spec_from_file_location("bidir_kv_site_fixes",
+                                                  SITE_FIXES / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kv_cores_are_limited_to_the_allowed_cpus() -> None:
+    site = _load_site_fixes()
+    assert site.within_allowed([[0, 1], [2, 3], [4]], {1, 2, 3}) == [[1], [2, 3]]
+    assert site.within_allowed([[0, 1]], {5}) == []  # no node left: vLLM sets no affinity
+
+
+def test_the_kv_core_fix_patches_the_platform_module_when_it_is_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hook waits for the module's own import (vLLM PR #32365 picks host cores)."""
+    site = _load_site_fixes()
+    allowed = sorted(os.sched_getaffinity(0))
+    host = [*allowed, max(allowed) + 1000]  # the host has a core this process may not use
+    pkg = tmp_path / "fakevllm"
+    (pkg / "platforms").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "platforms" / "__init__.py").write_text("")
+    (pkg / "platforms" / "cpu.py").write_text(
+        "class CpuPlatform:\n"
+        "    @classmethod\n"
+        f"    def discover_numa_topology(cls):\n        return [{host!r}]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path",
+                        [site.PatchOnImport("fakevllm.platforms.cpu", site.limit_kv_cores),
+                         *sys.meta_path])
+    for name in ("fakevllm", "fakevllm.platforms", "fakevllm.platforms.cpu"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+    cpu = importlib.import_module("fakevllm.platforms.cpu")
+    assert cpu.CpuPlatform.discover_numa_topology() == [allowed]
+
+
+def test_the_kv_core_fix_says_when_it_finds_nothing_to_patch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    site = _load_site_fixes()
+    site.limit_kv_cores(ModuleType("vllm.platforms.cpu"))
+    assert "no discover_numa_topology" in capsys.readouterr().err
