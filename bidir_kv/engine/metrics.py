@@ -19,6 +19,9 @@ __all__ = ["EngineMetrics", "TransferWindow"]
 _TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                  5.0, 10.0)  # fmt: skip
 _BYTE_BUCKETS = tuple(float(2**k) for k in range(10, 33, 2))
+# the tiers vLLM 0.32 labels vllm:prompt_tokens_cached_by_source with (CacheHitSource);
+# the emulator fills "device" and "p2p", the others stay 0 as on a NixlConnector engine
+CACHE_TIERS = ("device", "host", "p2p", "disk", "external_unspecified")
 _DESC_BUCKETS = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -97,6 +100,13 @@ class EngineMetrics:
             "Prompt tokens by where their KV came from.",
             ("source",),
         )
+        # vLLM's per-tier view of the same hits: "device" is the local prefix cache,
+        # "p2p" what the connector loaded from another engine (vllm/v1/metrics)
+        self.prompt_tokens_cached_by_source = counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them.",
+            ("source",),
+        )
         self.prefix_cache_queries = counter(
             "vllm:prefix_cache_queries", "Prompt tokens queried in the local prefix cache."
         )
@@ -160,12 +170,23 @@ class EngineMetrics:
             m.labels(**self.labels)
         for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
             self.prompt_tokens_by_source.labels(**self.labels, source=source)
+        for tier in CACHE_TIERS:
+            self.prompt_tokens_cached_by_source.labels(**self.labels, source=tier)
 
     # ---- recording helpers -----------------------------------------------------
 
     def c(self, metric: Counter, n: float = 1, **labels: str) -> None:
         if n:
             metric.labels(**self.labels, **labels).inc(n)
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        self.c(self.prefix_cache_queries, queries)
+        self.c(self.prefix_cache_hits, hits)
+        self.c(self.prompt_tokens_cached_by_source, hits, source="device")
+
+    def external_hit(self, tokens: int) -> None:
+        self.c(self.external_hits, tokens)
+        self.c(self.prompt_tokens_cached_by_source, tokens, source="p2p")
 
     def by_source(self, local_compute: int, local_cache_hit: int, external: int) -> None:
         self.c(self.prompt_tokens_by_source, local_compute, source="local_compute")

@@ -249,8 +249,7 @@ class EngineCore:
             h = len(hit_blocks) * bs
             req.num_computed = h
             req.cached_tokens = h
-            self.metrics.c(self.metrics.prefix_cache_queries, n)
-            self.metrics.c(self.metrics.prefix_cache_hits, h)
+            self.metrics.prefix_cache(n, h)
             self._route(req, h)
         self.metrics.waiting.labels(**self.metrics.labels).set(len(self.waiting))
 
@@ -298,8 +297,7 @@ class EngineCore:
         n = req.prompt_len
         self.metrics.by_source(n - h - external, h, external)
         self.metrics.c(self.metrics.prompt_tokens, n)
-        if external:
-            self.metrics.c(self.metrics.external_hits, external)
+        self.metrics.external_hit(external)
         req.external_tokens = external
         req.state = "running"
         self.running.append(req)

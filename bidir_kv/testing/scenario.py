@@ -18,6 +18,7 @@ from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import MetricsSnapshot
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.pd_client import (
+    CACHED_BY_SOURCE,
     NIXL_BYTES,
     NIXL_EXPIRED,
     NIXL_FAILED,
@@ -81,6 +82,7 @@ class Pulled:
     bytes: float
     transfers: float
     failed: float
+    p2p: int = 0  # vllm:prompt_tokens_cached_by_source{source="p2p"}: the connector's hits
 
     @property
     def pulled(self) -> bool:
@@ -96,6 +98,7 @@ def evidence(delta: MetricsSnapshot) -> Pulled:
         bytes=delta.value(NIXL_BYTES),
         transfers=delta.value(NIXL_XFERS),
         failed=delta.value(NIXL_FAILED),
+        p2p=int(delta.value(CACHED_BY_SOURCE, source="p2p")),
     )
 
 

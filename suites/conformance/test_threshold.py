@@ -3,7 +3,8 @@
 Turn-1 lengths are engineered so that on turn 2 P's block-aligned local hit is two
 blocks and D offers exactly ``count`` more tokens: ``count == T`` must pull,
 ``count == T - 1`` must recompute (the comparison is strictly less-than).
-Evidence is ``/metrics`` deltas on P: tokens by source and NIXL bytes.
+Evidence is ``/metrics`` deltas on P: tokens by source (and the same pulled tokens as
+the ``p2p`` cache tier) and NIXL bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def test_threshold_boundary(pd: PDBackend, prompts: PromptFactory, offset: int) 
     ev = evidence(t2.p_leg.p)
     prompt_len = len(t2.prompt)
     assert ev.local_cache_hit == local, ev
+    assert ev.p2p == ev.external, f"the p2p cache tier must count what was pulled: {ev}"
     if offset >= 0:
         assert ev.external == count, ev
         assert ev.local_compute == prompt_len - local - count, ev
@@ -51,7 +53,7 @@ def test_warm_p_pulls_only_the_difference(pd: PDBackend, prompts: PromptFactory)
     ev = evidence(t2.p_leg.p)
     offered = first + GEN - 1
     assert ev.local_cache_hit == 7 * bs, ev
-    assert ev.external == offered - 7 * bs, ev
+    assert ev.external == ev.p2p == offered - 7 * bs, ev
     assert ev.local_compute == len(t2.prompt) - offered, ev
     assert ev.bytes > 0
     assert t2.d is not None and t2.d.token_ids == pd.reference(t2.prompt, GEN).token_ids
