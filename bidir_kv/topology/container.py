@@ -26,8 +26,6 @@ import os
 import shutil
 import subprocess
 import time
-import urllib.error
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +41,7 @@ from bidir_kv.topology.base import (
 )
 from bidir_kv.topology.container_image import IMAGE_PYTHON, ImageBuild, ensure_image
 from bidir_kv.topology.local import engine_argv
+from bidir_kv.topology.process import ProcessFailed, wait_http_ok
 
 __all__ = ["HTTP_PORT", "LABEL", "SIDE_CHANNEL_PORT", "ContainerTopology", "testcontainers_env"]
 
@@ -226,29 +225,15 @@ class ContainerTopology(Topology):
             self.startup_seconds[node.name] = time.perf_counter() - node.info["started"]
 
     def _wait_http_ok(self, node: Node, path: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        delay = 0.02
-        last: object = None
-        while time.monotonic() < deadline:
+        def gone() -> str | None:
             status = self.status(node.name)
-            if status not in ("created", "running"):
-                raise BackendUnavailable(
-                    f"container {node.name} is {status} before {path} answered\n"
-                    f"{self.logs(node.name, tail=40)}"
-                )
-            try:
-                with urllib.request.urlopen(node.url + path, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-                    last = resp.status
-            except (urllib.error.URLError, ConnectionError, OSError) as exc:
-                last = exc
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.25)
-        raise BackendUnavailable(
-            f"{node.name} ({node.url}{path}) not ready after {self.timeout:.0f} s "
-            f"(last: {last!r})\n{self.logs(node.name, tail=40)}"
-        )
+            return None if status in ("created", "running") else f"container is {status}"
+
+        try:
+            wait_http_ok(node.url + path, self.timeout, gone=gone)
+        except ProcessFailed as exc:
+            logs = self.logs(node.name, tail=40)
+            raise BackendUnavailable(f"{node.name}: {exc}\n{logs}") from None
 
     # ---- inspection ----------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 __all__ = ["ManagedProcess", "ProcessFailed", "free_port", "wait_http_ok"]
@@ -50,11 +50,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_http_ok(
-    url: str, timeout: float, *, alive: ManagedProcess | None = None, any_status: bool = False
+    url: str,
+    timeout: float,
+    *,
+    alive: ManagedProcess | None = None,
+    any_status: bool = False,
+    gone: Callable[[], str | None] | None = None,
 ) -> None:
-    """Poll ``url`` until it answers 200, the process dies, or ``timeout`` passes.
+    """Poll ``url`` until it answers 200, the server is gone, or ``timeout`` passes.
 
-    ``any_status``: any HTTP answer counts (a foreign server may have no health route).
+    ``alive``: the process serving ``url`` (its exit ends the wait, with its log).
+    ``gone``: any other "can it still come up?" check, returning why not (a container
+    that exited). ``any_status``: any HTTP answer counts (a foreign server may have no
+    health route).
     """
     deadline = time.monotonic() + timeout
     delay = 0.01
@@ -65,6 +73,9 @@ def wait_http_ok(
                 f"{alive.name} exited with code {alive.returncode} before {url} was ready\n"
                 f"{alive.log_tail()}"
             )
+        why = gone() if gone is not None else None
+        if why is not None:
+            raise ProcessFailed(f"{why} before {url} was ready")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
