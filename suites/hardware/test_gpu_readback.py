@@ -8,12 +8,14 @@ params vs the same prompt as a miss), never as an absolute number.
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 from typing import Any
 
 import pytest
 
+from bidir_kv.bench.args import int_list
 from bidir_kv.testing.pd_client import EngineClient, run_pd_turn
 
 ROUNDS = 3
@@ -24,12 +26,10 @@ OUTPUT_TOKENS = 32
 def _lengths(config: pytest.Config) -> list[int]:
     raw = str(config.getoption("--hw-prompt-tokens"))
     try:
-        values = [int(x) for x in raw.split(",") if x.strip()]
-    except ValueError:
-        raise pytest.UsageError(
-            f"--hw-prompt-tokens must be comma-separated ints, got {raw!r}"
-        ) from None
-    if not values or min(values) <= 0:
+        values = int_list(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise pytest.UsageError(f"--hw-prompt-tokens: {exc}") from None
+    if min(values) <= 0:
         raise pytest.UsageError(f"--hw-prompt-tokens needs positive lengths, got {raw!r}")
     return values
 
