@@ -313,6 +313,8 @@ class _Row:
     outcome: str
     reason: str
     duration: float
+    reruns: int = 0
+    first_attempt: str = ""  # "<outcome>: <reason>" of the attempt a rerun replaced
 
 
 class _Matrix:
@@ -353,6 +355,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
                    ",".join(f"{k}={v}" for k, v in sorted(params.items())),
                    backend, proxy, "passed", "", 0.0)
         matrix.rows[item.nodeid] = row
+    elif rep.when == "setup" and int(getattr(item, "execution_count", 1) or 1) > row.reruns + 1:
+        # pytest-rerunfailures starts another attempt: the row tells the new one's
+        # outcome and keeps the first failure, which "-rR" does not show
+        row.reruns += 1
+        if not row.first_attempt:
+            row.first_attempt = f"{row.outcome}: {row.reason}"
+        row.outcome, row.reason = "passed", ""
     row.duration += rep.duration
     if state is None:
         return
@@ -373,7 +382,8 @@ def _state(rep: pytest.TestReport) -> tuple[str, str] | None:
         return "skip", reason.removeprefix("Skipped: ")
     if rep.failed:
         text = str(rep.longreprtext or "").strip().splitlines()
-        msg = next((ln for ln in reversed(text) if ln.startswith("E ")), text[-1] if text else "")
+        # the first "E" line names the exception and its message; later ones detail it
+        msg = next((ln for ln in text if ln.startswith("E ")), text[-1] if text else "")
         return ("fail" if rep.when == "call" else "error"), msg[:300]
     return None
 
@@ -428,6 +438,10 @@ def _markdown(doc: dict[str, Any], rows: list[_Row]) -> str:
                 notes.append(f"- `{scenario}[{params}]` {proxy} on **{b}** ({r.outcome}): "
                              f"{r.reason.replace('|', '/')}")
                 cell += f" [{len(notes)}]"
+            if r.reruns:
+                notes.append(f"- `{scenario}[{params}]` {proxy} on **{b}**: rerun "
+                             f"{r.reruns}x; first attempt {r.first_attempt.replace('|', '/')}")
+                cell += f" after rerun [{len(notes)}]"
             out.append(cell)
         lines.append(f"| {scenario} | {params or '-'} | {proxy} | " + " | ".join(out) + " |")
     if notes:
