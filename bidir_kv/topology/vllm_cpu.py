@@ -87,6 +87,43 @@ def unavailable_reason(venv: Path | None = None, model: Path | None = None) -> s
     return None
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """``"0-2,5"`` (Linux's cpulist format) -> ``{0, 1, 2, 5}``."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def worker_cpus(pid: int) -> dict[int, set[int]]:
+    """CPUs the main thread of each ``VLLM::Worker`` process below ``pid`` may run on.
+
+    The main thread runs the model and the NixlConnector worker; read from ``/proc``
+    (Linux only; elsewhere, or for a process that is gone, nothing is found).
+    """
+    found: dict[int, set[int]] = {}
+    todo, seen = [pid], set()
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        proc = Path("/proc") / str(current)
+        try:
+            if (proc / "comm").read_text().startswith("VLLM::Worker"):
+                for line in (proc / "status").read_text().splitlines():
+                    if line.startswith("Cpus_allowed_list:"):
+                        found[current] = parse_cpu_list(line.split(":", 1)[1])
+            for task in (proc / "task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def _mem_available() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -178,6 +215,8 @@ class VllmCpuTopology(Topology):
                 raise
             self.startup_seconds[node.name] = time.monotonic() - started
             node.info["startup_seconds"] = round(self.startup_seconds[node.name], 1)
+        for node, proc, _started in pending:
+            self._check_worker_cores(node, proc)
         return self
 
     def close(self) -> None:
@@ -222,6 +261,22 @@ class VllmCpuTopology(Topology):
         }
 
     # ---- internals ----------------------------------------------------------
+
+    def _check_worker_cores(self, node: Node, proc: ManagedProcess) -> None:
+        """Record where the server's workers may run; with the start-up fixes on, a
+        worker outside its core means the KV-core fix did not apply, and the pair would
+        stall for a lease per turn (docs/conformance.md), so refuse to go on."""
+        workers = worker_cpus(proc.pid) if proc.pid is not None else {}
+        node.info["worker_cpus"] = {str(pid): sorted(cpus) for pid, cpus in workers.items()}
+        core = node.info["core"]
+        strays = {pid: cpus for pid, cpus in workers.items() if cpus != {core}}
+        if strays and self.options.startup_fixes:
+            self.close()
+            raise BackendUnavailable(
+                f"{node.name}: vLLM worker(s) {strays} may run outside the server's core "
+                f"{core}; the KV-transfer core fix in bidir_kv/topology/vllm_site did not "
+                "apply to this vLLM (docs/conformance.md, 'Start-up fixes')"
+            )
 
     def _cores(self, n: int) -> list[int]:
         if self.options.cores is not None:

@@ -187,3 +187,50 @@ def test_the_kv_core_fix_says_when_it_finds_nothing_to_patch(
     site = _load_site_fixes()
     site.limit_kv_cores(ModuleType("vllm.platforms.cpu"))
     assert "no discover_numa_topology" in capsys.readouterr().err
+
+
+def test_cpu_lists_parse_like_linux_prints_them() -> None:
+    from bidir_kv.topology.vllm_cpu import parse_cpu_list
+
+    assert parse_cpu_list("0-2,5\n") == {0, 1, 2, 5}
+    assert parse_cpu_list("1") == {1}
+    with pytest.raises(ValueError):
+        parse_cpu_list("a-b")
+
+
+_TREE = """
+import ctypes, os, subprocess, sys
+cpu = min(os.sched_getaffinity(0))
+child = subprocess.Popen([sys.executable, "-c", '''
+import ctypes, os, sys
+ctypes.CDLL(None).prctl(15, b"VLLM::Worker", 0, 0, 0)  # PR_SET_NAME, as vLLM's workers
+os.sched_setaffinity(0, {%d})
+print(os.getpid(), flush=True)
+sys.stdin.read()
+''' % cpu], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+print(child.stdout.readline().strip(), cpu, flush=True)
+sys.stdin.read()
+child.stdin.close(); child.wait()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_worker_cpus_finds_vllm_workers_below_a_server_and_their_cores() -> None:
+    """What the launcher checks after start-up: where each worker's main thread may run."""
+    import subprocess
+
+    from bidir_kv.topology.vllm_cpu import worker_cpus
+
+    server = subprocess.Popen([sys.executable, "-c", _TREE], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        worker, cpu = (int(x) for x in server.stdout.readline().split())
+        assert worker_cpus(server.pid) == {worker: {cpu}}
+        assert worker_cpus(worker) == {worker: {cpu}}  # the worker itself counts too
+        server.communicate(timeout=20)  # EOF: the server ends its worker, then itself
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+    assert worker_cpus(server.pid) == {}  # gone: nothing to report
