@@ -265,14 +265,15 @@ class VllmCpuTopology(Topology):
     def _check_worker_cores(self, node: Node, proc: ManagedProcess) -> None:
         """Record where the server's workers may run; with the start-up fixes on, a
         worker outside its core means the KV-core fix did not apply, and the pair would
-        stall for a lease per turn (docs/conformance.md), so refuse to go on."""
+        stall for a lease per turn (docs/conformance.md), so fail the start: the
+        environment is there, our fix is what broke (not "backend unavailable")."""
         workers = worker_cpus(proc.pid) if proc.pid is not None else {}
         node.info["worker_cpus"] = {str(pid): sorted(cpus) for pid, cpus in workers.items()}
         core = node.info["core"]
         strays = {pid: cpus for pid, cpus in workers.items() if cpus != {core}}
         if strays and self.options.startup_fixes:
             self.close()
-            raise BackendUnavailable(
+            raise ProcessFailed(
                 f"{node.name}: vLLM worker(s) {strays} may run outside the server's core "
                 f"{core}; the KV-transfer core fix in bidir_kv/topology/vllm_site did not "
                 "apply to this vLLM (docs/conformance.md, 'Start-up fixes')"
