@@ -87,22 +87,12 @@ def unavailable_reason(venv: Path | None = None, model: Path | None = None) -> s
     return None
 
 
-def parse_cpu_list(text: str) -> set[int]:
-    """``"0-2,5"`` (Linux's cpulist format) -> ``{0, 1, 2, 5}``."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
 def worker_cpus(pid: int) -> dict[int, set[int]]:
     """CPUs the main thread of each ``VLLM::Worker`` process below ``pid`` may run on.
 
-    The main thread runs the model and the NixlConnector worker; read from ``/proc``
-    (Linux only; elsewhere, or for a process that is gone, nothing is found).
+    The main thread runs the model and the NixlConnector worker; its thread id is the
+    process id, so ``os.sched_getaffinity(pid)`` reads it. Workers are found through
+    ``/proc`` (Linux only; elsewhere, or for a process that is gone, nothing is found).
     """
     found: dict[int, set[int]] = {}
     todo, seen = [pid], set()
@@ -114,9 +104,7 @@ def worker_cpus(pid: int) -> dict[int, set[int]]:
         proc = Path("/proc") / str(current)
         try:
             if (proc / "comm").read_text().startswith("VLLM::Worker"):
-                for line in (proc / "status").read_text().splitlines():
-                    if line.startswith("Cpus_allowed_list:"):
-                        found[current] = parse_cpu_list(line.split(":", 1)[1])
+                found[current] = os.sched_getaffinity(current)
             for task in (proc / "task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):

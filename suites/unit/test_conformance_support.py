@@ -189,15 +189,6 @@ def test_the_kv_core_fix_says_when_it_finds_nothing_to_patch(
     assert "no discover_numa_topology" in capsys.readouterr().err
 
 
-def test_cpu_lists_parse_like_linux_prints_them() -> None:
-    from bidir_kv.topology.vllm_cpu import parse_cpu_list
-
-    assert parse_cpu_list("0-2,5\n") == {0, 1, 2, 5}
-    assert parse_cpu_list("1") == {1}
-    with pytest.raises(ValueError):
-        parse_cpu_list("a-b")
-
-
 _TREE = """
 import ctypes, os, subprocess, sys
 cpu = min(os.sched_getaffinity(0))
