@@ -12,6 +12,12 @@ from bidir_kv.policy.blocks import (
     suffix_trim_pairing,
     target_block_range,
 )
+from bidir_kv.policy.cache_entry import (
+    cache_ttl_within_retention,
+    entry_age,
+    entry_is_stale,
+    stale_cutoff,
+)
 from bidir_kv.policy.guard import (
     ROOT_HASH,
     block_hashes,
@@ -55,9 +61,12 @@ __all__ = [
     "block_align_down",
     "block_hashes",
     "blocks_for_tokens",
+    "cache_ttl_within_retention",
     "cdiv",
     "clock_offset",
     "common_prefix_tokens",
+    "entry_age",
+    "entry_is_stale",
     "heartbeat_extension",
     "heartbeat_interval",
     "local_deadline",
@@ -67,6 +76,7 @@ __all__ = [
     "reusable_prefix",
     "reusable_prefix_by_hashes",
     "should_decline",
+    "stale_cutoff",
     "suffix_trim_pairing",
     "target_block_range",
 ]

@@ -1,0 +1,151 @@
+"""The conversation store's interface and its record: (tenant, conversation) -> D's params.
+
+Entries are single use (a take removes them: two concurrent turns of one
+conversation cannot both import the same blocks) and bounded by a TTL kept below
+D's ``decoder_kv_blocks_ttl`` and by a maximum count (oldest evicted first).
+Whether a taken entry is stale is decided here, once, by
+:func:`bidir_kv.policy.entry_is_stale`; implementations only fetch and delete.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import msgpack
+
+from bidir_kv.policy import entry_age, entry_is_stale
+from bidir_kv.protocol import KVTransferParams
+
+__all__ = ["ConversationStore", "Entry", "StoreError", "Taken"]
+
+_FORMAT: Final = 1
+
+
+class StoreError(RuntimeError):
+    """The store is unreachable or holds something we cannot read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """What one finished turn leaves behind for the next one.
+
+    ``tokens`` is D's token sequence (prompt + generated ids) when the D leg
+    returned token ids; the continuation guard compares the next prompt with it.
+    ``decode``/``prefill`` name the upstream engines (``host:port``) for sticky
+    routing. Token ids are kept as ``array('I')`` (4 bytes each, not a Python int
+    object).
+    """
+
+    params: KVTransferParams
+    decode: str
+    prefill: str | None
+    created: float
+    tokens: Sequence[int] | None = None
+
+    def to_bytes(self) -> bytes:
+        toks = None
+        if self.tokens is not None:
+            arr = self.tokens if isinstance(self.tokens, array) else array("I", self.tokens)
+            toks = arr.tobytes()
+        packed: bytes = msgpack.packb(
+            {
+                "v": _FORMAT,
+                "params": self.params.to_dict(),
+                "d": self.decode,
+                "p": self.prefill,
+                "t": self.created,
+                "tok": toks,
+            },
+            use_bin_type=True,
+        )
+        return packed
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Entry:
+        try:
+            obj = msgpack.unpackb(raw, raw=False)
+            if not isinstance(obj, dict) or obj.get("v") != _FORMAT:
+                raise ValueError("unknown entry format")
+            toks = obj.get("tok")
+            tokens = None
+            if toks is not None:
+                tokens = array("I")
+                tokens.frombytes(toks)
+            return cls(
+                params=KVTransferParams.parse(obj["params"]),
+                decode=str(obj["d"]),
+                prefill=None if obj.get("p") is None else str(obj["p"]),
+                created=float(obj["t"]),
+                tokens=tokens,
+            )
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+            raise StoreError(f"unreadable conversation entry: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """Result of a take: the entry if fresh; ``stale`` with its age if it had expired."""
+
+    entry: Entry | None
+    stale: bool = False
+    age: float = 0.0
+
+
+class ConversationStore(abc.ABC):
+    """Async store interface; ``ttl`` in seconds, ``now`` is wall-clock seconds.
+
+    Implementations provide :meth:`_pop` (remove and return, atomically) and the
+    other abstract methods; :meth:`take` judges what :meth:`_pop` returned.
+    """
+
+    kind: str = "abstract"
+
+    def __init__(self, ttl: float, max_entries: int, now: Callable[[], float] = time.time):
+        if ttl <= 0:
+            raise ValueError(f"cache TTL must be positive, got {ttl}")
+        if max_entries <= 0:
+            raise ValueError(f"max conversations must be positive, got {max_entries}")
+        self.ttl = float(ttl)
+        self.max_entries = int(max_entries)
+        self.now = now
+        self.evicted_stale = 0
+        self.evicted_lru = 0
+
+    async def take(self, key: str) -> Taken:
+        """Remove and return the entry (single use); a stale one comes back as ``stale``."""
+        entry = await self._pop(key)
+        if entry is None:
+            return Taken(None)
+        now = self.now()
+        age = entry_age(entry.created, now)
+        if entry_is_stale(entry.created, now, self.ttl):
+            self.evicted_stale += 1
+            return Taken(None, stale=True, age=age)
+        return Taken(entry, age=age)
+
+    @abc.abstractmethod
+    async def _pop(self, key: str) -> Entry | None:
+        """Remove and return the entry for ``key``, fresh or not."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, entry: Entry) -> None:
+        """Store (overwrite) the entry for ``key``."""
+
+    @abc.abstractmethod
+    async def size(self) -> int:
+        """Number of live (non-stale) entries."""
+
+    @abc.abstractmethod
+    async def sweep(self) -> int:
+        """Drop stale entries; return how many."""
+
+    async def ping(self) -> None:  # noqa: B027 - optional hook, nothing to check in memory
+        """Raise :class:`StoreError` when the store is unreachable."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""

@@ -1,0 +1,105 @@
+"""Redis conversation store: several router replicas, and restarts, share the hits.
+
+Redis's ``GETDEL`` makes the single-use take atomic across replicas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+from bidir_kv.policy import stale_cutoff
+from bidir_kv.router.store.base import ConversationStore, Entry, StoreError
+
+__all__ = ["RedisStore"]
+
+
+class RedisStore(ConversationStore):
+    """One key per conversation (``GETDEL`` take, per-key expiry) plus a sorted-set
+    index by creation time for the count, the stale sweep and the bound.
+
+    Keys live ``ttl + grace`` seconds in Redis so that a take can still see an
+    entry that just went stale and report it (upstream logs those), instead of a
+    silent miss.
+    """
+
+    kind = "redis"
+    GRACE: Final = 60.0
+
+    def __init__(
+        self,
+        url: str,
+        ttl: float,
+        max_entries: int,
+        now: Callable[[], float] = time.time,
+        prefix: str = "bidirkv:",
+    ) -> None:
+        super().__init__(ttl, max_entries, now)
+        from redis import asyncio as aioredis
+
+        self.url = url
+        self.prefix = prefix
+        self._index = f"{prefix}index"
+        self._redis: Any = aioredis.Redis.from_url(
+            url, socket_timeout=5, socket_connect_timeout=5
+        )
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}conv:{key}"
+
+    async def _run(self, what: str, coro: Any) -> Any:
+        from redis.exceptions import RedisError
+
+        try:
+            return await coro
+        except (RedisError, OSError) as exc:
+            raise StoreError(f"redis store {self.url}: {what} failed: {exc}") from None
+
+    async def ping(self) -> None:
+        await self._run("PING", self._redis.ping())
+
+    async def _pop(self, key: str) -> Entry | None:
+        name = self._key(key)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.getdel(name)
+        pipe.zrem(self._index, name)
+        raw, _ = await self._run("GETDEL", pipe.execute())
+        return None if raw is None else Entry.from_bytes(raw)
+
+    async def put(self, key: str, entry: Entry) -> None:
+        name = self._key(key)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(name, entry.to_bytes(), px=int((self.ttl + self.GRACE) * 1000))
+        pipe.zadd(self._index, {name: entry.created})
+        pipe.zcard(self._index)
+        *_, count = await self._run("SET", pipe.execute())
+        excess = int(count) - self.max_entries
+        if excess > 0:
+            popped = await self._run("ZPOPMIN", self._redis.zpopmin(self._index, excess))
+            names = [member for member, _score in popped]
+            if names:
+                await self._run("DEL", self._redis.delete(*names))
+                self.evicted_lru += len(names)
+
+    async def size(self) -> int:
+        cutoff = stale_cutoff(self.now(), self.ttl)  # fresh: created at or after the cutoff
+        live = await self._run("ZCOUNT", self._redis.zcount(self._index, cutoff, "+inf"))
+        return int(live)
+
+    async def sweep(self) -> int:
+        cutoff = stale_cutoff(self.now(), self.ttl)  # stale: created strictly before it
+        names = await self._run(
+            "ZRANGEBYSCORE", self._redis.zrangebyscore(self._index, "-inf", f"({cutoff}")
+        )
+        if not names:
+            return 0
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(*names)
+        pipe.zrem(self._index, *names)
+        await self._run("sweep", pipe.execute())
+        self.evicted_stale += len(names)
+        return len(names)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
