@@ -3,88 +3,91 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
-from bidir_kv.router.backends import Backend, HealthChecker, Pool
-from bidir_kv.router.flow import RouterConfig, RouterFlow, error_response
+from bidir_kv.router.failures import error_response
+from bidir_kv.router.flow import RouterFlow
 from bidir_kv.router.metrics import RouterMetrics
+from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, StoreError, open_store
+from bidir_kv.router.upstreams import HealthChecker, Upstream, UpstreamPool
 
-__all__ = ["AppSettings", "build_app"]
+__all__ = ["FLOW_KEY", "build_app"]
 
 log = logging.getLogger("bidir_kv.router")
 
 FLOW_KEY = web.AppKey("flow", RouterFlow)
+_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class AppSettings:
-    """Everything needed to build the app (the CLI fills it from flags)."""
-
-    prefill_hosts: Sequence[str] = ("localhost",)
-    prefill_ports: Sequence[int] = (8100,)
-    decode_hosts: Sequence[str] = ("localhost",)
-    decode_ports: Sequence[int] = (8200,)
-    store: str = "memory"
-    max_conversations: int = 100_000
-    health_interval: float = 2.0
-    router: RouterConfig = field(default_factory=RouterConfig)
-
-
-def build_app(settings: AppSettings, store: ConversationStore | None = None) -> web.Application:
+def build_app(
+    settings: RouterSettings, store: ConversationStore | None = None
+) -> web.Application:
     """The router app; pools and store are created here, connections on startup."""
-    prefill = Pool("prefill", settings.prefill_hosts, settings.prefill_ports)
-    decode = Pool("decode", settings.decode_hosts, settings.decode_ports)
-    cfg = settings.router
-    the_store = store or open_store(settings.store, cfg.cache_ttl, settings.max_conversations)
-    metrics = RouterMetrics()
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    state: dict[str, object] = {}
+    router = _RouterApp(settings, store)
+    app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
+    app.on_startup.append(router.on_startup)
+    app.on_cleanup.append(router.on_cleanup)
+    app.router.add_post("/v1/chat/completions", router.chat)
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.metrics_route)
+    app.router.add_get("/v1/models", router.models)
+    return app
 
-    async def on_startup(app: web.Application) -> None:
+
+class _RouterApp:
+    """The app's parts and its route handlers (the flow exists once a session does)."""
+
+    def __init__(self, settings: RouterSettings, store: ConversationStore | None) -> None:
+        self.settings = settings
+        self.prefill = UpstreamPool("prefill", settings.prefill_hosts, settings.prefill_ports)
+        self.decode = UpstreamPool("decode", settings.decode_hosts, settings.decode_ports)
+        self.store = store or open_store(
+            settings.store, settings.cache_ttl, settings.max_conversations
+        )
+        self.metrics = RouterMetrics()
+        self.checker: HealthChecker | None = None
+
+    async def on_startup(self, app: web.Application) -> None:
         # Idle upstream connections are dropped before uvicorn's (and vLLM's) 5 s
         # keep-alive closes them, so a reused connection is never a half-closed one.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        flow = RouterFlow(prefill, decode, the_store, metrics, session, cfg)
-        app[FLOW_KEY] = flow
+        app[FLOW_KEY] = RouterFlow(self.prefill, self.decode, self.store, self.metrics,
+                                   session, self.settings)
         try:
-            await the_store.ping()
+            await self.store.ping()
         except StoreError as exc:
             log.error("%s (requests will be misses until it is reachable)", exc)
-        checker = HealthChecker([prefill, decode], session, settings.health_interval)
-        state["checker"] = checker
-        checker.start()
+        self.checker = HealthChecker([self.prefill, self.decode], session,
+                                     self.settings.health_interval)
+        self.checker.start()
         log.info(
             "bidir-kv proxy: prefill %s, decode %s, store %s, cache TTL %.0fs, decode stream %s",
-            [n.id for n in prefill.nodes], [n.id for n in decode.nodes], the_store.kind,
-            cfg.cache_ttl, cfg.decode_stream,
+            [node.id for node in self.prefill.nodes], [node.id for node in self.decode.nodes],
+            self.store.kind, self.settings.cache_ttl, self.settings.decode_stream,
         )
 
-    async def on_cleanup(app: web.Application) -> None:
-        checker = state.get("checker")
-        if isinstance(checker, HealthChecker):
-            await checker.stop()
+    async def on_cleanup(self, app: web.Application) -> None:
+        if self.checker is not None:
+            await self.checker.stop()
         await app[FLOW_KEY].session.close()
-        await the_store.close()
+        await self.store.close()
 
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-
-    async def chat(request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         return await request.app[FLOW_KEY].handle(request, "chat/completions")
 
-    async def completions(request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         return await request.app[FLOW_KEY].handle(request, "completions")
 
-    async def health(request: web.Request) -> web.Response:
+    async def health(self, request: web.Request) -> web.Response:
+        prefill, decode = self.prefill, self.decode
         try:
-            evicted = await the_store.sweep()
-            cached = await the_store.size()
+            evicted = await self.store.sweep()
+            cached = await self.store.size()
             store_ok = True
         except StoreError as exc:
             evicted, cached, store_ok = 0, 0, False
@@ -97,27 +100,28 @@ def build_app(settings: AppSettings, store: ConversationStore | None = None) -> 
             "status": status,
             "cached_conversations": cached,
             "evicted_stale": evicted,
-            "store": {"kind": the_store.kind, "ok": store_ok},
-            "prefill": [_node(n) for n in prefill.nodes],
-            "decode": [_node(n) for n in decode.nodes],
+            "store": {"kind": self.store.kind, "ok": store_ok},
+            "prefill": [_node(node) for node in prefill.nodes],
+            "decode": [_node(node) for node in decode.nodes],
         }
         return web.json_response(body, status=200 if p_ok and d_ok else 503)
 
-    async def metrics_route(request: web.Request) -> web.Response:
-        for pool in (prefill, decode):
-            for n in pool.nodes:
-                metrics.healthy.labels(pool.role, n.id).set(1 if n.healthy else 0)
-                metrics.inflight.labels(pool.role, n.id).set(n.inflight)
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        metrics = self.metrics
+        for pool in (self.prefill, self.decode):
+            for node in pool.nodes:
+                metrics.healthy.labels(pool.role, node.id).set(1 if node.healthy else 0)
+                metrics.inflight.labels(pool.role, node.id).set(node.inflight)
         try:
-            metrics.cached.set(await the_store.size())
+            metrics.cached.set(await self.store.size())
         except StoreError as exc:
             log.error("%s", exc)
         return web.Response(body=metrics.render(),
                             content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type": "version=0.0.4"})
 
-    async def models(request: web.Request) -> web.StreamResponse:
-        node = decode.pick() or prefill.pick()
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        node = self.decode.pick() or self.prefill.pick()
         if node is None:
             return error_response(503, "no healthy engine to list models", "ServiceUnavailable")
         flow = request.app[FLOW_KEY]
@@ -128,13 +132,7 @@ def build_app(settings: AppSettings, store: ConversationStore | None = None) -> 
         except (aiohttp.ClientError, OSError) as exc:
             return error_response(502, f"{node.id}: {exc}", "BadGateway")
 
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_route)
-    app.router.add_get("/v1/models", models)
-    return app
 
-
-def _node(n: Backend) -> dict[str, object]:
-    return {"node": n.id, "healthy": n.healthy, "inflight": n.inflight, "error": n.last_error}
+def _node(node: Upstream) -> dict[str, object]:
+    return {"node": node.id, "healthy": node.healthy, "inflight": node.inflight,
+            "error": node.last_error}

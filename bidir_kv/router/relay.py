@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -32,7 +33,7 @@ from bidir_kv.router.sse import (
     untracked_delta,
 )
 
-__all__ = ["StreamRelay", "synthesize_sse"]
+__all__ = ["RelayResult", "StreamRelay", "synthesize_sse"]
 
 _DONE = b"data: [DONE]\n\n"
 _PID = b'"prompt_token_ids"'
@@ -53,86 +54,120 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-class _TurnClock(Protocol):
-    upstream: float
+@dataclass(frozen=True, slots=True)
+class RelayResult:
+    """What D's answer told the router, as far as it has been relayed.
+
+    ``failure`` says why D's stream broke off; ``client_gone`` that the client
+    left first; ``terminal_params_key`` whether D's terminal chunk carried the
+    ``kv_transfer_params`` key at all (``None``: no terminal chunk seen).
+    ``upstream_seconds`` is the time spent waiting on D while pumping.
+    """
+
+    params: KVTransferParams | None
+    finish_reason: str | None
+    untracked: str | None
+    failure: str | None
+    terminal_params_key: bool | None
+    client_gone: bool
+    done: bool
+    collected_ids: bool
+    prompt_ids: list[int] | None
+    generated_ids: list[int] | None  # None: D sent no generated ids
+    upstream_seconds: float = 0.0
+
+    def tokens(self, prompt_ids: list[int] | None = None) -> list[int] | None:
+        """D's sequence (prompt + generated ids); ``prompt_ids`` stand in when D sent none."""
+        prompt = self.prompt_ids if self.prompt_ids is not None else prompt_ids
+        if prompt is None or self.generated_ids is None:
+            return None
+        return prompt + self.generated_ids
 
 
 class StreamRelay:
-    """Per-request relay state: what the terminal chunk said, token ids, failures."""
+    """Per-request relay state; :attr:`result` is what it has learnt so far."""
 
     def __init__(self, keep_params: bool, collect_ids: bool, strip_ids: bool) -> None:
         self.keep_params = keep_params
         self.collect_ids = collect_ids
         self.strip_ids = strip_ids
-        self.params: KVTransferParams | None = None
-        self.finish_reason: str | None = None
-        self.untracked: str | None = None
-        self.failure: str | None = None
-        self.bad_params: str | None = None
-        self.terminal_params_key: bool | None = None  # did the terminal chunk carry the key?
-        self.client_gone = False
-        self.done = False
-        self.events = 0
+        self._params: KVTransferParams | None = None
+        self._finish_reason: str | None = None
+        self._untracked: str | None = None
+        self._failure: str | None = None
+        self._terminal_params_key: bool | None = None
+        self._client_gone = False
+        self._done = False
+        self._upstream = 0.0
         self._prompt_ids: list[int] | None = None
         self._gen_ids: list[int] = []
         self._ids_seen = False
 
-    def tokens(self, prompt_ids: list[int] | None = None) -> list[int] | None:
-        """D's sequence (prompt + generated ids); ``prompt_ids`` stand in when D sent none."""
-        prompt = self._prompt_ids if self._prompt_ids is not None else prompt_ids
-        if prompt is None or not self._ids_seen:
-            return None
-        return prompt + self._gen_ids
+    @property
+    def result(self) -> RelayResult:
+        return RelayResult(
+            params=self._params,
+            finish_reason=self._finish_reason,
+            untracked=self._untracked,
+            failure=self._failure,
+            terminal_params_key=self._terminal_params_key,
+            client_gone=self._client_gone,
+            done=self._done,
+            collected_ids=self.collect_ids,
+            prompt_ids=None if self._prompt_ids is None else list(self._prompt_ids),
+            generated_ids=list(self._gen_ids) if self._ids_seen else None,
+            upstream_seconds=self._upstream,
+        )
 
     # ---- streaming ------------------------------------------------------------
 
-    async def pump(
-        self, resp: aiohttp.ClientResponse, out: web.StreamResponse, turn: _TurnClock
-    ) -> None:
+    async def pump(self, resp: aiohttp.ClientResponse, out: web.StreamResponse) -> RelayResult:
+        """Relay D's stream to the client until it ends, breaks or the client leaves."""
         buf = bytearray()
         try:
             while True:
                 t = time.perf_counter()
                 chunk = await resp.content.readany()
-                turn.upstream += time.perf_counter() - t
+                self._upstream += time.perf_counter() - t
                 if not chunk:
                     break
                 buf += chunk
                 data = self._drain(buf)
                 if data and not await self._write(out, data):
-                    return
+                    return self.result
             if buf.strip():
                 tail = self.process_event(bytes(buf), b"\n\n")
                 buf.clear()
                 if not await self._write(out, tail):
-                    return
-            if not self.done and self.finish_reason is None:
-                self.failure = "stream ended before the terminal chunk"
+                    return self.result
+            if not self._done and self._finish_reason is None:
+                self._failure = "stream ended before the terminal chunk"
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             name = exc.__class__.__name__
-            self.failure = f"{name}: {exc}" if str(exc) else name
-        if self.failure is not None:
-            err = {"error": {"message": f"decode node failed mid-stream: {self.failure}",
+            self._failure = f"{name}: {exc}" if str(exc) else name
+        if self._failure is not None:
+            err = {"error": {"message": f"decode node failed mid-stream: {self._failure}",
                              "type": "BadGateway", "code": 502}}
             await self._write(out, b"data: " + _dumps(err) + b"\n\n")
+        return self.result
 
     async def finish(self, out: web.StreamResponse) -> None:
         """Send the held-back ``[DONE]`` and end the response."""
-        if self.client_gone:
+        if self._client_gone:
             return
-        if self.done or self.failure is not None:
+        if self._done or self._failure is not None:
             await self._write(out, _DONE)
-        if not self.client_gone:
+        if not self._client_gone:
             try:
                 await out.write_eof()
             except (ConnectionError, OSError):
-                self.client_gone = True
+                self._client_gone = True
 
     async def _write(self, out: web.StreamResponse, data: bytes) -> bool:
         try:
             await out.write(data)
         except (ConnectionError, OSError):
-            self.client_gone = True
+            self._client_gone = True
             return False
         return True
 
@@ -153,14 +188,13 @@ class StreamRelay:
 
     def process_event(self, event: bytes, sep: bytes) -> bytes:
         """One SSE event (without separator) -> bytes for the client."""
-        self.events += 1
         if not event.startswith(b"data:"):
             return event + sep
         payload = event[5:].strip()
         if payload == b"[DONE]":
             # Held back: the flow stores D's params first, then ends the stream, so
             # a client that sends its next turn right after [DONE] finds the entry.
-            self.done = True
+            self._done = True
             return b""
         changed = False
         if self.collect_ids:
@@ -177,8 +211,8 @@ class StreamRelay:
                     self._ids_seen = True
                 changed |= new is not payload
                 payload = new
-        if self.untracked is None and _maybe_untracked(payload):
-            self.untracked = untracked_delta(payload)
+        if self._untracked is None and _maybe_untracked(payload):
+            self._untracked = untracked_delta(payload)
         n_params = payload.count(_PARAMS)
         n_null_params = payload.count(_NULL_PARAMS) if n_params else 0
         if (
@@ -208,18 +242,17 @@ class StreamRelay:
     def _terminal(self, payload: bytes) -> bytes | None:
         try:
             tc = scan_terminal_chunk(payload)
-        except ProtocolError as exc:
-            self.bad_params = str(exc)
+        except ProtocolError:
             return None if self.keep_params else self._strip_by_json(payload)
         if tc is None:
             if not self.keep_params and _PARAMS in payload:
                 return self._strip_by_json(payload)
             return None
         if tc.finish_reason:
-            self.finish_reason = tc.finish_reason
-            self.terminal_params_key = "kv_transfer_params" in tc.body
+            self._finish_reason = tc.finish_reason
+            self._terminal_params_key = "kv_transfer_params" in tc.body
         if tc.params is not None:
-            self.params = tc.params
+            self._params = tc.params
         if self.keep_params:
             return None
         return _dumps(tc.without_params())
@@ -238,13 +271,16 @@ class StreamRelay:
     # ---- non-streaming ----------------------------------------------------------
 
     def digest_response(self, payload: Any) -> dict[str, Any]:
-        """Capture params/ids/deltas from a non-streaming answer; return the client body."""
+        """Capture params/ids/deltas from a non-streaming answer; return the client body.
+
+        What was captured is then in :attr:`result`.
+        """
         if not isinstance(payload, dict):
             raise TypeError("decode answer is not a JSON object")
-        self.params = params_from_response(payload)
+        self._params = params_from_response(payload)
         choices = [c for c in (payload.get("choices") or []) if isinstance(c, dict)]
         first = choices[0] if choices else {}
-        self.finish_reason = first.get("finish_reason")
+        self._finish_reason = first.get("finish_reason")
         if self.collect_ids:
             prompt_ids = payload.get("prompt_token_ids") or first.get("prompt_token_ids")
             gen_ids = first.get("token_ids")
@@ -256,9 +292,9 @@ class StreamRelay:
         if isinstance(message, dict):
             for key in UNTRACKED_DELTA_KEYS:
                 if message.get(key):
-                    self.untracked = key
+                    self._untracked = key
                     break
-        self.done = True
+        self._done = True
         body = dict(payload)
         if not self.keep_params:
             body.pop("kv_transfer_params", None)

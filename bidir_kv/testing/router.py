@@ -12,7 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,9 @@ import pytest
 from aiohttp import web
 
 from bidir_kv.config import KVTransferConfig
-from bidir_kv.router.app import FLOW_KEY, AppSettings, build_app
-from bidir_kv.router.flow import RouterConfig, RouterFlow
+from bidir_kv.router.app import FLOW_KEY, build_app
+from bidir_kv.router.flow import RouterFlow
+from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore
 from bidir_kv.router.stub_engine import StubEngine
 from bidir_kv.topology.base import BackendUnavailable
@@ -57,7 +58,7 @@ class StubStack:
 
     num_prefill: int = 1
     num_decode: int = 1
-    config: RouterConfig = field(default_factory=RouterConfig)
+    config: RouterSettings = field(default_factory=RouterSettings)
     store: ConversationStore | None = None
     health_interval: float = 0.0
     prefill: list[StubEngine] = field(default_factory=list)
@@ -94,13 +95,13 @@ class StubStack:
                 self.decode.append(eng)
                 self.decode_ports.append(port)
                 self._runners.append(runner)
-            settings = AppSettings(
+            settings = replace(
+                self.config,
                 prefill_hosts=("127.0.0.1",) * self.num_prefill,
                 prefill_ports=tuple(self.prefill_ports),
                 decode_hosts=("127.0.0.1",) * self.num_decode,
                 decode_ports=tuple(self.decode_ports),
                 health_interval=self.health_interval,
-                router=self.config,
             )
             self.app = build_app(settings, store=self.store)
             runner, port = await _serve(self.app)

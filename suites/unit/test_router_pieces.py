@@ -7,7 +7,9 @@ import json
 
 import pytest
 
+from bidir_kv.policy import cache_ttl_within_retention, entry_is_stale
 from bidir_kv.protocol import KVTransferParams, ProtocolError
+from bidir_kv.router.failures import Cause, Leg, UpstreamFailure, failure_label
 from bidir_kv.router.guard import judge_continuation, release_params
 from bidir_kv.router.identity import ANONYMOUS_TENANT, IdentityError, conversation_key
 from bidir_kv.router.relay import StreamRelay, synthesize_sse
@@ -116,8 +118,9 @@ def test_relay_captures_terminal_params_and_strips_them() -> None:
     assert b"kv_transfer_params" not in out1 + out2
     assert b"token_ids" not in out1 + out2
     assert json.loads(out2[6:])["choices"][0]["finish_reason"] == "length"
-    assert relay.params is not None and relay.params.remote_request_id == "cmpl-d-1"
-    assert relay.tokens() == [1, 2, 3, 97, 98] and relay.done and relay.untracked is None
+    result = relay.result
+    assert result.params is not None and result.params.remote_request_id == "cmpl-d-1"
+    assert result.tokens() == [1, 2, 3, 97, 98] and result.done and result.untracked is None
 
 
 def test_relay_forwards_plain_chunks_byte_for_byte() -> None:
@@ -132,7 +135,7 @@ def test_relay_keep_params_leaves_terminal_chunk() -> None:
     last = _chunk({"choices": [{"delta": {}, "finish_reason": "stop"}],
                    "kv_transfer_params": D_PARAMS})
     assert relay.process_event(last, b"\n\n") == last + b"\n\n"
-    assert relay.params is not None
+    assert relay.result.params is not None
 
 
 def test_synthesize_sse_chat_with_usage() -> None:
@@ -240,9 +243,27 @@ def test_relay_handles_non_compact_json_too() -> None:
                                    "kv_transfer_params": D_PARAMS}).encode()
     out = relay.process_event(plain, b"\n\n") + relay.process_event(last, b"\n\n")
     assert b"kv_transfer_params" not in out and b"token_ids" not in out
-    assert relay.params is not None and relay.finish_reason == "stop"
-    assert relay.tokens() == [1, 2, 97, 98]
+    result = relay.result
+    assert result.params is not None and result.finish_reason == "stop"
+    assert result.tokens() == [1, 2, 97, 98]
     assert [json.loads(e[6:]) for e in out.split(b"\n\n") if e] == [
         {"choices": [{"delta": {"content": "a"}, "finish_reason": None}]},
         {"choices": [{"delta": {}, "finish_reason": "stop"}]},
     ]
+
+
+def test_staleness_rule_fresh_at_the_ttl_stale_after_and_below_d_retention() -> None:
+    assert not entry_is_stale(created=100.0, now=110.0, ttl=10.0)  # exactly ttl old: fresh
+    assert entry_is_stale(created=100.0, now=110.5, ttl=10.0)
+    assert not entry_is_stale(created=120.0, now=110.0, ttl=10.0)  # clock stepped back
+    assert cache_ttl_within_retention(450.0, 480.0)
+    assert not cache_ttl_within_retention(480.0, 480.0)
+
+
+def test_leg_failure_labels_are_the_metric_strings() -> None:
+    assert failure_label(Leg.PREFILL, Cause.TIMEOUT) == "prefill_timeout"
+    assert failure_label(Leg.PREFILL, Cause.BAD_RESPONSE) == "prefill_bad_response"
+    assert failure_label(Leg.DECODE, Cause.UNREACHABLE) == "decode_unreachable"
+    assert failure_label(Leg.DECODE, Cause.MID_STREAM) == "decode_mid_stream"
+    assert UpstreamFailure(Cause.UNREACHABLE, "x").unreachable
+    assert not UpstreamFailure(Cause.TIMEOUT, "x").unreachable

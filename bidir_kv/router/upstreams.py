@@ -1,4 +1,4 @@
-"""Prefill and decode pools: health, load, and sticky choice.
+"""The engines a router forwards to (its upstreams): health, load, and sticky choice.
 
 The upstream proxy round-robins D per request, so a turn usually lands on a D
 without the conversation's prefix and the whole history crosses the network a
@@ -19,14 +19,14 @@ from typing import Literal
 
 import aiohttp
 
-__all__ = ["Backend", "HealthChecker", "Pool"]
+__all__ = ["HealthChecker", "Role", "Upstream", "UpstreamPool"]
 
 log = logging.getLogger("bidir_kv.router")
 Role = Literal["prefill", "decode"]
 
 
 @dataclass(eq=False)
-class Backend:
+class Upstream:
     """One engine; ``host`` is what the router rewrites ``remote_host`` to."""
 
     role: Role
@@ -58,8 +58,8 @@ class Backend:
         self.last_error = None if healthy else error
 
 
-class Pool:
-    """The nodes of one role."""
+class UpstreamPool:
+    """The upstream engines of one role."""
 
     def __init__(self, role: Role, hosts: Sequence[str], ports: Sequence[int]) -> None:
         if len(hosts) != len(ports):
@@ -69,30 +69,38 @@ class Pool:
         if not hosts:
             raise ValueError(f"{role}: at least one node is required")
         self.role: Role = role
-        self.nodes = [Backend(role, h, int(p)) for h, p in zip(hosts, ports, strict=True)]
-        self._by_id = {b.id: b for b in self.nodes}
+        self.nodes = [
+            Upstream(role, host, int(port)) for host, port in zip(hosts, ports, strict=True)
+        ]
+        self._by_id = {node.id: node for node in self.nodes}
         self._rr = itertools.count()
 
-    def get(self, backend_id: str | None) -> Backend | None:
-        return None if backend_id is None else self._by_id.get(backend_id)
+    def get(self, upstream_id: str | None) -> Upstream | None:
+        return None if upstream_id is None else self._by_id.get(upstream_id)
 
-    def healthy(self) -> list[Backend]:
-        return [b for b in self.nodes if b.healthy]
+    def healthy(self) -> list[Upstream]:
+        return [node for node in self.nodes if node.healthy]
 
-    def pick(self, preferred: str | None = None, exclude: Backend | None = None) -> Backend | None:
+    def pick(
+        self, preferred: str | None = None, exclude: Upstream | None = None
+    ) -> Upstream | None:
         """The preferred node if healthy, else the least-loaded healthy one (ties rotate)."""
         pref = self.get(preferred)
         if pref is not None and pref.healthy and pref is not exclude:
             return pref
-        candidates = [b for b in self.nodes if b.healthy and b is not exclude]
+        candidates = [node for node in self.nodes if node.healthy and node is not exclude]
         if not candidates:
             return None
-        low = min(b.inflight for b in candidates)
-        tied = [b for b in candidates if b.inflight == low]
+        low = min(node.inflight for node in candidates)
+        tied = [node for node in candidates if node.inflight == low]
         return tied[next(self._rr) % len(tied)]
 
     def down_description(self) -> str:
-        parts = [f"{b.id} ({b.last_error or 'unhealthy'})" for b in self.nodes if not b.healthy]
+        parts = [
+            f"{node.id} ({node.last_error or 'unhealthy'})"
+            for node in self.nodes
+            if not node.healthy
+        ]
         return ", ".join(parts) or "none"
 
 
@@ -103,7 +111,7 @@ class HealthChecker:
 
     def __init__(
         self,
-        pools: Sequence[Pool],
+        pools: Sequence[UpstreamPool],
         session: aiohttp.ClientSession,
         interval: float,
         timeout: float = 5.0,
@@ -115,7 +123,7 @@ class HealthChecker:
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0
 
-    async def check(self, node: Backend) -> None:
+    async def check(self, node: Upstream) -> None:
         """One probe. A refused connection marks the node down at once; a slow or
         failing answer only after ``SLOW_STRIKES`` probes in a row (a busy engine is
         not a dead one)."""
@@ -138,7 +146,7 @@ class HealthChecker:
             node.mark(False, problem)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(n) for p in self.pools for n in p.nodes))
+        await asyncio.gather(*(self.check(node) for pool in self.pools for node in pool.nodes))
         self.rounds += 1
 
     async def _loop(self) -> None:

