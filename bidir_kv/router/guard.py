@@ -1,6 +1,6 @@
 """Continuation guard: reuse D's KV only for a prompt that provably continues it.
 
-vLLM pairs blocks by suffix trimming and compares no tokens (spec §6), so the
+vLLM pairs blocks by suffix trimming and compares no tokens (docs/protocol.md §6), so the
 router checks: P's tokenization of the new prompt must start with the first
 ``remote_num_tokens`` tokens of D's sequence (prompt + generated ids of the last
 turn). When it does not, and the block size is known, the hit is cut down to the

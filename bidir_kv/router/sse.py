@@ -1,9 +1,11 @@
 """Byte-level helpers for the streaming hot path.
 
-The relay must not decode every chunk (design invariant 6): these functions work
-on the raw ``data:`` payload with ``bytes.find``. Inside a JSON string every
-``"`` is escaped, so an unescaped ``"key":`` can only be an object key; that is
-what makes the byte tests exact for valid JSON.
+The relay decodes JSON only for the terminal chunk (an invariant in
+docs/architecture.md: per-chunk decoding would dominate the router's own
+latency), so these functions work on the raw ``data:`` payload with
+``bytes.find``. Inside a JSON string every ``"`` is escaped, so an unescaped
+``"key":`` can only be an object key; that is what makes the byte tests exact
+for valid JSON.
 """
 
 from __future__ import annotations

