@@ -134,6 +134,20 @@ def test_chat_template_equals_transformers(
     )
 
 
+@given(data=st.data())
+@settings(max_examples=100)
+def test_word_ids_concatenate_to_text_that_re_encodes_exactly(
+    tok: HFTokenizer, data: st.DataObject
+) -> None:
+    words = tok.word_ids()
+    assert len(words) > 400 and {tok.bos_token_id, tok.eos_token_id}.isdisjoint(words)
+    ids = data.draw(st.lists(st.sampled_from(words), min_size=1, max_size=80))
+    text = tok.decode(ids)
+    assert tok.encode(text, add_special_tokens=False) == ids
+    prompt = tok.encode(tok.render_chat([{"role": "assistant", "content": text}], False))
+    assert ids == prompt[-len(ids) - 2 : -2]  # before "<|im_end|>\n"
+
+
 def test_chat_template_shape(tok: HFTokenizer) -> None:
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert tok.render_chat(msgs) == (
