@@ -42,6 +42,20 @@ provision: venv
 conformance-env: venv
 	bash ci/conformance-env.sh
 
+# The tiny Hugging Face tokenizer shared by the emulator and the tiny vLLM model
+# (tokenizers only, no torch); rebuilt when its recipe changes. Same cache as
+# ci/conformance-env.sh; BIDIR_KV_TINY_TOKENIZER overrides the directory.
+.PHONY: tokenizer
+TINY_TOKENIZER := $(or $(BIDIR_KV_TINY_TOKENIZER),$(or $(BIDIR_KV_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/bidir-kv)/tiny-tokenizer)
+
+tokenizer: $(TINY_TOKENIZER)/tokenizer.json
+
+$(TINY_TOKENIZER)/tokenizer.json: fixtures/tiny_model.py $(STAMP)
+	@tmp="$(TINY_TOKENIZER).tmp.$$$$"; rm -rf "$$tmp" && \
+	  $(PY) fixtures/tiny_model.py --tokenizer-only --out "$$tmp" && \
+	  rm -rf "$(TINY_TOKENIZER)" && mv "$$tmp" "$(TINY_TOKENIZER)"
+	@echo "tiny tokenizer: $(TINY_TOKENIZER)"
+
 unit: venv
 	bash ci/pytest.sh -m unit $(PYTEST_ARGS)
 
