@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.bench.args import distribution, float_list, int_list
+from bidir_kv.bench.calibrate import calibrate
 from bidir_kv.bench.distributions import Distribution, DistributionError
 from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
 from bidir_kv.bench.plan import (
@@ -29,7 +30,7 @@ from bidir_kv.bench.plan import (
     ttft_rows,
     ttl_rows,
 )
-from bidir_kv.bench.results import ResultError
+from bidir_kv.bench.results import ResultError, load_result
 
 __all__ = ["build_parser", "main", "run_plan"]
 
@@ -152,9 +153,6 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
         )
         return CostModel.from_hardware(shape, hw)
     if args.calibration is not None:
-        from bidir_kv.bench.calibrate import calibrate
-        from bidir_kv.bench.results import load_result
-
         cost = calibrate(load_result(args.calibration), args.kv_bytes_per_token)
         if args.pull_overhead_us is not None:
             cost = CostModel(
@@ -183,7 +181,14 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     cost = _cost_model(args)
     threshold, t_why = recommend_threshold(cost, args.block_size)
     used = args.threshold if args.threshold is not None else (threshold or 2**31 - 1)
-    ttft = ttft_rows(cost, args.prompt_lengths, args.new_tokens, used, args.fixed_ms * 1e3)
+    ttft = ttft_rows(
+        cost,
+        args.prompt_lengths,
+        args.new_tokens,
+        used,
+        args.fixed_ms * 1e3,
+        block_size=args.block_size,
+    )
     work = Workload(
         conversations_per_s=args.conversation_rate,
         turns=args.turns,
