@@ -33,6 +33,7 @@ from bidir_kv.policy import (
 )
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
     "ROUTER_CACHE_TTL_S",
     "CostModel",
     "Hardware",
@@ -47,6 +48,7 @@ __all__ = [
     "ttl_rows",
 ]
 
+DEFAULT_BLOCK_SIZE = 16  # TODO(engine-settings): vLLM's --block-size, the engine's default
 ROUTER_CACHE_TTL_S = 450.0  # TODO(router-settings): the router's (and upstream proxy's) default
 
 
@@ -170,7 +172,9 @@ def break_even_tokens(cost: CostModel, context_tokens: float = 0.0) -> float:
     return (disc - lin) / (2 * q)
 
 
-def recommend_threshold(cost: CostModel, block_size: int = 16) -> tuple[int | None, str]:
+def recommend_threshold(
+    cost: CostModel, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[int | None, str]:
     """A ``kv_recompute_threshold`` and the reasoning. ``None`` = leave the feature off."""
     n = break_even_tokens(cost)
     if math.isinf(n):
@@ -209,7 +213,7 @@ def ttft_rows(
     new_tokens: int,
     threshold: int,
     fixed_us: float = 0.0,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> list[TtftRow]:
     """Predicted TTFT per prompt length with P's prefix cache off (the blog's setting).
 

@@ -20,6 +20,7 @@ from bidir_kv.bench.calibrate import calibrate
 from bidir_kv.bench.distributions import Distribution, DistributionError
 from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
 from bidir_kv.bench.plan import (
+    DEFAULT_BLOCK_SIZE,
     CostModel,
     Hardware,
     PlanError,
@@ -36,17 +37,28 @@ __all__ = ["build_parser", "main", "run_plan"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    hw = Hardware()
     ap = argparse.ArgumentParser(
         prog="bidir-kv plan",
         description="Plan kv_recompute_threshold and decoder_kv_blocks_ttl for a model/network.",
     )
+    _cost_source_args(ap)
+    _hardware_args(ap)
+    _workload_args(ap)
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def _cost_source_args(ap: argparse.ArgumentParser) -> None:
     src = ap.add_argument_group("cost model (one of)")
     src.add_argument("--config", type=Path, help="Hugging Face config.json of the model")
     src.add_argument("--calibration", type=Path, metavar="DIR", help="a bench result directory")
     src.add_argument("--recompute-us-per-token", type=float, help="explicit recompute cost")
     src.add_argument("--xfer-us-per-token", type=float, help="explicit pull cost per token")
     src.add_argument("--kv-bytes-per-token", type=float, help="KV bytes per token (whole TP group)")
+
+
+def _hardware_args(ap: argparse.ArgumentParser) -> None:
+    hw = Hardware()
     h = ap.add_argument_group("hardware (with --config)")
     h.add_argument("--tp", type=int, default=hw.gpus, help="tensor-parallel size (default 8)")
     h.add_argument(
@@ -71,8 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         "with --calibration: the fitted value)",
     )
     h.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the config's)")
+
+
+def _workload_args(ap: argparse.ArgumentParser) -> None:
     w = ap.add_argument_group("workload")
-    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     w.add_argument(
         "--prompt-lengths", type=int_list, default=[2000, 4000, 8000, 12000, 16000, 20000, 24000]
     )
@@ -123,8 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="KV memory one D instance may spend on retained blocks",
     )
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return ap
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
