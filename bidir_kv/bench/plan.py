@@ -273,7 +273,7 @@ class Workload:
             raise PlanError("turns must be >= 1")
 
     def held_tokens(self, turn: int) -> int:
-        """Tokens D retains after 1-based ``turn``: prompt + answer − 1 (protocol.md §3.6)."""
+        """Tokens D retains after 1-based ``turn``: prompt + answer − 1 (docs/protocol.md §3.6)."""
         return self.first_prompt_tokens + (turn - 1) * self.tokens_per_turn + self.output_tokens - 1
 
 

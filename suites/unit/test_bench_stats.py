@@ -16,7 +16,7 @@ from bidir_kv.bench.stats import (
     write_records,
 )
 
-# benchmarks/multi_turn/benchmark_serving_multi_turn.py --stats-json-output (protocol.md §10.3)
+# the fields of vLLM's multi-turn benchmark --stats-json-output, in order (docs/protocol.md §10.3)
 UPSTREAM = [
     "ttft_ms", "tpot_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
     "output_num_tokens", "output_num_chunks", "output_num_first_chunk_tokens",
