@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bidir_kv.bench.plan import CostModel, PlanError
-from bidir_kv.bench.report import build_report
 from bidir_kv.bench.results import LegPoint, ResultDir
+from bidir_kv.bench.summary import summarize_result
 
 __all__ = ["calibrate", "linear_fit"]
 
@@ -35,7 +35,7 @@ def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 
 
 def calibrate(result: ResultDir, kv_bytes_per_token: float | None = None) -> CostModel:
-    rows = build_report(result, min_turn=1).rows
+    rows = summarize_result(result, min_turn=1).rows
     # points with failed requests are left out: their timings are not the engine's
     off = [r for r in rows if r.leg == "off" and r.prefill_ms and r.prefill_count and not r.errors]
     on = [r for r in rows if r.leg == "on" and r.xfer_count and r.tokens_external and not r.errors]

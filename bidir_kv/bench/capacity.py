@@ -13,15 +13,17 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from bidir_kv.bench.client import build_chat_body, stream_chat
 from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 
-__all__ = ["Capacity", "measure_capacity", "serve_trivial"]
+__all__ = ["Capacity", "client_capacity", "measure_capacity", "serve_trivial"]
 
 
 @dataclass
@@ -114,6 +116,28 @@ def measure_capacity(
         return asyncio.run(_drive(f"http://127.0.0.1:{port}", clients, requests, chunks))
     finally:
         proc.stop()
+
+
+def client_capacity(manifest: Mapping[str, Any], clients: int, out: Path) -> dict[str, Any]:
+    """Measured capacity next to the highest rates the manifest's runs needed, and the margin."""
+    cap = measure_capacity(clients=max(2, clients), log_dir=out / "logs")
+    need_rps = 0.0
+    need_cps = 0.0
+    for runs in manifest.get("runs", {}).values():
+        for run in runs.values():
+            if run["duration_s"] > 0:
+                need_rps = max(need_rps, run["requests"] / run["duration_s"])
+                need_cps = max(need_cps, run["chunks"] / run["duration_s"])
+    margin = min(
+        cap.requests_per_s / need_rps if need_rps else float("inf"),
+        cap.chunks_per_s / need_cps if need_cps else float("inf"),
+    )
+    return {
+        **cap.to_dict(),
+        "needed_requests_per_s": need_rps,
+        "needed_chunks_per_s": need_cps,
+        "margin": margin,
+    }
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import aiohttp
 
 from bidir_kv.protocol import iter_sse_data
 
-__all__ = ["ChatResult", "build_chat_body", "stream_chat", "tokenize_count"]
+__all__ = ["ChatResult", "build_chat_body", "stream_chat"]
 
 
 @dataclass
@@ -151,21 +151,3 @@ def _consume(res: ChatResult, parts: list[str], data: bytes) -> None:
         res.ttft_s = now - res.start
         ids = choice.get("token_ids")
         res.first_chunk_tokens = len(ids) if isinstance(ids, list) and ids else 1
-
-
-async def tokenize_count(session: aiohttp.ClientSession, url: str, model: str, text: str) -> int:
-    """Content tokens of ``text`` by the server's ``/tokenize`` (no special tokens)."""
-    async with session.post(
-        url.rstrip("/") + "/tokenize",
-        json={"model": model, "prompt": text, "add_special_tokens": False},
-    ) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"/tokenize at {url} answered HTTP {resp.status}")
-        obj = await resp.json()
-    count = obj.get("count")
-    if not isinstance(count, int):
-        tokens = obj.get("tokens")
-        if not isinstance(tokens, list):
-            raise RuntimeError(f"/tokenize at {url} returned neither count nor tokens")
-        count = len(tokens)
-    return count

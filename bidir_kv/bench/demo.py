@@ -44,7 +44,7 @@ def scaled_profile(name: str, scale: float, out_dir: Path) -> Path:
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="bidir-kv demo",
         description="Emulated 1P1D + router, OFF/ON multi-turn TTFT sweep, report and plots.",
@@ -71,6 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the 2 cores of a small machine)",
     )
     ap.add_argument("-o", "--out", type=Path, default=Path("out/demo"))
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.time_scale <= 0:
         ap.error("--time-scale must be > 0")
@@ -88,32 +93,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.num_turns} turns, {args.num_clients} clients",
         flush=True,
     )
-    rc = bench_cli.main(
-        [
-            "--topology", "emulator",
-            "--profile", str(profile_path),
-            "--prefix-tokens", args.prefix_tokens,
-            "--num-conversations", str(args.num_conversations),
-            "--num-turns", str(args.num_turns),
-            "--input-tokens", "150",
-            "--output-tokens", str(args.output_tokens),
-            "--num-clients", str(args.num_clients),
-            "--max-active-conversations", str(args.num_conversations),
-            "--transport", args.transport,
-            "-o", str(args.out),
-        ]
-    )  # fmt: skip
+    rc = bench_cli.main(_sweep_argv(args, profile_path))
     if rc != 0:
         print(
             f"bidir-kv demo: the sweep did not complete (exit {rc}); partial results in {args.out}",
             file=sys.stderr,
         )
         return rc
-    report, table = render_dir(args.out)
+    _print_outcome(args.out)
+    print(f"done in {time.monotonic() - t0:.0f} s; every process stopped")
+    return 0
+
+
+def _sweep_argv(args: argparse.Namespace, profile_path: Path) -> list[str]:
+    """The ``bidir-kv bench`` arguments of the demo's sweep."""
+    return [
+        "--topology", "emulator",
+        "--profile", str(profile_path),
+        "--prefix-tokens", args.prefix_tokens,
+        "--num-conversations", str(args.num_conversations),
+        "--num-turns", str(args.num_turns),
+        "--input-tokens", "150",
+        "--output-tokens", str(args.output_tokens),
+        "--num-clients", str(args.num_clients),
+        "--max-active-conversations", str(args.num_conversations),
+        "--transport", args.transport,
+        "-o", str(args.out),
+    ]  # fmt: skip
+
+
+def _print_outcome(out: Path) -> None:
+    """Render the report and print the table, the client's margin and where files are."""
+    report, table = render_dir(out)
     print()
     print("TTFT median, turns >= 2 (OFF = recompute on P, ON = P pulls D's KV):")
     print(table)
-    manifest = json.loads((args.out / "manifest.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
     cap = manifest.get("client_capacity") or {}
     if cap:
         print(
@@ -123,6 +138,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"chunks/s needed ({cap['margin']:.0f}× margin)"
         )
     print(f"report: {report}")
-    print(f"plots:  {args.out / 'ttft.png'}  {args.out / 'prefill.png'}")
-    print(f"done in {time.monotonic() - t0:.0f} s; every process stopped")
-    return 0
+    print(f"plots:  {out / 'ttft.png'}  {out / 'prefill.png'}")

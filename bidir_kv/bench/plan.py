@@ -23,10 +23,18 @@ from typing import Any
 
 from bidir_kv.bench.distributions import Distribution
 from bidir_kv.bench.modelcfg import ModelShape
-from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
+from bidir_kv.policy import (
+    DEFAULT_DECODER_KV_BLOCKS_TTL,
+    DEFAULT_RECOMPUTE_THRESHOLD,
+    EXPIRY_SAFETY_MARGIN,
+    blocks_for_tokens,
+    pull_decision,
+    read_window,
+)
 
 __all__ = [
-    "DECLINE_MARGIN_S",
+    "DEFAULT_BLOCK_SIZE",
+    "ROUTER_CACHE_TTL_S",
     "CostModel",
     "Hardware",
     "PlanError",
@@ -40,7 +48,8 @@ __all__ = [
     "ttl_rows",
 ]
 
-DECLINE_MARGIN_S = 5.0  # P declines a read when now + 5 s >= D's deadline (vLLM PR #47021)
+DEFAULT_BLOCK_SIZE = 16  # TODO(engine-settings): vLLM's --block-size, the engine's default
+ROUTER_CACHE_TTL_S = 450.0  # TODO(router-settings): the router's (and upstream proxy's) default
 
 
 class PlanError(ValueError):
@@ -163,7 +172,9 @@ def break_even_tokens(cost: CostModel, context_tokens: float = 0.0) -> float:
     return (disc - lin) / (2 * q)
 
 
-def recommend_threshold(cost: CostModel, block_size: int = 16) -> tuple[int | None, str]:
+def recommend_threshold(
+    cost: CostModel, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[int | None, str]:
     """A ``kv_recompute_threshold`` and the reasoning. ``None`` = leave the feature off."""
     n = break_even_tokens(cost)
     if math.isinf(n):
@@ -173,7 +184,7 @@ def recommend_threshold(cost: CostModel, block_size: int = 16) -> tuple[int | No
             "bidirectional_kv_xfer off, or raise network efficiency"
         )
     exact = max(1, math.ceil(n))
-    rounded = -(-exact // block_size) * block_size
+    rounded = blocks_for_tokens(exact, block_size) * block_size
     why = (
         f"pull pays from {n:.1f} tokens: a pull costs {cost.pull_overhead_us:.0f} µs fixed + "
         f"{cost.xfer_us_per_token:.3f} µs/token, recompute costs "
@@ -202,12 +213,14 @@ def ttft_rows(
     new_tokens: int,
     threshold: int,
     fixed_us: float = 0.0,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> list[TtftRow]:
     """Predicted TTFT per prompt length with P's prefix cache off (the blog's setting).
 
-    OFF recomputes the whole prompt; ON pulls the history (if it clears the
-    threshold) and computes the ``new_tokens`` tail. ``fixed_us`` (D's tail read
-    and first decode step, HTTP) is added to both.
+    OFF recomputes the whole prompt; ON asks :func:`~bidir_kv.policy.pull_decision`
+    whether P pulls the history (D holds all but the ``new_tokens`` tail; P's own
+    hit is 0) and computes the rest. ``fixed_us`` (D's tail read and first decode
+    step, HTTP) is added to both.
     """
     rows = []
     for length in prompt_lengths:
@@ -215,9 +228,17 @@ def ttft_rows(
             raise PlanError(f"prompt length must be > 0, got {length}")
         history = max(0, length - new_tokens)
         off = cost.recompute_us(length) + fixed_us
-        pulls = history > 0 and history >= threshold
+        decision = pull_decision(
+            prompt_tokens=length,
+            local_hit_tokens=0,
+            remote_num_tokens=history,
+            block_size=block_size,
+            threshold=threshold,
+        )
+        pulls = decision.pull
         if pulls:
-            on = cost.pull_us(history) + cost.recompute_us(length - history, history) + fixed_us
+            pulled = decision.tokens
+            on = cost.pull_us(pulled) + cost.recompute_us(length - pulled, pulled) + fixed_us
         else:
             on = off
         rows.append(
@@ -252,7 +273,7 @@ class Workload:
             raise PlanError("turns must be >= 1")
 
     def held_tokens(self, turn: int) -> int:
-        """Tokens D retains after 1-based ``turn``: prompt + answer − 1 (protocol.md §3.6)."""
+        """Tokens D retains after 1-based ``turn``: prompt + answer − 1 (docs/protocol.md §3.6)."""
         return self.first_prompt_tokens + (turn - 1) * self.tokens_per_turn + self.output_tokens - 1
 
 
@@ -270,7 +291,7 @@ def ttl_rows(cost: CostModel, work: Workload, ttls: Sequence[float], gpus: int =
     for ttl in ttls:
         if ttl <= 0:
             raise PlanError(f"TTL must be > 0, got {ttl}")
-        usable = max(0.0, ttl - DECLINE_MARGIN_S)
+        usable = read_window(ttl)
         miss = 1.0 - work.gap.cdf(usable) if work.turns > 1 else 0.0
         mean_hold = work.gap.mean_truncated(ttl)
         tokens_s = sum(work.held_tokens(t) for t in range(1, work.turns)) * mean_hold
@@ -306,9 +327,10 @@ def recommend_ttl(
         best = ordered[0]
         why = "even the smallest TTL exceeds the KV memory budget; add D capacity"
     why += (
-        f". Keep the router's cache TTL below it (the upstream proxy uses 450 s under "
+        f". Keep the router's cache TTL below it (the upstream proxy uses "
+        f"{ROUTER_CACHE_TTL_S:g} s under "
         f"vLLM's default {DEFAULT_DECODER_KV_BLOCKS_TTL:g} s) and remember P declines reads "
-        f"within {DECLINE_MARGIN_S:g} s of expiry"
+        f"within {EXPIRY_SAFETY_MARGIN:g} s of expiry"
     )
     return best, why
 

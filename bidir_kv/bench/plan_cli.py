@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.bench.args import distribution, float_list, int_list
+from bidir_kv.bench.calibrate import calibrate
 from bidir_kv.bench.distributions import Distribution, DistributionError
 from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
 from bidir_kv.bench.plan import (
+    DEFAULT_BLOCK_SIZE,
     CostModel,
     Hardware,
     PlanError,
@@ -29,23 +31,34 @@ from bidir_kv.bench.plan import (
     ttft_rows,
     ttl_rows,
 )
-from bidir_kv.bench.results import ResultError
+from bidir_kv.bench.results import ResultError, load_result
 
 __all__ = ["build_parser", "main", "run_plan"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    hw = Hardware()
     ap = argparse.ArgumentParser(
         prog="bidir-kv plan",
         description="Plan kv_recompute_threshold and decoder_kv_blocks_ttl for a model/network.",
     )
+    _cost_source_args(ap)
+    _hardware_args(ap)
+    _workload_args(ap)
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def _cost_source_args(ap: argparse.ArgumentParser) -> None:
     src = ap.add_argument_group("cost model (one of)")
     src.add_argument("--config", type=Path, help="Hugging Face config.json of the model")
     src.add_argument("--calibration", type=Path, metavar="DIR", help="a bench result directory")
     src.add_argument("--recompute-us-per-token", type=float, help="explicit recompute cost")
     src.add_argument("--xfer-us-per-token", type=float, help="explicit pull cost per token")
     src.add_argument("--kv-bytes-per-token", type=float, help="KV bytes per token (whole TP group)")
+
+
+def _hardware_args(ap: argparse.ArgumentParser) -> None:
+    hw = Hardware()
     h = ap.add_argument_group("hardware (with --config)")
     h.add_argument("--tp", type=int, default=hw.gpus, help="tensor-parallel size (default 8)")
     h.add_argument(
@@ -70,8 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         "with --calibration: the fitted value)",
     )
     h.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the config's)")
+
+
+def _workload_args(ap: argparse.ArgumentParser) -> None:
     w = ap.add_argument_group("workload")
-    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     w.add_argument(
         "--prompt-lengths", type=int_list, default=[2000, 4000, 8000, 12000, 16000, 20000, 24000]
     )
@@ -122,8 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="KV memory one D instance may spend on retained blocks",
     )
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return ap
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
@@ -152,9 +166,6 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
         )
         return CostModel.from_hardware(shape, hw)
     if args.calibration is not None:
-        from bidir_kv.bench.calibrate import calibrate
-        from bidir_kv.bench.results import load_result
-
         cost = calibrate(load_result(args.calibration), args.kv_bytes_per_token)
         if args.pull_overhead_us is not None:
             cost = CostModel(
@@ -183,7 +194,14 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     cost = _cost_model(args)
     threshold, t_why = recommend_threshold(cost, args.block_size)
     used = args.threshold if args.threshold is not None else (threshold or 2**31 - 1)
-    ttft = ttft_rows(cost, args.prompt_lengths, args.new_tokens, used, args.fixed_ms * 1e3)
+    ttft = ttft_rows(
+        cost,
+        args.prompt_lengths,
+        args.new_tokens,
+        used,
+        args.fixed_ms * 1e3,
+        block_size=args.block_size,
+    )
     work = Workload(
         conversations_per_s=args.conversation_rate,
         turns=args.turns,

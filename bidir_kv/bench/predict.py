@@ -13,10 +13,15 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from bidir_kv.bench.calibrate import calibrate
 from bidir_kv.bench.plan import CostModel, PlanError, break_even_tokens
-from bidir_kv.bench.report import Report
+from bidir_kv.bench.stats import RequestRecord
+from bidir_kv.bench.summary import Summary, ratio_rows
+from bidir_kv.bench.topo import LegSetup
+from bidir_kv.engine.profiles import ProfileError, load_profile
+from bidir_kv.policy import pull_decision
 
-__all__ = ["PointPrediction", "Prediction", "cost_from_profile", "predict"]
+__all__ = ["PointPrediction", "Prediction", "cost_from_profile", "predict", "prediction_cost"]
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,6 @@ class Prediction:
 
 def cost_from_profile(name: str) -> CostModel | None:
     """The emulator profile as a planner cost model (time scale applied), if loadable."""
-    from bidir_kv.engine.profiles import ProfileError, load_profile
-
     try:
         p = load_profile(name)
     except (ProfileError, OSError):
@@ -61,46 +64,80 @@ def cost_from_profile(name: str) -> CostModel | None:
     )
 
 
-def predict(report: Report) -> Prediction | str:
-    """The prediction, or why there is none (no profile costs and no usable calibration)."""
-    manifest = report.result.manifest
+def prediction_cost(summary: Summary) -> CostModel | str:
+    """The run's profile as a cost model, else a calibration of the run, else why neither."""
+    manifest = summary.result.manifest
     cost = cost_from_profile(str(manifest["profile"])) if manifest.get("profile") else None
-    if cost is None:
-        from bidir_kv.bench.calibrate import calibrate
+    if cost is not None:
+        return cost
+    try:
+        return calibrate(summary.result)
+    except PlanError as exc:
+        return str(exc)
 
-        try:
-            cost = calibrate(report.result)
-        except PlanError as exc:
-            return str(exc)
+
+def predict(summary: Summary) -> Prediction | str:
+    """The prediction, or why there is none (no profile costs and no usable calibration)."""
+    cost = prediction_cost(summary)
+    if isinstance(cost, str):
+        return cost
+    engines = summary.result.manifest.get("engines") or {}
+    block_size = int(engines.get("block_size") or LegSetup().block_size)
+    measured = {row["point"]: row for row in ratio_rows(summary)}
     points: list[PointPrediction] = []
-    for point in report.result.prefix_points:
-        recs = report.result.points.get(("on", point)) or report.result.points.get(("off", point))
+    for point in summary.result.prefix_points:
+        recs = summary.result.points.get(("on", point)) or summary.result.points.get(("off", point))
         if not recs:
             continue
-        reuse = [r for r in recs[0] if r.ok and r.turn >= report.min_turn and r.turn >= 2]
+        reuse = [r for r in recs[0] if r.ok and r.turn >= summary.min_turn and r.turn >= 2]
         if not reuse:
             continue
-        ratios = []
-        hist = []
-        for r in reuse:
-            length = r.prompt_tokens or r.input_num_tokens
-            history = max(0.0, r.input_num_tokens * r.approx_cached_percent / 100.0)
-            history = min(history, float(length))
-            off = cost.recompute_us(length)
-            on = cost.pull_us(history) + cost.recompute_us(length - history, history)
-            ratios.append(off / on if on > 0 else math.inf)
-            hist.append(history)
-        off_row, on_row = report.get("off", point), report.get("on", point)
-        measured = prefill = None
-        if off_row and on_row and on_row.ttft_median and not math.isnan(on_row.ttft_median):
-            measured = off_row.ttft_median / on_row.ttft_median
-        if off_row and on_row and off_row.prefill_ms and on_row.prefill_ms:
-            prefill = off_row.prefill_ms / on_row.prefill_ms
+        pulled = [_pulled_tokens(r, block_size) for r in reuse]
+        ratios = [
+            _predicted_ratio(cost, _prompt_len(r), n) for r, n in zip(reuse, pulled, strict=True)
+        ]
+        row = measured[point]
         points.append(
             PointPrediction(
-                point, sum(hist) / len(hist), sum(ratios) / len(ratios), measured, prefill
+                point,
+                sum(pulled) / len(pulled),
+                sum(ratios) / len(ratios),
+                row["ttft_ratio"],
+                row["prefill_ratio"],
             )
         )
+    return Prediction(cost.source, break_even_tokens(cost), points, _crossover(points))
+
+
+def _prompt_len(rec: RequestRecord) -> int:
+    return rec.prompt_tokens or rec.input_num_tokens
+
+
+def _pulled_tokens(rec: RequestRecord, block_size: int) -> int:
+    """Tokens P pulls on a reuse turn: D holds the history before this turn's message.
+
+    P's prefix cache is off in both legs (hit 0); the threshold is left out
+    (``threshold=0``) so that every point shows what the pull itself costs.
+    """
+    history = round(max(0.0, rec.input_num_tokens * rec.approx_cached_percent / 100.0))
+    decision = pull_decision(
+        prompt_tokens=_prompt_len(rec),
+        local_hit_tokens=0,
+        remote_num_tokens=history,
+        block_size=block_size,
+        threshold=0,
+    )
+    return decision.tokens
+
+
+def _predicted_ratio(cost: CostModel, length: int, pulled: int) -> float:
+    off = cost.recompute_us(length)
+    on = cost.pull_us(pulled) + cost.recompute_us(length - pulled, pulled)
+    return off / on if on > 0 else math.inf
+
+
+def _crossover(points: list[PointPrediction]) -> tuple[float, float] | None:
+    """History tokens of the last pair of points where measured TTFT OFF/ON crosses 1."""
     crossover = None
     for below, above in itertools.pairwise(points):
         if (
@@ -109,4 +146,4 @@ def predict(report: Report) -> Prediction | str:
             and below.measured_ratio <= 1.0 < above.measured_ratio
         ):
             crossover = (below.history_tokens, above.history_tokens)
-    return Prediction(cost.source, break_even_tokens(cost), points, crossover)
+    return crossover

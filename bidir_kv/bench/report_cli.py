@@ -7,34 +7,30 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bidir_kv.bench.report import (
-    Report,
-    build_report,
-    ratio_rows,
-    render_markdown,
-    write_plots,
-)
+from bidir_kv.bench.plots import write_plots
+from bidir_kv.bench.predict import predict
+from bidir_kv.bench.report import render_markdown
 from bidir_kv.bench.results import ResultError, load_result
+from bidir_kv.bench.summary import Summary, ratio_rows, summarize_result
 
 __all__ = ["main", "ratio_table", "render_dir"]
 
 
 def render_dir(path: Path, out: Path | None = None, min_turn: int = 2) -> tuple[Path, str]:
     """Render one result directory; returns (report path, ratio table text)."""
-    result = load_result(path)
-    report = build_report(result, min_turn=min_turn)
+    summary = summarize_result(load_result(path), min_turn=min_turn)
     out_dir = out or path
-    plots = write_plots(report, out_dir)
-    md = render_markdown(report, [str(p) for p in plots])
+    plots = write_plots(summary, out_dir)
+    md = render_markdown(summary, predict(summary), [str(p) for p in plots])
     report_path = out_dir / "report.md"
     report_path.write_text(md)
-    return report_path, ratio_table(report)
+    return report_path, ratio_table(summary)
 
 
-def ratio_table(report: Report) -> str:
+def ratio_table(summary: Summary) -> str:
     """Plain-text OFF/ON TTFT table for the console."""
     lines = [f"{'prefix':>8} {'OFF ms':>9} {'ON ms':>9} {'OFF/ON':>7}"]
-    for row in ratio_rows(report):
+    for row in ratio_rows(summary):
 
         def f(v: object, spec: str) -> str:
             return "n/a" if v is None else format(v, spec)

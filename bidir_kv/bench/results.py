@@ -7,7 +7,7 @@ Layout written by ``bidir-kv bench``::
     DIR/<leg>/p<prefix>.metrics.json   duration + /metrics deltas per node
 
 KV transfer figures come from the prefill nodes (the initiator of D→P reads
-records them, protocol.md §11.1); prefill duration from the router's histogram.
+records them, docs/protocol.md §11.1); prefill duration from the router's histogram.
 """
 
 from __future__ import annotations

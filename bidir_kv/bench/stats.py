@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "SUMMARY_FIELDS",
     "VLLM_FIELDS",
     "RequestRecord",
     "load_records",
     "percentile",
-    "summarize",
     "write_records",
 ]
 
@@ -37,14 +35,6 @@ VLLM_FIELDS: tuple[str, ...] = (
     "approx_cached_percent",
     "conversation_id",
     "client_id",
-)
-SUMMARY_FIELDS: tuple[str, ...] = (
-    "ttft_ms",
-    "tpot_ms",
-    "latency_ms",
-    "input_num_turns",
-    "input_num_tokens",
-    "output_num_tokens",
 )
 
 
@@ -110,22 +100,3 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
-
-
-def summarize(values: Sequence[float]) -> dict[str, float]:
-    """The console summary of vLLM's benchmark: count, mean, std, min, percentiles, max."""
-    n = len(values)
-    if n == 0:
-        return {"count": 0}
-    mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / n)
-    out = {"count": float(n), "mean": mean, "std": std, "min": float(min(values))}
-    for q in (10, 25, 50, 75, 90, 99):
-        out[f"p{q}"] = percentile(values, q)
-    out["max"] = float(max(values))
-    return out
-
-
-def summarize_records(records: Sequence[RequestRecord]) -> Mapping[str, dict[str, float]]:
-    ok = [r for r in records if r.ok]
-    return {f: summarize([float(getattr(r, f)) for r in ok]) for f in SUMMARY_FIELDS}

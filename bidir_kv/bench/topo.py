@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
 from bidir_kv.topology import BackendUnavailable, EngineSpec, RouterSpec, Topology, TopologySpec
 from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 
@@ -24,25 +25,32 @@ __all__ = ["LegSetup", "leg_spec", "node_urls", "router_cache_ttl", "start_leg"]
 TOPOLOGIES = ("emulator", "vllm-cpu")
 
 
+_ENGINE = EngineSpec()  # engine and KV defaults come from their specs, not from here
+_ROUTER = RouterSpec()
+
+
 @dataclass(frozen=True)
 class LegSetup:
+    """What a leg is started with; ``bidir-kv bench``'s engine flags default to these."""
+
     topology: str = "emulator"
-    profile: str = "tiny"
-    model: str = "tiny"
-    block_size: int = 16
-    kv_recompute_threshold: int = 64
-    decoder_kv_blocks_ttl: float = 480.0
-    kv_load_failure_policy: str = "fail"
-    max_model_len: int = 65536
-    decode_stream: str = "always"
-    transport: str = "auto"
+    profile: str = _ENGINE.profile
+    model: str = _ENGINE.model
+    block_size: int = _ENGINE.block_size
+    kv_recompute_threshold: int = DEFAULT_RECOMPUTE_THRESHOLD
+    decoder_kv_blocks_ttl: float = DEFAULT_DECODER_KV_BLOCKS_TTL
+    kv_load_failure_policy: str = _ENGINE.kv.kv_load_failure_policy
+    max_model_len: int = 65536  # bench's own value, above EngineSpec's
+    decode_stream: str = _ROUTER.decode_stream  # TODO(router-settings): RouterSettings default
+    transport: str = _ENGINE.transport
     router_args: tuple[str, ...] = ()
     log_dir: Path = Path("out/bench-logs")
 
 
 def router_cache_ttl(decoder_ttl: float) -> float:
-    """The router's cache TTL stays below D's TTL (upstream: 450 s under 480 s)."""
-    return min(450.0, decoder_ttl * 450.0 / 480.0)
+    """The router's cache TTL stays below D's TTL, in the upstream ratio (450 s under 480 s)."""
+    default = _ROUTER.cache_ttl  # TODO(router-settings): RouterSettings' cache TTL
+    return min(default, decoder_ttl * default / DEFAULT_DECODER_KV_BLOCKS_TTL)
 
 
 def leg_spec(leg: str, setup: LegSetup) -> TopologySpec:

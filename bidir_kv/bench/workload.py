@@ -73,10 +73,6 @@ class WorkloadSpec:
         if self.beyond_ttl_fraction > 0 and self.beyond_ttl_gap_s <= 0:
             raise WorkloadError("beyond_ttl_fraction > 0 needs beyond_ttl_gap_s > 0")
 
-    def turn_prompt_tokens(self, turn: int) -> int:
-        """Nominal content tokens of the whole history sent at 0-based ``turn``."""
-        return self.prefix_tokens + (turn + 1) * self.input_tokens + turn * self.output_tokens
-
 
 @dataclass(frozen=True)
 class Turn:

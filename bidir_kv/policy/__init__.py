@@ -37,6 +37,7 @@ from bidir_kv.policy.retention import (
     heartbeat_extension,
     heartbeat_interval,
     local_deadline,
+    read_window,
     should_decline,
 )
 from bidir_kv.policy.threshold import (
@@ -73,6 +74,7 @@ __all__ = [
     "partial_tail_tokens",
     "position_pairing",
     "pull_decision",
+    "read_window",
     "reusable_prefix",
     "reusable_prefix_by_hashes",
     "should_decline",

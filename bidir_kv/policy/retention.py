@@ -32,6 +32,7 @@ __all__ = [
     "heartbeat_extension",
     "heartbeat_interval",
     "local_deadline",
+    "read_window",
     "should_decline",
 ]
 
@@ -249,3 +250,16 @@ def should_decline(
     if remote_expiry is None:
         return False
     return now + margin >= local_deadline(remote_expiry, offset)
+
+
+def read_window(ttl: float, margin: float = EXPIRY_SAFETY_MARGIN) -> float:
+    """Seconds after D retains a turn's blocks during which P may still read them.
+
+    D's deadline is ``retain + ttl`` and P declines once ``now + margin >= deadline``
+    (:func:`should_decline`), so on a shared clock a read posted ``gap`` seconds
+    after retention is served only while ``gap < ttl - margin``. Planners use it to
+    price a TTL: a follow-up turn later than this recomputes.
+    """
+    if ttl <= 0:
+        raise ValueError(f"decoder_kv_blocks_ttl must be positive, got {ttl}")
+    return max(0.0, ttl - margin)

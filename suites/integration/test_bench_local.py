@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from bidir_kv.bench.report import build_report, ratio_rows
 from bidir_kv.bench.report_cli import main as report_main
 from bidir_kv.bench.results import load_result
 from bidir_kv.bench.stats import VLLM_FIELDS
+from bidir_kv.bench.summary import ratio_rows, summarize_result
 from bidir_kv.scrape import scrape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def test_tiny_sweep_engages_reuse_only_when_on(tmp_path: Path) -> None:
     assert all(r["ok"] for r in raw)
     # exact prompt lengths via the engine's /tokenize: turn 1 = prefix + input tokens
     assert sorted({r["input_num_tokens"] for r in raw if r["turn"] == 1}) == [624]
-    report = build_report(result)
+    report = summarize_result(result)
     for point in (64, 600):
         off, on = report.get("off", point), report.get("on", point)
         assert off is not None and on is not None
@@ -139,7 +139,7 @@ def test_external_url_leg_into_an_existing_result(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["topology"] == "external" and manifest["complete"] is True
-    report = build_report(load_result(out))
+    report = summarize_result(load_result(out))
     on = report.get("on", 300)
     assert on is not None and on.requests == 4 and on.errors == 0
     assert on.tokens_external > 0 and on.prefill_count == 4

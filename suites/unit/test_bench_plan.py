@@ -26,6 +26,7 @@ from bidir_kv.bench.plan import (
 )
 from bidir_kv.bench.plan_cli import main as plan_main
 from bidir_kv.engine.profiles import load_profile
+from bidir_kv.policy import should_decline
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "fixtures" / "model_configs"
@@ -161,6 +162,17 @@ def test_ttl_memory_littles_law() -> None:
     assert long_.held_tokens == pytest.approx(0.5 * ((1099 + 1499) * 20 + 1899 * 60))
     assert long_.held_gib == pytest.approx(long_.held_tokens * 1000 / 2**30)
     assert long_.held_gib_per_gpu == pytest.approx(long_.held_gib / 8)
+
+
+@given(ttl=st.floats(0.5, 5000), gap=st.floats(0, 6000))
+def test_ttl_miss_is_the_decline_rule(ttl: float, gap: float) -> None:
+    """A follow-up counts as a miss exactly when P would decline D's blocks at that gap."""
+    w = Workload(1.0, 2, 100, 10, 10, Distribution("const", (gap,)))
+    (row,) = ttl_rows(cost(), w, [ttl])
+    # D retains at 0 with deadline ttl; P reads at ``gap`` on the same clock
+    declined = should_decline(remote_expiry=ttl, offset=0.0, now=gap)
+    if abs(gap - max(0.0, ttl - 5.0)) > 1e-9:  # a gap exactly on the edge is the cdf's tie
+        assert row.miss_fraction == (1.0 if declined else 0.0)
 
 
 def test_recommend_ttl() -> None:

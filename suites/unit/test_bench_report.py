@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from bidir_kv.bench.calibrate import calibrate, linear_fit
-from bidir_kv.bench.report import build_report, ratio_rows
 from bidir_kv.bench.report_cli import main as report_main
 from bidir_kv.bench.results import ResultError, load_result
 from bidir_kv.bench.runner import point_name
 from bidir_kv.bench.stats import RequestRecord, write_records
+from bidir_kv.bench.summary import ratio_rows, summarize_result
 
 POINTS = (1000, 4000)
 
@@ -104,7 +104,7 @@ def make_result(root: Path) -> Path:
 def test_report_numbers(tmp_path: Path) -> None:
     result = load_result(make_result(tmp_path))
     assert result.legs == ["off", "on"] and result.prefix_points == list(POINTS)
-    report = build_report(result)
+    report = summarize_result(result)
     rows = {r["point"]: r for r in ratio_rows(report)}
     # turns >= 2 only: OFF median point/10 + 1, ON median point/100 + 1
     assert rows[4000]["ttft_off_ms"] == 401 and rows[4000]["ttft_on_ms"] == 41
@@ -117,7 +117,7 @@ def test_report_numbers(tmp_path: Path) -> None:
     assert on.prefill_ms == pytest.approx(4.0)
     assert on.tokens_external == 24000
     # turn 1 included: the OFF/ON medians become equal-ish at min_turn=1
-    all_turns = build_report(result, min_turn=1)
+    all_turns = summarize_result(result, min_turn=1)
     assert all_turns.get("off", 1000).ttft_n == 9
 
 

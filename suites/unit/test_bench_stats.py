@@ -13,11 +13,10 @@ from bidir_kv.bench.stats import (
     RequestRecord,
     load_records,
     percentile,
-    summarize,
     write_records,
 )
 
-# benchmarks/multi_turn/benchmark_serving_multi_turn.py --stats-json-output (protocol.md §10.3)
+# the fields of vLLM's multi-turn benchmark --stats-json-output, in order (docs/protocol.md §10.3)
 UPSTREAM = [
     "ttft_ms", "tpot_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
     "output_num_tokens", "output_num_chunks", "output_num_first_chunk_tokens",
@@ -66,11 +65,8 @@ def test_load_rejects_records_without_vllm_fields(tmp_path: Path) -> None:
         load_records(path)
 
 
-def test_percentiles_and_summary() -> None:
+def test_percentiles() -> None:
     assert math.isnan(percentile([], 50))
     assert percentile([5.0], 90) == 5.0
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile(list(range(11)), 10) == 1.0
-    s = summarize([1.0, 2.0, 3.0])
-    assert s["mean"] == 2.0 and s["min"] == 1.0 and s["max"] == 3.0 and s["p50"] == 2.0
-    assert summarize([]) == {"count": 0}

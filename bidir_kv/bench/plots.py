@@ -1,0 +1,111 @@
+"""The publication's two plots from a summarized ``bench`` result.
+
+* ``ttft.png``: TTFT against prompt length, OFF and ON, median with a p10–p90 band.
+* ``prefill.png``: prefill duration per prompt length as paired bars; the ON bar
+  is stacked into prefill compute and KV transfer (as in the AWS blog).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bidir_kv.bench.summary import Summary
+
+__all__ = ["write_plots"]
+
+_COLORS = {"off": "#c0504d", "on": "#4f81bd"}
+
+
+def write_plots(summary: Summary, out_dir: Path) -> list[Path]:
+    """Write ``ttft.png`` and ``prefill.png``; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [_plot_ttft(plt, summary, out_dir), _plot_prefill(plt, summary, out_dir)]
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_ttft(plt: Any, summary: Summary, out_dir: Path) -> Path:
+    points = summary.result.prefix_points
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for leg in summary.result.legs:
+        rows = [summary.get(leg, p) for p in points]
+        xs = [p for p, r in zip(points, rows, strict=True) if r and r.ttft_n]
+        rs = [r for r in rows if r and r.ttft_n]
+        if not rs:
+            continue
+        color = _COLORS.get(leg)
+        ax.plot(xs, [r.ttft_median for r in rs], "o-", color=color, label=f"{leg.upper()} median")
+        ax.fill_between(
+            xs,
+            [r.ttft_p10 for r in rs],
+            [r.ttft_p90 for r in rs],
+            color=color,
+            alpha=0.2,
+            label=f"{leg.upper()} p10–p90",
+        )
+    ax.set_xlabel("prefix length (tokens)")
+    ax.set_ylabel(f"TTFT (ms), turns ≥ {summary.min_turn}")
+    ax.set_title("TTFT vs prompt length: bidirectional KV transfer OFF vs ON")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(plt, fig, out_dir / "ttft.png")
+
+
+def _plot_prefill(plt: Any, summary: Summary, out_dir: Path) -> Path:
+    points = summary.result.prefix_points
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    width = 0.38
+    idx = list(range(len(points)))
+    off = [summary.get("off", p) for p in points]
+    on = [summary.get("on", p) for p in points]
+    off_ms = [r.prefill_ms or 0.0 if r else 0.0 for r in off]
+    on_total = [r.prefill_ms or 0.0 if r else 0.0 for r in on]
+    on_xfer = [
+        min(r.xfer_ms_per_request or 0.0, t) if r else 0.0
+        for r, t in zip(on, on_total, strict=True)
+    ]
+    on_compute = [t - x for t, x in zip(on_total, on_xfer, strict=True)]
+    ax.bar(
+        [i - width / 2 for i in idx], off_ms, width, color=_COLORS["off"], label="OFF: recompute"
+    )
+    ax.bar(
+        [i + width / 2 for i in idx],
+        on_compute,
+        width,
+        color=_COLORS["on"],
+        label="ON: prefill compute",
+    )
+    ax.bar(
+        [i + width / 2 for i in idx],
+        on_xfer,
+        width,
+        bottom=on_compute,
+        color="#9bbb59",
+        label="ON: KV transfer (D→P)",
+    )
+    ax.set_xticks(idx, [str(p) for p in points])
+    ax.set_xlabel("prefix length (tokens)")
+    ax.set_ylabel("prefill duration (ms, router)")
+    ax.set_title("Prefill duration: recompute vs KV transfer")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+    if not any(off_ms) and not any(on_total):
+        ax.text(
+            0.5,
+            0.5,
+            "router exported no prefill-duration histogram",
+            ha="center",
+            transform=ax.transAxes,
+        )
+    return _save(plt, fig, out_dir / "prefill.png")
