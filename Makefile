@@ -66,7 +66,7 @@ pytest: venv
 	bash ci/pytest.sh $(PYTEST_ARGS)
 
 test: venv lint typecheck provision
-	@# leftover test containers/networks are removed even when pytest fails (containers.md §4.3)
+	@# leftover test containers/networks are removed even when pytest fails (docs/containers.md §4.3)
 	bash ci/pytest.sh $(PYTEST_ARGS); rc=$$?; bash ci/docker-cleanup.sh; exit $$rc
 
 demo: venv

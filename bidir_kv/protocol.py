@@ -6,7 +6,7 @@ track of which keys were present, so ``parse(d).to_dict() == d`` holds for every
 valid input, unknown keys included (vLLM adds fields between versions, e.g.
 ``remote_registration_generation`` in 0.33).
 
-Field semantics follow vLLM 0.33 (see ``docs/protocol.md``).
+Field semantics follow vLLM 0.33 (docs/protocol.md §3.6; the dict shapes are §3.3-§3.5).
 """
 
 from __future__ import annotations
