@@ -32,6 +32,8 @@ $(STAMP): pyproject.toml
 
 lint: venv
 	$(VENV)/bin/ruff check bidir_kv suites fixtures conftest.py
+	@# the layering contracts of [tool.importlinter] in pyproject.toml
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: venv
 	$(VENV)/bin/mypy bidir_kv
