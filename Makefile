@@ -32,6 +32,8 @@ $(STAMP): pyproject.toml
 
 lint: venv
 	$(VENV)/bin/ruff check bidir_kv suites fixtures conftest.py
+	@# the layering contracts of [tool.importlinter] in pyproject.toml
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: venv
 	$(VENV)/bin/mypy bidir_kv
@@ -66,7 +68,7 @@ pytest: venv
 	bash ci/pytest.sh $(PYTEST_ARGS)
 
 test: venv lint typecheck provision
-	@# leftover test containers/networks are removed even when pytest fails (containers.md §4.3)
+	@# leftover test containers/networks are removed even when pytest fails (docs/containers.md §4.3)
 	bash ci/pytest.sh $(PYTEST_ARGS); rc=$$?; bash ci/docker-cleanup.sh; exit $$rc
 
 demo: venv

@@ -1,7 +1,8 @@
 """Clocks, injected everywhere a rule depends on time.
 
 vLLM stamps ``remote_blocks_expiry_time`` with the decode scheduler's
-``time.perf_counter()``, so our engine does the same through :class:`MonotonicClock`;
+``time.perf_counter()`` (docs/protocol.md §3.6, §5.3), so our engine does the same
+through :class:`MonotonicClock`;
 tests drive rules with :class:`ManualClock` instead of sleeping.
 """
 

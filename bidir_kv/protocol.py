@@ -6,7 +6,7 @@ track of which keys were present, so ``parse(d).to_dict() == d`` holds for every
 valid input, unknown keys included (vLLM adds fields between versions, e.g.
 ``remote_registration_generation`` in 0.33).
 
-Field semantics follow vLLM 0.33 (see ``docs/protocol.md``).
+Field semantics follow vLLM 0.33 (docs/protocol.md §3.6; the dict shapes are §3.3-§3.5).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ class ParamsKind(StrEnum):
     OTHER = "other"
 
 
-# (name, type-check, description) in wire order; the order is cosmetic only.
 def _is_bool(v: Any) -> bool:
     return isinstance(v, bool)
 
@@ -77,7 +76,7 @@ def _is_block_ids(v: Any) -> bool:
 
 
 _FIELDS: Final[dict[str, tuple[Any, bool, str]]] = {
-    # name: (checker, nullable, expected-type text)
+    # name: (checker, nullable, expected-type text); wire order, cosmetic only
     "do_remote_prefill": (_is_bool, False, "a boolean"),
     "do_remote_decode": (_is_bool, False, "a boolean"),
     "remote_block_ids": (_is_block_ids, True, "a list of lists of non-negative ints"),

@@ -2,7 +2,7 @@
 
 Tests, conformance scenarios and ``bench`` all prove "who computed what" the
 same way: scrape before, scrape after, compare. Absolute values are never
-asserted (nodes are shared between tests).
+asserted (nodes are shared between tests; docs/vllm-cpu.md §7.7).
 """
 
 from __future__ import annotations

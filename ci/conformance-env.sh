@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (once) the cached virtual environment that runs real vLLM on CPU for the
-# conformance tier, plus the tiny local model. Recipe and reasons: shared spec
-# cpu-vllm.md §3-§4; docs/conformance.md.
+# conformance tier, plus the tiny local model. Recipe and reasons:
+# docs/vllm-cpu.md §3-§4; docs/conformance.md.
 #
 # Idempotent: a stamp file records the versions; when it matches, nothing is done.
 # Start-up fixes that need no install (AMX permission, the KV-transfer core)

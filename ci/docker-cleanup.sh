@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Remove what the container backend left behind (containers.md §2.4, §4.3, §7).
+# Remove what the container backend left behind (docs/containers.md §2.4, §4.3, §7).
 #
 #   ci/docker-cleanup.sh            containers labelled org.testcontainers.lang=python and
 #                                   the Docker networks our topologies created

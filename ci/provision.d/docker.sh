@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Docker engine for the container backend of the integration tier (docs: containers.md §2).
+# Docker engine for the container backend of the integration tier (docs/containers.md §2).
 #
 # As root: install Debian's docker.io + iptables when missing, start `dockerd` in the
 # background when no engine answers, record its PID (and the host state it changes) under
@@ -33,7 +33,7 @@ if ! command -v dockerd >/dev/null 2>&1 || ! command -v iptables >/dev/null 2>&1
   echo "docker: installed docker.io + iptables in $(elapsed "$t0") s"
 fi
 
-# Host state dockerd changes and leaves behind (containers.md §2.4); recorded once, before
+# Host state dockerd changes and leaves behind (docs/containers.md §2.4); recorded once, before
 # the first start, so cleanup restores the original values and not the daemon's.
 [ -f "$CACHE/dockerd.ip_forward" ] || sysctl -n net.ipv4.ip_forward >"$CACHE/dockerd.ip_forward"
 [ -f "$CACHE/dockerd.forward_policy" ] ||

@@ -1,0 +1,339 @@
+"""The layering, as far as an AST can see it: rules live in ``bidir_kv/policy`` only.
+
+``lint-imports`` (``make lint``) checks who imports whom. These tests check what
+an import graph cannot: that no module outside ``policy/`` re-states P's threshold
+rule or does lease/TTL/expiry arithmetic of its own (it calls ``bidir_kv.policy``
+instead), that the leaves (``policy``, ``protocol``, ``clock``) import nothing else of
+ours, and that no module grows past 400 lines. The heuristics are tested on planted
+source below, so a change that blinds them fails here too.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bidir_kv"
+MAX_MODULE_LINES = 400
+
+# Modules allowed over MAX_MODULE_LINES: repo-relative path -> one-line reason.
+MODULE_SIZE_EXEMPTIONS: dict[str, str] = {}
+
+# Arithmetic/comparisons the heuristic flags that decide nothing. Keyed by the flagged
+# expression's source text (whitespace-normalised), so a move to another module keeps
+# its entry; the value says why it is not a rule. An entry nothing matches any more
+# fails test_rule_exemptions_are_still_needed.
+RULE_EXEMPTIONS: dict[str, str] = {
+    "(self.ttl + self.GRACE) * 1000": "Redis key expiry (ms) for housekeeping; "
+    "staleness is judged by policy, the key only outlives it by a grace",
+    "1.1 * args.decoder_kv_blocks_ttl + 1.0": "bench workload: a think time chosen "
+    "beyond D's TTL to generate expired turns; traffic, not a decision",
+    "work.held_tokens(work.turns) * ttl": "planner: token-seconds of memory a "
+    "conversation occupies; a quantity, not a decision",
+}
+
+_THRESHOLD = re.compile(r"threshold", re.IGNORECASE)
+# Name parts that mark a lease, TTL or expiry value (split on "_", lower case).
+_TIMER_PARTS = frozenset({"lease", "leases", "ttl", "expiry", "expires", "expire"})
+_NOT_TIMER_PARTS = frozenset({"fraction", "share"})  # probabilities named after a TTL
+_ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+_ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)
+
+
+@dataclass(frozen=True)
+class RuleSite:
+    path: str
+    line: int
+    kind: str
+    snippet: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.kind}: {self.snippet}"
+
+
+def _name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def is_threshold_name(name: str) -> bool:
+    return _THRESHOLD.search(name) is not None
+
+
+def is_timer_name(name: str) -> bool:
+    parts = set(name.lower().strip("_").split("_"))
+    return bool(parts & _TIMER_PARTS) and not parts & _NOT_TIMER_PARTS
+
+
+def _mentions(node: ast.AST, pred: Callable[[str], bool]) -> bool:
+    """Does ``node`` (through subscripts, unary and arithmetic operators) name a match?"""
+    if isinstance(node, ast.Subscript):
+        return _mentions(node.value, pred)
+    if isinstance(node, ast.UnaryOp):
+        return _mentions(node.operand, pred)
+    if isinstance(node, ast.BinOp):
+        return _mentions(node.left, pred) or _mentions(node.right, pred)
+    name = _name(node)
+    return name is not None and pred(name)
+
+
+def _is_literal(node: ast.AST) -> bool:
+    """A number or None: ``threshold > 0`` is a sanity check, not the rule."""
+    if isinstance(node, ast.UnaryOp):
+        node = node.operand
+    return isinstance(node, ast.Constant) and (
+        node.value is None or isinstance(node.value, int | float)
+    )
+
+
+def _snippet(source: str, node: ast.AST) -> str:
+    return " ".join((ast.get_source_segment(source, node) or "").split())
+
+
+class _RuleFinder(ast.NodeVisitor):
+    def __init__(self, source: str, path: str) -> None:
+        self.source = source
+        self.path = path
+        self.sites: list[RuleSite] = []
+
+    def _add(self, node: ast.stmt | ast.expr, kind: str) -> None:
+        snippet = _snippet(self.source, node)
+        if snippet not in RULE_EXEMPTIONS:
+            self.sites.append(RuleSite(self.path, node.lineno, kind, snippet))
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        operands = [node.left, *node.comparators]
+        pairs = [
+            (a, b)
+            for op, a, b in zip(node.ops, operands, operands[1:], strict=False)
+            if isinstance(op, _ORDERING)
+        ]
+        for pred, kind in (
+            (is_threshold_name, "threshold comparison"),
+            (is_timer_name, "lease/TTL/expiry comparison"),
+        ):
+            if any(
+                (_mentions(a, pred) and not _is_literal(b))
+                or (_mentions(b, pred) and not _is_literal(a))
+                for a, b in pairs
+            ):
+                self._add(node, kind)
+                break
+        self.generic_visit(node)
+
+    def visit_BinOp(self, node: ast.BinOp) -> None:
+        formatting = isinstance(node.op, ast.Mod) and isinstance(
+            node.left, ast.Constant | ast.JoinedStr
+        )
+        if (
+            isinstance(node.op, _ARITHMETIC)
+            and not formatting
+            and (_mentions(node.left, is_timer_name) or _mentions(node.right, is_timer_name))
+        ):
+            self._add(node, "lease/TTL/expiry arithmetic")
+            return  # one report for the outermost expression
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        # ``x += a * ttl`` is reported at its BinOp; ``expired += 1`` only counts.
+        plain = not isinstance(node.value, ast.BinOp) and not _is_literal(node.value)
+        if (
+            plain
+            and isinstance(node.op, _ARITHMETIC)
+            and (_mentions(node.target, is_timer_name) or _mentions(node.value, is_timer_name))
+        ):
+            self._add(node, "lease/TTL/expiry arithmetic")
+        self.generic_visit(node)
+
+
+def find_rule_sites(source: str, path: str) -> list[RuleSite]:
+    """Threshold comparisons and lease/TTL/expiry arithmetic in one module's source."""
+    finder = _RuleFinder(source, path)
+    finder.visit(ast.parse(source))
+    return finder.sites
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def test_no_rule_outside_policy() -> None:
+    sites: list[RuleSite] = []
+    for path in _modules():
+        if path.is_relative_to(PACKAGE / "policy"):
+            continue
+        sites += find_rule_sites(path.read_text(encoding="utf-8"), _rel(path))
+    assert not sites, (
+        f"{len(sites)} rule site(s) outside bidir_kv/policy (call the policy API, or add "
+        "a RULE_EXEMPTIONS entry saying why it decides nothing):\n" + "\n".join(map(str, sites))
+    )
+
+
+def test_rule_exemptions_are_still_needed() -> None:
+    flat = " ".join(" ".join(p.read_text(encoding="utf-8").split()) for p in _modules())
+    stale = {text for text in RULE_EXEMPTIONS if text not in flat}
+    assert not stale, f"no module contains these exempted expressions any more: {stale}"
+
+
+# ---- the leaves -----------------------------------------------------------------
+
+LEAVES = {
+    "bidir_kv.policy": PACKAGE / "policy",
+    "bidir_kv.protocol": PACKAGE / "protocol.py",
+    "bidir_kv.clock": PACKAGE / "clock.py",
+}
+
+
+def imported_bidir_kv_modules(source: str, module: str) -> set[str]:
+    """Absolute names of the ``bidir_kv`` modules ``source`` (module ``module``) imports."""
+    out: set[str] = set()
+    package = module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            out.add(target)
+    return {m for m in out if m == "bidir_kv" or m.startswith("bidir_kv.")}
+
+
+def _leaf_violations(leaf: str, source: str, module: str) -> set[str]:
+    found = imported_bidir_kv_modules(source, module)
+    return {m for m in found if m != leaf and not m.startswith(leaf + ".")}
+
+
+@pytest.mark.parametrize("leaf", sorted(LEAVES))
+def test_leaves_import_nothing_else_of_bidir_kv(leaf: str) -> None:
+    where = LEAVES[leaf]
+    files = sorted(where.rglob("*.py")) if where.is_dir() else [where]
+    bad = {}
+    for path in files:
+        # a package's __init__ keeps its name part, so ``from .x`` resolves inside it
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        found = _leaf_violations(leaf, path.read_text(encoding="utf-8"), module)
+        if found:
+            bad[_rel(path)] = sorted(found)
+    assert not bad, bad
+
+
+# ---- module size ----------------------------------------------------------------
+
+
+def test_no_module_over_400_lines() -> None:
+    over = {}
+    for path in _modules():
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > MAX_MODULE_LINES and _rel(path) not in MODULE_SIZE_EXEMPTIONS:
+            over[_rel(path)] = n
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them, or exempt one): {over}"
+
+
+def test_size_exemptions_name_existing_oversized_modules() -> None:
+    for rel, reason in MODULE_SIZE_EXEMPTIONS.items():
+        assert reason.strip(), rel
+        lines = len((ROOT / rel).read_text(encoding="utf-8").splitlines())
+        assert lines > MAX_MODULE_LINES, f"{rel} is {lines} lines now: drop its exemption"
+
+
+# ---- the checkers themselves, on planted source (permanent proof they catch) ------
+
+PLANTED_RULES = [
+    # engine/scheduler.py's guard cap, and the planner's pull decision
+    (
+        "if not p.do_remote_prefill and threshold > 0 and capped < threshold:\n    pass\n",
+        "threshold comparison",
+    ),
+    ("pulls = history > 0 and history >= threshold\n", "threshold comparison"),
+    ("ok = count >= self.kv.kv_recompute_threshold\n", "threshold comparison"),
+    ("ok = cfg.recompute_threshold <= n\n", "threshold comparison"),
+    # the heartbeat's lease extension, a deadline, a staleness judgement
+    ("log(rid, self.kv.kv_lease_duration * 2 // 3)\n", "lease/TTL/expiry arithmetic"),
+    ("deadline = now + kv.decoder_kv_blocks_ttl\n", "lease/TTL/expiry arithmetic"),
+    ("left = p.remote_blocks_expiry - offset\n", "lease/TTL/expiry arithmetic"),
+    ("cutoff = self.now() - self.ttl\n", "lease/TTL/expiry arithmetic"),
+    ("until += lease\n", "lease/TTL/expiry arithmetic"),
+    ("if age > self.ttl:\n    pass\n", "lease/TTL/expiry comparison"),
+    ("if args.cache_ttl >= args.decoder_kv_blocks_ttl:\n    pass\n", "lease/TTL/expiry comparison"),
+]
+
+
+@pytest.mark.parametrize(("source", "kind"), PLANTED_RULES)
+def test_rule_finder_catches_planted_rules(source: str, kind: str) -> None:
+    sites = find_rule_sites(source, "bidir_kv/engine/planted.py")
+    assert [s.kind for s in sites] == [kind], sites
+    assert sites[0].path == "bidir_kv/engine/planted.py" and sites[0].line >= 1
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "if threshold > 0:\n    pass\n",  # sanity check against a literal
+        "if self.kv_recompute_threshold <= 0:\n    pass\n",
+        "if rid in self.leases:\n    pass\n",  # membership, no time
+        "self.window.notifs_after_expiry += 1\n",  # a counter
+        "log('lease %d' % lease)\n",  # formatting
+        "while time.monotonic() < deadline:\n    pass\n",  # a timeout, not a lease
+        "beyond = rng.random() < spec.beyond_ttl_fraction\n",  # a probability
+        "ext = self.leases.heartbeat(ids, self.clock())\n",  # calling the policy
+        "pipe.set(k, b, px=int((self.ttl + self.GRACE) * 1000))\n",  # exempted by text
+    ],
+)
+def test_rule_finder_leaves_non_rules_alone(source: str) -> None:
+    assert find_rule_sites(source, "bidir_kv/engine/planted.py") == []
+
+
+def test_rule_finder_reports_a_planted_file_by_line(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""Doc."""\n\n\ndef f(n, t):\n    return n < t.threshold\n')
+    sites = find_rule_sites(planted.read_text(), "bidir_kv/router/planted.py")
+    assert [(s.line, s.kind, s.snippet) for s in sites] == [
+        (5, "threshold comparison", "n < t.threshold")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("leaf", "module", "source", "bad"),
+    [
+        (
+            "bidir_kv.policy",
+            "bidir_kv.policy.x",
+            "from bidir_kv.engine import metrics\n",
+            {"bidir_kv.engine"},
+        ),
+        ("bidir_kv.policy", "bidir_kv.policy.x", "from .. import config\n", {"bidir_kv"}),
+        (
+            "bidir_kv.policy",
+            "bidir_kv.policy.x",
+            "from ..protocol import KVTransferParams\n",
+            {"bidir_kv.protocol"},
+        ),
+        ("bidir_kv.clock", "bidir_kv.clock", "import bidir_kv.policy\n", {"bidir_kv.policy"}),
+        (
+            "bidir_kv.policy",
+            "bidir_kv.policy.x",
+            "from bidir_kv.policy.blocks import cdiv\n"
+            "from .threshold import pull_decision\nimport json\n",
+            set(),
+        ),
+    ],
+)
+def test_leaf_check_on_planted_imports(leaf: str, module: str, source: str, bad: set[str]) -> None:
+    assert _leaf_violations(leaf, source, module) == bad
