@@ -33,7 +33,7 @@ from bidir_kv.engine.transport.base import (
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
 from bidir_kv.engine.transport.framing import decode_peer_metadata
 
-__all__ = ["NixlAgent", "probe"]
+__all__ = ["NixlAgent", "nixl_api", "probe"]
 
 logger = logging.getLogger("bidir_kv.engine.transport")
 
@@ -42,7 +42,8 @@ _MEM = "DRAM"
 _MD_FIELDS = {"name": str, "agent_md": bytes, "base": int, "num_blocks": int, "block_nbytes": int}
 
 
-def _nixl_api() -> Any:
+def nixl_api() -> Any:
+    """NIXL's Python API, imported on first use (it brings up UCX's libraries)."""
     # vLLM sets this whenever NIXL is available; UCX reads it at context creation.
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
     import nixl._api as api
@@ -63,7 +64,7 @@ def _prog_thread_default() -> bool:
 
 def _new_agent(name: str, backends: Sequence[str], prog_thread: bool | None = None) -> Any:
     try:
-        api = _nixl_api()
+        api = nixl_api()
     except ImportError as exc:
         raise TransportError(f"nixl does not import: {exc}") from None
     conf = api.nixl_agent_config(
@@ -81,7 +82,7 @@ def _new_agent(name: str, backends: Sequence[str], prog_thread: bool | None = No
 def probe() -> tuple[bool, str]:
     """Can a UCX-backed NIXL agent be created in this process? ``(ok, reason)``."""
     try:
-        _nixl_api()
+        nixl_api()
     except Exception as exc:
         return False, f"nixl does not import: {exc}"
     try:

@@ -1,4 +1,5 @@
-"""The engine's real D→P readback, measured the way vLLM reports it: P's ``/metrics``.
+"""The ``engine-d2p`` case of ``transport_bench``: the engine's real D→P readback,
+measured the way vLLM reports it: P's ``/metrics``.
 
 Two ``bidir-kv engine`` processes (``LocalTopology``, 1P1D, no router), vLLM's request
 flow per round: turn 1 (miss dict → P with ``max_tokens=1``, P's dict → D), then turn 2
