@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from bidir_kv.engine.transport import TRANSPORT_CHOICES
 from bidir_kv.topology.process import ManagedProcess, free_port
 
 __all__ = ["main", "measure_once"]
@@ -65,7 +66,7 @@ def baseline_import() -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bidir_kv.tools.startup_bench")
-    p.add_argument("--transport", nargs="+", default=["tcp"], choices=("tcp", "nixl", "auto"))
+    p.add_argument("--transport", nargs="+", default=["tcp"], choices=TRANSPORT_CHOICES)
     p.add_argument("--runs", type=int, default=5)
     ns = p.parse_args(argv)
     if ns.runs < 1:

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from bidir_kv.engine.transport import KVPool, create_agent, nixl_available
+from bidir_kv.engine.transport import KVPool, create_agent, nixl_available, wire
 from bidir_kv.engine.transport.sidechannel import handshake
 from bidir_kv.tools.transport_peer import PeerProcess, seeded_pool_bytes, spawn
 
@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "whose progress threads would load the other cases)",
     )
     ap.add_argument(
-        "--engine-transport", choices=("nixl", "tcp"), default="nixl",
+        "--engine-transport", choices=(wire.NIXL, wire.TCP), default=wire.NIXL,
         help="transport of the two engines in engine-d2p",
     )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None, help="also write results as JSON")

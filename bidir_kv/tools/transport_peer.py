@@ -31,6 +31,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from bidir_kv.engine.transport import wire
 from bidir_kv.topology.process import ManagedProcess, ProcessFailed
 
 __all__ = ["READY", "PeerProcess", "main", "seeded_pool_bytes", "spawn", "write_atomic"]
@@ -239,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own = sub.add_parser("owner", help="one of our agents behind a side channel")
     own.add_argument("--dir", required=True)
     own.add_argument(
-        "--transport", "--backend", dest="transport", choices=["tcp", "nixl"], required=True
+        "--transport", "--backend", dest="transport", choices=(wire.TCP, wire.NIXL), required=True
     )
     own.add_argument("--num-blocks", type=int, required=True)
     own.add_argument("--block-nbytes", type=int, required=True)

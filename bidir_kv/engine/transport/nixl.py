@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 
+from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import (
     KVAgent,
     KVPool,
@@ -31,15 +31,13 @@ from bidir_kv.engine.transport.base import (
     TransportError,
 )
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
-from bidir_kv.engine.transport.framing import decode_peer_metadata
+from bidir_kv.engine.transport.framing import decode_agent_metadata, encode_agent_metadata
 
 __all__ = ["NixlAgent", "nixl_api", "probe"]
 
 logger = logging.getLogger("bidir_kv.engine.transport")
 
-WIRE_VERSION = 1
-_MEM = "DRAM"
-_MD_FIELDS = {"name": str, "agent_md": bytes, "base": int, "num_blocks": int, "block_nbytes": int}
+_MEM = "DRAM"  # NIXL's memory type for host memory
 
 
 def nixl_api() -> Any:
@@ -129,7 +127,7 @@ class _Peer:
 class NixlAgent(KVAgent):
     """READs over NIXL/UCX with notifications, one DRAM registration per pool."""
 
-    backend = "nixl"
+    backend = wire.NIXL
 
     def __init__(
         self,
@@ -197,24 +195,20 @@ class NixlAgent(KVAgent):
 
     def metadata(self) -> bytes:
         agent = self._live()
-        return msgpack.packb(
+        return encode_agent_metadata(
+            wire.NIXL,
             {
-                "transport": "nixl",
-                "v": WIRE_VERSION,
                 "name": self.name,
                 "agent_md": agent.get_agent_metadata(),
                 "base": int(self.pool.data.ctypes.data),
                 "num_blocks": self.pool.num_blocks,
                 "block_nbytes": self.pool.block_nbytes,
             },
-            use_bin_type=True,
         )
 
     async def add_peer(self, metadata: bytes) -> str:
         agent = self._live()
-        md = decode_peer_metadata(
-            metadata, "nixl", WIRE_VERSION, _MD_FIELDS, self.pool.block_nbytes
-        )
+        md = decode_agent_metadata(metadata, wire.NIXL, wire.NIXL_METADATA, self.pool.block_nbytes)
         self._drop_peer(md["name"])  # re-registration (new generation): start afresh
         try:
             raw_name = agent.add_remote_agent(md["agent_md"])
