@@ -30,6 +30,7 @@ __all__ = [
     "write_frame",
 ]
 
+
 def encode(obj: dict[str, Any]) -> bytes:
     """One frame (header + body) for ``obj``."""
     body = msgpack.packb(obj, use_bin_type=True)
@@ -87,8 +88,7 @@ def decode_agent_metadata(
     md = checked_map(raw, kinds, f"{label} agent metadata")
     if md["block_nbytes"] != block_nbytes:
         raise TransportError(
-            f"peer {md['name']} has {md['block_nbytes']}-byte blocks, "
-            f"ours are {block_nbytes} bytes"
+            f"peer {md['name']} has {md['block_nbytes']}-byte blocks, ours are {block_nbytes} bytes"
         )
     return md
 

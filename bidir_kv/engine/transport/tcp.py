@@ -167,9 +167,7 @@ class TcpAgent(KVAgent):
         else:
             sock.close()
 
-    async def _request(
-        self, peer: _Peer, work: Callable[[socket.socket], Awaitable[_T]]
-    ) -> _T:
+    async def _request(self, peer: _Peer, work: Callable[[socket.socket], Awaitable[_T]]) -> _T:
         """Run ``work(sock)`` on a pooled connection; a broken connection is discarded.
 
         A pooled connection the owner has meanwhile closed (restart, idle close) fails
