@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.router.settings import UPSTREAM_CACHE_TTL
 
 __all__ = ["HOST", "relay_app", "serve_relay"]
 
@@ -38,7 +39,7 @@ def relay_app(prefill_url: str, decode_url: str, prefill_host: str, decode_host:
         conv = body.pop("conversation_id", None)
         cached = cache.pop(conv, None) if conv else None
         params = dict(cached[0], do_remote_decode=True, do_remote_prefill=False) \
-            if cached and time.time() - cached[1] < 450 else dict(miss)
+            if cached and time.time() - cached[1] < UPSTREAM_CACHE_TTL else dict(miss)
         p_body = dict(body, stream=False, max_tokens=1, kv_transfer_params=params)
         for k in ("max_completion_tokens", "min_tokens", "stream_options"):
             p_body.pop(k, None)
