@@ -25,7 +25,7 @@ from bidir_kv.router.app import FLOW_KEY, build_app
 from bidir_kv.router.flow import RouterFlow
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore
-from bidir_kv.router.stub_engine import StubEngine
+from bidir_kv.tools.stub_engine import StubEngine
 from bidir_kv.topology.base import BackendUnavailable
 from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.topology.redis_server import RedisServer

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bidir_kv.engine.transport import nixl_available
-from bidir_kv.engine.transport.bench import main
 from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.tools.transport_bench import main
 
 
 def test_bench_all_cases_small(

@@ -1,6 +1,6 @@
 """Transports across two processes: side-channel handshake, real reads, notifications, death.
 
-The owner is ``python -m bidir_kv.engine.transport.peer owner`` (a seeded pool behind a
+The owner is ``python -m bidir_kv.tools.transport_peer owner`` (a seeded pool behind a
 side channel, logging each notification it receives); the reader is this process.
 """
 
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from bidir_kv.engine.transport import KVAgent, KVPool, TransportError, create_agent, nixl_available
-from bidir_kv.engine.transport.peer import Peer, seeded_pool_bytes, spawn
 from bidir_kv.engine.transport.sidechannel import PeerInfo, handshake
 from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.tools.transport_peer import PeerProcess, seeded_pool_bytes, spawn
 
 NUM_BLOCKS = 64
 BLOCK_NBYTES = 64 * 1024  # 4 MiB pool
@@ -34,10 +34,10 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _spawn_owner(backend: str, workdir: Path) -> Peer:
+def _spawn_owner(backend: str, workdir: Path) -> PeerProcess:
     return spawn(
         [
-            "owner", "--backend", backend, "--num-blocks", str(NUM_BLOCKS),
+            "owner", "--transport", backend, "--num-blocks", str(NUM_BLOCKS),
             "--block-nbytes", str(BLOCK_NBYTES), "--seed", str(SEED), "--engine-id", "d-1",
         ],
         workdir,
@@ -45,7 +45,7 @@ def _spawn_owner(backend: str, workdir: Path) -> Peer:
 
 
 @pytest.fixture(scope="module")
-def owner(backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
+def owner(backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerProcess]:
     """One owner process per backend; tests tell their notifications apart by reader name."""
     peer = _spawn_owner(backend, tmp_path_factory.mktemp(f"owner-{backend}"))
     try:
@@ -55,7 +55,7 @@ def owner(backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pe
 
 
 @pytest.fixture
-def own_owner(backend: str, tmp_path: Path) -> Iterator[Peer]:
+def own_owner(backend: str, tmp_path: Path) -> Iterator[PeerProcess]:
     """An owner this test may kill."""
     peer = _spawn_owner(backend, tmp_path / "owner")
     try:
@@ -65,7 +65,7 @@ def own_owner(backend: str, tmp_path: Path) -> Iterator[Peer]:
 
 
 async def _connect(
-    backend: str, owner: Peer, name: str = "reader"
+    backend: str, owner: PeerProcess, name: str = "reader"
 ) -> tuple[KVAgent, str, PeerInfo]:
     agent = create_agent(backend, name, KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
     await agent.start(lambda _p, _m: None)
@@ -80,7 +80,7 @@ async def _connect(
 
 
 def _wait_notifs(
-    owner: Peer, readers: set[str], n: int, timeout: float = 30.0
+    owner: PeerProcess, readers: set[str], n: int, timeout: float = 30.0
 ) -> list[tuple[str, str]]:
     """The owner's notifications from ``readers`` once there are ``n`` (or at timeout)."""
     deadline = time.monotonic() + timeout
@@ -91,7 +91,7 @@ def _wait_notifs(
         time.sleep(0.01)
 
 
-def test_read_across_processes(backend: str, owner: Peer) -> None:
+def test_read_across_processes(backend: str, owner: PeerProcess) -> None:
     expected = seeded_pool_bytes(SEED, NUM_BLOCKS, BLOCK_NBYTES)
     remote = [5, 6, 7, 8, 40, 63, 0]
     local = [0, 1, 2, 3, 10, 11, 50]
@@ -117,7 +117,7 @@ def test_read_across_processes(backend: str, owner: Peer) -> None:
     assert notifs == [("reader-1", "cmpl-d-1:1"), ("reader-1", "HB:cmpl-p-9")]
 
 
-def test_whole_pool_read_matches_owner_hash(backend: str, owner: Peer) -> None:
+def test_whole_pool_read_matches_owner_hash(backend: str, owner: PeerProcess) -> None:
     async def main() -> None:
         agent, peer, _ = await _connect(backend, owner, "reader-2")
         try:
@@ -130,7 +130,7 @@ def test_whole_pool_read_matches_owner_hash(backend: str, owner: Peer) -> None:
     asyncio.run(main())
 
 
-def test_out_of_range_and_no_stray_notification(backend: str, owner: Peer) -> None:
+def test_out_of_range_and_no_stray_notification(backend: str, owner: PeerProcess) -> None:
     async def main() -> None:
         agent, peer, _ = await _connect(backend, owner, "reader-3")
         try:
@@ -144,7 +144,7 @@ def test_out_of_range_and_no_stray_notification(backend: str, owner: Peer) -> No
     assert _wait_notifs(owner, {"reader-3"}, 1) == [("reader-3", "good:1")]
 
 
-def test_two_readers_each_notify_exactly_once(backend: str, owner: Peer) -> None:
+def test_two_readers_each_notify_exactly_once(backend: str, owner: PeerProcess) -> None:
     async def main() -> None:
         a, pa, _ = await _connect(backend, owner, "reader-a")
         b, pb, _ = await _connect(backend, owner, "reader-b")
@@ -167,7 +167,7 @@ def test_two_readers_each_notify_exactly_once(backend: str, owner: Peer) -> None
     )
 
 
-def test_dead_owner_fails_the_read_instead_of_hanging(backend: str, own_owner: Peer) -> None:
+def test_dead_owner_fails_the_read_instead_of_hanging(backend: str, own_owner: PeerProcess) -> None:
     owner = own_owner
 
     async def main() -> None:
@@ -191,7 +191,7 @@ def test_dead_owner_fails_the_read_instead_of_hanging(backend: str, own_owner: P
     asyncio.run(main())
 
 
-def test_many_random_concurrent_reads_are_exact(backend: str, owner: Peer) -> None:
+def test_many_random_concurrent_reads_are_exact(backend: str, owner: PeerProcess) -> None:
     """200 reads of random block sets, 8 in flight, each checked; one notification each."""
     import random
 

@@ -21,7 +21,7 @@ from bidir_kv.engine.transport import (
     create_agent,
     nixl_available,
 )
-from bidir_kv.engine.transport.tcp import block_runs
+from bidir_kv.engine.transport.tcp_io import block_runs
 from bidir_kv.testing.plugin import skip_or_fail
 
 BLOCK_NBYTES = 4096

@@ -9,13 +9,14 @@ import msgpack
 import pytest
 
 from bidir_kv.engine.transport import TransportError
-from bidir_kv.engine.transport.framing import MAX_FRAME, decode, encode, read_frame
+from bidir_kv.engine.transport.framing import decode, encode, read_frame
 from bidir_kv.engine.transport.sidechannel import (
     EngineMetadata,
     SideChannelServer,
     compatibility_hash,
     handshake,
 )
+from bidir_kv.engine.transport.wire import MAX_FRAME
 
 
 def test_roundtrip_keeps_bytes_and_ints() -> None:

@@ -41,7 +41,7 @@ def test_auto_prefers_nixl(nixl_ok: None) -> None:
 def test_ucx_without_tcp_falls_back_or_fails_clearly(
     nixl_ok: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # cpu-vllm.md §6.4: UCX_TLS without tcp leaves UCX no active-message transport.
+    # docs/vllm-cpu.md §6.4: UCX_TLS without tcp leaves UCX no active-message transport.
     monkeypatch.setenv("UCX_TLS", "sm,self")
     with caplog.at_level(logging.WARNING, logger="bidir_kv.engine.transport"):
         agent = create_agent("auto", "auto-fallback", _pool())

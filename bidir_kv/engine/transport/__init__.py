@@ -1,6 +1,6 @@
 """Worker-side KV movement: a registered block pool, one-sided READs, notifications.
 
-Backends: ``nixl`` (UCX over DRAM, when ``nixl`` imports) and ``tcp`` (always
+Two transports: ``nixl`` (UCX over DRAM, when ``nixl`` imports) and ``tcp`` (always
 available). :func:`create_agent` picks one; the engine only sees :class:`KVAgent`.
 Heavy imports (``nixl``) happen only when a NIXL agent is asked for, so a TCP engine
 starts fast.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Literal
 
+from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import (
     KVAgent,
     KVPool,
@@ -21,7 +21,8 @@ from bidir_kv.engine.transport.base import (
 )
 
 __all__ = [
-    "BACKENDS",
+    "AUTO",
+    "TRANSPORT_CHOICES",
     "KVAgent",
     "KVPool",
     "NotificationHandler",
@@ -33,8 +34,8 @@ __all__ = [
 
 logger = logging.getLogger("bidir_kv.engine.transport")
 
-Backend = Literal["auto", "nixl", "tcp"]
-BACKENDS: tuple[str, ...] = ("auto", "nixl", "tcp")
+AUTO = "auto"  # NIXL if an agent can be created here, else TCP
+TRANSPORT_CHOICES: tuple[str, ...] = (AUTO, wire.NIXL, wire.TCP)
 
 
 @functools.cache
@@ -49,9 +50,9 @@ def nixl_available() -> tuple[bool, str]:
 
 
 def create_agent(
-    backend: str, name: str, pool: KVPool, *, host: str = "127.0.0.1", port: int = 0
+    transport: str, name: str, pool: KVPool, *, host: str = "127.0.0.1", port: int = 0
 ) -> KVAgent:
-    """A KV agent for ``backend``: ``nixl``, ``tcp``, or ``auto`` (nixl if it works, else tcp).
+    """A KV agent for ``transport``: ``nixl``, ``tcp``, or ``auto`` (nixl if it works, else tcp).
 
     For ``nixl``/``auto`` the NIXL agent (and its UCX backend) is created right here,
     so ``auto`` falls back to TCP, with a logged reason, when it cannot be.
@@ -59,15 +60,17 @@ def create_agent(
     ``host``/``port`` are where the TCP agent listens for data (the NIXL agent talks
     through UCX and ignores them).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown transport {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend in ("auto", "nixl"):
+    if transport not in TRANSPORT_CHOICES:
+        raise ValueError(
+            f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORT_CHOICES)}"
+        )
+    if transport in (AUTO, wire.NIXL):
         try:
             from bidir_kv.engine.transport.nixl import NixlAgent
 
             return NixlAgent(name, pool)
         except TransportError as exc:
-            if backend == "nixl":
+            if transport == wire.NIXL:
                 raise
             logger.warning("NIXL transport unavailable (%s); using TCP", exc)
     from bidir_kv.engine.transport.tcp import TcpAgent

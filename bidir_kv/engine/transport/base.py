@@ -61,7 +61,7 @@ NotificationHandler = Callable[[str, bytes], Awaitable[None] | None]
 class KVAgent(abc.ABC):
     """One engine's transport endpoint."""
 
-    backend: str  # "tcp" | "nixl"
+    backend: str  # the transport this agent speaks: wire.TCP or wire.NIXL
 
     def __init__(self, name: str, pool: KVPool) -> None:
         self.name = name

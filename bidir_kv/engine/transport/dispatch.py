@@ -24,7 +24,6 @@ class NotificationDispatcher:
         self._handler = handler
         self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
-        self.delivered = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -44,8 +43,6 @@ class NotificationDispatcher:
                 raise
             except Exception:
                 logger.exception("notification handler failed for %r from %s", message, peer)
-            finally:
-                self.delivered += 1
 
     async def close(self) -> None:
         if self._task is not None:

@@ -1,7 +1,8 @@
-"""Length-prefixed msgpack frames, the control encoding of the side channel and TCP transport.
+"""Encoding of our wire: length-prefixed msgpack frames and agent metadata blobs.
 
-A frame is a 4-byte big-endian unsigned length followed by that many bytes of one
-msgpack map. Bulk KV bytes never go through msgpack: the TCP transport sends them raw
+A frame (``wire.FRAME_HEADER``) is a 4-byte big-endian unsigned length followed by that
+many bytes of one msgpack map: the control encoding of the side channel and the TCP
+transport. Bulk KV bytes never go through msgpack: the TCP transport sends them raw
 right after a header frame that announces their size.
 """
 
@@ -9,18 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import struct
 from typing import Any
 
 import msgpack
 
+from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import TransportError
 
 __all__ = [
-    "MAX_FRAME",
     "checked_map",
     "decode",
+    "decode_agent_metadata",
     "encode",
+    "encode_agent_metadata",
     "read_frame",
     "sock_read_frame",
     "sock_recv_into",
@@ -28,16 +30,13 @@ __all__ = [
     "write_frame",
 ]
 
-MAX_FRAME = 16 * 1024 * 1024  # control frames only; agent metadata blobs are KBs
-_HEADER = struct.Struct(">I")
-
 
 def encode(obj: dict[str, Any]) -> bytes:
     """One frame (header + body) for ``obj``."""
     body = msgpack.packb(obj, use_bin_type=True)
-    if len(body) > MAX_FRAME:
-        raise TransportError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
-    return _HEADER.pack(len(body)) + body
+    if len(body) > wire.MAX_FRAME:
+        raise TransportError(f"frame of {len(body)} bytes exceeds the {wire.MAX_FRAME}-byte limit")
+    return wire.FRAME_HEADER.pack(len(body)) + body
 
 
 def decode(body: bytes) -> dict[str, Any]:
@@ -64,12 +63,15 @@ def checked_map(obj: Any, kinds: dict[str, type], what: str) -> dict[str, Any]:
     return obj
 
 
-def decode_peer_metadata(
-    metadata: bytes,
-    transport: str,
-    version: int,
-    kinds: dict[str, type],
-    block_nbytes: int,
+def encode_agent_metadata(transport: str, fields: dict[str, Any]) -> bytes:
+    """An agent's ``metadata()`` blob: its transport tag, the wire version, ``fields``."""
+    return msgpack.packb(
+        {wire.TRANSPORT: transport, wire.VERSION: wire.WIRE_VERSION, **fields}, use_bin_type=True
+    )
+
+
+def decode_agent_metadata(
+    metadata: bytes, transport: str, kinds: dict[str, type], block_nbytes: int
 ) -> dict[str, Any]:
     """A peer agent's ``metadata()`` blob, checked: right transport, wire version,
     field types, and the same block size as ours (rows are copied whole)."""
@@ -78,34 +80,34 @@ def decode_peer_metadata(
         raw = msgpack.unpackb(metadata, raw=False)
     except (ValueError, msgpack.UnpackException) as exc:
         raise TransportError(f"malformed {label} agent metadata: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("transport") != transport:
+    if not isinstance(raw, dict) or raw.get(wire.TRANSPORT) != transport:
         raise TransportError(f"peer metadata is not from a {label} agent")
-    if raw.get("v") != version:
-        raise TransportError(f"{label} agent metadata version {raw.get('v')!r} unsupported")
+    version = raw.get(wire.VERSION)
+    if version != wire.WIRE_VERSION:
+        raise TransportError(f"{label} agent metadata version {version!r} unsupported")
     md = checked_map(raw, kinds, f"{label} agent metadata")
     if md["block_nbytes"] != block_nbytes:
         raise TransportError(
-            f"peer {md['name']} has {md['block_nbytes']}-byte blocks, "
-            f"ours are {block_nbytes} bytes"
+            f"peer {md['name']} has {md['block_nbytes']}-byte blocks, ours are {block_nbytes} bytes"
         )
     return md
 
 
 def _check_length(n: int) -> int:
-    if n > MAX_FRAME:
-        raise TransportError(f"peer announced a {n}-byte frame (limit {MAX_FRAME})")
+    if n > wire.MAX_FRAME:
+        raise TransportError(f"peer announced a {n}-byte frame (limit {wire.MAX_FRAME})")
     return n
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
     """Next frame from a stream, or ``None`` on a clean end of stream between frames."""
     try:
-        header = await reader.readexactly(_HEADER.size)
+        header = await reader.readexactly(wire.FRAME_HEADER.size)
     except asyncio.IncompleteReadError as exc:
         if not exc.partial:
             return None
         raise TransportError("connection closed inside a frame header") from None
-    (n,) = _HEADER.unpack(header)
+    (n,) = wire.FRAME_HEADER.unpack(header)
     try:
         body = await reader.readexactly(_check_length(n))
     except asyncio.IncompleteReadError:
@@ -135,13 +137,13 @@ async def sock_read_frame(
     loop: asyncio.AbstractEventLoop, sock: socket.socket
 ) -> dict[str, Any] | None:
     """Next frame from a raw socket, or ``None`` on a clean close between frames."""
-    header = bytearray(_HEADER.size)
+    header = bytearray(wire.FRAME_HEADER.size)
     n = await loop.sock_recv_into(sock, header)
     if n == 0:
         return None
     if n < len(header):
         await sock_recv_into(loop, sock, memoryview(header)[n:])
-    (size,) = _HEADER.unpack(header)
+    (size,) = wire.FRAME_HEADER.unpack(header)
     body = bytearray(_check_length(size))
     await sock_recv_into(loop, sock, memoryview(body))
     return decode(bytes(body))

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 
+from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import (
     KVAgent,
     KVPool,
@@ -31,18 +31,17 @@ from bidir_kv.engine.transport.base import (
     TransportError,
 )
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
-from bidir_kv.engine.transport.framing import decode_peer_metadata
+from bidir_kv.engine.transport.framing import decode_agent_metadata, encode_agent_metadata
 
-__all__ = ["NixlAgent", "probe"]
+__all__ = ["NixlAgent", "nixl_api", "probe"]
 
 logger = logging.getLogger("bidir_kv.engine.transport")
 
-WIRE_VERSION = 1
-_MEM = "DRAM"
-_MD_FIELDS = {"name": str, "agent_md": bytes, "base": int, "num_blocks": int, "block_nbytes": int}
+_MEM = "DRAM"  # NIXL's memory type for host memory
 
 
-def _nixl_api() -> Any:
+def nixl_api() -> Any:
+    """NIXL's Python API, imported on first use (it brings up UCX's libraries)."""
     # vLLM sets this whenever NIXL is available; UCX reads it at context creation.
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
     import nixl._api as api
@@ -63,7 +62,7 @@ def _prog_thread_default() -> bool:
 
 def _new_agent(name: str, backends: Sequence[str], prog_thread: bool | None = None) -> Any:
     try:
-        api = _nixl_api()
+        api = nixl_api()
     except ImportError as exc:
         raise TransportError(f"nixl does not import: {exc}") from None
     conf = api.nixl_agent_config(
@@ -81,7 +80,7 @@ def _new_agent(name: str, backends: Sequence[str], prog_thread: bool | None = No
 def probe() -> tuple[bool, str]:
     """Can a UCX-backed NIXL agent be created in this process? ``(ok, reason)``."""
     try:
-        _nixl_api()
+        nixl_api()
     except Exception as exc:
         return False, f"nixl does not import: {exc}"
     try:
@@ -128,7 +127,7 @@ class _Peer:
 class NixlAgent(KVAgent):
     """READs over NIXL/UCX with notifications, one DRAM registration per pool."""
 
-    backend = "nixl"
+    backend = wire.NIXL
 
     def __init__(
         self,
@@ -196,24 +195,20 @@ class NixlAgent(KVAgent):
 
     def metadata(self) -> bytes:
         agent = self._live()
-        return msgpack.packb(
+        return encode_agent_metadata(
+            wire.NIXL,
             {
-                "transport": "nixl",
-                "v": WIRE_VERSION,
                 "name": self.name,
                 "agent_md": agent.get_agent_metadata(),
                 "base": int(self.pool.data.ctypes.data),
                 "num_blocks": self.pool.num_blocks,
                 "block_nbytes": self.pool.block_nbytes,
             },
-            use_bin_type=True,
         )
 
     async def add_peer(self, metadata: bytes) -> str:
         agent = self._live()
-        md = decode_peer_metadata(
-            metadata, "nixl", WIRE_VERSION, _MD_FIELDS, self.pool.block_nbytes
-        )
+        md = decode_agent_metadata(metadata, wire.NIXL, wire.NIXL_METADATA, self.pool.block_nbytes)
         self._drop_peer(md["name"])  # re-registration (new generation): start afresh
         try:
             raw_name = agent.add_remote_agent(md["agent_md"])

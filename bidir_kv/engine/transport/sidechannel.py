@@ -3,10 +3,11 @@
 Every engine listens on ``VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANNEL_PORT``.
 A reader connects, asks for the metadata once and pings a few more times; each answer
 carries the responder's ``time.perf_counter()``, and the lowest-RTT sample gives the
-clock offset that P uses to judge D's ``remote_blocks_expiry_time`` (protocol.md §5.3).
+clock offset that P uses to judge D's ``remote_blocks_expiry_time`` (docs/protocol.md §5.3).
 
 The role matches vLLM's ZMQ side channel, but the wire is our own (length-prefixed
-msgpack over plain TCP, see ``docs/transports.md``): it is not wire-compatible with vLLM.
+msgpack over plain TCP; names and version in :mod:`.wire`, drawn in ``docs/transports.md``):
+it is not wire-compatible with vLLM.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import bidir_kv
+from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import TransportError
 from bidir_kv.engine.transport.framing import checked_map, read_frame, write_frame
 from bidir_kv.policy import HandshakeSample, clock_offset
 
 __all__ = [
-    "CONNECTOR_VERSION",
     "DEFAULT_SIDE_CHANNEL_HOST",
     "DEFAULT_SIDE_CHANNEL_PORT",
     "EngineMetadata",
@@ -40,10 +41,6 @@ __all__ = [
 
 logger = logging.getLogger("bidir_kv.engine.transport")
 
-# Bumped whenever the side-channel or transport wire changes incompatibly. vLLM's own
-# connector version is 15 in 0.33.0 (protocol.md §3.6); ours is independent.
-CONNECTOR_VERSION = 1
-PROTOCOL_VERSION = 1
 DEFAULT_SIDE_CHANNEL_HOST = "localhost"
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_SAMPLES = 3
@@ -66,9 +63,9 @@ def compatibility_hash(
     extra: Mapping[str, Any] | None = None,
     *,
     version: str = bidir_kv.__version__,
-    connector_version: int = CONNECTOR_VERSION,
+    connector_version: int = wire.WIRE_VERSION,
 ) -> str:
-    """SHA-256 over our version, the connector version and engine facts (``extra``).
+    """SHA-256 over our version, the wire version and engine facts (``extra``).
 
     Like vLLM's hash, two engines only exchange KV when they agree on everything
     that shapes the bytes; pass e.g. model name, block size and KV bytes per token.
@@ -84,7 +81,7 @@ class EngineMetadata:
 
     engine_id: str
     compat_hash: str
-    backend: str  # "tcp" | "nixl"
+    backend: str  # the transport: wire.TCP or wire.NIXL (KVAgent.backend)
     agent_metadata: bytes  # KVAgent.metadata()
     block_size: int  # tokens per block
     block_nbytes: int  # bytes per block (all layers)
@@ -207,35 +204,37 @@ class SideChannelServer:
                 await writer.wait_closed()
 
     def _answer(self, req: dict[str, Any]) -> dict[str, Any]:
-        op = req.get("op")
-        if req.get("v") != PROTOCOL_VERSION:
-            return {"ok": False, "error": f"unsupported side-channel version {req.get('v')!r}"}
-        if op == "get_meta":
+        op = req.get(wire.OP)
+        version = req.get(wire.VERSION)
+        if version != wire.WIRE_VERSION:
+            return wire.refuse(f"unsupported side-channel version {version!r}")
+        if op == wire.OP_GET_META:
             try:
                 meta = self._metadata().to_wire()
             except Exception as exc:  # the engine is not ready (e.g. re-registering)
-                return {"ok": False, "error": f"metadata unavailable: {exc}"}
-            return {"ok": True, "meta": meta, "now": self._clock()}
-        if op == "ping":
-            return {"ok": True, "now": self._clock()}
-        return {"ok": False, "error": f"unknown side-channel op {op!r}"}
+                return wire.refuse(f"metadata unavailable: {exc}")
+            return wire.accept({wire.META: meta, wire.NOW: self._clock()})
+        if op == wire.OP_PING:
+            return wire.accept({wire.NOW: self._clock()})
+        return wire.refuse(f"unknown side-channel op {op!r}")
 
 
 async def _exchange(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
-    req: dict[str, Any],
+    op: str,
     clock: Callable[[], float],
 ) -> tuple[dict[str, Any], HandshakeSample]:
     send = clock()
-    await write_frame(writer, req)
+    await write_frame(writer, {wire.OP: op, wire.VERSION: wire.WIRE_VERSION})
     resp = await read_frame(reader)
     recv = clock()
     if resp is None:
         raise TransportError("side channel closed the connection without answering")
-    if not resp.get("ok"):
-        raise TransportError(f"side channel refused {req['op']}: {resp.get('error')}")
-    now = resp.get("now")
+    refused = wire.refusal(resp)
+    if refused is not None:
+        raise TransportError(f"side channel refused {op}: {refused}")
+    now = resp.get(wire.NOW)
     if not isinstance(now, float | int) or isinstance(now, bool):
         raise TransportError(f"side channel answer lacks a clock reading: {now!r}")
     return resp, HandshakeSample(send=send, recv=recv, remote_now=float(now))
@@ -256,7 +255,8 @@ async def handshake(
     """Fetch a peer's metadata, check compatibility, and estimate its clock offset.
 
     Raises :class:`TransportError` on timeout, refusal, a hash mismatch (unless
-    ``enforce_compat`` is false), an engine-id mismatch or a transport-backend mismatch.
+    ``enforce_compat`` is false), an engine-id mismatch or, when ``backend`` (our
+    transport, ``KVAgent.backend``) is given, a peer speaking another transport.
     """
     if samples < 1:
         raise ValueError(f"handshake needs at least one sample, got {samples}")
@@ -265,14 +265,12 @@ async def handshake(
     async def run() -> tuple[EngineMetadata, list[HandshakeSample]]:
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            resp, first = await _exchange(
-                reader, writer, {"op": "get_meta", "v": PROTOCOL_VERSION}, clock
-            )
+            resp, first = await _exchange(reader, writer, wire.OP_GET_META, clock)
             got = [first]
             for _ in range(samples - 1):
-                _, s = await _exchange(reader, writer, {"op": "ping", "v": PROTOCOL_VERSION}, clock)
+                _, s = await _exchange(reader, writer, wire.OP_PING, clock)
                 got.append(s)
-            return EngineMetadata.from_wire(resp.get("meta")), got
+            return EngineMetadata.from_wire(resp.get(wire.META)), got
         finally:
             writer.close()
             with contextlib.suppress(Exception):
@@ -314,7 +312,7 @@ async def handshake(
         )
     if backend is not None and meta.backend != backend:
         raise TransportError(
-            f"transport backend mismatch with engine {meta.engine_id}: "
+            f"transport mismatch with engine {meta.engine_id}: "
             f"peer uses {meta.backend}, we use {backend}"
         )
     return PeerInfo(host=host, port=port, meta=meta, samples=tuple(got), offset=clock_offset(got))

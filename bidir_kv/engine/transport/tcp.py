@@ -1,29 +1,21 @@
 """A KV transport over plain TCP: real bytes, reader-initiated, notification on completion.
 
-The owner listens on its own data port (published in ``metadata()``); a reader sends
-a read request naming block ids and the notification, the owner checks the ids and
-streams the rows raw, the reader receives them straight into its pool rows, then says
-"done" and the owner hands the notification to its engine. Wire format:
-``docs/transports.md``.
-
-Bulk data moves with ``loop.sock_sendall``/``loop.sock_recv_into`` on memoryviews of the
-pools, so no per-block Python copies are made; consecutive block ids go as one run.
+The owner (:mod:`.tcp_owner`) listens on its own data port, published in ``metadata()``;
+a reader sends a read request naming block ids and the notification, receives the rows
+straight into its pool rows, then says "done" and the owner hands the notification to
+its engine. Messages: :mod:`.wire`; drawn in ``docs/transports.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-import msgpack
-import numpy as np
-
+from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import (
     KVAgent,
     KVPool,
@@ -33,62 +25,20 @@ from bidir_kv.engine.transport.base import (
 )
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
 from bidir_kv.engine.transport.framing import (
-    decode_peer_metadata,
+    decode_agent_metadata,
+    encode_agent_metadata,
     sock_read_frame,
     sock_recv_into,
     sock_write_frame,
 )
+from bidir_kv.engine.transport.tcp_io import block_runs, check_ids, pool_rows, tune
+from bidir_kv.engine.transport.tcp_owner import TcpOwner
 
-__all__ = ["TcpAgent", "block_runs"]
+__all__ = ["TcpAgent"]
 
-logger = logging.getLogger("bidir_kv.engine.transport")
-
-WIRE_VERSION = 1
-_SOCK_BUF = 4 * 1024 * 1024
 _WILDCARDS = ("", "0.0.0.0", "::")
-_MD_FIELDS = {"name": str, "host": str, "port": int, "num_blocks": int, "block_nbytes": int}
 _MAX_IDLE = 8  # pooled connections kept per peer after a burst of concurrent reads
-
-
-def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int]]:
-    """``(start, count)`` runs of consecutive ids, in order: one syscall stream per run."""
-    i = 0
-    n = len(blocks)
-    while i < n:
-        start = blocks[i]
-        j = i + 1
-        while j < n and blocks[j] == start + (j - i):
-            j += 1
-        yield start, j - i
-        i = j
-
-
-def _rows(pool: KVPool, start: int, count: int) -> memoryview:
-    rows: Any = pool.data[start : start + count].reshape(-1)
-    return memoryview(rows)
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setblocking(False)
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCK_BUF)
-
-
-def _check_ids(ids: Any, num_blocks: int, what: str) -> list[int]:
-    if not isinstance(ids, list | tuple):
-        raise TransportError(f"{what} block ids must be a list, got {type(ids).__name__}")
-    out: list[int] = []
-    for b in ids:
-        if isinstance(b, bool) or not isinstance(b, int | np.integer):
-            raise TransportError(f"{what} block id {b!r} is not an integer")
-        if not 0 <= int(b) < num_blocks:
-            raise TransportError(
-                f"{what} block id {int(b)} out of range for a pool of {num_blocks} blocks"
-            )
-        out.append(int(b))
-    return out
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -100,11 +50,16 @@ class _Peer:
     block_nbytes: int
     idle: list[socket.socket] = field(default_factory=list)
 
+    def drop_idle(self) -> None:
+        for s in self.idle:
+            s.close()
+        self.idle.clear()
+
 
 class TcpAgent(KVAgent):
     """The always-available transport; also the reference the NIXL agent is tested against."""
 
-    backend = "tcp"
+    backend = wire.TCP
 
     def __init__(
         self,
@@ -119,55 +74,28 @@ class TcpAgent(KVAgent):
         self.host = host
         self.port = port
         self.io_timeout = io_timeout
-        self._listener: socket.socket | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._owner: TcpOwner | None = None
         self._peers: dict[str, _Peer] = {}
         self._dispatch: NotificationDispatcher | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self, on_notification: NotificationHandler) -> None:
-        if self._listener is not None:
+        if self._owner is not None:
             raise TransportError(f"agent {self.name} already started")
-        loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-        if not infos:
-            raise TransportError(f"cannot resolve data host {self.host!r}")
-        family, _, _, _, addr = infos[0]
-        lsock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            lsock.bind(addr)
-            lsock.listen(64)
-        except OSError as exc:
-            lsock.close()
-            raise TransportError(
-                f"TCP transport cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
-            ) from None
-        lsock.setblocking(False)
-        self._listener = lsock
-        self.port = int(lsock.getsockname()[1])
-        self._dispatch = NotificationDispatcher(on_notification)
-        self._dispatch.start()
-        self._spawn(self._accept_loop(lsock))
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        dispatch = NotificationDispatcher(on_notification)
+        owner = TcpOwner(self.pool, dispatch)
+        self.port = await owner.listen(self.host, self.port)
+        self._owner = owner
+        self._dispatch = dispatch
+        dispatch.start()
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._owner is not None:
+            await self._owner.close()
+            self._owner = None
         for peer in self._peers.values():
-            for s in peer.idle:
-                s.close()
+            peer.drop_idle()
         self._peers.clear()
         if self._dispatch is not None:
             await self._dispatch.close()
@@ -181,29 +109,24 @@ class TcpAgent(KVAgent):
         return self.host
 
     def metadata(self) -> bytes:
-        if self._listener is None:
+        if self._owner is None:
             raise TransportError(f"agent {self.name} is not started")
-        return msgpack.packb(
+        return encode_agent_metadata(
+            wire.TCP,
             {
-                "transport": "tcp",
-                "v": WIRE_VERSION,
                 "name": self.name,
                 "host": self.advertised_host,
                 "port": self.port,
                 "num_blocks": self.pool.num_blocks,
                 "block_nbytes": self.pool.block_nbytes,
             },
-            use_bin_type=True,
         )
 
     async def add_peer(self, metadata: bytes) -> str:
-        md = decode_peer_metadata(
-            metadata, "tcp", WIRE_VERSION, _MD_FIELDS, self.pool.block_nbytes
-        )
+        md = decode_agent_metadata(metadata, wire.TCP, wire.TCP_METADATA, self.pool.block_nbytes)
         old = self._peers.pop(md["name"], None)
         if old is not None:
-            for s in old.idle:
-                s.close()
+            old.drop_idle()
         peer = _Peer(
             md["name"], md["host"], int(md["port"]), int(md["num_blocks"]), int(md["block_nbytes"])
         )
@@ -230,7 +153,7 @@ class TcpAgent(KVAgent):
             raise TransportError(f"cannot resolve {where}: {exc}") from None
         family, _, _, _, addr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
-        _tune(sock)
+        tune(sock)
         try:
             await loop.sock_connect(sock, addr)
         except OSError as exc:
@@ -244,7 +167,7 @@ class TcpAgent(KVAgent):
         else:
             sock.close()
 
-    async def _request(self, peer: _Peer, work: Any) -> Any:
+    async def _request(self, peer: _Peer, work: Callable[[socket.socket], Awaitable[_T]]) -> _T:
         """Run ``work(sock)`` on a pooled connection; a broken connection is discarded.
 
         A pooled connection the owner has meanwhile closed (restart, idle close) fails
@@ -305,29 +228,35 @@ class TcpAgent(KVAgent):
             raise TransportError(
                 f"read pairs {len(local_blocks)} local with {len(remote_blocks)} remote blocks"
             )
-        local = _check_ids(list(local_blocks), self.pool.num_blocks, "local")
+        local = check_ids(list(local_blocks), self.pool.num_blocks, "local")
         remote = [int(b) for b in remote_blocks]
         nbytes = len(local) * self.pool.block_nbytes
         loop = asyncio.get_running_loop()
         times: dict[str, float] = {}
 
-        req = {"op": "read", "from": self.name, "blocks": remote, "notif": bytes(notification)}
+        req = {
+            wire.OP: wire.OP_READ,
+            wire.SENDER: self.name,
+            wire.BLOCKS: remote,
+            wire.NOTIFICATION: bytes(notification),
+        }
 
         async def work(sock: socket.socket) -> None:
             t0 = time.perf_counter()
             head = await self._first_answer(loop, sock, req)
             times["post"] = time.perf_counter() - t0
-            if not head.get("ok"):
-                raise _Refused(str(head.get("error")))
-            if head.get("nbytes") != nbytes:
+            refused = wire.refusal(head)
+            if refused is not None:
+                raise _Refused(refused)
+            if head.get(wire.NBYTES) != nbytes:
                 raise TransportError(
-                    f"owner announced {head.get('nbytes')} bytes, expected {nbytes}"
+                    f"owner announced {head.get(wire.NBYTES)} bytes, expected {nbytes}"
                 )
             for start, count in block_runs(local):
-                await sock_recv_into(loop, sock, _rows(self.pool, start, count))
-            await sock_write_frame(loop, sock, {"op": "done"})
+                await sock_recv_into(loop, sock, pool_rows(self.pool, start, count))
+            await sock_write_frame(loop, sock, {wire.OP: wire.OP_DONE})
             ack = await sock_read_frame(loop, sock)
-            if ack is None or not ack.get("ok"):
+            if ack is None or wire.refusal(ack) is not None:
                 raise TransportError(f"owner did not acknowledge completion: {ack!r}")
             times["xfer"] = time.perf_counter() - t0
 
@@ -340,71 +269,15 @@ class TcpAgent(KVAgent):
         p = self._peer(peer)
         loop = asyncio.get_running_loop()
 
-        req = {"op": "notif", "from": self.name, "msg": bytes(message)}
+        req = {wire.OP: wire.OP_NOTIF, wire.SENDER: self.name, wire.MESSAGE: bytes(message)}
 
         async def work(sock: socket.socket) -> None:
             ack = await self._first_answer(loop, sock, req)
-            if not ack.get("ok"):
-                raise _Refused(str(ack.get("error")))
+            refused = wire.refusal(ack)
+            if refused is not None:
+                raise _Refused(refused)
 
         await self._request(p, work)
-
-    # -- owner side ------------------------------------------------------------------
-
-    async def _accept_loop(self, lsock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(lsock)
-            except OSError:
-                return
-            _tune(conn)
-            self._spawn(self._serve(conn))
-
-    async def _serve(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                req = await sock_read_frame(loop, sock)
-                if req is None:
-                    return
-                op = req.get("op")
-                if op == "read":
-                    await self._serve_read(loop, sock, req)
-                elif op == "notif":
-                    self._deliver(req.get("from"), req.get("msg"))
-                    await sock_write_frame(loop, sock, {"ok": True})
-                else:
-                    await sock_write_frame(loop, sock, {"ok": False, "error": f"unknown op {op!r}"})
-        except (OSError, TransportError) as exc:
-            logger.debug("TCP transport: connection dropped: %s", exc)
-        finally:
-            sock.close()
-
-    def _deliver(self, peer: Any, message: Any) -> None:
-        if not isinstance(peer, str) or not isinstance(message, bytes):
-            raise TransportError(f"malformed notification from {peer!r}: {message!r}")
-        if message and self._dispatch is not None:
-            self._dispatch.put(peer, message)
-
-    async def _serve_read(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, req: dict[str, Any]
-    ) -> None:
-        try:
-            blocks = _check_ids(req.get("blocks"), self.pool.num_blocks, "requested")
-        except TransportError as exc:
-            await sock_write_frame(loop, sock, {"ok": False, "error": str(exc)})
-            return
-        await sock_write_frame(
-            loop, sock, {"ok": True, "nbytes": len(blocks) * self.pool.block_nbytes}
-        )
-        for start, count in block_runs(blocks):
-            await loop.sock_sendall(sock, _rows(self.pool, start, count))
-        done = await sock_read_frame(loop, sock)
-        if done is None or done.get("op") != "done":
-            raise TransportError(f"reader did not confirm the read: {done!r}")
-        self._deliver(req.get("from"), req.get("notif"))
-        await sock_write_frame(loop, sock, {"ok": True})
 
 
 class _Refused(Exception):

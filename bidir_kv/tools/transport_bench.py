@@ -1,9 +1,9 @@
 """Transfer benchmark: our KV agents (and the engine's D→P path) against a raw NIXL READ.
 
-``python -m bidir_kv.engine.transport.bench`` measures, in one run:
+``python -m bidir_kv.tools.transport_bench`` measures, in one run:
 
 * ``raw-nixl``: a bare two-process NIXL/UCX DRAM READ of ``--mib`` MiB, the recipe of
-  cpu-vllm.md §6.2 (target in a child process, tight polling in the initiator);
+  docs/vllm-cpu.md §6.2 (target in a child process, tight polling in the initiator);
 * ``raw-nixl-pt``: the same with NIXL's progress thread on in both processes, as the
   recipe has it (our agents run without it; see docs/transports.md);
 * ``raw-tcp``: the same bytes over a plain blocking loopback socket (the ceiling for
@@ -40,9 +40,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from bidir_kv.engine.transport import KVPool, create_agent, nixl_available
-from bidir_kv.engine.transport.peer import Peer, seeded_pool_bytes, spawn
+from bidir_kv.engine.transport import KVPool, create_agent, nixl_available, wire
 from bidir_kv.engine.transport.sidechannel import handshake
+from bidir_kv.tools.transport_peer import PeerProcess, seeded_pool_bytes, spawn
 
 __all__ = ["CASES", "CaseResult", "main"]
 
@@ -85,7 +85,7 @@ def _sha(arr: np.ndarray) -> str:
 
 
 class RawNixl:
-    """cpu-vllm.md §6.2: one region, ``initialize_xfer`` READ, tight ``check_xfer_state``.
+    """docs/vllm-cpu.md §6.2: one region, ``initialize_xfer`` READ, tight ``check_xfer_state``.
 
     ``raw-nixl`` runs both agents without NIXL's progress thread (the tight poll drives
     UCX; fastest on a small shared machine, so the strictest baseline); ``raw-nixl-pt``
@@ -93,7 +93,7 @@ class RawNixl:
     """
 
     def __init__(self, nbytes: int, workdir: Path, *, prog_thread: bool = False) -> None:
-        from bidir_kv.engine.transport.nixl import _nixl_api
+        from bidir_kv.engine.transport.nixl import nixl_api
 
         self.name = "raw-nixl-pt" if prog_thread else "raw-nixl"
         self.note = "bare nixl_agent, 1 descriptor, tight poll" + (
@@ -101,10 +101,10 @@ class RawNixl:
         )
         self.nbytes = nbytes
         flags = ["--prog-thread"] if prog_thread else []
-        self.target: Peer = spawn(
+        self.target: PeerProcess = spawn(
             ["raw-target", "--nbytes", str(nbytes), "--seed", "7", *flags], workdir / self.name
         )
-        api = _nixl_api()
+        api = nixl_api()
         conf = api.nixl_agent_config(enable_prog_thread=prog_thread, backends=["UCX"])
         self.agent = api.nixl_agent(f"{self.name}-initiator", conf)
         self.remote = self.agent.add_remote_agent(self.target.ready["agent_md"])
@@ -178,30 +178,30 @@ class RawTcp:
 class AgentRead:
     """``KVAgent.read()`` of every block of an owner process, peer found by handshake."""
 
-    def __init__(self, backend: str, nbytes: int, block_nbytes: int, workdir: Path) -> None:
-        self.name = f"agent-{backend}"
+    def __init__(self, transport: str, nbytes: int, block_nbytes: int, workdir: Path) -> None:
+        self.name = f"agent-{transport}"
         self.nbytes = nbytes
         n = nbytes // block_nbytes
         self.note = f"KVAgent.read of {n} x {block_nbytes // 1024} KiB blocks"
         self.blocks = list(range(n))
         self.runner = asyncio.Runner()
         self.owner = spawn(
-            ["owner", "--backend", backend, "--num-blocks", str(n),
+            ["owner", "--transport", transport, "--num-blocks", str(n),
              "--block-nbytes", str(block_nbytes), "--seed", "11"],
             workdir / self.name,
         )  # fmt: skip
         self.expected = _sha(seeded_pool_bytes(11, n, block_nbytes))
         self.pool = KVPool(np.ones((n, block_nbytes), dtype=np.uint8))
-        self.agent = create_agent(backend, f"bench-reader-{backend}", self.pool)
-        self.peer = self.runner.run(self._connect(backend))
+        self.agent = create_agent(transport, f"bench-reader-{transport}", self.pool)
+        self.peer = self.runner.run(self._connect(transport))
 
-    async def _connect(self, backend: str) -> str:
+    async def _connect(self, transport: str) -> str:
         await self.agent.start(lambda _peer, _msg: None)
         info = await handshake(
             "127.0.0.1",
             self.owner.ready["side_channel_port"],
             local_hash=self.owner.ready["compat_hash"],
-            backend=backend,
+            backend=transport,
         )
         return await self.agent.add_peer(info.meta.agent_metadata)
 
@@ -233,7 +233,7 @@ def _make(name: str, nbytes: int, block_nbytes: int, workdir: Path, args: Any) -
         return RawTcp(nbytes, workdir)
     if name.startswith("agent-"):
         return AgentRead(name.removeprefix("agent-"), nbytes, block_nbytes, workdir)
-    from bidir_kv.engine.transport.engine_bench import EngineD2P
+    from bidir_kv.tools.engine_d2p import EngineD2P
 
     return EngineD2P(nbytes, workdir, transport=args.engine_transport)
 
@@ -306,7 +306,7 @@ def _terminate(signum: int, _frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m bidir_kv.engine.transport.bench",
+        prog="python -m bidir_kv.tools.transport_bench",
         description="KV transfer bandwidth of our transports vs a raw NIXL READ, same run.",
     )
     ap.add_argument("--mib", type=int, default=64, help="bytes per transfer, MiB (default 64)")
@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "whose progress threads would load the other cases)",
     )
     ap.add_argument(
-        "--engine-transport", choices=("nixl", "tcp"), default="nixl",
+        "--engine-transport", choices=(wire.NIXL, wire.TCP), default=wire.NIXL,
         help="transport of the two engines in engine-d2p",
     )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None, help="also write results as JSON")

@@ -1,6 +1,6 @@
 """Startup benchmark: launch-to-``/health``-200 of ``bidir-kv engine`` per transport.
 
-``python -m bidir_kv.engine.bench_startup --transport tcp nixl --runs 5`` starts one
+``python -m bidir_kv.tools.startup_bench --transport tcp nixl --runs 5`` starts one
 engine at a time (so runs do not compete for the CPU), polls ``/health`` every 5 ms
 and prints min/median per transport, next to the cost of a bare interpreter that only
 imports the engine's dependencies, measured in the same run as the baseline.
@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from bidir_kv.engine.transport import TRANSPORT_CHOICES
 from bidir_kv.topology.process import ManagedProcess, free_port
 
 __all__ = ["main", "measure_once"]
@@ -64,8 +65,8 @@ def baseline_import() -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bidir_kv.engine.bench_startup")
-    p.add_argument("--transport", nargs="+", default=["tcp"], choices=("tcp", "nixl", "auto"))
+    p = argparse.ArgumentParser(prog="python -m bidir_kv.tools.startup_bench")
+    p.add_argument("--transport", nargs="+", default=["tcp"], choices=TRANSPORT_CHOICES)
     p.add_argument("--runs", type=int, default=5)
     ns = p.parse_args(argv)
     if ns.runs < 1:

@@ -227,10 +227,10 @@ class StubEngine:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bidir_kv.router.stub_engine --port N [--name p0]`` (benchmark upstream)."""
+    """``python -m bidir_kv.tools.stub_engine --port N [--name p0]`` (benchmark upstream)."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m bidir_kv.router.stub_engine")
+    ap = argparse.ArgumentParser(prog="python -m bidir_kv.tools.stub_engine")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--name", default="stub")

@@ -1,9 +1,10 @@
-"""The engine's real D→P readback, measured the way vLLM reports it: P's ``/metrics``.
+"""The ``engine-d2p`` case of ``transport_bench``: the engine's real D→P readback,
+measured the way vLLM reports it: P's ``/metrics``.
 
 Two ``bidir-kv engine`` processes (``LocalTopology``, 1P1D, no router), vLLM's request
 flow per round: turn 1 (miss dict → P with ``max_tokens=1``, P's dict → D), then turn 2
-on P with D's dict and a prompt that extends D's sequence. P has prefix caching off
-(as in the AWS blog's setup), so it pulls D's whole retained history: with
+on P with D's dict and a prompt that extends D's sequence. P has prefix caching off,
+so it pulls D's whole retained history: with
 ``kv_bytes_per_token = nbytes / 1024`` that is 1024 tokens = ``nbytes`` of real KV.
 The round's time is P's ``vllm:nixl_xfer_time_seconds`` delta; its bytes the
 ``vllm:nixl_bytes_transferred`` delta, which must equal what the flow implies.

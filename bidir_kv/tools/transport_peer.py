@@ -1,12 +1,12 @@
 """A stand-alone block owner in its own process, for benchmarks and two-process tests.
 
-Roles (``python -m bidir_kv.engine.transport.peer ROLE ...``):
+Roles (``python -m bidir_kv.tools.transport_peer ROLE ...``):
 
 * ``raw-target``: a bare NIXL agent owning one seeded buffer, exactly the target of
-  cpu-vllm.md §6.2; publishes agent metadata and serialized descriptors in a file.
+  docs/vllm-cpu.md §6.2; publishes agent metadata and serialized descriptors in a file.
 * ``raw-tcp-target``: the same buffer served over plain blocking TCP (the loopback
   ceiling for the TCP transport);
-* ``owner``: one of our agents (``--backend tcp|nixl``) owning a seeded pool, behind a
+* ``owner``: one of our agents (``--transport tcp|nixl``) owning a seeded pool, behind a
   real side channel; every notification it receives is appended to ``notifs.log``.
 
 Both write ``ready.msgpack`` atomically (temp name, then rename) and run until SIGTERM,
@@ -31,9 +31,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from bidir_kv.engine.transport import wire
 from bidir_kv.topology.process import ManagedProcess, ProcessFailed
 
-__all__ = ["READY", "Peer", "main", "seeded_pool_bytes", "spawn", "write_atomic"]
+__all__ = ["READY", "PeerProcess", "main", "seeded_pool_bytes", "spawn", "write_atomic"]
 
 READY = "ready.msgpack"
 NOTIFS = "notifs.log"
@@ -52,9 +53,9 @@ def write_atomic(path: Path, obj: dict[str, Any]) -> None:
 
 
 def _raw_target(args: argparse.Namespace) -> int:
-    from bidir_kv.engine.transport.nixl import _nixl_api
+    from bidir_kv.engine.transport.nixl import nixl_api
 
-    api = _nixl_api()
+    api = nixl_api()
     conf = api.nixl_agent_config(enable_prog_thread=args.prog_thread, backends=["UCX"])
     agent = api.nixl_agent("raw-target", conf)
     buf = seeded_pool_bytes(args.seed, 1, args.nbytes).reshape(-1)
@@ -117,7 +118,7 @@ async def _owner(args: argparse.Namespace) -> int:
     )
 
     pool = KVPool(seeded_pool_bytes(args.seed, args.num_blocks, args.block_nbytes))
-    agent = create_agent(args.backend, f"owner-{args.engine_id}", pool)
+    agent = create_agent(args.transport, f"owner-{args.engine_id}", pool)
     log = open(Path(args.dir) / NOTIFS, "a", buffering=1)  # noqa: SIM115 - closed below
 
     def on_notification(peer: str, message: bytes) -> None:
@@ -146,7 +147,7 @@ async def _owner(args: argparse.Namespace) -> int:
         {
             "side_channel_port": server.port,
             "compat_hash": chash,
-            "backend": agent.backend,
+            "transport": agent.backend,
             "sha256": hashlib.sha256(pool.data.tobytes()).hexdigest(),
             "pid": os.getpid(),
         },
@@ -160,7 +161,7 @@ async def _owner(args: argparse.Namespace) -> int:
     return 0
 
 
-class Peer:
+class PeerProcess:
     """A running peer process and what it published in its ready file."""
 
     def __init__(self, proc: ManagedProcess, ready: dict[str, Any], workdir: Path) -> None:
@@ -179,7 +180,7 @@ class Peer:
         return self.proc.stop()
 
 
-def spawn(role_args: Sequence[str], workdir: Path, *, timeout: float = 60.0) -> Peer:
+def spawn(role_args: Sequence[str], workdir: Path, *, timeout: float = 60.0) -> PeerProcess:
     """Start ``peer ROLE ...`` with ``--dir workdir`` and wait for its ready file.
 
     The process is stopped again if it dies or is not ready within ``timeout``.
@@ -189,7 +190,7 @@ def spawn(role_args: Sequence[str], workdir: Path, *, timeout: float = 60.0) -> 
     argv = [
         sys.executable,
         "-m",
-        "bidir_kv.engine.transport.peer",
+        "bidir_kv.tools.transport_peer",
         *role_args,
         "--dir",
         str(workdir),
@@ -209,7 +210,7 @@ def spawn(role_args: Sequence[str], workdir: Path, *, timeout: float = 60.0) -> 
     except BaseException:
         proc.stop()
         raise
-    return Peer(proc, ready, workdir)
+    return PeerProcess(proc, ready, workdir)
 
 
 def _exit_with_parent() -> None:
@@ -225,9 +226,9 @@ def _exit_with_parent() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bidir_kv.engine.transport.peer")
+    ap = argparse.ArgumentParser(prog="python -m bidir_kv.tools.transport_peer")
     sub = ap.add_subparsers(dest="role", required=True)
-    raw = sub.add_parser("raw-target", help="bare NIXL target (cpu-vllm.md §6.2)")
+    raw = sub.add_parser("raw-target", help="bare NIXL target (docs/vllm-cpu.md §6.2)")
     raw.add_argument("--dir", required=True)
     raw.add_argument("--nbytes", type=int, required=True)
     raw.add_argument("--seed", type=int, default=0)
@@ -238,7 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rtcp.add_argument("--seed", type=int, default=0)
     own = sub.add_parser("owner", help="one of our agents behind a side channel")
     own.add_argument("--dir", required=True)
-    own.add_argument("--backend", choices=["tcp", "nixl"], required=True)
+    own.add_argument(
+        "--transport", "--backend", dest="transport", choices=(wire.TCP, wire.NIXL), required=True
+    )
     own.add_argument("--num-blocks", type=int, required=True)
     own.add_argument("--block-nbytes", type=int, required=True)
     own.add_argument("--seed", type=int, default=0)

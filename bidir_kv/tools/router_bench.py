@@ -1,7 +1,7 @@
 """Router benchmark: added latency and throughput of ``bidir-kv proxy``.
 
-``python -m bidir_kv.router.bench`` starts two stub engines (P and D,
-:mod:`bidir_kv.router.stub_engine`, separate processes), our router, and a
+``python -m bidir_kv.tools.router_bench`` starts two stub engines (P and D,
+:mod:`bidir_kv.tools.stub_engine`, separate processes), our router, and a
 minimal FastAPI + httpx relay of the same flow (the upstream example proxy's
 stack), then drives multi-turn streaming conversations at each concurrency
 against: the engines directly (the client does the P and D legs itself), the
@@ -27,81 +27,11 @@ from typing import Any
 import aiohttp
 
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.tools.router_relay import HOST, serve_relay
 from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 
-__all__ = ["main", "relay_app"]
-
-HOST = "127.0.0.1"
+__all__ = ["main", "run_cell"]
 TURNS_PER_CONVERSATION = 5
-
-
-# ---- the comparison relay (FastAPI + httpx, like the upstream example proxy) ----------
-
-
-def relay_app(prefill_url: str, decode_url: str, prefill_host: str, decode_host: str) -> Any:
-    """The upstream proxy's flow on its stack, minimal: dict cache, P leg, streamed D leg."""
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
-
-    app = FastAPI()
-    cache: dict[str, tuple[dict[str, Any], float]] = {}
-    # As upstream: no timeout, httpx's default pool limits.
-    client = httpx.AsyncClient(timeout=None)
-    miss = KVTransferParams.miss().to_dict()
-
-    async def chat(request: Request) -> StreamingResponse:
-        body = await request.json()
-        conv = body.pop("conversation_id", None)
-        cached = cache.pop(conv, None) if conv else None
-        params = dict(cached[0], do_remote_decode=True, do_remote_prefill=False) \
-            if cached and time.time() - cached[1] < 450 else dict(miss)
-        p_body = dict(body, stream=False, max_tokens=1, kv_transfer_params=params)
-        for k in ("max_completion_tokens", "min_tokens", "stream_options"):
-            p_body.pop(k, None)
-        headers = {"X-Request-Id": str(uuid.uuid4())}
-        r = await client.post(f"{prefill_url}/v1/chat/completions", json=p_body, headers=headers)
-        r.raise_for_status()
-        p_params = r.json().get("kv_transfer_params")
-        d_body = dict(body, stream=True)
-        if p_params:
-            d_body["kv_transfer_params"] = dict(p_params, remote_host=prefill_host)
-        else:
-            d_body["kv_transfer_params"] = dict(miss)
-
-        async def gen() -> Any:
-            async with client.stream("POST", f"{decode_url}/v1/chat/completions", json=d_body,
-                                     headers=headers) as resp:
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        chunk = json.loads(line[6:])
-                        kv = chunk.get("kv_transfer_params")
-                        if kv and conv:
-                            cache[conv] = (dict(kv, remote_host=decode_host), time.time())
-                    if line:
-                        yield line + "\n\n"
-
-        return StreamingResponse(gen(), media_type="text/event-stream")
-
-    # Postponed annotations are strings here; FastAPI needs the real types to inject.
-    chat.__annotations__ = {"request": Request, "return": StreamingResponse}
-    app.post("/v1/chat/completions")(chat)
-    return app
-
-
-def _serve_relay(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bidir_kv.router.bench relay")
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--prefill", required=True, help="host:port")
-    ap.add_argument("--decode", required=True, help="host:port")
-    args = ap.parse_args(argv)
-    import uvicorn
-
-    p_host, d_host = args.prefill.split(":")[0], args.decode.split(":")[0]
-    app = relay_app(f"http://{args.prefill}", f"http://{args.decode}", p_host, d_host)
-    uvicorn.run(app, host=HOST, port=args.port, log_level="warning", access_log=False,
-                loop="auto", http="auto")
-    return 0
 
 
 # ---- load generation ----------------------------------------------------------------
@@ -266,100 +196,132 @@ def _fmt(x: float) -> str:
     return f"{x * 1000:8.2f}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["relay"]:
-        return _serve_relay(args_list[1:])
-    ap = argparse.ArgumentParser(prog="python -m bidir_kv.router.bench", description=__doc__)
+MODES = ("direct", "relay", "router", "router-noguard")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bidir_kv.tools.router_bench", description=__doc__)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds measured per cell")
     ap.add_argument("--warmup", type=float, default=0.5,
                     help="seconds before measuring, per round")
     ap.add_argument("--rounds", type=int, default=3,
                     help="modes alternate in this many rounds per concurrency")
-    ap.add_argument("--modes", nargs="+", default=["direct", "relay", "router", "router-noguard"],
-                    choices=["direct", "relay", "router", "router-noguard"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = ap.parse_args(args_list)
+    return ap
+
+
+def _use_uvloop() -> str:
+    """The client's event loop: uvloop when installed (as the router uses), else asyncio."""
     try:
         import uvloop
     except ImportError:
-        loop_name = "asyncio"
-    else:
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-        loop_name = "uvloop"
+        return "asyncio"
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return "uvloop"
 
+
+def _start_all(modes: Sequence[str], log_dir: Path, procs: list[ManagedProcess]) -> dict[str, Any]:
+    """Start the stub engines and every proxy in ``modes``; each mode's target URL(s).
+
+    Started processes are appended to ``procs`` as they come up, so the caller stops
+    them even when a later one fails to start.
+    """
     py = sys.executable
+    p_port, d_port = free_port(), free_port()
+    procs.append(_start("stub-p", [py, "-m", "bidir_kv.tools.stub_engine", "--port",
+                                   str(p_port), "--name", "p"], log_dir, p_port))
+    procs.append(_start("stub-d", [py, "-m", "bidir_kv.tools.stub_engine", "--port",
+                                   str(d_port), "--name", "d", "--side-port", "5700"],
+                        log_dir, d_port))
+    targets: dict[str, Any] = {"direct": (f"http://{HOST}:{p_port}", f"http://{HOST}:{d_port}")}
+    upstream = ["--prefiller-hosts", HOST, "--prefiller-ports", str(p_port),
+                "--decoder-hosts", HOST, "--decoder-ports", str(d_port)]
+    for mode, extra in (("router", []), ("router-noguard", ["--no-continuation-guard"])):
+        if mode in modes:
+            port = free_port()
+            procs.append(_start(mode, [py, "-m", "bidir_kv", "proxy", "--host", HOST,
+                                       "--port", str(port), *upstream,
+                                       "--log-level", "warning", *extra], log_dir, port))
+            targets[mode] = f"http://{HOST}:{port}"
+    if "relay" in modes:
+        port = free_port()
+        procs.append(_start("relay", [py, "-m", "bidir_kv.tools.router_bench", "relay", "--port",
+                                      str(port), "--prefill", f"{HOST}:{p_port}",
+                                      "--decode", f"{HOST}:{d_port}"], log_dir, port))
+        targets["relay"] = f"http://{HOST}:{port}"
+    return targets
+
+
+def _measure(args: argparse.Namespace, targets: dict[str, Any], c: int) -> dict[str, Cell]:
+    """Every mode at concurrency ``c``, in interleaved rounds, with the router's own time."""
+    cells = {mode: Cell(mode, c) for mode in args.modes}
+    hist0 = {m: _buckets(targets[m]) for m in args.modes if m.startswith("router")}
+    # Modes take turns in short rounds, so drifting machine load hits all alike.
+    for _ in range(args.rounds):
+        for mode in args.modes:
+            asyncio.run(run_cell(mode, targets[mode], c, args.duration / args.rounds,
+                                 args.warmup, cells[mode]))
+    for mode, before in hist0.items():
+        after = _buckets(targets[mode])
+        cells[mode].internal_p50 = _quantile_bound(before, after, 0.5)
+        cells[mode].internal_p99 = _quantile_bound(before, after, 0.99)
+    return cells
+
+
+def _print_cells(c: int, cells: dict[str, Cell]) -> None:
+    base = cells.get("direct")
+    print(f"\nconcurrency {c}")
+    print(f"  {'mode':<15} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'+p50 ms':>8} {'+p99 ms':>8} errors")
+    for mode, cell in cells.items():
+        add50 = cell.pct(0.5) - base.pct(0.5) if base else float("nan")
+        add99 = cell.pct(0.99) - base.pct(0.99) if base else float("nan")
+        print(f"  {mode:<15} {cell.rps:8.1f} {_fmt(cell.pct(0.5))} "
+              f"{_fmt(cell.pct(0.99))} {_fmt(add50)} {_fmt(add99)} {cell.errors}")
+    for mode, cell in cells.items():
+        if cell.internal_p50 is not None:
+            print(f"  {mode}: own time before first byte (outside engine waits, warmup "
+                  f"included) p50 <= {cell.internal_p50 * 1000:g} ms, "
+                  f"p99 <= {(cell.internal_p99 or 0) * 1000:g} ms")
+    relay = cells.get("relay")
+    for mode in ("router", "router-noguard"):
+        if mode in cells and relay and relay.rps:
+            print(f"  {mode} / relay throughput: {cells[mode].rps / relay.rps:.2f}x")
+        if mode in cells and base and base.rps:
+            print(f"  {mode} / direct throughput: {cells[mode].rps / base.rps:.2f}x")
+
+
+def _write_json(path: Path, results: Sequence[Cell]) -> None:
+    path.write_text(json.dumps([
+        {"mode": r.mode, "concurrency": r.concurrency, "rps": r.rps,
+         "p50_s": r.pct(0.5), "p99_s": r.pct(0.99), "n": len(r.latencies),
+         "errors": r.errors, "router_own_p50_s_bound": r.internal_p50,
+         "router_own_p99_s_bound": r.internal_p99} for r in results], indent=2))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["relay"]:
+        return serve_relay(args_list[1:])
+    args = _parser().parse_args(args_list)
+    loop_name = _use_uvloop()
     procs: list[ManagedProcess] = []
     log_dir = Path(tempfile.mkdtemp(prefix="bidir-kv-router-bench-"))
     try:
-        p_port, d_port = free_port(), free_port()
-        procs.append(_start("stub-p", [py, "-m", "bidir_kv.router.stub_engine", "--port",
-                                       str(p_port), "--name", "p"], log_dir, p_port))
-        procs.append(_start("stub-d", [py, "-m", "bidir_kv.router.stub_engine", "--port",
-                                       str(d_port), "--name", "d", "--side-port", "5700"],
-                            log_dir, d_port))
-        targets: dict[str, Any] = {"direct": (f"http://{HOST}:{p_port}", f"http://{HOST}:{d_port}")}
-        upstream = ["--prefiller-hosts", HOST, "--prefiller-ports", str(p_port),
-                    "--decoder-hosts", HOST, "--decoder-ports", str(d_port)]
-        for mode, extra in (("router", []), ("router-noguard", ["--no-continuation-guard"])):
-            if mode in args.modes:
-                port = free_port()
-                procs.append(_start(mode, [py, "-m", "bidir_kv", "proxy", "--host", HOST,
-                                           "--port", str(port), *upstream,
-                                           "--log-level", "warning", *extra], log_dir, port))
-                targets[mode] = f"http://{HOST}:{port}"
-        if "relay" in args.modes:
-            port = free_port()
-            procs.append(_start("relay", [py, "-m", "bidir_kv.router.bench", "relay", "--port",
-                                          str(port), "--prefill", f"{HOST}:{p_port}",
-                                          "--decode", f"{HOST}:{d_port}"], log_dir, port))
-            targets["relay"] = f"http://{HOST}:{port}"
-
+        targets = _start_all(args.modes, log_dir, procs)
         print(f"router benchmark: upstream = stub engines ({__package__}.stub_engine, aiohttp, "
               f"8-token streamed answers), {TURNS_PER_CONVERSATION}-turn conversations, "
               f"client loop {loop_name}, {args.duration:g}s per cell in {args.rounds} "
               f"interleaved rounds; logs in {log_dir}")
         results: list[Cell] = []
         for c in args.concurrency:
-            cells = {mode: Cell(mode, c) for mode in args.modes}
-            hist0 = {m: _buckets(targets[m]) for m in args.modes if m.startswith("router")}
-            # Modes take turns in short rounds, so drifting machine load hits all alike.
-            for _ in range(args.rounds):
-                for mode in args.modes:
-                    asyncio.run(run_cell(mode, targets[mode], c, args.duration / args.rounds,
-                                         args.warmup, cells[mode]))
-            for mode, before in hist0.items():
-                after = _buckets(targets[mode])
-                cells[mode].internal_p50 = _quantile_bound(before, after, 0.5)
-                cells[mode].internal_p99 = _quantile_bound(before, after, 0.99)
+            cells = _measure(args, targets, c)
             results.extend(cells.values())
-            base = cells.get("direct")
-            print(f"\nconcurrency {c}")
-            print(f"  {'mode':<15} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-                  f"{'+p50 ms':>8} {'+p99 ms':>8} errors")
-            for mode, cell in cells.items():
-                add50 = cell.pct(0.5) - base.pct(0.5) if base else float("nan")
-                add99 = cell.pct(0.99) - base.pct(0.99) if base else float("nan")
-                print(f"  {mode:<15} {cell.rps:8.1f} {_fmt(cell.pct(0.5))} "
-                      f"{_fmt(cell.pct(0.99))} {_fmt(add50)} {_fmt(add99)} {cell.errors}")
-            for mode, cell in cells.items():
-                if cell.internal_p50 is not None:
-                    print(f"  {mode}: own time before first byte (outside engine waits, warmup "
-                          f"included) p50 <= {cell.internal_p50 * 1000:g} ms, "
-                          f"p99 <= {(cell.internal_p99 or 0) * 1000:g} ms")
-            relay = cells.get("relay")
-            for mode in ("router", "router-noguard"):
-                if mode in cells and relay and relay.rps:
-                    print(f"  {mode} / relay throughput: {cells[mode].rps / relay.rps:.2f}x")
-                if mode in cells and base and base.rps:
-                    print(f"  {mode} / direct throughput: {cells[mode].rps / base.rps:.2f}x")
+            _print_cells(c, cells)
         if args.json:
-            args.json.write_text(json.dumps([
-                {"mode": r.mode, "concurrency": r.concurrency, "rps": r.rps,
-                 "p50_s": r.pct(0.5), "p99_s": r.pct(0.99), "n": len(r.latencies),
-                 "errors": r.errors, "router_own_p50_s_bound": r.internal_p50,
-                 "router_own_p99_s_bound": r.internal_p99} for r in results], indent=2))
+            _write_json(args.json, results)
     finally:
         for proc in reversed(procs):
             proc.stop()
