@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.testing.backends import PDBackend, PromptFactory, start_backend
+from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import start_router_process
 from bidir_kv.topology.base import BackendUnavailable
 from bidir_kv.topology.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
@@ -244,8 +245,6 @@ def router(request: pytest.FixtureRequest, pd: PDBackend, proxy: str) -> Iterato
 @pytest.fixture(scope="session")
 def pd(request: pytest.FixtureRequest) -> Iterator[PDBackend]:
     """The started backend for this parametrization (one per session and backend)."""
-    from bidir_kv.testing.plugin import skip_or_fail
-
     name = str(request.param)
     cfg = request.config
     options: dict[str, Any] = {
@@ -266,7 +265,6 @@ def pd(request: pytest.FixtureRequest) -> Iterator[PDBackend]:
     except BackendUnavailable as exc:
         _matrix(cfg).backends[name] = {"unavailable": str(exc)}
         skip_or_fail(cfg, "conformance", f"{name} backend unavailable: {exc}")
-        raise  # unreachable: skip_or_fail always raises
     except ProcessFailed as exc:
         _matrix(cfg).backends[name] = {"failed_to_start": str(exc)[-2000:]}
         pytest.fail(f"{name} backend failed to start: {exc}", pytrace=False)

@@ -9,7 +9,7 @@ import pytest
 
 from bidir_kv.engine.transport import nixl_available
 from bidir_kv.engine.transport.bench import main
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
 
 
 def test_bench_all_cases_small(

@@ -18,7 +18,7 @@ import pytest
 from bidir_kv.engine.transport import KVAgent, KVPool, TransportError, create_agent, nixl_available
 from bidir_kv.engine.transport.peer import Peer, seeded_pool_bytes, spawn
 from bidir_kv.engine.transport.sidechannel import PeerInfo, handshake
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
 
 NUM_BLOCKS = 64
 BLOCK_NBYTES = 64 * 1024  # 4 MiB pool

@@ -22,7 +22,7 @@ from bidir_kv.engine.transport import (
     nixl_available,
 )
 from bidir_kv.engine.transport.tcp import block_runs
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
 
 BLOCK_NBYTES = 4096
 NUM_BLOCKS = 32
