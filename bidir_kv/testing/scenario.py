@@ -1,5 +1,5 @@
 """Building blocks the conformance scenarios share: turns with engineered lengths,
-pull/no-pull evidence from metric deltas, polling waits.
+pull/no-pull evidence from metric deltas, waits on a metric.
 
 Lengths are derived from the backend's block size and threshold so one scenario
 means the same thing on every backend (block 128 on vLLM CPU, 16 on GPU).
@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import MetricsSnapshot
@@ -30,6 +28,7 @@ from bidir_kv.testing.pd_client import (
     run_pd_turn,
     tokens_by_source,
 )
+from bidir_kv.testing.poll import wait_for
 
 __all__ = [
     "ANSWER_WITHIN",
@@ -42,24 +41,8 @@ __all__ = [
     "hit_dict",
     "queue_state",
     "two_turns",
-    "wait_for",
     "wait_metric_increase",
 ]
-
-T = TypeVar("T")
-
-
-def wait_for(fn: Callable[[], T | None], timeout: float, what: str,
-             interval: float = 0.2) -> T:
-    """Poll ``fn`` until it returns a truthy value; fail naming ``what`` on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def wait_metric_increase(client: EngineClient, before: MetricsSnapshot, name: str,
@@ -69,7 +52,9 @@ def wait_metric_increase(client: EngineClient, before: MetricsSnapshot, name: st
         d = client.metrics().value(name, **labels) - before.value(name, **labels)
         return d if d > 0 else None
 
-    return wait_for(delta, timeout, f"{name} to increase on {client.node.name}")
+    # a real vLLM exposition is ~100 KB: scrape it five times a second, not fifty
+    return wait_for(delta, timeout, f"{name} to increase on {client.node.name}",
+                    interval=0.2)
 
 
 @dataclass(frozen=True)
