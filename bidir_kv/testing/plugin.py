@@ -29,7 +29,7 @@ pytest_plugins = [
     "bidir_kv.testing.engines",  # engine_pair, shared_pair
     "bidir_kv.testing.hardware",  # gpu_pd
     "bidir_kv.testing.router",  # redis_server, router_process
-    "bidir_kv.testing.conformance",  # conformance options, backends (pd), router, prompts
+    "bidir_kv.testing.conformance",  # pd, router, prompts; the matrix report
 ]
 
 

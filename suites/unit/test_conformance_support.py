@@ -13,7 +13,8 @@ from types import ModuleType
 import pytest
 
 from bidir_kv.testing.backends import BACKEND_CONFIG, PromptFactory
-from bidir_kv.testing.conformance import EXEMPTIONS, Exemption, prompt_seed
+from bidir_kv.testing.conformance import prompt_seed
+from bidir_kv.testing.exemptions import EXEMPTIONS, Exemption
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, TopologySpec
 from bidir_kv.topology.external import ExternalTopology, parse_node_url
 from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology, unavailable_reason
