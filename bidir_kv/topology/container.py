@@ -39,7 +39,8 @@ from bidir_kv.topology.base import (
     Topology,
     TopologySpec,
 )
-from bidir_kv.topology.container_image import IMAGE_PYTHON, ImageBuild, ensure_image
+from bidir_kv.topology.container_image import ImageBuild, ensure_image
+from bidir_kv.topology.container_manifest import IMAGE_PYTHON
 from bidir_kv.topology.local import engine_argv
 from bidir_kv.topology.process import ProcessFailed, wait_http_ok
 
