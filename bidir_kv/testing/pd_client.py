@@ -270,10 +270,6 @@ class LegDelta:
     def p_sources(self) -> dict[str, int]:
         return tokens_by_source(self.p)
 
-    @property
-    def d_sources(self) -> dict[str, int]:
-        return tokens_by_source(self.d)
-
 
 @dataclass
 class PDTurn:

@@ -18,10 +18,8 @@ from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.pd_client import (
     CACHED_BY_SOURCE,
     NIXL_BYTES,
-    NIXL_EXPIRED,
     NIXL_FAILED,
     NIXL_XFERS,
-    NOTIFS_AFTER_EXPIRY,
     Completion,
     EngineClient,
     PDTurn,
@@ -32,13 +30,10 @@ from bidir_kv.testing.poll import wait_for
 
 __all__ = [
     "ANSWER_WITHIN",
-    "EXPIRED",
-    "NOTIFS_AFTER_EXPIRY",
     "Pulled",
     "complete_watching",
     "evidence",
     "expire_soon",
-    "hit_dict",
     "queue_state",
     "two_turns",
     "wait_metric_increase",
@@ -152,15 +147,6 @@ def complete_watching(
             peak["samples"] += 1
         th.join(interval)
     return box["r"], peak
-
-
-def hit_dict(turn: PDTurn) -> KVTransferParams:
-    """D's dict of a finished turn, as a router would send it to P next."""
-    assert turn.d is not None and turn.d.params is not None
-    return turn.d.params.for_prefill_hit()
-
-
-EXPIRED = NIXL_EXPIRED
 
 
 def expire_soon(params: KVTransferParams, seconds: float) -> KVTransferParams:
