@@ -14,7 +14,7 @@ import pytest
 
 from bidir_kv.policy import cdiv
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.testing.engines import EnginePair, random_prompt, sources, transport_backends
+from bidir_kv.testing.engines import EnginePair, random_prompt, sources, transport_names
 from bidir_kv.testing.poll import wait_for
 
 BS = 16
@@ -27,7 +27,7 @@ AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"
 MISMATCH = "bidir_kv:kv_verify_mismatched_blocks_total"
 
 
-@pytest.fixture(scope="module", params=transport_backends())
+@pytest.fixture(scope="module", params=transport_names())
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     from bidir_kv.testing.engines import _start_pair
 
