@@ -40,7 +40,7 @@ _NON_CONTINUATION = Exemption(
 )
 EXEMPTIONS: dict[tuple[str, str], list[Exemption]] = {
     ("test_feature_off_p_ignores_d_params", "vllm-cpu"): [Exemption(
-        reason="Suspected upstream defect 2 (protocol.md §7.4), confirmed: a P with "
+        reason="Suspected upstream defect 2 (docs/protocol.md §7.4), confirmed: a P with "
         "bidirectional_kv_xfer off given D's params waits forever. The P branch of "
         "get_num_new_matched_tokens (NIXL pull scheduler, vLLM PR #32553) claims an "
         "async load without checking the feature flag; update_state_after_alloc never "
@@ -50,7 +50,7 @@ EXEMPTIONS: dict[tuple[str, str], list[Exemption]] = {
         "bytes moved. The emulator answers from local compute (deliberate, docs/engine.md).",
     )],
     ("test_decline_outcome_per_failure_policy", "vllm-cpu"): [Exemption(
-        reason="Suspected upstream defect 1 (protocol.md §7.4), confirmed: after P declines "
+        reason="Suspected upstream defect 1 (docs/protocol.md §7.4), confirmed: after P declines "
         "a near-expired read (vLLM PR #47021) under kv_load_failure_policy=recompute "
         "(vLLM PR #34896), the reset request asks the connector again, which claims an "
         "async load again, while the read is never re-queued (_remote_blocks_processed): "
@@ -64,7 +64,7 @@ EXEMPTIONS: dict[tuple[str, str], list[Exemption]] = {
         params=(("policy", "recompute"),),
     )],
     ("test_shorter_prompt_matches_recompute", "vllm-cpu"): [Exemption(
-        reason="Suspected upstream defect 3 (protocol.md §6.3/§7.4), confirmed: when D's "
+        reason="Suspected upstream defect 3 (docs/protocol.md §6.3/§7.4), confirmed: when D's "
         "sequence is longer than P's prompt, suffix trimming (_apply_prefix_caching, NIXL "
         "pull path of vLLM PR #32553) pairs P's target block with D's *last* block; the "
         "upstream test test_remote_blocks_exceed_prompt_tokens checks scheduler state only.",

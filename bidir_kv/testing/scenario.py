@@ -118,7 +118,7 @@ def queue_state(client: EngineClient) -> dict[str, float]:
 # How long a scenario waits for an answer that must come (a decline, a feature-off P)
 # before calling the request stalled: a 500-token prompt is answered in under a second
 # on an idle machine and in under 15 s on a loaded 2-core one; vLLM's stalls are
-# permanent (protocol.md section 7.4), so waiting longer only costs CI time.
+# permanent (docs/protocol.md §7.4), so waiting longer only costs CI time.
 ANSWER_WITHIN = 45.0
 
 

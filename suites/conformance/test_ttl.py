@@ -1,4 +1,4 @@
-"""D's retention TTL and P's decline near expiry (protocol.md §5; checklist §15.4).
+"""D's retention TTL and P's decline near expiry (docs/protocol.md §5; checklist §15.4).
 
 * D releases retained blocks at ``decoder_kv_blocks_ttl`` without a read: WARNING
   ``Releasing expired KV blocks ...`` and ``vllm:nixl_num_kv_expired_reqs`` on D.

@@ -1,9 +1,9 @@
 """1P1D + router in Docker containers: a multi-turn conversation with a real D->P pull
 over the container network, and faults (a cut P->D link, a killed D) through the router.
 
-P runs with prefix caching off (the AWS blog's setting, spec §13.2), so on turn 2
+P runs with prefix caching off (the AWS blog's setting, docs/protocol.md §13.2), so on turn 2
 everything D retained must come from D (``external_kv_transfer`` on P, bytes moved,
-telemetry on P as the initiator, spec §11.1) or be recomputed. Each turn's answer is
+telemetry on P as the initiator, docs/protocol.md §11.1) or be recomputed. Each turn's answer is
 compared with the same conversation served without reuse: the emulated model is
 deterministic, so pulled KV that belonged to other tokens would change the text.
 """
