@@ -239,7 +239,7 @@ def _start_vllm_cpu(cfg: BackendConfig, run_dir: Path, compiled: bool) -> PDBack
     # float32, not bf16: in bf16, KV computed token by token in decode steps differs from
     # KV computed in one prefill enough to flip greedy choices (2 of 12 conversations in
     # a plain HF check, 0 of 12 in float32), which would blur the equality oracle. It
-    # also avoids the AMX path (cpu-vllm.md §3.4).
+    # also avoids the AMX path (docs/vllm-cpu.md §3.4).
     opts = VllmCpuOptions(log_dir=run_dir / "vllm-cpu", enforce_eager=not compiled,
                           block_size=None, dtype="float32")
     if cfg.block_size != 128:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.topology.base import BackendUnavailable, TopologySpec
 from bidir_kv.topology.container import ContainerTopology, testcontainers_env
 from bidir_kv.topology.container_image import ImageBuild, ensure_image
@@ -52,7 +52,6 @@ def container_image(pytestconfig: pytest.Config, docker_client: Any) -> ImageBui
         return ensure_image(docker_client)
     except BackendUnavailable as exc:
         skip_or_fail(pytestconfig, "integration", f"cannot build the container image: {exc}")
-        raise  # unreachable: skip_or_fail raises
 
 
 @pytest.fixture

@@ -3,8 +3,8 @@
 ``engine_pair`` is a factory (function scope, torn down after the test);
 ``shared_pair`` is one long-lived bidirectional pair per module (default config),
 for the many tests that only need "a working pair" and isolate themselves with
-unique prompts and metric deltas. Both are parametrizable over the transport via
-``transport_name``.
+unique prompts and metric deltas. Both take a transport name (``engine_pair(transport=...)``,
+``shared_pair`` as an indirect parameter); :func:`transport_names` lists those usable here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ __all__ = [
     "kv_config",
     "random_prompt",
     "shared_pair",
-    "transport_backends",
+    "transport_names",
 ]
 
 
@@ -58,7 +58,7 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(BYTE_BASE, VOCAB_SIZE) for _ in range(n)]
 
 
-def transport_backends() -> list[str]:
+def transport_names() -> list[str]:
     """``tcp`` always; ``nixl`` when a NIXL agent can be created here."""
     from bidir_kv.engine.transport import nixl_available
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.pd_client import EngineClient
-from bidir_kv.testing.plugin import skip_or_fail
 from bidir_kv.topology.base import Node
 
 __all__ = ["gpu_pd"]

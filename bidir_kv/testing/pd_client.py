@@ -4,7 +4,7 @@ Scenarios talk to any backend (our emulator, real vLLM, an external deployment) 
 same way a router does, but without one, so each leg can be observed:
 ``/v1/completions`` with a token-id prompt, ``temperature 0``, ``ignore_eos`` and
 ``return_token_ids`` (tokenization can never blur a comparison), plus ``/metrics``
-snapshots around each leg. The flow is cpu-vllm.md §7.4 / protocol.md §1.
+snapshots around each leg. The flow is docs/vllm-cpu.md §7.4 / docs/protocol.md §1.
 """
 
 from __future__ import annotations
@@ -269,10 +269,6 @@ class LegDelta:
     @property
     def p_sources(self) -> dict[str, int]:
         return tokens_by_source(self.p)
-
-    @property
-    def d_sources(self) -> dict[str, int]:
-        return tokens_by_source(self.d)
 
 
 @dataclass

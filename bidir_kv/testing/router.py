@@ -25,6 +25,7 @@ from bidir_kv.router.app import FLOW_KEY, build_app
 from bidir_kv.router.flow import RouterFlow
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore
+from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.tools.stub_engine import StubEngine
 from bidir_kv.topology.base import BackendUnavailable
 from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
@@ -150,8 +151,6 @@ def counter(flow: RouterFlow, name: str, **labels: str) -> float:
 @pytest.fixture
 def redis_server(request: pytest.FixtureRequest, run_dir: Path) -> Iterator[RedisServer]:
     """A private redis-server on a free loopback port (skip/fail naming the binary)."""
-    from bidir_kv.testing.plugin import skip_or_fail
-
     server = RedisServer(run_dir)
     try:
         server.start()

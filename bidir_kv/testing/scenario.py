@@ -1,5 +1,5 @@
 """Building blocks the conformance scenarios share: turns with engineered lengths,
-pull/no-pull evidence from metric deltas, polling waits.
+pull/no-pull evidence from metric deltas, waits on a metric.
 
 Lengths are derived from the backend's block size and threshold so one scenario
 means the same thing on every backend (block 128 on vLLM CPU, 16 on GPU).
@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import MetricsSnapshot
@@ -20,46 +18,26 @@ from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.pd_client import (
     CACHED_BY_SOURCE,
     NIXL_BYTES,
-    NIXL_EXPIRED,
     NIXL_FAILED,
     NIXL_XFERS,
-    NOTIFS_AFTER_EXPIRY,
     Completion,
     EngineClient,
     PDTurn,
     run_pd_turn,
     tokens_by_source,
 )
+from bidir_kv.testing.poll import wait_for
 
 __all__ = [
     "ANSWER_WITHIN",
-    "EXPIRED",
-    "NOTIFS_AFTER_EXPIRY",
     "Pulled",
     "complete_watching",
     "evidence",
     "expire_soon",
-    "hit_dict",
     "queue_state",
     "two_turns",
-    "wait_for",
     "wait_metric_increase",
 ]
-
-T = TypeVar("T")
-
-
-def wait_for(fn: Callable[[], T | None], timeout: float, what: str,
-             interval: float = 0.2) -> T:
-    """Poll ``fn`` until it returns a truthy value; fail naming ``what`` on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def wait_metric_increase(client: EngineClient, before: MetricsSnapshot, name: str,
@@ -69,7 +47,9 @@ def wait_metric_increase(client: EngineClient, before: MetricsSnapshot, name: st
         d = client.metrics().value(name, **labels) - before.value(name, **labels)
         return d if d > 0 else None
 
-    return wait_for(delta, timeout, f"{name} to increase on {client.node.name}")
+    # a real vLLM exposition is ~100 KB: scrape it five times a second, not fifty
+    return wait_for(delta, timeout, f"{name} to increase on {client.node.name}",
+                    interval=0.2)
 
 
 @dataclass(frozen=True)
@@ -138,7 +118,7 @@ def queue_state(client: EngineClient) -> dict[str, float]:
 # How long a scenario waits for an answer that must come (a decline, a feature-off P)
 # before calling the request stalled: a 500-token prompt is answered in under a second
 # on an idle machine and in under 15 s on a loaded 2-core one; vLLM's stalls are
-# permanent (protocol.md section 7.4), so waiting longer only costs CI time.
+# permanent (docs/protocol.md §7.4), so waiting longer only costs CI time.
 ANSWER_WITHIN = 45.0
 
 
@@ -167,15 +147,6 @@ def complete_watching(
             peak["samples"] += 1
         th.join(interval)
     return box["r"], peak
-
-
-def hit_dict(turn: PDTurn) -> KVTransferParams:
-    """D's dict of a finished turn, as a router would send it to P next."""
-    assert turn.d is not None and turn.d.params is not None
-    return turn.d.params.for_prefill_hit()
-
-
-EXPIRED = NIXL_EXPIRED
 
 
 def expire_soon(params: KVTransferParams, seconds: float) -> KVTransferParams:

@@ -1,8 +1,11 @@
 """One abstraction for "a set of P/D nodes + routers + stores", with pluggable backends.
 
-Tests, ``bench`` and ``demo`` differ only in which backend they pick:
-``local`` (emulated engines as processes on loopback), ``container``,
-``vllm-cpu`` (real vLLM), ``external`` (URLs of a running deployment).
+A *backend* is how the nodes are run, and nothing else in the project is called
+that: ``local`` (emulated engines as processes on loopback; the ``emulator`` of
+pytest's ``--backend``), ``container`` (emulated engines in Docker containers),
+``vllm-cpu`` (real vLLM on this machine's CPU), ``external`` (URLs of a running
+deployment). Tests, ``bench`` and ``demo`` differ only in which backend they pick;
+:class:`BackendUnavailable` says why one cannot run here.
 """
 
 from bidir_kv.topology.base import (

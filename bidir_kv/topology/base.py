@@ -79,7 +79,7 @@ class Node:
 class Topology(abc.ABC):
     """A started set of nodes. Use as a context manager; ``close`` is idempotent."""
 
-    backend: str = "abstract"
+    backend: str = "abstract"  # how the nodes run: local, container, vllm-cpu, external
 
     def __init__(self, spec: TopologySpec) -> None:
         self.spec = spec

@@ -8,7 +8,7 @@ is the container name). Only each node's HTTP port is published, on
 127.0.0.1, for the test process.
 
 Containers are started through testcontainers with Ryuk disabled and the
-``docker_host`` connection mode (containers.md §4.2) and ``init=True`` so a
+``docker_host`` connection mode (docs/containers.md §4.2) and ``init=True`` so a
 SIGTERM stops the Python server at once. The image comes from
 :mod:`bidir_kv.topology.container_image` (no registry needed).
 
@@ -39,7 +39,8 @@ from bidir_kv.topology.base import (
     Topology,
     TopologySpec,
 )
-from bidir_kv.topology.container_image import IMAGE_PYTHON, ImageBuild, ensure_image
+from bidir_kv.topology.container_image import ImageBuild, ensure_image
+from bidir_kv.topology.container_manifest import IMAGE_PYTHON
 from bidir_kv.topology.local import engine_argv
 from bidir_kv.topology.process import ProcessFailed, wait_http_ok
 
@@ -51,7 +52,7 @@ LABEL = "org.bidir-kv.topology"  # on our containers and networks; ci/docker-cle
 
 
 def testcontainers_env() -> None:
-    """The two settings testcontainers needs on these machines (containers.md §4.2).
+    """The two settings testcontainers needs on these machines (docs/containers.md §4.2).
 
     Ryuk's image cannot be pulled here, and ``/.dockerenv`` makes testcontainers
     believe it runs in a container. Applied before testcontainers is imported
@@ -287,7 +288,7 @@ class ContainerTopology(Topology):
         Connections ``dst`` opened to ``src`` keep working (``--ctdir ORIGINAL``
         matches only packets in the direction of the connection's opener), so this
         cuts exactly one direction of the KV path, e.g. P's D->P readback while D
-        still reads from P. Needs root on the host and iptables (containers.md §5.7).
+        still reads from P. Needs root on the host and iptables (docs/containers.md §5.7).
         """
         rule = [
             "OUTPUT", "-d", self.ip(dst), "-p", "tcp",

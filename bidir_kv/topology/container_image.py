@@ -1,21 +1,15 @@
-"""A registry-less Docker image of this project, built from the host's own Python.
+"""A registry-less Docker image of this project, in two cached layers.
 
-No image can be pulled on our CI machines (containers.md §3), so the image is
-assembled from files already on the host, in two cached layers:
+No image can be pulled on our CI machines (docs/containers.md §3), so the image is
+built from files already on the host:
 
-* **base** (``bidir-kv-base:<hash>``): the interpreter the project venv runs on
-  (binary, ``libpython``, the standard library without tests/GUI), every shared
-  library ``ldd`` reports for it and for the extension modules, and the
-  installed distributions ``bidir-kv`` needs at runtime (its requirement closure
-  from the venv's metadata). Packed with :mod:`tarfile` and ``docker import``-ed.
-  The hash covers every file's path, size and mtime, so it is rebuilt only when
-  the interpreter or the venv changes.
+* **base** (``bidir-kv-base:<hash>``): the host's interpreter, its libraries and the
+  project's runtime distributions (:mod:`bidir_kv.topology.container_manifest`),
+  packed with :mod:`tarfile` and ``docker import``-ed. The hash is a fingerprint of
+  the interpreter and the venv, so it is rebuilt only when one of them changes.
 * **app** (``bidir-kv:<hash>``): ``FROM`` the base, ``COPY`` of ``bidir_kv/``
   and ``fixtures/`` to ``/app``. The hash covers their contents, so an edit to
   the package rebuilds only this small layer.
-
-Files keep their host paths inside the image (the interpreter finds its prefix
-from its own location); ``/usr/local/bin/python3`` links to it.
 """
 
 from __future__ import annotations
@@ -24,48 +18,32 @@ import contextlib
 import fcntl
 import hashlib
 import io
-import os
 import re
-import subprocess
-import sys
-import sysconfig
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from bidir_kv.topology.base import BackendUnavailable
+from bidir_kv.topology.container_manifest import (
+    IMAGE_PYTHON,
+    base_fingerprint,
+    base_manifest,
+    write_base_tar,
+)
 
-__all__ = ["IMAGE_PYTHON", "PROJECT_ROOT", "ImageBuild", "ensure_image", "runtime_distributions"]
+__all__ = ["PROJECT_ROOT", "ImageBuild", "ensure_image"]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-IMAGE_PYTHON = "/usr/local/bin/python3"
 BASE_REPO = "bidir-kv-base"
 APP_REPO = "bidir-kv"
 LABEL = "org.bidir-kv.image"
-_FORMAT = "2"  # bump when the base layout changes, so old cached images are not reused
-_APP_FORMAT = "2"  # same for the app layer's Dockerfile
+_APP_FORMAT = "2"  # bump when the app layer's Dockerfile changes (old images not reused)
 PRUNE_AFTER_SECONDS = 6 * 3600.0
-
-# stdlib parts a headless server never imports
-_STDLIB_SKIP_TOP = {
-    "site-packages",
-    "idlelib",
-    "tkinter",
-    "turtledemo",
-    "ensurepip",
-    "lib2to3",
-    "pydoc_data",
-}
-_STDLIB_SKIP_ANY = {"test", "tests", "idle_test"}
-# extension modules for GUIs, terminals and CPython's own tests (they drag in X11, ncurses)
-_DYNLOAD_SKIP = ("_tkinter", "_curses", "_ctypes_test", "_test", "xx", "_xx", "readline")
-_LDD_LINE = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x[0-9a-f]+\)")
 
 
 @dataclass(frozen=True)
@@ -79,121 +57,6 @@ class ImageBuild:
     base_seconds: float
     app_seconds: float
     size_bytes: int
-
-
-# ---- what goes into the base layer ----------------------------------------------
-
-
-def runtime_distributions(
-    root: str = "bidir-kv", extras: Iterable[str] = ()
-) -> list[metadata.Distribution]:
-    """The installed distributions ``root`` needs at runtime (requirement closure).
-
-    Markers are evaluated for this interpreter; ``extras`` names optional
-    distributions to add (with their own closures) when they are installed.
-    """
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
-    seen: dict[str, metadata.Distribution] = {}
-    todo = [root, *extras]
-    optional = set(map(canonicalize_name, extras))
-    while todo:
-        name = canonicalize_name(todo.pop())
-        if name in seen:
-            continue
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            if name in optional:
-                continue
-            raise BackendUnavailable(
-                f"cannot build the container image: {name!r} (needed by {root}) is not "
-                f"installed in {sys.prefix}"
-            ) from None
-        seen[name] = dist
-        for text in dist.requires or ():
-            req = Requirement(text)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
-    seen.pop(canonicalize_name(root), None)  # the project itself goes into the app layer
-    return sorted(seen.values(), key=lambda d: str(d.metadata["Name"]).lower())
-
-
-def _host_python() -> tuple[Path, Path]:
-    """The venv's base interpreter binary and its standard-library directory."""
-    exe = Path(os.path.realpath(getattr(sys, "_base_executable", sys.executable)))
-    stdlib = Path(sysconfig.get_path("stdlib"))
-    if not (stdlib / "os.py").exists():
-        raise BackendUnavailable(f"cannot locate the standard library of {exe} (tried {stdlib})")
-    return exe, stdlib
-
-
-def _stdlib_files(stdlib: Path) -> Iterator[Path]:
-    for dirpath, dirnames, filenames in os.walk(stdlib):
-        rel = Path(dirpath).relative_to(stdlib)
-        if rel == Path("."):
-            dirnames[:] = [
-                d for d in dirnames if d not in _STDLIB_SKIP_TOP and not d.startswith("config-")
-            ]
-        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_ANY]
-        for f in filenames:
-            if _skip_file(f) or (rel.name == "lib-dynload" and f.startswith(_DYNLOAD_SKIP)):
-                continue
-            yield Path(dirpath) / f
-
-
-def _skip_file(name: str) -> bool:
-    """Optimised-bytecode variants (only used under ``python -O``)."""
-    return name.endswith((".opt-1.pyc", ".opt-2.pyc"))
-
-
-def _dist_files(dist: metadata.Distribution, site: Path) -> Iterator[tuple[Path, Path]]:
-    """(host path, path relative to site-packages) for every file a distribution owns.
-
-    Skips files outside site-packages (console scripts), test folders and
-    optimised bytecode.
-    """
-    for f in dist.files or ():
-        rel = Path(os.path.normpath(f))
-        if rel.parts[0] == ".." or _skip_file(rel.name) or _STDLIB_SKIP_ANY & set(rel.parts):
-            continue
-        host = site / rel
-        if host.is_file():
-            yield host, rel
-
-
-def _shared_libraries(binaries: list[Path]) -> set[Path]:
-    """Every library (and the loader) ``ldd`` reports for ``binaries``."""
-    libs: set[Path] = set()
-    for start in range(0, len(binaries), 200):
-        chunk = [str(b) for b in binaries[start : start + 200]]
-        out = subprocess.run(["ldd", *chunk], capture_output=True, text=True, check=False)
-        for line in out.stdout.splitlines():
-            m = _LDD_LINE.search(line)
-            if m:
-                libs.add(Path(m.group(1)))
-    return libs
-
-
-def _link_chain(path: Path) -> list[tuple[Path, str | None]]:
-    """``path`` with directory symlinks resolved, then each file symlink hop to the real file.
-
-    Returns (path, link target or None) so the image holds the same links as the host
-    (``/lib64/ld-linux-x86-64.so.2`` -> ``/usr/lib64/...`` -> the real loader).
-    """
-    out: list[tuple[Path, str | None]] = []
-    current = path
-    for _ in range(16):
-        current = Path(os.path.realpath(current.parent)) / current.name
-        if current.is_symlink():
-            target = os.readlink(current)
-            out.append((current, target))
-            current = current.parent / target
-        else:
-            out.append((current, None))
-            return out
-    raise BackendUnavailable(f"symlink loop while collecting {path}")
 
 
 # ---- building -----------------------------------------------------------------
@@ -222,87 +85,6 @@ def _image_exists(client: Any, tag: str) -> bool:
     except docker.errors.ImageNotFound:
         return False
     return True
-
-
-_EXTRAS = ("redis",)  # optional at runtime (the router's shared store); added when installed
-
-
-def _base_fingerprint() -> str:
-    """Cheap identity of the base layer: interpreter, stdlib folders, distribution versions.
-
-    Computed every session (about 0.3 s); the full file manifest is only walked
-    when this says the layer must be built. Each distribution's ``RECORD`` (file
-    hashes written by pip) is part of it, so a changed venv gets a new base.
-    """
-    exe, stdlib = _host_python()
-    digest = hashlib.sha256(f"{_FORMAT}|{sys.version}|{exe}|{exe.stat().st_mtime_ns}".encode())
-    for d in (stdlib, stdlib / "lib-dynload"):
-        digest.update(f"|{d}|{d.stat().st_mtime_ns}".encode())
-    for dist in runtime_distributions(extras=_EXTRAS):
-        digest.update(f"|{dist.metadata['Name']}=={dist.version}|".encode())
-        digest.update((dist.read_text("RECORD") or "").encode())
-    return digest.hexdigest()[:16]
-
-
-def _base_manifest() -> tuple[list[tuple[str, Path]], list[tuple[str, str]]]:
-    """Files (arcname, host path) and symlinks (arcname, target) of the base layer."""
-    exe, stdlib = _host_python()
-    site_dst = stdlib / "site-packages"
-    venv_site = Path(sysconfig.get_path("purelib"))
-    files: dict[str, Path] = {}
-    links: dict[str, str] = {}
-
-    for p in _stdlib_files(stdlib):
-        if p.is_symlink():
-            links[str(p)] = os.readlink(p)
-        else:
-            files[str(p)] = p
-    for dist in runtime_distributions(extras=_EXTRAS):
-        for host, rel in _dist_files(dist, venv_site):
-            files[str(site_dst / rel)] = host
-    binaries = [exe] + [h for h in files.values() if h.name.endswith(".so")]
-    venv_real = venv_site.resolve()
-    for lib in sorted({exe, *_shared_libraries(binaries)}):
-        if lib.resolve().is_relative_to(venv_real):
-            continue  # bundled wheel libraries (numpy.libs, ...) come with their distribution
-        for path, target in _link_chain(lib):
-            if target is None:
-                files.setdefault(str(path), path)
-            else:
-                links[str(path)] = target
-    links[IMAGE_PYTHON] = str(exe)
-    return sorted(files.items()), sorted(links.items())
-
-
-def _dir_entry(name: str, mode: int = 0o755) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.type = tarfile.DIRTYPE
-    info.mode = mode
-    return info
-
-
-def _link_entry(name: str, target: str) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.type = tarfile.SYMTYPE
-    info.linkname = target
-    return info
-
-
-def _write_base_tar(
-    path: Path, files: list[tuple[str, Path]], links: list[tuple[str, str]]
-) -> None:
-    with tarfile.open(path, "w") as tar:
-        # Debian's merged-/usr skeleton (containers.md §3.1)
-        for d in ("etc", "proc", "sys", "dev", "root", "usr", "usr/bin", "usr/lib", "usr/lib64",
-                  "usr/sbin", "usr/local", "usr/local/bin", "app"):  # fmt: skip
-            tar.addfile(_dir_entry(d))
-        tar.addfile(_dir_entry("tmp", 0o1777))
-        for name in ("bin", "lib", "lib64", "sbin"):
-            tar.addfile(_link_entry(name, f"usr/{name}"))
-        for arc, host in files:
-            tar.add(str(host), arcname=arc.lstrip("/"), recursive=False)
-        for arc, target in links:
-            tar.addfile(_link_entry(arc.lstrip("/"), target))
 
 
 def _app_files(root: Path) -> list[tuple[str, Path]]:
@@ -352,63 +134,74 @@ def _build_lock(cache: Path) -> Iterator[None]:
 
 def ensure_image(client: Any | None = None, project_root: Path = PROJECT_ROOT) -> ImageBuild:
     """Return the project image, building whichever layer is missing."""
-    import docker.errors
-
     client = client or _docker_client()
     cache = project_root / ".cache"
     with _build_lock(cache):
-        base_hash = _base_fingerprint()
-        base_tag = f"{BASE_REPO}:{base_hash}"
-        base_built, base_seconds = False, 0.0
-        if not _image_exists(client, base_tag):
-            t0 = time.perf_counter()
-            files, links = _base_manifest()
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                tar_path = Path(tmp) / "base.tar"
-                _write_base_tar(tar_path, files, links)
-                client.api.import_image_from_file(
-                    str(tar_path),
-                    repository=BASE_REPO,
-                    tag=base_hash,
-                    changes=[
-                        "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                        "ENV LANG=C.UTF-8",
-                        "ENV HOME=/root",
-                        f'CMD ["{IMAGE_PYTHON}"]',
-                        f"LABEL {LABEL}=base",
-                    ],
-                )
-            if not _image_exists(client, base_tag):
-                raise BackendUnavailable(f"docker import did not produce {base_tag}")
-            base_built, base_seconds = True, time.perf_counter() - t0
-
-        app = _app_files(project_root)
-        digest = hashlib.sha256(f"{_APP_FORMAT}|{base_tag}".encode())
-        for rel, host in app:
-            digest.update(rel.encode() + b"\0" + host.read_bytes() + b"\0")
-        app_hash = digest.hexdigest()[:16]
-        tag = f"{APP_REPO}:{app_hash}"
-        app_built, app_seconds = False, 0.0
-        if not _image_exists(client, tag):
-            t0 = time.perf_counter()
-            try:
-                client.images.build(
-                    fileobj=_app_context(base_tag, app, app_hash),
-                    custom_context=True,
-                    tag=tag,
-                    rm=True,
-                    forcerm=True,
-                    pull=False,
-                )
-            except docker.errors.BuildError as exc:
-                lines = [str(x.get("stream", x.get("error", ""))).rstrip() for x in exc.build_log]
-                raise BackendUnavailable(
-                    f"building {tag} FROM {base_tag} failed: {exc}\n" + "\n".join(lines[-20:])
-                ) from None
-            app_built, app_seconds = True, time.perf_counter() - t0
-            _prune_old(client, keep={tag, base_tag})
+        base_tag, base_seconds = _ensure_base(client, cache)
+        tag, app_seconds = _ensure_app(client, base_tag, project_root)
         size = int(client.images.get(tag).attrs.get("Size", 0))
-    return ImageBuild(tag, base_tag, base_built, app_built, base_seconds, app_seconds, size)
+    return ImageBuild(tag, base_tag, base_seconds is not None, app_seconds is not None,
+                      base_seconds or 0.0, app_seconds or 0.0, size)
+
+
+def _ensure_base(client: Any, cache: Path) -> tuple[str, float | None]:
+    """The base layer's tag, and how long building it took (``None``: it was cached)."""
+    base_hash = base_fingerprint()
+    base_tag = f"{BASE_REPO}:{base_hash}"
+    if _image_exists(client, base_tag):
+        return base_tag, None
+    t0 = time.perf_counter()
+    files, links = base_manifest()
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        tar_path = Path(tmp) / "base.tar"
+        write_base_tar(tar_path, files, links)
+        client.api.import_image_from_file(
+            str(tar_path),
+            repository=BASE_REPO,
+            tag=base_hash,
+            changes=[
+                "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "ENV LANG=C.UTF-8",
+                "ENV HOME=/root",
+                f'CMD ["{IMAGE_PYTHON}"]',
+                f"LABEL {LABEL}=base",
+            ],
+        )
+    if not _image_exists(client, base_tag):
+        raise BackendUnavailable(f"docker import did not produce {base_tag}")
+    return base_tag, time.perf_counter() - t0
+
+
+def _ensure_app(client: Any, base_tag: str, project_root: Path) -> tuple[str, float | None]:
+    """The app layer's tag, and how long building it took (``None``: it was cached)."""
+    import docker.errors
+
+    app = _app_files(project_root)
+    digest = hashlib.sha256(f"{_APP_FORMAT}|{base_tag}".encode())
+    for rel, host in app:
+        digest.update(rel.encode() + b"\0" + host.read_bytes() + b"\0")
+    app_hash = digest.hexdigest()[:16]
+    tag = f"{APP_REPO}:{app_hash}"
+    if _image_exists(client, tag):
+        return tag, None
+    t0 = time.perf_counter()
+    try:
+        client.images.build(
+            fileobj=_app_context(base_tag, app, app_hash),
+            custom_context=True,
+            tag=tag,
+            rm=True,
+            forcerm=True,
+            pull=False,
+        )
+    except docker.errors.BuildError as exc:
+        lines = [str(x.get("stream", x.get("error", ""))).rstrip() for x in exc.build_log]
+        raise BackendUnavailable(
+            f"building {tag} FROM {base_tag} failed: {exc}\n" + "\n".join(lines[-20:])
+        ) from None
+    seconds = time.perf_counter() - t0
+    _prune_old(client, keep={tag, base_tag})
+    return tag, seconds
 
 
 def _prune_old(client: Any, keep: set[str], min_age: float = PRUNE_AFTER_SECONDS) -> None:

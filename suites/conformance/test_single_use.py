@@ -1,4 +1,4 @@
-"""Single use of D's retained blocks (protocol.md §5.2; checklist §15.5).
+"""Single use of D's retained blocks (docs/protocol.md §5.2; checklist §15.5).
 
 After P has read (or declined to read, notify-only) D's blocks, D frees them. A
 second use of the same D dict must not go unnoticed: vLLM's D counts

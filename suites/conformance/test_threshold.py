@@ -1,4 +1,4 @@
-"""Threshold boundary and local-prefix-first (protocol.md §4.2, §4.5; checklist §15.2-3).
+"""Threshold boundary and local-prefix-first (docs/protocol.md §4.2, §4.5; checklist §15.2-3).
 
 Turn-1 lengths are engineered so that on turn 2 P's block-aligned local hit is two
 blocks and D offers exactly ``count`` more tokens: ``count == T`` must pull,

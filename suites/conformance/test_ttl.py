@@ -1,4 +1,4 @@
-"""D's retention TTL and P's decline near expiry (protocol.md §5; checklist §15.4).
+"""D's retention TTL and P's decline near expiry (docs/protocol.md §5; checklist §15.4).
 
 * D releases retained blocks at ``decoder_kv_blocks_ttl`` without a read: WARNING
   ``Releasing expired KV blocks ...`` and ``vllm:nixl_num_kv_expired_reqs`` on D.
@@ -20,11 +20,11 @@ import pytest
 
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.pd_client import NIXL_BYTES, NIXL_EXPIRED, run_pd_turn
+from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.scenario import (
     ANSWER_WITHIN,
     complete_watching,
     expire_soon,
-    wait_for,
     wait_metric_increase,
 )
 
@@ -57,7 +57,8 @@ def test_ttl_expiry_d_releases_and_p_declines(pd: PDBackend, prompts: PromptFact
     d_before = pd.decode.metrics()
     d_mark = pd.decode.log_mark()
     # wait until P's rule must decline (now + 5 s >= deadline), but before D's TTL
-    wait_for(lambda: time.perf_counter() >= expiry - 5.0 + 0.5, ttl, "the decline window")
+    wait_for(lambda: time.perf_counter() >= expiry - 5.0 + 0.5, ttl, "the decline window",
+             interval=0.2)
     p_before = pd.prefill.metrics()
     p_mark = pd.prefill.log_mark()
     prompt2 = [*t1.sequence, *prompts.tokens(50)]
@@ -79,7 +80,8 @@ def test_ttl_expiry_d_releases_and_p_declines(pd: PDBackend, prompts: PromptFact
         return next((ln for ln in log.splitlines() if RELEASE_LOG in ln and rid in ln), None)
 
     if pd.decode.has_log:
-        line = wait_for(release_line, ttl + 30, f"D to release {rid} at its TTL")
+        line = wait_for(release_line, ttl + 30, f"D to release {rid} at its TTL",
+                        interval=0.2)
         assert "retrieved by 0 remote worker(s)" in line
         assert (pd.decode.metrics() - d_before).value(NIXL_EXPIRED) >= 1
     else:

@@ -1,4 +1,4 @@
-"""Wire shape of the P-node and D-node ``kv_transfer_params`` (protocol.md §3.4-§3.6).
+"""Wire shape of the P-node and D-node ``kv_transfer_params`` (docs/protocol.md §3.4-§3.6).
 
 Per version: vLLM 0.32 has no ``remote_registration_generation`` and sets params only
 on non-streaming responses; 0.33 adds the field and puts D's params on the terminal

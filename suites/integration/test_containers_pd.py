@@ -1,9 +1,9 @@
 """1P1D + router in Docker containers: a multi-turn conversation with a real D->P pull
 over the container network, and faults (a cut P->D link, a killed D) through the router.
 
-P runs with prefix caching off (the AWS blog's setting, spec §13.2), so on turn 2
+P runs with prefix caching off (the AWS blog's setting, docs/protocol.md §13.2), so on turn 2
 everything D retained must come from D (``external_kv_transfer`` on P, bytes moved,
-telemetry on P as the initiator, spec §11.1) or be recomputed. Each turn's answer is
+telemetry on P as the initiator, docs/protocol.md §11.1) or be recomputed. Each turn's answer is
 compared with the same conversation served without reuse: the emulated model is
 deterministic, so pulled KV that belonged to other tokens would change the text.
 """
@@ -11,15 +11,15 @@ deterministic, so pulled KV that belonged to other tokens would change the text.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from bidir_kv.scrape import MetricsSnapshot, scrape
+from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.pd_client import EngineClient, settled_metrics
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import bidirectional_config, chat
 from bidir_kv.topology.base import EngineSpec, Node, RouterSpec, TopologySpec
 from bidir_kv.topology.container import ContainerTopology
@@ -197,12 +197,9 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
 def _wait_health(router_url: str, role: str, node: str, up: bool, timeout: float = 30.0) -> None:
     """Poll the router's health gauge until it reports ``node`` up (1) or down (0)."""
     want = 1.0 if up else 0.0
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if scrape(router_url).samples.get((HEALTHY, (("node", node), ("role", role)))) == want:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"router never marked {role} {node} {'up' if up else 'down'}")
+    key = (HEALTHY, (("node", node), ("role", role)))
+    wait_for(lambda: scrape(router_url).samples.get(key) == want, timeout,
+             f"the router to mark {role} {node} {'up' if up else 'down'}", interval=0.1)
 
 
 def test_prefill_pulled_off_the_network_and_back(container_topology: Factory) -> None:

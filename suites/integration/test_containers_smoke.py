@@ -10,7 +10,8 @@ from typing import Any
 from bidir_kv.scrape import scrape
 from bidir_kv.topology.base import TopologySpec
 from bidir_kv.topology.container import HTTP_PORT, LABEL, ContainerTopology
-from bidir_kv.topology.container_image import IMAGE_PYTHON, ImageBuild
+from bidir_kv.topology.container_image import ImageBuild
+from bidir_kv.topology.container_manifest import IMAGE_PYTHON
 
 
 def test_image_runs_the_package_without_a_registry(

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import random
-import time
 import urllib.request
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from bidir_kv.policy import cdiv
 from bidir_kv.testing.engines import EnginePair, random_prompt, sources
+from bidir_kv.testing.poll import wait_for
 
 BS = 16
 BLOCK_NBYTES = BS * 64
@@ -25,16 +24,6 @@ XFERS = "vllm:nixl_xfer_time_seconds_count"
 BYTES = "vllm:nixl_bytes_transferred_sum"
 MISMATCH = "bidir_kv:kv_verify_mismatched_blocks_total"
 Factory = Callable[..., EnginePair]
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def idle(pair: EnginePair, which: str) -> bool:

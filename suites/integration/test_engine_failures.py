@@ -10,7 +10,6 @@ import contextlib
 import http.client
 import json
 import random
-import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.testing.engines import EnginePair, random_prompt, sources
+from bidir_kv.testing.poll import wait_for
 
 FAILED = "vllm:nixl_num_failed_transfers_total"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
@@ -25,16 +25,6 @@ XFERS = "vllm:nixl_xfer_time_seconds_count"
 NO_P_CACHE: dict[str, Any] = {"enable_prefix_caching": False}
 
 Factory = Callable[..., EnginePair]
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def _history(pair: EnginePair, seed: str, n: int = 300, gen: int = 8):

@@ -9,13 +9,13 @@ tests; every test uses its own random prompts, so prefix caches never overlap.
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
 from bidir_kv.policy import cdiv
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.testing.engines import EnginePair, random_prompt, sources, transport_backends
+from bidir_kv.testing.engines import EnginePair, random_prompt, sources, transport_names
+from bidir_kv.testing.poll import wait_for
 
 BS = 16
 BLOCK_NBYTES = BS * 64  # tiny profile: 64 KV bytes per token
@@ -27,7 +27,7 @@ AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"
 MISMATCH = "bidir_kv:kv_verify_mismatched_blocks_total"
 
 
-@pytest.fixture(scope="module", params=transport_backends())
+@pytest.fixture(scope="module", params=transport_names())
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     from bidir_kv.testing.engines import _start_pair
 
@@ -40,17 +40,6 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def rng_for(name: str) -> random.Random:
     return random.Random(name)
-
-
-def wait_for(pred, timeout: float = 10.0, interval: float = 0.02):
-    """Poll ``pred`` until truthy (owner-side effects arrive after the reader's response)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def test_turn1_miss_p_computes_and_d_pulls_everything(pair: EnginePair) -> None:

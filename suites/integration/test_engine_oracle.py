@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.testing.engines import EnginePair, _start_pair, random_prompt, transport_backends
+from bidir_kv.testing.engines import EnginePair, _start_pair, random_prompt, transport_names
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import EngineSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology
@@ -53,7 +53,7 @@ def _conversation(pair: EnginePair, ref: EngineClient, seed: int) -> dict[str, i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", transport_backends())
+@pytest.mark.parametrize("transport", transport_names())
 def test_oracle_over_random_conversations(
     transport: str, reference: EngineClient, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

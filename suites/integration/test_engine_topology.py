@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -17,21 +16,12 @@ from bidir_kv.engine.model import WORDS
 from bidir_kv.engine.profiles import available_profiles
 from bidir_kv.scrape import scrape
 from bidir_kv.testing.engines import EnginePair, kv_config, random_prompt
+from bidir_kv.testing.poll import wait_for
 from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology
 
 Factory = Callable[..., EnginePair]
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def chat(url: str, body: dict[str, Any]) -> dict[str, Any]:

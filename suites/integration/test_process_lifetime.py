@@ -6,10 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from bidir_kv.testing.poll import wait_for
 
 SCRIPT = """
 import sys, time
@@ -47,10 +48,8 @@ def test_child_dies_when_the_starter_is_sigkilled(tmp_path: Path) -> None:
         assert _alive(child)
         starter.send_signal(signal.SIGKILL)
         starter.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(child), f"child {child} outlived its SIGKILLed starter"
+        wait_for(lambda: not _alive(child), 10,
+                 f"child {child} to end with its SIGKILLed starter", interval=0.05)
     finally:
         if starter.poll() is None:
             starter.kill()

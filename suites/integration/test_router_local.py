@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.scrape import MetricsSnapshot, scrape
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import ChatResult, RouterProcess, chat, router_counter
 from bidir_kv.topology.process import free_port
 

@@ -13,7 +13,7 @@ import pytest
 
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import scrape
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import (
     bidirectional_config,
     chat,

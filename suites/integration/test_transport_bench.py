@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bidir_kv.engine.transport import nixl_available
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.tools.transport_bench import main
 
 

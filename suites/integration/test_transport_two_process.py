@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,8 @@ import pytest
 
 from bidir_kv.engine.transport import KVAgent, KVPool, TransportError, create_agent, nixl_available
 from bidir_kv.engine.transport.sidechannel import PeerInfo, handshake
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.poll import wait_for
 from bidir_kv.tools.transport_peer import PeerProcess, seeded_pool_bytes, spawn
 
 NUM_BLOCKS = 64
@@ -82,13 +82,13 @@ async def _connect(
 def _wait_notifs(
     owner: PeerProcess, readers: set[str], n: int, timeout: float = 30.0
 ) -> list[tuple[str, str]]:
-    """The owner's notifications from ``readers`` once there are ``n`` (or at timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """The owner's notifications from ``readers`` once there are ``n``."""
+    def enough() -> list[tuple[str, str]] | None:
         got = [(r, m) for r, m in owner.notifications() if r in readers]
-        if len(got) >= n or time.monotonic() > deadline:
-            return got
-        time.sleep(0.01)
+        return got if len(got) >= n else None
+
+    return wait_for(enough, timeout, f"{n} notification(s) from {sorted(readers)}",
+                    interval=0.01)
 
 
 def test_read_across_processes(backend: str, owner: PeerProcess) -> None:

@@ -6,11 +6,12 @@ import os
 from pathlib import Path
 
 from bidir_kv.topology import container_image as ci
+from bidir_kv.topology import container_manifest as manifest
 
 
 def test_runtime_closure_has_runtime_deps_and_no_dev_tools() -> None:
     # a missing optional extra is skipped, not an error
-    dists = ci.runtime_distributions(extras=("no-such-dist-xyz",))
+    dists = manifest.runtime_distributions(extras=("no-such-dist-xyz",))
     names = {str(d.metadata["Name"]).lower().replace("_", "-") for d in dists}
     assert {"aiohttp", "numpy", "msgpack", "prometheus-client", "rich"} <= names
     assert {"multidict", "yarl"} <= names  # transitive requirements of aiohttp
@@ -18,8 +19,8 @@ def test_runtime_closure_has_runtime_deps_and_no_dev_tools() -> None:
 
 
 def test_stdlib_selection_skips_tests_gui_and_optimised_bytecode() -> None:
-    _, stdlib = ci._host_python()
-    files = [p.relative_to(stdlib) for p in ci._stdlib_files(stdlib)]
+    _, stdlib = manifest.host_python()
+    files = [p.relative_to(stdlib) for p in manifest.stdlib_files(stdlib)]
     names = {str(p) for p in files}
     assert "os.py" in names and "asyncio/events.py" in names
     assert any(p.parts[0] == "lib-dynload" and p.name.startswith("_json") for p in files)
@@ -29,11 +30,11 @@ def test_stdlib_selection_skips_tests_gui_and_optimised_bytecode() -> None:
 
 
 def test_link_chain_ends_in_a_real_file_without_symlinked_directories() -> None:
-    exe, _ = ci._host_python()
+    exe, _ = manifest.host_python()
     for start in (Path("/lib64/ld-linux-x86-64.so.2"), exe):
         if not start.exists():
             continue
-        chain = ci._link_chain(start)
+        chain = manifest.link_chain(start)
         last, target = chain[-1]
         assert target is None and last.is_file() and not last.is_symlink()
         for path, _ in chain:

@@ -22,7 +22,8 @@ from bidir_kv.engine.transport import (
     nixl_available,
 )
 from bidir_kv.engine.transport.tcp_io import block_runs
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.poll import wait_for_async
 
 BLOCK_NBYTES = 4096
 NUM_BLOCKS = 32
@@ -99,15 +100,6 @@ def run(shared: Pair) -> Callable[[Scenario], None]:
     return go
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.001)
-
-
 def _sha(rows: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest()
 
@@ -124,9 +116,9 @@ def test_read_copies_exact_bytes_and_notifies_once(run: Callable[[Scenario], Non
         assert res.bytes == len(remote) * BLOCK_NBYTES
         assert res.descriptors >= 1
         assert res.xfer_time > 0 and res.post_time >= 0
-        await _until(lambda: len(got_d) >= 1)
+        await wait_for_async(lambda: len(got_d) >= 1, 30)
         await p.notify("agent-d", b"HB:sync")  # a later message proves nothing else is queued
-        await _until(lambda: len(got_d) >= 2)
+        await wait_for_async(lambda: len(got_d) >= 2, 30)
         assert got_d == [("agent-p", b"req-7:1"), ("agent-p", b"HB:sync")]
         assert got_p == []
 
@@ -140,7 +132,7 @@ def test_out_of_range_remote_block_fails(run: Callable[[Scenario], None]) -> Non
         assert not p.pool.data.any()
         # The agent stays usable after a refused read, and no notification leaked.
         await p.read("agent-d", [0], [2], b"good:1")
-        await _until(lambda: len(got_d) >= 1)
+        await wait_for_async(lambda: len(got_d) >= 1, 30)
         assert got_d == [("agent-p", b"good:1")]
 
     run(scenario)
@@ -165,7 +157,7 @@ def test_notify_only_and_many_notifications_exactly_once(run: Callable[[Scenario
         for m in msgs:
             await p.notify("agent-d", m)
         await d.notify("agent-p", b"HB:a,b")
-        await _until(lambda: len(got_d) >= len(msgs) and len(got_p) >= 1)
+        await wait_for_async(lambda: len(got_d) >= len(msgs) and len(got_p) >= 1, 30)
         assert sorted(m for _, m in got_d) == sorted(msgs)
         assert {peer for peer, _ in got_d} == {"agent-p"}
         assert got_p == [("agent-d", b"HB:a,b")]
@@ -185,7 +177,7 @@ def test_concurrent_reads_both_directions(run: Callable[[Scenario], None]) -> No
         assert _sha(p.pool.data[0:4]) == _sha(d.pool.data[8:12])
         assert _sha(p.pool.data[4:6]) == _sha(d.pool.data[30:32])
         assert (d.pool.data[12:14] == 7).all()
-        await _until(lambda: len(got_d) >= 2 and len(got_p) >= 1)
+        await wait_for_async(lambda: len(got_d) >= 2 and len(got_p) >= 1, 30)
         assert sorted(m for _, m in got_d) == [b"a:1", b"b:1"]
         assert got_p == [("agent-d", b"c:1")]
 
@@ -217,7 +209,7 @@ def test_re_adding_a_peer_replaces_its_state(run: Callable[[Scenario], None]) ->
         assert await p.add_peer(d.metadata()) == "agent-d"
         await p.read("agent-d", [2], [7], b"again:1")
         assert np.array_equal(p.pool.data[2], d.pool.data[7])
-        await _until(lambda: len(got_d) >= 1)
+        await wait_for_async(lambda: len(got_d) >= 1, 30)
         assert got_d == [("agent-p", b"again:1")]
 
     run(scenario)
@@ -233,7 +225,7 @@ def test_cancelled_read_leaves_the_agent_usable(run: Callable[[Scenario], None])
             await task
         await p.read("agent-d", [0], [5], b"after:1")
         assert np.array_equal(p.pool.data[0], d.pool.data[5])
-        await _until(lambda: ("agent-p", b"after:1") in got_d)
+        await wait_for_async(lambda: ("agent-p", b"after:1") in got_d, 30)
         msgs = [m for _, m in got_d]
         assert msgs.count(b"after:1") == 1 and msgs.count(b"cancel:1") <= 1
 

@@ -26,7 +26,7 @@ def test_tcp_is_tcp() -> None:
 
 @pytest.fixture
 def nixl_ok(request: pytest.FixtureRequest) -> None:
-    from bidir_kv.testing.plugin import skip_or_fail
+    from bidir_kv.testing.gating import skip_or_fail
 
     ok, why = nixl_available()
     if not ok:
@@ -71,7 +71,7 @@ def test_add_peer_names_what_is_wrong_with_metadata(
     if backend == "nixl":
         ok, why = nixl_available()
         if not ok:
-            from bidir_kv.testing.plugin import skip_or_fail
+            from bidir_kv.testing.gating import skip_or_fail
 
             skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
 

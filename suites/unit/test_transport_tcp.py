@@ -9,6 +9,7 @@ import pytest
 
 from bidir_kv.engine.transport import KVPool, TransportError
 from bidir_kv.engine.transport.tcp import TcpAgent
+from bidir_kv.testing.poll import wait_for_async
 
 
 def test_restarted_owner_on_same_port_is_reached_through_a_fresh_connection() -> None:
@@ -29,7 +30,7 @@ def test_restarted_owner_on_same_port_is_reached_through_a_fresh_connection() ->
             second.pool.data[3] = 42
             await reader.read("owner", [1], [3], b"two:1")  # no add_peer: same address
             assert (reader.pool.data[1] == 42).all()
-            await asyncio.wait_for(_until(lambda: b"two:1" in got), 30)
+            await wait_for_async(lambda: b"two:1" in got, 30)
             assert got == [b"one:1", b"two:1"]
         finally:
             await reader.close()
@@ -58,6 +59,3 @@ def test_gone_owner_is_a_transport_error() -> None:
     asyncio.run(main())
 
 
-async def _until(cond) -> None:  # type: ignore[no-untyped-def]
-    while not cond():
-        await asyncio.sleep(0.001)
