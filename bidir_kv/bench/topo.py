@@ -16,7 +16,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bidir_kv.config import KVTransferConfig
-from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
+from bidir_kv.policy import (
+    DEFAULT_DECODER_KV_BLOCKS_TTL,
+    DEFAULT_RECOMPUTE_THRESHOLD,
+    scaled_cache_ttl,
+)
 from bidir_kv.topology import BackendUnavailable, EngineSpec, RouterSpec, Topology, TopologySpec
 from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 
@@ -49,8 +53,7 @@ class LegSetup:
 
 def router_cache_ttl(decoder_ttl: float) -> float:
     """The router's cache TTL stays below D's TTL, in the upstream ratio (450 s under 480 s)."""
-    default = _ROUTER.cache_ttl  # TODO(router-settings): RouterSettings' cache TTL
-    return min(default, decoder_ttl * default / DEFAULT_DECODER_KV_BLOCKS_TTL)
+    return scaled_cache_ttl(decoder_ttl, _ROUTER.cache_ttl)
 
 
 def leg_spec(leg: str, setup: LegSetup) -> TopologySpec:

@@ -13,9 +13,11 @@ from bidir_kv.policy.blocks import (
     target_block_range,
 )
 from bidir_kv.policy.cache_entry import (
+    cache_ttl_below_retention,
     cache_ttl_within_retention,
     entry_age,
     entry_is_stale,
+    scaled_cache_ttl,
     stale_cutoff,
 )
 from bidir_kv.policy.guard import (
@@ -62,6 +64,7 @@ __all__ = [
     "block_align_down",
     "block_hashes",
     "blocks_for_tokens",
+    "cache_ttl_below_retention",
     "cache_ttl_within_retention",
     "cdiv",
     "clock_offset",
@@ -77,6 +80,7 @@ __all__ = [
     "read_window",
     "reusable_prefix",
     "reusable_prefix_by_hashes",
+    "scaled_cache_ttl",
     "should_decline",
     "stale_cutoff",
     "suffix_trim_pairing",

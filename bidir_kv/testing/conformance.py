@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.testing import matrix
 from bidir_kv.testing.backends import PDBackend, PromptFactory, start_backend
 from bidir_kv.testing.exemptions import exemption_for
@@ -152,7 +153,7 @@ def router(request: pytest.FixtureRequest, pd: PDBackend, proxy: str) -> Iterato
         return
     p, d, kv = pd.prefill.node, pd.decode.node, pd.config
     port = free_port()
-    cache_ttl = max(1.0, kv.decoder_ttl - 10)
+    cache_ttl = cache_ttl_below_retention(kv.decoder_ttl, margin=10.0)
     if proxy == "bidir-kv":
         extra = ["--cache-ttl", str(cache_ttl), "--decoder-kv-blocks-ttl", str(kv.decoder_ttl),
                  "--block-size", str(kv.block_size)]

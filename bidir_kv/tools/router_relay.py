@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from bidir_kv.policy import entry_is_stale
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.router.settings import UPSTREAM_CACHE_TTL
 
@@ -38,8 +39,9 @@ def relay_app(prefill_url: str, decode_url: str, prefill_host: str, decode_host:
         body = await request.json()
         conv = body.pop("conversation_id", None)
         cached = cache.pop(conv, None) if conv else None
+        fresh = cached and not entry_is_stale(cached[1], time.time(), UPSTREAM_CACHE_TTL)
         params = dict(cached[0], do_remote_decode=True, do_remote_prefill=False) \
-            if cached and time.time() - cached[1] < UPSTREAM_CACHE_TTL else dict(miss)
+            if fresh else dict(miss)
         p_body = dict(body, stream=False, max_tokens=1, kv_transfer_params=params)
         for k in ("max_completion_tokens", "min_tokens", "stream_options"):
             p_body.pop(k, None)
