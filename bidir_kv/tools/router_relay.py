@@ -39,9 +39,10 @@ def relay_app(prefill_url: str, decode_url: str, prefill_host: str, decode_host:
         body = await request.json()
         conv = body.pop("conversation_id", None)
         cached = cache.pop(conv, None) if conv else None
-        fresh = cached and not entry_is_stale(cached[1], time.time(), UPSTREAM_CACHE_TTL)
-        params = dict(cached[0], do_remote_decode=True, do_remote_prefill=False) \
-            if fresh else dict(miss)
+        if cached is not None and not entry_is_stale(cached[1], time.time(), UPSTREAM_CACHE_TTL):
+            params = dict(cached[0], do_remote_decode=True, do_remote_prefill=False)
+        else:
+            params = dict(miss)
         p_body = dict(body, stream=False, max_tokens=1, kv_transfer_params=params)
         for k in ("max_completion_tokens", "min_tokens", "stream_options"):
             p_body.pop(k, None)
