@@ -31,6 +31,7 @@ from bidir_kv.policy import (
     pull_decision,
     read_window,
 )
+from bidir_kv.router.settings import RouterSettings
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 DEFAULT_BLOCK_SIZE = 16  # TODO(engine-settings): vLLM's --block-size, the engine's default
-ROUTER_CACHE_TTL_S = 450.0  # TODO(router-settings): the router's (and upstream proxy's) default
+ROUTER_CACHE_TTL_S = RouterSettings.cache_ttl  # the router's (and upstream proxy's) default
 
 
 class PlanError(ValueError):

@@ -45,7 +45,7 @@ class LegSetup:
     decoder_kv_blocks_ttl: float = DEFAULT_DECODER_KV_BLOCKS_TTL
     kv_load_failure_policy: str = _ENGINE.kv.kv_load_failure_policy
     max_model_len: int = 65536  # bench's own value, above EngineSpec's
-    decode_stream: str = _ROUTER.decode_stream  # TODO(router-settings): RouterSettings default
+    decode_stream: str = _ROUTER.decode_stream
     transport: str = _ENGINE.transport
     router_args: tuple[str, ...] = ()
     log_dir: Path = Path("out/bench-logs")

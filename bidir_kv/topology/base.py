@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.router.settings import RouterSettings
 
 __all__ = ["BackendUnavailable", "EngineSpec", "Node", "RouterSpec", "Topology", "TopologySpec"]
 
@@ -39,11 +40,14 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """How to start a router (``bidir-kv proxy``); flags mirror the upstream multi-turn proxy."""
+    """How to start a router (``bidir-kv proxy``); flags mirror the upstream multi-turn proxy.
 
-    cache_ttl: float = 450.0
-    store: str = "memory"
-    decode_stream: str = "always"
+    Defaults are the router's own (:class:`~bidir_kv.router.settings.RouterSettings`).
+    """
+
+    cache_ttl: float = RouterSettings.cache_ttl
+    store: str = RouterSettings.store
+    decode_stream: str = RouterSettings.decode_stream
     extra_args: tuple[str, ...] = ()
 
 
