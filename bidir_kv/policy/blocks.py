@@ -14,6 +14,7 @@ __all__ = [
     "block_align_down",
     "blocks_for_tokens",
     "cdiv",
+    "max_prefix_hit_blocks",
     "partial_tail_tokens",
     "position_pairing",
     "suffix_trim_pairing",
@@ -109,3 +110,14 @@ def position_pairing(
             f"[{local_hit_tokens}, {local_hit_tokens + count}) needs {wanted.stop}"
         )
     return [remote_block_ids[i] for i in wanted]
+
+
+def max_prefix_hit_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Most full blocks a local prefix-cache hit may cover for a prompt.
+
+    vLLM always recomputes at least the last prompt token (it samples from it), so
+    a hit stops at ``(prompt_tokens - 1) // block_size`` blocks.
+    """
+    _check_block_size(block_size)
+    _check_tokens("prompt_tokens", prompt_tokens)
+    return max(prompt_tokens - 1, 0) // block_size

@@ -32,7 +32,10 @@ __all__ = [
     "heartbeat_extension",
     "heartbeat_interval",
     "local_deadline",
+    "remote_deadline",
     "should_decline",
+    "valid_lease_duration",
+    "valid_retention_ttl",
 ]
 
 DEFAULT_DECODER_KV_BLOCKS_TTL = 480.0
@@ -249,3 +252,22 @@ def should_decline(
     if remote_expiry is None:
         return False
     return now + margin >= local_deadline(remote_expiry, offset)
+
+
+def remote_deadline(deadline: float, offset: float) -> float:
+    """A deadline on our clock expressed on a clock ``offset`` s ahead.
+
+    The inverse of :func:`local_deadline`; the engine's ``clock_skew`` fault uses it
+    to export a deadline as a skewed clock would read it.
+    """
+    return deadline + offset
+
+
+def valid_retention_ttl(ttl: float) -> bool:
+    """``decoder_kv_blocks_ttl`` must be positive (a zero TTL releases at once)."""
+    return ttl > 0
+
+
+def valid_lease_duration(lease_duration: int) -> bool:
+    """A lease needs at least one whole heartbeat interval: ``duration // 6 >= 1`` s."""
+    return lease_duration > 0 and heartbeat_interval(lease_duration) >= 1

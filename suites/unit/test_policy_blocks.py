@@ -10,6 +10,7 @@ from bidir_kv.policy import (
     block_align_down,
     blocks_for_tokens,
     cdiv,
+    max_prefix_hit_blocks,
     partial_tail_tokens,
     position_pairing,
     pull_decision,
@@ -188,3 +189,13 @@ def test_suffix_trim_misaligns_when_d_holds_blocks_past_the_prompt(
     count = min(r, length) - h
     n = len(target_block_range(h, count, bs))
     assert suffix_trim_pairing(ids, n) != position_pairing(ids, h, count, bs)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "bs", "blocks"), [(1, 16, 0), (16, 16, 0), (17, 16, 1), (33, 16, 2), (32, 16, 1)]
+)
+def test_a_prefix_hit_never_covers_the_last_prompt_token(prompt: int, bs: int, blocks: int) -> None:
+    assert max_prefix_hit_blocks(prompt, bs) == blocks
+    assert max_prefix_hit_blocks(prompt, bs) * bs < prompt
+    with pytest.raises(ValueError):
+        max_prefix_hit_blocks(prompt, 0)
