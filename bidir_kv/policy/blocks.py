@@ -80,8 +80,8 @@ def suffix_trim_pairing(remote_block_ids: Sequence[int], num_local_blocks: int) 
     """vLLM's pairing: the *last* ``num_local_blocks`` of D's list, in order.
 
     Correct only when P's prompt is a continuation of D's whole sequence and
-    ``remote_num_tokens <= prompt_len`` (spec §6.2); otherwise it silently pairs
-    the wrong positions (suspected upstream defect 3).
+    ``remote_num_tokens <= prompt_len`` (docs/protocol.md §6.2); otherwise it
+    silently pairs the wrong positions (suspected upstream defect 3).
     """
     _check_tokens("num_local_blocks", num_local_blocks)
     if num_local_blocks > len(remote_block_ids):

@@ -1,8 +1,8 @@
 """The continuation guard: how much of a new prompt provably equals what D holds.
 
-vLLM never compares P's prompt with D's token sequence (spec §1.4, §6.3), so a
-rewritten history, stripped reasoning or a shorter prompt can import KV of the
-wrong tokens. :func:`reusable_prefix` is the check that makes reuse safe; the
+vLLM never compares P's prompt with D's token sequence (docs/protocol.md §1.4,
+§6.3), so a rewritten history, stripped reasoning or a shorter prompt can import KV
+of the wrong tokens. :func:`reusable_prefix` is the check that makes reuse safe; the
 block-hash-chain form lets a router or engine check without shipping token ids.
 The same chain keys the emulated engine's prefix cache.
 """

@@ -1,6 +1,6 @@
 """How long KV blocks are held for a peer, and when a reader must decline.
 
-Three timers from vLLM (spec §5, §8):
+Three timers from vLLM (docs/protocol.md §5, §8):
 
 * D retains a finished turn's blocks until P's completion notification or a
   fixed deadline ``finish + decoder_kv_blocks_ttl`` (never renewed).

@@ -1,7 +1,7 @@
 """P's decision on a turn-2+ request: pull the history from D, or recompute it.
 
-This is vLLM's rule (``get_num_new_matched_tokens`` in the pull scheduler, spec
-§4.2) as a pure function: local prefix cache first (block-aligned), then
+This is vLLM's rule (``get_num_new_matched_tokens`` in the pull scheduler,
+docs/protocol.md §4.2) as a pure function: local prefix cache first (block-aligned), then
 ``count = min(remote_num_tokens, prompt_len) - local_hit``; ``count <= 0`` or
 ``0 < count < threshold`` recompute, anything else pulls. ``count == threshold``
 pulls: the comparison is strictly less-than.

@@ -1,4 +1,5 @@
-"""The continuation guard (spec §6.3, vLLM issue #43094, PR #44838) and its hash chain."""
+"""The continuation guard and its hash chain (docs/protocol.md §6.3, vLLM issue #43094,
+PR #44838)."""
 
 from __future__ import annotations
 

