@@ -16,6 +16,9 @@ from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_KV_LEASE_DURATION,
     DEFAULT_RECOMPUTE_THRESHOLD,
+    threshold_enabled,
+    valid_lease_duration,
+    valid_retention_ttl,
 )
 
 __all__ = ["ConfigError", "KVTransferConfig", "LoadFailurePolicy"]
@@ -126,12 +129,12 @@ class KVTransferConfig:
                 f"kv_connector_extra_config.backends: expected a list of strings, got {backends!r}"
             )
         ttl = _get(extra, "decoder_kv_blocks_ttl", float, DEFAULT_DECODER_KV_BLOCKS_TTL)
-        if ttl <= 0:
+        if not valid_retention_ttl(ttl):
             raise ConfigError(
                 f"kv_connector_extra_config.decoder_kv_blocks_ttl: must be > 0, got {ttl}"
             )
         lease = _get(extra, "kv_lease_duration", int, DEFAULT_KV_LEASE_DURATION)
-        if lease < 6:
+        if not valid_lease_duration(lease):
             raise ConfigError(
                 f"kv_connector_extra_config.kv_lease_duration: must be >= 6 s "
                 f"(heartbeats every duration // 6), got {lease}"
@@ -182,7 +185,7 @@ class KVTransferConfig:
 
     def startup_log_line(self) -> str | None:
         """vLLM's INFO line when bidirectional mode is on (missing space included)."""
-        if not self.bidirectional_kv_xfer or self.kv_recompute_threshold <= 0:
+        if not self.bidirectional_kv_xfer or not threshold_enabled(self.kv_recompute_threshold):
             return None
         return (
             "Bidirectional KV transfer is enabled and the kv recompute threshold is set to "

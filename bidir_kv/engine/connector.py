@@ -1,16 +1,16 @@
 """Worker side of the emulated NixlConnector: peers, claims, READs, notifications.
 
-The scheduler (``scheduler.py``) decides *what* to move; this module moves it
-through a :class:`~bidir_kv.engine.transport.base.KVAgent` and the side channel,
-applies transfer faults and pads durations to the cost profile. It never makes a
-protocol decision.
+The reader and the owner (``reader.py``, ``owner.py``) decide *what* to move; this
+module moves it through a :class:`~bidir_kv.engine.transport.base.KVAgent` and the
+side channel, applies transfer faults and pads durations to the cost profile. It
+never makes a protocol decision.
 
 Claims (our addition, docs/engine.md): before a READ the reader asks the owner,
 over the owner's HTTP port, to claim the handle ``remote_request_id`` for the
 blocks it will read. The owner grants a claim once, and only while it still holds
 those blocks, so a second read of a released or already-read handle fails instead
-of silently returning reused blocks (spec §15.5). The owner's HTTP port travels in
-an envelope around the agent metadata of the side-channel handshake.
+of silently returning reused blocks (docs/protocol.md §15.5). The owner's HTTP port
+travels in an envelope around the agent metadata of the side-channel handshake.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import msgpack
 
+from bidir_kv.engine import notifications
 from bidir_kv.engine.faults import Faults
 from bidir_kv.engine.guard import HandleTokens
 from bidir_kv.engine.transport.base import KVAgent, NotificationHandler, ReadResult, TransportError
@@ -229,7 +230,7 @@ class ConnectorWorker:
 
     async def heartbeat_loop(self, peer: Peer, request_ids: Sequence[str], interval: float) -> None:
         """Send ``HB:<ids>`` every ``interval`` s until cancelled (D keeping P's lease)."""
-        msg = "HB:" + ",".join(request_ids)
+        msg = notifications.heartbeat(request_ids)
         while True:
             await asyncio.sleep(interval)
             with contextlib.suppress(TransportError):

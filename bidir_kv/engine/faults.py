@@ -1,8 +1,8 @@
 """Fault injection: make an engine fail on purpose, from flags or ``POST /_emulator/faults``.
 
-Each knob names one failure the protocol must survive (spec §5, §7): a node dying
-mid-turn, failed or slow READs, a skewed exported deadline, lost completion
-notifications, a wedged scheduler.
+Each knob names one failure the protocol must survive (docs/protocol.md §5, §7): a
+node dying mid-turn, failed or slow READs, a skewed exported deadline, lost
+completion notifications, a wedged scheduler.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Continuation guard on a pull: read only what the owner provably holds for *our* tokens.
 
-vLLM never compares the reader's prompt with the owner's token sequence (protocol.md
-§1.4, §6.3): a rewritten or stripped history imports KV of other tokens. Our engines
-exchange the owner's block-hash chain (``policy.block_hashes``) in the claim answer,
-plus a hash of the tokens in its partial last block, and the reader caps the pull at
-the longest verified prefix (``--kv-guard off`` restores vLLM's behaviour).
+vLLM never compares the reader's prompt with the owner's token sequence
+(docs/protocol.md §1.4, §6.3): a rewritten or stripped history imports KV of other
+tokens. Our engines exchange the owner's block-hash chain (``policy.block_hashes``)
+in the claim answer, plus a hash of the tokens in its partial last block, and the
+reader caps the pull at the longest verified prefix (``--kv-guard off`` restores
+vLLM's behaviour).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from bidir_kv.policy import reusable_prefix_by_hashes
 
 __all__ = ["HandleTokens", "tail_hash", "verified_tokens"]
 
@@ -60,17 +63,15 @@ def verified_tokens(
 ) -> int:
     """Tokens at the start of ``prompt`` whose KV the owner provably holds.
 
-    Whole matching blocks of the chain, plus the owner's partial tail when every full
-    block matched and the prompt continues through it.
+    Whole matching blocks of the chain (``policy.reusable_prefix_by_hashes``), plus
+    the owner's partial tail when every full block matched and the prompt continues
+    through it. ``prompt_chain`` is ``block_hashes(prompt)``, which the engine keeps.
     """
-    m = 0
-    for ours, theirs in zip(prompt_chain, owner.chain, strict=False):
-        if ours != theirs:
-            break
-        m += 1
-    verified = m * block_size
+    verified = reusable_prefix_by_hashes(
+        owner.chain, prompt, block_size, prompt_hashes=prompt_chain
+    )
     if (
-        m == len(owner.chain)
+        verified == len(owner.chain) * block_size
         and len(prompt) >= owner.num_tokens > verified
         and tail_hash(prompt[verified : owner.num_tokens]) == owner.tail
     ):

@@ -37,10 +37,12 @@ class BlockManager:
         self.pool = pool
         self.block_size = block_size
         self.num_layers = num_layers
-        self.per = pool.block_nbytes // (block_size * num_layers)
+        self.bytes_per_layer_slot = pool.block_nbytes // (block_size * num_layers)
         self.enable_prefix_caching = enable_prefix_caching
         # (block, layer, slot, byte) view of the same memory
-        self.view = pool.data.reshape(pool.num_blocks, num_layers, block_size, self.per)
+        self.view = pool.data.reshape(
+            pool.num_blocks, num_layers, block_size, self.bytes_per_layer_slot
+        )
         self._ref = [0] * pool.num_blocks
         self._free: OrderedDict[int, None] = OrderedDict(
             (b, None) for b in range(1, pool.num_blocks)
@@ -84,9 +86,6 @@ class BlockManager:
         self._hash_of[block] = block_hash
         self._cached[block_hash] = block
 
-    def is_cached(self, block: int) -> bool:
-        return block in self._hash_of
-
     # ---- references ----------------------------------------------------------
 
     def touch(self, blocks: Iterable[int]) -> None:
@@ -96,12 +95,12 @@ class BlockManager:
                 self._free.pop(b, None)
             self._ref[b] += 1
 
-    def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks; evicts least recently freed cached blocks if needed."""
-        if n > len(self._free):
-            raise NoFreeBlocks(f"need {n} blocks, {len(self._free)} free or evictable")
+    def allocate(self, count: int) -> list[int]:
+        """``count`` fresh blocks; evicts least recently freed cached blocks if needed."""
+        if count > len(self._free):
+            raise NoFreeBlocks(f"need {count} blocks, {len(self._free)} free or evictable")
         out = []
-        for _ in range(n):
+        for _ in range(count):
             b, _ = self._free.popitem(last=False)
             h = self._hash_of.pop(b, None)
             if h is not None and self._cached.get(h) == b:
@@ -126,13 +125,11 @@ class BlockManager:
                 if b not in self._hash_of:
                     self._free.move_to_end(b, last=False)
 
-    def ref_count(self, block: int) -> int:
-        return self._ref[block]
-
     # ---- contents ------------------------------------------------------------
 
     def write_slots(self, blocks: Sequence[int], start: int, content: np.ndarray) -> None:
-        """Write slot bytes ``content[(n, layers, per)]`` for positions ``start..start+n``.
+        """Write ``content`` (shape ``(n, layers, bytes_per_layer_slot)``) to slots
+        ``start..start+n``.
 
         ``blocks`` is the request's block table (position block ``i`` -> ``blocks[i]``).
         """
@@ -152,15 +149,15 @@ class BlockManager:
             full = (end - pos) // bs
             ids = np.asarray(blocks[pos // bs : pos // bs + full], dtype=np.int64)
             chunk = content[pos - start : pos - start + full * bs]
-            self.view[ids] = chunk.reshape(full, bs, self.num_layers, self.per).transpose(
-                0, 2, 1, 3
-            )
+            self.view[ids] = chunk.reshape(
+                full, bs, self.num_layers, self.bytes_per_layer_slot
+            ).transpose(0, 2, 1, 3)
             pos += full * bs
             if pos < end:
                 self.write_slots(blocks, pos, content[pos - start :])
 
     def read_slots(self, block: int, first: int, count: int) -> np.ndarray:
-        """Slot bytes of one block as ``(count, layers, per)``."""
+        """Slot bytes of one block as ``(count, layers, bytes_per_layer_slot)``."""
         return self.view[block, :, first : first + count, :].transpose(1, 0, 2)
 
     def block_bytes(self, block: int, valid_slots: int | None = None) -> bytes:

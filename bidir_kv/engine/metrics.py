@@ -84,15 +84,23 @@ class EngineMetrics:
     def __init__(self, model_name: str, engine_index: str = "0") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name, "engine": engine_index}
-        names = list(self.labels)
-        r = self.registry
+        # registration order is the scrape order: requests first, then transfers
+        self._add_request_metrics()
+        self._add_transfer_metrics()
+        self.window = TransferWindow()
+        self._create_children()
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*names, *extra], registry=r)
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, [*self.labels, *extra], registry=self.registry)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=r)
+    def _hist(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, list(self.labels), buckets=buckets, registry=self.registry)
 
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, list(self.labels), registry=self.registry)
+
+    def _add_request_metrics(self) -> None:
+        counter, hist = self._counter, self._hist
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
         self.prompt_tokens_by_source = counter(
@@ -123,13 +131,14 @@ class EngineMetrics:
         self.request_success = counter(
             "vllm:request_success", "Finished requests.", ("finished_reason",)
         )
-        self.ttft = hist(
-            "vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
-        )
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end latency.", _TTFT_BUCKETS)
-        self.running = Gauge("vllm:num_requests_running", "Running.", names, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Waiting.", names, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV usage (0-1).", names, registry=r)
+        self.running = self._gauge("vllm:num_requests_running", "Running.")
+        self.waiting = self._gauge("vllm:num_requests_waiting", "Waiting.")
+        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV usage (0-1).")
+
+    def _add_transfer_metrics(self) -> None:
+        counter, hist = self._counter, self._hist
         self.xfer_time = hist("vllm:nixl_xfer_time_seconds", "READ duration.", _TIME_BUCKETS)
         self.post_time = hist("vllm:nixl_post_time_seconds", "READ post time.", _TIME_BUCKETS)
         self.bytes_transferred = hist(
@@ -159,7 +168,8 @@ class EngineMetrics:
             "bidir_kv:kv_guard_rejected_tokens",
             "Tokens not pulled because the owner's sequence does not match the prompt.",
         )
-        self.window = TransferWindow()
+
+    def _create_children(self) -> None:
         # children exist from the start, so every series scrapes as 0 before first use
         for m in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
                   self.prefix_cache_hits, self.external_queries, self.external_hits,
@@ -175,23 +185,24 @@ class EngineMetrics:
 
     # ---- recording helpers -----------------------------------------------------
 
-    def c(self, metric: Counter, n: float = 1, **labels: str) -> None:
-        if n:
-            metric.labels(**self.labels, **labels).inc(n)
+    def inc(self, metric: Counter, amount: float = 1, **labels: str) -> None:
+        """Add ``amount`` to this engine's child of ``metric`` (0 leaves it untouched)."""
+        if amount:
+            metric.labels(**self.labels, **labels).inc(amount)
 
     def prefix_cache(self, queries: int, hits: int) -> None:
-        self.c(self.prefix_cache_queries, queries)
-        self.c(self.prefix_cache_hits, hits)
-        self.c(self.prompt_tokens_cached_by_source, hits, source="device")
+        self.inc(self.prefix_cache_queries, queries)
+        self.inc(self.prefix_cache_hits, hits)
+        self.inc(self.prompt_tokens_cached_by_source, hits, source="device")
 
     def external_hit(self, tokens: int) -> None:
-        self.c(self.external_hits, tokens)
-        self.c(self.prompt_tokens_cached_by_source, tokens, source="p2p")
+        self.inc(self.external_hits, tokens)
+        self.inc(self.prompt_tokens_cached_by_source, tokens, source="p2p")
 
     def by_source(self, local_compute: int, local_cache_hit: int, external: int) -> None:
-        self.c(self.prompt_tokens_by_source, local_compute, source="local_compute")
-        self.c(self.prompt_tokens_by_source, local_cache_hit, source="local_cache_hit")
-        self.c(self.prompt_tokens_by_source, external, source="external_kv_transfer")
+        self.inc(self.prompt_tokens_by_source, local_compute, source="local_compute")
+        self.inc(self.prompt_tokens_by_source, local_cache_hit, source="local_cache_hit")
+        self.inc(self.prompt_tokens_by_source, external, source="external_kv_transfer")
 
     def read_done(self, res: ReadResult) -> None:
         lab = self.labels
@@ -206,20 +217,20 @@ class EngineMetrics:
         w.descs.append(res.descriptors)
 
     def transfer_failed(self) -> None:
-        self.c(self.failed_transfers)
+        self.inc(self.failed_transfers)
         self.window.failed += 1
 
     def notification_failed(self) -> None:
-        self.c(self.failed_notifications)
-        self.c(self.failed_transfers)
+        self.inc(self.failed_notifications)
+        self.inc(self.failed_transfers)
         self.window.failed += 1
 
     def expired(self) -> None:
-        self.c(self.kv_expired)
+        self.inc(self.kv_expired)
         self.window.expired += 1
 
     def notification_after_expiry(self) -> None:
-        self.c(self.notifs_after_expiry)
+        self.inc(self.notifs_after_expiry)
         self.window.notifs_after_expiry += 1
 
     def take_window(self) -> TransferWindow:

@@ -7,7 +7,7 @@ KV bytes actually present in the pool. Pulling the wrong blocks (misaligned pair
 expired and reused blocks, corrupted transfers) therefore changes the output, while
 a correct disaggregated run reproduces a single engine token for token.
 
-Tokenizer: ids 0-4 are the specials of the tiny model in cpu-vllm.md §4.1
+Tokenizer: ids 0-4 are the specials of the tiny model in docs/vllm-cpu.md §4.1
 (``<|pad|> <|bos|> <|eos|> <|im_start|> <|im_end|>``), ids 5-260 are raw bytes and
 ids 261.. are pseudo-words (``" " + word``). Generation samples only pseudo-words (and
 EOS), so detokenized output re-tokenizes to the same ids and multi-turn text prompts
@@ -148,7 +148,7 @@ def _content_text(content: Any, index: int) -> str:
 
 
 def render_chat(messages: Any, add_generation_prompt: bool = True) -> str:
-    """ChatML-style template of the tiny model (cpu-vllm.md §4.1)."""
+    """ChatML-style template of the tiny model (docs/vllm-cpu.md §4.1)."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list")
     out = []
@@ -190,7 +190,7 @@ class KVContent:
         if num_layers <= 0 or bytes_per_layer_slot <= 0:
             raise ValueError("num_layers and bytes_per_layer_slot must be positive")
         self.num_layers = num_layers
-        self.per = bytes_per_layer_slot
+        self.bytes_per_layer_slot = bytes_per_layer_slot
         self._words = -(-bytes_per_layer_slot // 8)
         self._pow = np.ones(1, dtype=np.uint64)
         self._inv = np.ones(1, dtype=np.uint64)
@@ -219,11 +219,11 @@ class KVContent:
         return pw[:n] * acc + np.uint64(prev_hash & _M64) * pw[1 : n + 1]
 
     def slots(self, hashes: np.ndarray) -> np.ndarray:
-        """Slot bytes, shape ``(n, num_layers, per)`` uint8."""
+        """Slot bytes, shape ``(n, num_layers, bytes_per_layer_slot)`` uint8."""
         seeds = _mix64(hashes[:, None] ^ self._layer_salt[None, :])
         words = _mix64(seeds[:, :, None] + self._word_salt[None, None, :])
         raw = words.view(np.uint8).reshape(len(hashes), self.num_layers, self._words * 8)
-        return raw[:, :, : self.per]
+        return raw[:, :, : self.bytes_per_layer_slot]
 
 
 def next_token(seq_digest: bytes, last_token: int, allow_eos: bool) -> int:

@@ -2,7 +2,7 @@
 
 ``kv_transfer_params`` placement follows vLLM 0.33: top level of the non-streaming
 body, top level of the terminal SSE chunk (chat chunks carry ``null`` otherwise).
-With ``--emulate-vllm 0.32`` streams carry no params at all (spec §14).
+With ``--emulate-vllm 0.32`` streams carry no params at all (docs/protocol.md §14).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Routes:
     async def version(self, request: web.Request) -> web.Response:
         from bidir_kv import __version__
 
-        emulated = "0.32.0" if self.core.opts.emulate_vllm == "0.32" else "0.33.0"
+        emulated = "0.32.0" if self.core.settings.emulate_vllm == "0.32" else "0.33.0"
         return web.json_response({"version": emulated, "bidir_kv": __version__})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -69,7 +69,7 @@ class Routes:
                 "owned_by": "vllm",
                 "root": self.model,
                 "parent": None,
-                "max_model_len": self.core.opts.max_model_len,
+                "max_model_len": self.core.settings.max_model_len,
             }
             for name in self.names
         ]
@@ -100,7 +100,7 @@ class Routes:
         return web.json_response(
             {
                 "count": len(tokens),
-                "max_model_len": self.core.opts.max_model_len,
+                "max_model_len": self.core.settings.max_model_len,
                 "tokens": tokens,
                 "token_strs": None,
             }
@@ -179,7 +179,7 @@ class Routes:
         public_id = f"{prefix}-{base}" if base else rid
         max_tokens = pr.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, self.core.opts.max_model_len - len(pr.prompt))
+            max_tokens = max(1, self.core.settings.max_model_len - len(pr.prompt))
         req = Request(
             request_id=rid,
             prompt=pr.prompt,
@@ -237,7 +237,7 @@ class Routes:
             return _internal_error()
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         streamed = 0
-        v032 = self.core.opts.emulate_vllm == "0.32"
+        v032 = self.core.settings.emulate_vllm == "0.32"
         created = now_s()
         obj = "chat.completion.chunk" if pr.chat else "text_completion"
 
@@ -269,17 +269,7 @@ class Routes:
             while tok is not None:
                 nxt = await req.events.get()
                 terminal = nxt is None
-                text = self.tok.decode([tok])
-                ch: dict[str, Any] = {"index": 0}
-                if pr.chat:
-                    ch["delta"] = {"content": text}
-                else:
-                    ch["text"] = text
-                ch["logprobs"] = None
-                ch["finish_reason"] = req.finish_reason if terminal else None
-                ch["stop_reason"] = None
-                if pr.return_token_ids:
-                    ch["token_ids"] = [tok]
+                ch = _token_choice(pr, self.tok.decode([tok]), tok, req, terminal)
                 params = None
                 if terminal and req.out_params is not None:
                     params = req.out_params.to_dict()
@@ -292,8 +282,9 @@ class Routes:
             if req.error is not None:
                 await resp.write(
                     b"data: "
-                    + json.dumps(error_body(500, "Internal server error", "InternalServerError"))
-                    .encode()
+                    + json.dumps(
+                        error_body(500, "Internal server error", "InternalServerError")
+                    ).encode()
                     + b"\n\n"
                 )
             if pr.include_usage:
@@ -314,6 +305,23 @@ class Routes:
         except (ConnectionResetError, ConnectionError):
             self.core.abort(req)
         return resp
+
+
+def _token_choice(
+    pr: ParsedRequest, text: str, tok: int, req: Request, terminal: bool
+) -> dict[str, Any]:
+    """The ``choices[0]`` of one streamed token (chat ``delta`` or completion ``text``)."""
+    ch: dict[str, Any] = {"index": 0}
+    if pr.chat:
+        ch["delta"] = {"content": text}
+    else:
+        ch["text"] = text
+    ch["logprobs"] = None
+    ch["finish_reason"] = req.finish_reason if terminal else None
+    ch["stop_reason"] = None
+    if pr.return_token_ids:
+        ch["token_ids"] = [tok]
+    return ch
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -14,6 +14,7 @@ __all__ = [
     "block_align_down",
     "blocks_for_tokens",
     "cdiv",
+    "max_prefix_hit_blocks",
     "partial_tail_tokens",
     "position_pairing",
     "suffix_trim_pairing",
@@ -79,8 +80,8 @@ def suffix_trim_pairing(remote_block_ids: Sequence[int], num_local_blocks: int) 
     """vLLM's pairing: the *last* ``num_local_blocks`` of D's list, in order.
 
     Correct only when P's prompt is a continuation of D's whole sequence and
-    ``remote_num_tokens <= prompt_len`` (spec §6.2); otherwise it silently pairs
-    the wrong positions (suspected upstream defect 3).
+    ``remote_num_tokens <= prompt_len`` (docs/protocol.md §6.2); otherwise it
+    silently pairs the wrong positions (suspected upstream defect 3).
     """
     _check_tokens("num_local_blocks", num_local_blocks)
     if num_local_blocks > len(remote_block_ids):
@@ -109,3 +110,14 @@ def position_pairing(
             f"[{local_hit_tokens}, {local_hit_tokens + count}) needs {wanted.stop}"
         )
     return [remote_block_ids[i] for i in wanted]
+
+
+def max_prefix_hit_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Most full blocks a local prefix-cache hit may cover for a prompt.
+
+    vLLM always recomputes at least the last prompt token (it samples from it), so
+    a hit stops at ``(prompt_tokens - 1) // block_size`` blocks.
+    """
+    _check_block_size(block_size)
+    _check_tokens("prompt_tokens", prompt_tokens)
+    return max(prompt_tokens - 1, 0) // block_size

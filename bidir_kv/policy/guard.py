@@ -1,8 +1,8 @@
 """The continuation guard: how much of a new prompt provably equals what D holds.
 
-vLLM never compares P's prompt with D's token sequence (spec §1.4, §6.3), so a
-rewritten history, stripped reasoning or a shorter prompt can import KV of the
-wrong tokens. :func:`reusable_prefix` is the check that makes reuse safe; the
+vLLM never compares P's prompt with D's token sequence (docs/protocol.md §1.4,
+§6.3), so a rewritten history, stripped reasoning or a shorter prompt can import KV
+of the wrong tokens. :func:`reusable_prefix` is the check that makes reuse safe; the
 block-hash-chain form lets a router or engine check without shipping token ids.
 The same chain keys the emulated engine's prefix cache.
 """
@@ -78,10 +78,18 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_HA
 
 
 def reusable_prefix_by_hashes(
-    d_hashes: Sequence[bytes], prompt_tokens: Sequence[int], block_size: int
+    d_hashes: Sequence[bytes],
+    prompt_tokens: Sequence[int],
+    block_size: int,
+    *,
+    prompt_hashes: Sequence[bytes] | None = None,
 ) -> int:
-    """:func:`reusable_prefix` when only D's block-hash chain is known."""
-    mine = block_hashes(prompt_tokens, block_size)
+    """:func:`reusable_prefix` when only D's block-hash chain is known.
+
+    ``prompt_hashes`` is the prompt's own chain when the caller already has it (an
+    engine keeps it for its prefix cache); it must be ``block_hashes(prompt_tokens)``.
+    """
+    mine = block_hashes(prompt_tokens, block_size) if prompt_hashes is None else prompt_hashes
     n = 0
     for ours, theirs in zip(mine, d_hashes, strict=False):
         if ours != theirs:

@@ -1,6 +1,6 @@
 """How long KV blocks are held for a peer, and when a reader must decline.
 
-Three timers from vLLM (spec §5, §8):
+Three timers from vLLM (docs/protocol.md §5, §8):
 
 * D retains a finished turn's blocks until P's completion notification or a
   fixed deadline ``finish + decoder_kv_blocks_ttl`` (never renewed).
@@ -33,7 +33,10 @@ __all__ = [
     "heartbeat_interval",
     "local_deadline",
     "read_window",
+    "remote_deadline",
     "should_decline",
+    "valid_lease_duration",
+    "valid_retention_ttl",
 ]
 
 DEFAULT_DECODER_KV_BLOCKS_TTL = 480.0
@@ -260,6 +263,25 @@ def read_window(ttl: float, margin: float = EXPIRY_SAFETY_MARGIN) -> float:
     after retention is served only while ``gap < ttl - margin``. Planners use it to
     price a TTL: a follow-up turn later than this recomputes.
     """
-    if ttl <= 0:
+    if not valid_retention_ttl(ttl):
         raise ValueError(f"decoder_kv_blocks_ttl must be positive, got {ttl}")
     return max(0.0, ttl - margin)
+
+
+def remote_deadline(deadline: float, offset: float) -> float:
+    """A deadline on our clock expressed on a clock ``offset`` s ahead.
+
+    The inverse of :func:`local_deadline`; the engine's ``clock_skew`` fault uses it
+    to export a deadline as a skewed clock would read it.
+    """
+    return deadline + offset
+
+
+def valid_retention_ttl(ttl: float) -> bool:
+    """``decoder_kv_blocks_ttl`` must be positive (a zero TTL releases at once)."""
+    return ttl > 0
+
+
+def valid_lease_duration(lease_duration: int) -> bool:
+    """A lease needs at least one whole heartbeat interval: ``duration // 6 >= 1`` s."""
+    return lease_duration > 0 and heartbeat_interval(lease_duration) >= 1

@@ -1,7 +1,7 @@
 """P's decision on a turn-2+ request: pull the history from D, or recompute it.
 
-This is vLLM's rule (``get_num_new_matched_tokens`` in the pull scheduler, spec
-§4.2) as a pure function: local prefix cache first (block-aligned), then
+This is vLLM's rule (``get_num_new_matched_tokens`` in the pull scheduler,
+docs/protocol.md §4.2) as a pure function: local prefix cache first (block-aligned), then
 ``count = min(remote_num_tokens, prompt_len) - local_hit``; ``count <= 0`` or
 ``0 < count < threshold`` recompute, anything else pulls. ``count == threshold``
 pulls: the comparison is strictly less-than.
@@ -14,7 +14,15 @@ from enum import StrEnum
 
 from bidir_kv.policy.blocks import block_align_down
 
-__all__ = ["DEFAULT_RECOMPUTE_THRESHOLD", "PullDecision", "PullReason", "pull_decision"]
+__all__ = [
+    "DEFAULT_RECOMPUTE_THRESHOLD",
+    "PullDecision",
+    "PullReason",
+    "below_threshold",
+    "capped_pull_tokens",
+    "pull_decision",
+    "threshold_enabled",
+]
 
 DEFAULT_RECOMPUTE_THRESHOLD = 64
 
@@ -82,6 +90,37 @@ def pull_decision(
         return PullDecision(False, 0, False, hit, count, PullReason.INVALID_PARAMS)
     if count <= 0:
         return PullDecision(False, 0, True, hit, count, PullReason.NOTHING_REMOTE)
-    if threshold > 0 and count < threshold:
+    if below_threshold(count, threshold):
         return PullDecision(False, 0, True, hit, count, PullReason.BELOW_THRESHOLD)
     return PullDecision(True, count, False, hit, count, PullReason.PULL)
+
+
+def threshold_enabled(threshold: int) -> bool:
+    """Whether vLLM's recompute check is on: ``threshold <= 0`` turns it off."""
+    return threshold > 0
+
+
+def below_threshold(count: int, threshold: int) -> bool:
+    """vLLM's recompute test on a pull of ``count`` tokens: ``count < threshold``.
+
+    Strictly less-than, so ``count == threshold`` pulls; always False with the check
+    off. :func:`pull_decision` applies it only to a positive count.
+    """
+    return threshold_enabled(threshold) and count < threshold
+
+
+def capped_pull_tokens(*, count: int, verified: int, threshold: int, from_prefill: bool) -> int:
+    """Tokens to read once a continuation guard proved only ``verified`` of ``count``.
+
+    ``verified >= count`` keeps the decision. Otherwise the pull shrinks to
+    ``max(verified, 0)``; on P's D->P read a shrunk pull below the threshold is not
+    made at all (notify-only), which is what :func:`pull_decision` would have
+    decided had it known. D's read of P's prefill (``from_prefill``) has no
+    threshold in vLLM, so it only shrinks.
+    """
+    if verified >= count:
+        return count
+    capped = max(verified, 0)
+    if not from_prefill and below_threshold(capped, threshold):
+        return 0
+    return capped

@@ -1,6 +1,6 @@
 """HTTP surface of `bidir-kv engine`: OpenAI shapes, params placement per version, errors.
 
-Shapes follow vLLM's OpenAI server (protocol.md §3.1): params at the top level of a
+Shapes follow vLLM's OpenAI server (docs/protocol.md §3.1): params at the top level of a
 non-streaming body and of the terminal SSE chunk; chat chunks carry ``null``
 otherwise; ``--emulate-vllm 0.32`` streams carry none and dicts lack
 ``remote_registration_generation``.
@@ -127,7 +127,7 @@ def test_emulate_032_no_stream_params_no_generation(engine_pair: Factory) -> Non
 
 
 def test_032_and_033_engines_refuse_to_handshake(engine_pair: Factory) -> None:
-    """Like vLLM's compatibility hash: mixed versions do not exchange KV (cpu-vllm.md §9)."""
+    """Like vLLM's compatibility hash: mixed versions do not exchange KV (docs/vllm-cpu.md §9)."""
     pair = engine_pair(prefill={"emulate_vllm": "0.32"})
     prompt = random_prompt(random.Random("mixed"), 64)
     d0 = pair.d.metrics()

@@ -1,4 +1,4 @@
-"""protocol.md §12.1 (upstream `test_bidirectional_kv_transfer.py`) at the HTTP level.
+"""docs/protocol.md §12.1 (upstream `test_bidirectional_kv_transfer.py`) at the HTTP level.
 
 Upstream asserts scheduler state with fake model outputs; here the same behaviours
 are observed on real engine processes through params, `/metrics` deltas and
@@ -160,8 +160,9 @@ def test_remote_blocks_exceed_prompt(engine_pair: Factory, pairing: str) -> None
 
 @pytest.mark.parametrize("guard", ["hashes", "off"])
 def test_rewritten_history_guard(engine_pair: Factory, guard: str) -> None:
-    """The next prompt edits D's last answer (§6.3). vLLM pulls KV of the old tokens;
-    our default guard caps the pull at the verified prefix, so output equals recompute."""
+    """The next prompt edits D's last answer (docs/protocol.md §6.3). vLLM pulls KV of
+    the old tokens; our default guard caps the pull at the verified prefix, so output
+    equals recompute."""
     pair = engine_pair(prefill={"enable_prefix_caching": False,
                                 "extra_args": ("--kv-guard", guard)})  # fmt: skip
     rng = random.Random("rewrite")

@@ -1,4 +1,4 @@
-"""Expiry, decline, failure policies, single use and faults (protocol.md §5, §7, §15.4-5).
+"""Expiry, decline, failure policies, single use and faults (docs/protocol.md §5, §7, §15.4-5).
 
 P runs with ``--no-enable-prefix-caching`` here (the AWS blog's setting), so every
 turn-2 read covers D's whole history and the threshold never hides a read.
@@ -98,7 +98,8 @@ def test_failed_read_follows_failure_policy(engine_pair: Factory, policy: str) -
 
 
 def test_handles_are_single_use(engine_pair: Factory) -> None:
-    """A second read of D's consumed handle is refused, never silently served (§15.5)."""
+    """A second read of D's consumed handle is refused, never silently served
+    (docs/protocol.md §15.5)."""
     pair = engine_pair(prefill=NO_P_CACHE)
     rng, prompt, d1 = _history(pair, "single-use")
     prompt2 = [*prompt, *d1.token_ids, *random_prompt(rng, 50)]
@@ -116,7 +117,8 @@ def test_handles_are_single_use(engine_pair: Factory) -> None:
 
 
 def test_p_holds_blocks_under_lease_until_d_reads_or_it_lapses(engine_pair: Factory) -> None:
-    """No D ever reads: P releases its prefilled blocks when the lease lapses (§8)."""
+    """No D ever reads: P releases its prefilled blocks when the lease lapses
+    (docs/protocol.md §8)."""
     pair = engine_pair(prefill_kv={"kv_lease_duration": 6})
     mark = pair.p.log_mark()
     p0 = pair.p.metrics()

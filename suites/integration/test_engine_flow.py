@@ -1,6 +1,6 @@
-"""vLLM's P/D request flow against two `bidir-kv engine` processes (protocol.md §1, §4, §5).
+"""vLLM's P/D request flow against two `bidir-kv engine` processes (docs/protocol.md §1, §4, §5).
 
-Each test drives P and D over HTTP exactly as cpu-vllm.md §7.4 does (token-id
+Each test drives P and D over HTTP exactly as docs/vllm-cpu.md §7.4 does (token-id
 prompts, miss dict -> P, P's dict -> D, D's dict -> P next turn) and asserts on
 the returned params and on `/metrics` deltas. The shared pair is reused across
 tests; every test uses its own random prompts, so prefix caches never overlap.
@@ -76,7 +76,7 @@ def test_turn1_miss_p_computes_and_d_pulls_everything(pair: EnginePair) -> None:
 
 
 def test_turn2_local_prefix_first_then_pull_from_d(pair: EnginePair) -> None:
-    """cpu-vllm.md §7.5 with block 16: P's own cache first, the difference from D."""
+    """docs/vllm-cpu.md §7.5 with block 16: P's own cache first, the difference from D."""
     rng = rng_for("turn2")
     prompt = random_prompt(rng, 2000)
     _, d1 = pair.turn(prompt, 16)
@@ -128,7 +128,7 @@ def test_turn2_pull_when_count_reaches_threshold(pair: EnginePair) -> None:
 
 def test_second_notification_for_released_handle_is_reported(pair: EnginePair) -> None:
     """Re-sending D's dict after it was consumed: P is notify-only (full local hit) and D
-    reports the unknown request (protocol.md §5.2)."""
+    reports the unknown request (docs/protocol.md §5.2)."""
     rng = rng_for("renotify")
     prompt = random_prompt(rng, 300)
     _, d1 = pair.turn(prompt, 8)

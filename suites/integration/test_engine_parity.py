@@ -1,4 +1,4 @@
-"""The numbers real vLLM showed on CPU (cpu-vllm.md §7.5), reproduced by the emulator.
+"""The numbers real vLLM showed on CPU (docs/vllm-cpu.md §7.5), reproduced by the emulator.
 
 Same setup: block size 128, 1 KiB of KV per token (the tiny Llama: 2 layers x 2 KV
 heads x 64 x bf16 x K/V), threshold 64, 16 generated tokens, token-id prompts.

@@ -1,4 +1,4 @@
-"""``--kv-transfer-config`` parsing (protocol.md §2)."""
+"""``--kv-transfer-config`` parsing (docs/protocol.md §2)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from bidir_kv.config import ConfigError, KVTransferConfig
 
-# protocol.md §2.4, P side
+# docs/protocol.md §2.4, P side
 P_CONFIG = {
     "kv_connector": "NixlConnector",
     "kv_role": "kv_producer",

@@ -166,3 +166,35 @@ def test_guard_verifies_chain_prefix_and_partial_tail() -> None:
     assert check([0, *owner_tokens]) == 0
     with pytest.raises(ValueError, match="malformed"):
         HandleTokens.from_wire({"chain": ["zz"], "tail": "", "num_tokens": 1})
+
+
+def test_notifications_round_trip_in_vllms_format() -> None:
+    from bidir_kv.engine import notifications as nt
+
+    assert nt.completion("cmpl-d-1") == "cmpl-d-1:1"
+    assert nt.parse(nt.completion("cmpl-d-1")) == nt.Completion("cmpl-d-1", 1)
+    assert nt.parse("a:b:3") == nt.Completion("a:b", 3)  # ids may contain ':'
+    assert nt.parse("x:0") == nt.Completion("x", 1)  # a count below 1 counts as 1
+    assert nt.heartbeat(["a", "b"]) == "HB:a,b"
+    assert nt.parse(nt.heartbeat(["a", "b"])) == nt.Heartbeat(("a", "b"))
+    assert nt.parse("HB:,a,,") == nt.Heartbeat(("a",))
+    for bad in ("no-separator", "x:one"):
+        with pytest.raises(nt.MalformedNotification):
+            nt.parse(bad)
+
+
+def test_engine_flags_take_their_defaults_from_engine_settings() -> None:
+    from dataclasses import MISSING, fields
+
+    from bidir_kv.engine.cli import build_parser
+    from bidir_kv.engine.settings import EngineSettings
+
+    ns = build_parser().parse_args(["tiny"])
+    flag_of = {"metrics_log_interval": "kv_metrics_log_interval"}
+    for f in fields(EngineSettings):
+        if f.default is MISSING or f.name in ("side_host", "side_port", "kv_guard"):
+            continue  # required, read from the environment, or a choice below
+        assert getattr(ns, flag_of.get(f.name, f.name)) == f.default, f.name
+    assert ns.kv_guard == ("hashes" if EngineSettings.default("kv_guard") else "off")
+    with pytest.raises(KeyError):
+        EngineSettings.default("model")

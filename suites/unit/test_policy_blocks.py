@@ -1,4 +1,4 @@
-"""Block math and remote/local block pairing (protocol.md §6)."""
+"""Block math and remote/local block pairing (docs/protocol.md §6)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from bidir_kv.policy import (
     block_align_down,
     blocks_for_tokens,
     cdiv,
+    max_prefix_hit_blocks,
     partial_tail_tokens,
     position_pairing,
     pull_decision,
@@ -53,7 +54,7 @@ def test_block_functions_validate(fn) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_target_block_range() -> None:
-    assert target_block_range(128, 87, 128) == range(1, 2)  # spec §6.2 example
+    assert target_block_range(128, 87, 128) == range(1, 2)  # docs/protocol.md §6.2 example
     assert target_block_range(0, 600, 128) == range(0, 5)
     assert target_block_range(256, 0, 128) == range(2, 2)
     assert target_block_range(0, 1, 16) == range(0, 1)
@@ -169,7 +170,8 @@ def test_position_pairing_is_position_correct(case: tuple[list[int], int, int, i
 def test_suffix_trim_equals_position_pairing_for_continuations(
     case: tuple[list[int], int, int, int, int],
 ) -> None:
-    """vLLM's suffix trim is exactly right when remote_num_tokens <= prompt_len (spec §6.2)."""
+    """vLLM's suffix trim is exactly right when remote_num_tokens <= prompt_len
+    (docs/protocol.md §6.2)."""
     ids, r, h, length, bs = case
     assert r <= length
     count = r - h
@@ -182,9 +184,20 @@ def test_suffix_trim_equals_position_pairing_for_continuations(
 def test_suffix_trim_misaligns_when_d_holds_blocks_past_the_prompt(
     case: tuple[list[int], int, int, int, int],
 ) -> None:
-    """r > L with D holding a block beyond the prompt's last one: suffix trim is wrong (§6.3)."""
+    """r > L with D holding a block beyond the prompt's last one: suffix trim is wrong
+    (docs/protocol.md §6.3)."""
     ids, r, h, length, bs = case
     assert cdiv(r, bs) > cdiv(length, bs)
     count = min(r, length) - h
     n = len(target_block_range(h, count, bs))
     assert suffix_trim_pairing(ids, n) != position_pairing(ids, h, count, bs)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "bs", "blocks"), [(1, 16, 0), (16, 16, 0), (17, 16, 1), (33, 16, 2), (32, 16, 1)]
+)
+def test_a_prefix_hit_never_covers_the_last_prompt_token(prompt: int, bs: int, blocks: int) -> None:
+    assert max_prefix_hit_blocks(prompt, bs) == blocks
+    assert max_prefix_hit_blocks(prompt, bs) * bs < prompt
+    with pytest.raises(ValueError):
+        max_prefix_hit_blocks(prompt, 0)

@@ -1,4 +1,5 @@
-"""The continuation guard (spec §6.3, vLLM issue #43094, PR #44838) and its hash chain."""
+"""The continuation guard and its hash chain (docs/protocol.md §6.3, vLLM issue #43094,
+PR #44838)."""
 
 from __future__ import annotations
 
@@ -136,3 +137,12 @@ def test_hash_chain_is_prefix_stable(tokens: list[int], bs: int) -> None:
     assert len(full) == len(tokens) // bs
     for cut in range(0, len(tokens) + 1, max(1, bs)):
         assert block_hashes(tokens[:cut], bs) == full[: cut // bs]
+
+
+def test_reusable_prefix_by_hashes_accepts_the_callers_own_chain() -> None:
+    d_tokens = list(range(10, 30))
+    prompt = [*d_tokens[:9], 0, *d_tokens[10:]]
+    d_chain = block_hashes(d_tokens, BS)
+    mine = block_hashes(prompt, BS)
+    assert reusable_prefix_by_hashes(d_chain, prompt, BS, prompt_hashes=mine) == 8
+    assert reusable_prefix_by_hashes(d_chain, prompt, BS) == 8

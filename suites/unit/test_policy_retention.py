@@ -1,4 +1,5 @@
-"""D-side retention ledger, P-side leases, clock offset and the expiry decline (spec §5, §8)."""
+"""D-side retention ledger, P-side leases, clock offset and the expiry decline
+(docs/protocol.md §5, §8)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from bidir_kv.policy import (
     heartbeat_extension,
     heartbeat_interval,
     local_deadline,
+    remote_deadline,
     should_decline,
+    valid_lease_duration,
+    valid_retention_ttl,
 )
 
 PROPS = settings(max_examples=100, deadline=None, database=None)
@@ -319,3 +323,16 @@ def test_decline_is_monotone_in_time(offset: float, deadline: float, now: float)
     if should_decline(remote_expiry=remote, offset=offset, now=now):
         assert should_decline(remote_expiry=remote, offset=offset, now=now + 1.0)
         assert should_decline(remote_expiry=remote, offset=offset, now=now + 1e3)
+
+
+@PROPS
+@given(st.floats(-1e6, 1e6), st.floats(-1e3, 1e3))
+def test_remote_deadline_is_the_inverse_of_local_deadline(deadline: float, offset: float) -> None:
+    assert abs(local_deadline(remote_deadline(deadline, offset), offset) - deadline) < 1e-6
+
+
+def test_knob_validity() -> None:
+    assert valid_retention_ttl(0.5) and not valid_retention_ttl(0) and not valid_retention_ttl(-1)
+    assert valid_lease_duration(6) and valid_lease_duration(DEFAULT_KV_LEASE_DURATION)
+    assert not valid_lease_duration(5) and not valid_lease_duration(0)
+    assert not valid_lease_duration(-30)

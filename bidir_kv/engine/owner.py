@@ -1,0 +1,213 @@
+"""The owning side of a transfer: blocks held for a peer, claims, notifications, expiry.
+
+A finished request that a peer may read keeps its blocks here: D retains them in
+the :class:`~bidir_kv.policy.RetentionLedger` until P's completion notification or
+the TTL, P holds them under a :class:`~bidir_kv.policy.LeaseTable` lease that D's
+heartbeats extend. Readers claim a handle once before reading it (our addition,
+docs/engine.md), so a released or already-read handle is refused instead of
+serving reused blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from bidir_kv.engine import notifications
+from bidir_kv.engine.connector import ConnectorWorker
+from bidir_kv.engine.faults import Faults
+from bidir_kv.engine.guard import HandleTokens
+from bidir_kv.engine.kvcache import BlockManager
+from bidir_kv.engine.metrics import EngineMetrics
+from bidir_kv.engine.request import Request
+from bidir_kv.engine.settings import EngineSettings
+from bidir_kv.policy import (
+    LeaseTable,
+    RetentionLedger,
+    blocks_for_tokens,
+    heartbeat_extension,
+    remote_deadline,
+)
+from bidir_kv.protocol import KVTransferParams
+
+__all__ = ["HandleOwner"]
+
+logger = logging.getLogger("bidir_kv.engine")
+
+
+class HandleOwner:
+    """Retention ledger (D), leases (P), single-use claims and what each handle holds."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        blocks: BlockManager,
+        worker: ConnectorWorker,
+        metrics: EngineMetrics,
+        *,
+        wake: Callable[[], None],
+    ) -> None:
+        self.settings = settings
+        self.kv = settings.kv
+        self.faults: Faults = settings.faults
+        self.blocks = blocks
+        self.worker = worker
+        self.metrics = metrics
+        self.clock = worker.clock
+        self._wake = wake
+        self.ledger = RetentionLedger(ttl=self.kv.decoder_kv_blocks_ttl)
+        self.leases = LeaseTable(duration=self.kv.kv_lease_duration)
+        self._lease_blocks: dict[str, list[int]] = {}
+        self._claimed: set[str] = set()
+        self._handle_tokens: dict[str, HandleTokens] = {}
+
+    # ---- holding -----------------------------------------------------------------------
+
+    def release_or_retain(self, req: Request, reason: str) -> None:
+        """A finished request's blocks: free them, or hold them for a peer's read."""
+        bs = self.settings.block_size
+        keep_n = blocks_for_tokens(req.num_computed, bs)
+        keep, extra = req.blocks[:keep_n], req.blocks[keep_n:]
+        self.blocks.free(extra)
+        p = req.params
+        ok = reason in ("stop", "length") and keep_n > 0 and p is not None
+        if ok and (req.is_p_node or self.kv.bidirectional_kv_xfer):
+            self._handle_tokens[req.request_id] = HandleTokens.of(
+                req.tokens[: req.num_computed], req.block_chain, bs
+            )
+        if ok and req.is_p_node:
+            self.leases.hold(req.request_id, self.clock())
+            self._lease_blocks[req.request_id] = keep
+            req.out_params = self._node_params(req, keep, prefill=True, expiry=None)
+        elif ok and self.kv.bidirectional_kv_xfer:
+            deadline = self.ledger.retain(req.request_id, keep, self.clock())
+            expiry = remote_deadline(deadline, self.faults.clock_skew)
+            req.out_params = self._node_params(req, keep, prefill=False, expiry=expiry)
+        else:
+            self.blocks.free(keep)
+
+    def _node_params(
+        self, req: Request, blocks: list[int], *, prefill: bool, expiry: float | None
+    ) -> KVTransferParams:
+        fields: dict[str, Any] = {
+            "do_remote_prefill": prefill,
+            "do_remote_decode": not prefill,
+            "remote_block_ids": [list(blocks)],
+            "remote_engine_id": self.kv.engine_id,
+            "remote_request_id": req.request_id,
+            "remote_host": self.worker.side_host,
+            "remote_port": self.worker.side_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": req.num_computed,
+            "remote_blocks_expiry_time": expiry,
+        }
+        if self.settings.emulate_vllm != "0.32":
+            fields["remote_registration_generation"] = 0
+        fields["transfer_mode"] = "pull"
+        if prefill:
+            fields["remote_prefill_cached_tokens"] = req.cached_tokens
+        return KVTransferParams.build(**fields)
+
+    # ---- claims ------------------------------------------------------------------------
+
+    def claim(self, request_id: str, blocks: list[int]) -> str | None:
+        """Grant single-use access to a held handle; return a refusal reason or None.
+
+        After a grant, :meth:`handle_tokens` tells the reader what the handle holds."""
+        now = self.clock()
+        if request_id in self._claimed:
+            return f"request {request_id} was already read (handles are single use)"
+        if request_id in self.ledger:
+            if not self.ledger.is_readable(request_id, now):
+                return f"retention of request {request_id} has expired"
+            held = set(self.ledger.blocks(request_id) or ())
+        elif request_id in self.leases:
+            held = set(self._lease_blocks[request_id])
+        else:
+            return f"no blocks are held for request {request_id} (released or unknown)"
+        foreign = [b for b in blocks if b not in held]
+        if foreign:
+            return f"blocks {foreign[:8]} are not held for request {request_id}"
+        self._claimed.add(request_id)
+        return None
+
+    def handle_tokens(self, request_id: str) -> HandleTokens | None:
+        return self._handle_tokens.get(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._claimed.discard(request_id)
+        self._handle_tokens.pop(request_id, None)
+
+    # ---- notifications -----------------------------------------------------------------
+
+    async def on_notification(self, peer: str, message: bytes) -> None:
+        text = message.decode("utf-8", errors="replace")
+        try:
+            note = notifications.parse(text)
+        except notifications.MalformedNotification:
+            logger.warning("Ignoring malformed notification %r from %s", text, peer)
+            return
+        if isinstance(note, notifications.Heartbeat):
+            self._heartbeat(note)
+            return
+        if self.faults.roll(self.faults.drop_notifications):
+            logger.info("fault drop_notifications: ignoring notification %r", text)
+            return
+        self._completed(note)
+
+    def _heartbeat(self, note: notifications.Heartbeat) -> None:
+        for rid in self.leases.heartbeat(note.request_ids, self.clock()):
+            logger.debug(
+                "Heartbeat extended lease for request %s by %ds",
+                rid,
+                heartbeat_extension(self.kv.kv_lease_duration),
+            )
+
+    def _completed(self, note: notifications.Completion) -> None:
+        rid = note.request_id
+        if rid in self.ledger:
+            rel = self.ledger.notify(rid, note.consumers)
+            if rel is not None:
+                self._forget(rid)
+                self.blocks.free(rel.blocks)
+        elif rid in self.leases:
+            self.leases.release(rid)
+            self._forget(rid)
+            self.blocks.free(self._lease_blocks.pop(rid))
+        else:
+            logger.error(
+                "Potentially invalid KV blocks for unrecognized request %s were retrieved by a "
+                "decode worker. They may have expired.",
+                rid,
+            )
+            self.metrics.notification_after_expiry()
+            return
+        self._wake()
+
+    # ---- expiry ------------------------------------------------------------------------
+
+    def reap(self, now: float) -> None:
+        """Release every retention and lease whose deadline has passed."""
+        for rel in self.ledger.reap(now):
+            self._expire(rel.request_id, list(rel.blocks), rel.reads)
+        for rid in self.leases.reap(now):
+            self._expire(rid, self._lease_blocks.pop(rid), 0)
+
+    def _expire(self, rid: str, blocks: list[int], reads: int) -> None:
+        logger.warning(
+            "Releasing expired KV blocks for request %s which were retrieved by %d remote "
+            "worker(s) before lease expired.",
+            rid,
+            reads,
+        )
+        self.metrics.expired()
+        self._forget(rid)
+        self.blocks.free(blocks)
+        self._wake()
+
+    def held(self) -> dict[str, int]:
+        """How many handles are retained (D) and leased (P)."""
+        return {"retained": len(self.ledger), "leased": len(self.leases)}

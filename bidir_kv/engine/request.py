@@ -1,0 +1,77 @@
+"""One request inside the engine: what was asked, how far it got, and how it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from bidir_kv.protocol import KVTransferParams
+
+__all__ = ["Request", "RequestError"]
+
+
+class RequestError(Exception):
+    """A request the engine refuses (HTTP 400) or fails (HTTP 500)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    params: KVTransferParams | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    # progress
+    tokens: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    cached_tokens: int = 0
+    external_tokens: int = 0
+    state: str = "waiting"  # waiting | remote | running | finished
+    abort_pending: bool = False  # aborted while a READ writes into its blocks
+    finish_reason: str | None = None
+    error: RequestError | None = None
+    out_params: KVTransferParams | None = None
+    first_token_time: float | None = None
+    # incremental state of the model runner (compute.py)
+    block_chain: list[bytes] = field(default_factory=list)  # policy.block_hashes of tokens
+    num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
+    slot_hash_pos: int = 0  # slots [0, pos) are folded into slot_hash
+    slot_hash: int = 0
+    kv_digest: bytes = b""  # digest of the KV bytes of the first num_digested_blocks
+    num_digested_blocks: int = 0
+    events: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def is_p_node(self) -> bool:
+        return self.params is not None and self.params.do_remote_decode
+
+    @property
+    def max_kv_slots(self) -> int:
+        """Slots the request can fill: the prompt and every sampled token but the last."""
+        return self.prompt_len + max(self.max_tokens, 1) - 1
+
+    def reset_slot_hashes(self) -> None:
+        """Forget the running slot hash (recomputed lazily from the start)."""
+        self.slot_hash_pos, self.slot_hash = 0, 0
+
+    def usage_cached_tokens(self) -> int:
+        """``usage.prompt_tokens_details.cached_tokens``: on D, P's own count."""
+        p = self.params
+        if p is not None and p.do_remote_prefill and p.remote_prefill_cached_tokens is not None:
+            return p.remote_prefill_cached_tokens
+        return self.cached_tokens

@@ -1,0 +1,101 @@
+"""Every setting of one emulated engine, with its default written once.
+
+``bidir-kv engine`` reads its flag defaults from here (``EngineSettings.default``),
+the assembly (``app.py``) and the scheduler read the values, and launchers can read
+the same defaults instead of repeating them. vLLM's protocol defaults (threshold,
+TTL, lease) are not here: they belong to ``--kv-transfer-config``
+(:class:`~bidir_kv.config.KVTransferConfig`, defaults from :mod:`bidir_kv.policy`).
+
+Light to import on purpose: ``cli.py`` imports it before the flags parse.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Literal
+
+from bidir_kv.config import KVTransferConfig
+from bidir_kv.engine.faults import Faults
+from bidir_kv.engine.profiles import CostProfile
+
+__all__ = ["DEFAULT_PROFILE", "EngineSettings", "Pairing", "TransportChoice", "VllmVersion"]
+
+Pairing = Literal["position", "suffix-trim"]
+TransportChoice = Literal["auto", "nixl", "tcp"]
+VllmVersion = Literal["0.32", "0.33"]
+DEFAULT_PROFILE = "tiny"  # the cost profile ``--profile`` loads when not given
+
+
+@dataclass(kw_only=True)
+class EngineSettings:
+    """One engine's configuration (field names follow ``vllm serve``'s flags).
+
+    ``None`` means "derived": ``max_num_batched_tokens`` and ``kv_bytes_per_token``
+    from the cost profile, ``side_host``/``side_port`` from
+    ``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT`` (vLLM's defaults when unset).
+    """
+
+    model: str
+    served_names: list[str]
+    kv: KVTransferConfig
+    profile: CostProfile
+    host: str = "127.0.0.1"
+    port: int = 8000
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int = 32768
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256  # requests running or waiting for a READ
+    kv_bytes_per_token: int | None = None
+    kv_capacity_tokens: int = 262144
+    transport: TransportChoice = "auto"
+    emulate_vllm: VllmVersion = "0.33"
+    kv_pairing: Pairing = "position"
+    side_host: str | None = None
+    side_port: int | None = None
+    metrics_log_interval: float = 10.0
+    kv_verify: bool = True
+    kv_guard: bool = True
+    faults: Faults = field(default_factory=Faults)
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of field ``name`` (what a flag falls back to)."""
+        for f in fields(cls):
+            if f.name == name:
+                if f.default is not MISSING:
+                    return f.default
+                if f.default_factory is not MISSING:
+                    return f.default_factory()
+                raise KeyError(f"EngineSettings.{name} has no default")
+        raise KeyError(f"EngineSettings has no field {name!r}")
+
+    @property
+    def model_name(self) -> str:
+        """The name metrics and responses carry: the first served name."""
+        return self.served_names[0]
+
+    @property
+    def effective_max_num_batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or self.profile.max_num_batched_tokens
+
+    @property
+    def effective_kv_bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token or self.profile.kv_bytes_per_token
+
+    @property
+    def num_layers(self) -> int:
+        return self.profile.num_layers
+
+    def side_channel(self) -> tuple[str, int]:
+        """``(host, port)`` the side channel listens on, derived parts filled in."""
+        if self.side_host is not None and self.side_port is not None:
+            return self.side_host, self.side_port
+        from bidir_kv.engine.transport.sidechannel import side_channel_address
+
+        env_host, env_port = side_channel_address(os.environ)
+        return (
+            env_host if self.side_host is None else self.side_host,
+            env_port if self.side_port is None else self.side_port,
+        )

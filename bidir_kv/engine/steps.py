@@ -1,0 +1,229 @@
+"""The step loop: admission, one compute resource, sampling, emitting and finishing.
+
+One step spends a token budget (``max_num_batched_tokens``) on decode tokens first
+and prefill chunks after, and takes as long as the cost profile says. Admission
+takes the local prefix-cache hit and reserves blocks for the whole request (no
+preemption, docs/engine.md); the reader decides whether the request pulls first,
+the owner what happens to its blocks when it finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections import deque
+
+from bidir_kv.engine.compute import ModelRunner
+from bidir_kv.engine.kvcache import BlockManager, NoFreeBlocks
+from bidir_kv.engine.metrics import EngineMetrics
+from bidir_kv.engine.model import EOS
+from bidir_kv.engine.owner import HandleOwner
+from bidir_kv.engine.reader import PullReader
+from bidir_kv.engine.request import Request, RequestError
+from bidir_kv.engine.settings import EngineSettings
+from bidir_kv.policy import block_hashes, blocks_for_tokens, max_prefix_hit_blocks
+
+__all__ = ["StepLoop"]
+
+logger = logging.getLogger("bidir_kv.engine")
+
+
+class StepLoop:
+    """Waiting and running requests, driven by one asyncio task (:meth:`run`)."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        blocks: BlockManager,
+        runner: ModelRunner,
+        metrics: EngineMetrics,
+        *,
+        reader: PullReader,
+        owner: HandleOwner,
+    ) -> None:
+        self.settings = settings
+        self.blocks = blocks
+        self.runner = runner
+        self.metrics = metrics
+        self.reader = reader
+        self.owner = owner
+        self.faults = settings.faults
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.wake = asyncio.Event()
+        self.requests_seen = 0
+
+    # ---- submission ----------------------------------------------------------------
+
+    def new_request_id(self, prefix: str, base: str | None) -> str:
+        return f"{prefix}-{base or uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}"
+
+    def submit(self, req: Request) -> Request:
+        """Validate and queue a request (raises :class:`RequestError` for a 400)."""
+        self.requests_seen += 1
+        if self.faults.exit_on_request and self.requests_seen >= self.faults.exit_on_request:
+            logger.error("fault exit_on_request=%d: exiting", self.faults.exit_on_request)
+            os._exit(3)
+        n = req.prompt_len
+        max_len = self.settings.max_model_len
+        if n == 0:
+            raise RequestError(400, "The prompt is empty; at least one token is required.")
+        if n + req.max_tokens > max_len:
+            raise RequestError(
+                400,
+                f"This model's maximum context length is {max_len} tokens. "
+                f"However, you requested {n + req.max_tokens} tokens ({n} in the messages, "
+                f"{req.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.",
+            )
+        need = blocks_for_tokens(req.max_kv_slots, self.settings.block_size)
+        if need > self.blocks.num_usable_blocks:
+            raise RequestError(
+                400,
+                f"request needs {need} KV blocks but the engine holds only "
+                f"{self.blocks.num_usable_blocks} (--kv-capacity-tokens)",
+            )
+        req.tokens = list(req.prompt)
+        req.block_chain = block_hashes(req.prompt, self.settings.block_size)
+        self.waiting.append(req)
+        self.metrics.waiting.labels(**self.metrics.labels).set(len(self.waiting))
+        self.wake.set()
+        return req
+
+    def abort(self, req: Request) -> None:
+        """The client went away: finish as ``abort`` (no retention, no params)."""
+        if req.state == "finished":
+            return
+        if req.state == "remote":
+            req.abort_pending = True  # the READ still targets its blocks; finish after it
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.finish(req, "abort")
+
+    # ---- admission -----------------------------------------------------------------
+
+    def _admit(self) -> None:
+        bs = self.settings.block_size
+        while (
+            self.waiting
+            and len(self.running) + self.reader.num_pulling < self.settings.max_num_seqs
+        ):
+            req = self.waiting[0]
+            n = req.prompt_len
+            hit_blocks = self.blocks.lookup(req.block_chain[: max_prefix_hit_blocks(n, bs)])
+            total = blocks_for_tokens(req.max_kv_slots, bs)
+            try:
+                self.blocks.touch(hit_blocks)
+                fresh = self.blocks.allocate(total - len(hit_blocks))
+            except NoFreeBlocks:
+                self.blocks.free(hit_blocks)
+                return  # head-of-line waits for retained/leased blocks to be released
+            self.waiting.popleft()
+            req.blocks = [*hit_blocks, *fresh]
+            req.num_cached_blocks = len(hit_blocks)
+            hit = len(hit_blocks) * bs
+            req.num_computed = hit
+            req.cached_tokens = hit
+            self.metrics.prefix_cache(n, hit)
+            if not self.reader.begin(req, hit):
+                self.run_locally(req, hit, external=0)
+        self.metrics.waiting.labels(**self.metrics.labels).set(len(self.waiting))
+
+    def run_locally(self, req: Request, hit: int, external: int) -> None:
+        """Start computing: ``hit`` tokens came from our cache, ``external`` from a pull."""
+        n = req.prompt_len
+        self.metrics.by_source(n - hit - external, hit, external)
+        self.metrics.inc(self.metrics.prompt_tokens, n)
+        self.metrics.external_hit(external)
+        req.external_tokens = external
+        req.state = "running"
+        self.running.append(req)
+        self.wake.set()
+
+    # ---- steps ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            self._admit()
+            if not self.running:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            while self.faults.stall:
+                await asyncio.sleep(0.05)
+            await self._step()
+
+    async def _step(self) -> None:
+        t0 = time.perf_counter()
+        budget = self.settings.effective_max_num_batched_tokens
+        emitted: list[tuple[Request, int]] = []
+        decodes = [r for r in self.running if r.num_computed >= r.prompt_len]
+        for r in decodes:
+            if budget <= 0:
+                break
+            budget -= 1
+            self.runner.compute(r, r.num_computed, r.num_computed + 1)
+            emitted.append((r, self.runner.sample(r)))
+        prefill_tokens = 0
+        ctx = 0
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r.num_computed >= r.prompt_len:
+                continue
+            chunk = min(budget, r.prompt_len - r.num_computed)
+            ctx = max(ctx, r.num_computed)
+            self.runner.compute(r, r.num_computed, r.num_computed + chunk)
+            budget -= chunk
+            prefill_tokens += chunk
+            if r.num_computed >= r.prompt_len:
+                emitted.append((r, self.runner.sample(r)))
+        profile = self.settings.profile
+        modelled = profile.prefill_seconds(prefill_tokens, ctx)
+        modelled += profile.decode_step_seconds(len(decodes))
+        wait = modelled - (time.perf_counter() - t0) + self.faults.stall_seconds
+        await asyncio.sleep(max(0.0, wait))
+        for r, tok in emitted:
+            self._emit(r, tok)
+        self.metrics.running.labels(**self.metrics.labels).set(len(self.running))
+        self.metrics.kv_usage.labels(**self.metrics.labels).set(self.blocks.usage())
+
+    def _emit(self, req: Request, tok: int) -> None:
+        if req.state == "finished":
+            return
+        now = time.perf_counter()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.labels(**self.metrics.labels).observe(now - req.arrival)
+        req.output.append(tok)
+        req.tokens.append(tok)
+        self.metrics.inc(self.metrics.generation_tokens)
+        stop = tok in req.stop_token_ids or (tok == EOS and not req.ignore_eos)
+        req.events.put_nowait(tok)
+        if stop:
+            self.finish(req, "stop")
+        elif len(req.output) >= req.max_tokens or len(req.tokens) >= self.settings.max_model_len:
+            self.finish(req, "length")
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request; the owner decides whether its blocks stay for a peer."""
+        if req.state == "finished":
+            return
+        if req in self.running:
+            self.running.remove(req)
+        state_before = req.state
+        req.state = "finished"
+        req.finish_reason = reason
+        self.metrics.inc(self.metrics.request_success, finished_reason=reason)
+        self.metrics.e2e.labels(**self.metrics.labels).observe(time.perf_counter() - req.arrival)
+        if state_before == "waiting" or not req.blocks:
+            req.blocks = []
+        else:
+            self.owner.release_or_retain(req, reason)
+        req.events.put_nowait(None)
+        req.done.set()
+        self.wake.set()
