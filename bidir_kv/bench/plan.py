@@ -23,6 +23,7 @@ from typing import Any
 
 from bidir_kv.bench.distributions import Distribution
 from bidir_kv.bench.modelcfg import ModelShape
+from bidir_kv.engine.settings import EngineSettings
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_RECOMPUTE_THRESHOLD,
@@ -49,7 +50,7 @@ __all__ = [
     "ttl_rows",
 ]
 
-DEFAULT_BLOCK_SIZE = 16  # TODO(engine-settings): vLLM's --block-size, the engine's default
+DEFAULT_BLOCK_SIZE: int = EngineSettings.default("block_size")  # vLLM's --block-size
 ROUTER_CACHE_TTL_S = RouterSettings.cache_ttl  # the router's (and upstream proxy's) default
 
 

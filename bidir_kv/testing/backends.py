@@ -21,6 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.policy import (
+    DEFAULT_DECODER_KV_BLOCKS_TTL,
+    DEFAULT_KV_LEASE_DURATION,
+    DEFAULT_RECOMPUTE_THRESHOLD,
+)
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.pd_client import Completion, EngineClient
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
@@ -43,9 +48,9 @@ class BackendConfig:
     """What every local backend is started with, so scenarios can rely on it."""
 
     block_size: int = 128  # vLLM's CPU block size; the emulator is told the same
-    threshold: int = 64
+    threshold: int = DEFAULT_RECOMPUTE_THRESHOLD
     decoder_ttl: float = 60.0  # short for the TTL scenario, long enough for a loaded CI box
-    lease: int = 30
+    lease: int = DEFAULT_KV_LEASE_DURATION
     failure_policy: str = "fail"
     max_model_len: int = 4096
 
@@ -311,7 +316,8 @@ def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBacken
     if name == "external":
         ext_cfg = replace(cfg, block_size=int(options.get("block_size") or cfg.block_size),
                           threshold=int(options.get("threshold") or cfg.threshold),
-                          decoder_ttl=float(options.get("decoder_ttl") or 480.0))
+                          decoder_ttl=float(options.get("decoder_ttl")
+                                            or DEFAULT_DECODER_KV_BLOCKS_TTL))
         return _start_external(options.get("prefill_url"), options.get("decode_url"),
                                options.get("proxy_url"), options.get("reference_url"),
                                ext_cfg, str(options.get("version") or "0.33"))

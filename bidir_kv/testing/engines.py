@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import MetricsSnapshot
 from bidir_kv.testing.pd_client import Completion, EngineClient, tokens_by_source
@@ -45,8 +46,8 @@ def kv_config(role: str, **extra: Any) -> KVTransferConfig:
     }
     if "kv_load_failure_policy" in extra:
         top["kv_load_failure_policy"] = extra.pop("kv_load_failure_policy")
-    cfg = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 64,
-           "decoder_kv_blocks_ttl": 480, **extra}  # fmt: skip
+    cfg = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": DEFAULT_RECOMPUTE_THRESHOLD,
+           "decoder_kv_blocks_ttl": DEFAULT_DECODER_KV_BLOCKS_TTL, **extra}  # fmt: skip
     top["kv_connector_extra_config"] = cfg
     return KVTransferConfig.from_dict(top)
 

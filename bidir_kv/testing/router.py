@@ -25,6 +25,7 @@ from bidir_kv.router.app import FLOW_KEY, build_app
 from bidir_kv.router.flow import RouterFlow
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore
+from bidir_kv.testing.engines import kv_config
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.tools.stub_engine import StubEngine
 from bidir_kv.topology.base import BackendUnavailable
@@ -294,15 +295,8 @@ def chat(
 
 
 def bidirectional_config(role: str, **extra: Any) -> KVTransferConfig:
-    """``--kv-transfer-config`` of a bidirectional NixlConnector engine (threshold 64)."""
-    return KVTransferConfig.from_dict({
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-        "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"bidirectional_kv_xfer": True,
-                                      "kv_recompute_threshold": 64,
-                                      "decoder_kv_blocks_ttl": 480, **extra},
-    })
+    """``--kv-transfer-config`` of a bidirectional NixlConnector engine (vLLM's defaults)."""
+    return kv_config(role, **extra)
 
 
 def router_counter(url: str, name: str, **labels: str) -> float:

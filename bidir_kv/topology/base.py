@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.engine.settings import DEFAULT_PROFILE, EngineSettings
 from bidir_kv.router.settings import RouterSettings
 
 __all__ = ["BackendUnavailable", "EngineSpec", "Node", "RouterSpec", "Topology", "TopologySpec"]
@@ -20,17 +21,20 @@ class BackendUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """How to start one engine. Fields mirror ``vllm serve`` flags."""
+    """How to start one engine. Fields mirror ``vllm serve`` flags.
+
+    Defaults are the engine's own (:class:`~bidir_kv.engine.settings.EngineSettings`).
+    """
 
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_model_len: int = 32768
+    block_size: int = EngineSettings.default("block_size")
+    enable_prefix_caching: bool = EngineSettings.default("enable_prefix_caching")
+    max_model_len: int = EngineSettings.default("max_model_len")
     served_model_name: str = "tiny"
     model: str = "tiny"
     # emulator-only
-    profile: str = "tiny"
-    transport: str = "auto"
+    profile: str = DEFAULT_PROFILE
+    transport: str = EngineSettings.default("transport")
     emulate_vllm: str | None = None
     kv_capacity_tokens: int | None = None
     kv_bytes_per_token: int | None = None
