@@ -2,7 +2,7 @@
 # Run pytest from the project venv.
 # - Exit code 5 ("no tests collected") is a failure here, never a silent success.
 # - Under CI=true the tiers this machine can run are required: missing infrastructure
-#   fails instead of skipping (BIDIR_KV_REQUIRE; see bidir_kv/testing/plugin.py).
+#   fails instead of skipping (BIDIR_KV_REQUIRE; see bidir_kv/testing/gating.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

@@ -27,9 +27,9 @@ fi
 t0=$(date +%s.%N)
 if ! command -v dockerd >/dev/null 2>&1 || ! command -v iptables >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
+  apt-get -o DPkg::Lock::Timeout=300 update -qq
   # the post-install script prints "policy-rc.d denied execution of start": no init system
-  apt-get install -y -qq --no-install-recommends docker.io iptables >/dev/null
+  apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends docker.io iptables >/dev/null
   echo "docker: installed docker.io + iptables in $(elapsed "$t0") s"
 fi
 

@@ -13,8 +13,8 @@ fi
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+$SUDO apt-get -o DPkg::Lock::Timeout=300 update -qq
+$SUDO apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends redis-server >/dev/null
 # The package may start a system service; our tests never use it.
 command -v redis-server >/dev/null
 echo "redis-server installed: $(redis-server --version | head -1)"
