@@ -246,6 +246,34 @@ def test_no_module_over_400_lines() -> None:
     assert not over, f"modules over {MAX_MODULE_LINES} lines (split them, or exempt one): {over}"
 
 
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(source: str, rel: str) -> list[str]:
+    """``module:function (lines)`` for every function longer than the limit."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{rel}:{node.name} ({length} lines)")
+    return found
+
+
+def test_no_function_over_80_lines() -> None:
+    over = [f for path in _modules()
+            for f in long_functions(path.read_text(encoding="utf-8"), _rel(path))]
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them): {over}"
+
+
+def test_function_length_check_catches_a_planted_long_function() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def planted():\n{body}\n", "planted.py") == [
+        f"planted.py:planted ({MAX_FUNCTION_LINES + 1} lines)"
+    ]
+    assert long_functions("def short():\n    return 1\n", "short.py") == []
+
+
 def test_size_exemptions_name_existing_oversized_modules() -> None:
     for rel, reason in MODULE_SIZE_EXEMPTIONS.items():
         assert reason.strip(), rel
