@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds before a P leg counts as failed (default {d.prefill_timeout:g})")
     p.add_argument("--health-interval", type=float, default=d.health_interval,
                    help="seconds between background /health checks of every node (0: off)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body accepted; larger ones get 413 before they are "
+                   f"read (default {d.max_body_bytes})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS,
                    help=f"log level (default {d.log_level})")
     return p
@@ -92,6 +95,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-conversations must be positive, got {args.max_conversations}")
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    if args.max_body_bytes <= 0:
+        raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
     if not is_store_spec(args.store):
         raise ValueError(f"--store must be 'memory' or a redis:// URL, got {args.store!r}")
 
@@ -117,6 +122,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         prefill_timeout=args.prefill_timeout,
         health_interval=args.health_interval,
         log_level=args.log_level,
+        max_body_bytes=args.max_body_bytes,
     )
 
 

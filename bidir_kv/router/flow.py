@@ -13,7 +13,6 @@ and :mod:`bidir_kv.router.decode`; what a turn leaves behind is written by
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import uuid
@@ -34,6 +33,7 @@ from bidir_kv.router.failures import (
 )
 from bidir_kv.router.guard import GuardVerdict, judge_continuation, release_params
 from bidir_kv.router.identity import IdentityError, conversation_key
+from bidir_kv.router.intake import Rejected, check_fields, parse_body, read_body
 from bidir_kv.router.memo import TurnMemo
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.prefill import PrefillLeg
@@ -77,14 +77,11 @@ class RouterFlow:
         m = self.metrics
         m.requests.labels(endpoint).inc()
         try:
-            raw = await request.read()
-            body = json.loads(raw)
-        except ValueError as exc:
+            body = parse_body(await read_body(request, self.settings.max_body_bytes))
+            check_fields(body, endpoint)
+        except Rejected as exc:
             m.errors.labels("bad_request").inc()
-            return error_response(400, f"request body is not valid JSON: {exc}", "BadRequestError")
-        if not isinstance(body, dict):
-            m.errors.labels("bad_request").inc()
-            return error_response(400, "request body must be a JSON object", "BadRequestError")
+            return error_response(exc.status, exc.message, exc.kind)
         rid = str(uuid.uuid4())
         if "kv_transfer_params" in body:
             body.pop("kv_transfer_params")
@@ -99,7 +96,7 @@ class RouterFlow:
         auth = self._api_auth or request.headers.get("Authorization")
         if auth:
             headers["Authorization"] = auth
-        turn = Turn(rid, endpoint, body, headers, key, bool(body.get("stream")),
+        turn = Turn(rid, endpoint, body, headers, key, body.get("stream") is True,
                     guard=self.settings.guard)
         try:
             return await self._run(request, turn)

@@ -48,3 +48,4 @@ class RouterSettings:
     decode_connect_timeout: float = 10.0
     health_interval: float = 2.0
     log_level: str = "info"  # one of LOG_LEVELS
+    max_body_bytes: int = 64 * 1024 * 1024
