@@ -86,6 +86,9 @@ class DecodeLeg:
         stream_d = turn.stream and self.settings.decode_stream == "always"
         body, injected = self.body(turn, p_node, p_params, stream_d)
         data = json.dumps(body)
+        # D failing to pull P's blocks answers 5xx before any byte (under vLLM's default
+        # kv_load_failure_policy "fail"): retried once as a miss, D computes the prompt.
+        can_recompute = p_params is not None and p_params.has_remote_blocks
         tried: list[Upstream] = []
         node: Upstream | None = d_node
         while node is not None:
@@ -108,6 +111,13 @@ class DecodeLeg:
                     return unavailable_response(self.metrics, self.pool)
                 continue
             turn.upstream += time.perf_counter() - t
+            if can_recompute and resp.status >= 500:
+                can_recompute = False
+                await self._drop_failed_pull(turn, node, resp)
+                body, injected = self.body(turn, p_node, None, stream_d)
+                data = json.dumps(body)
+                tried.pop()  # the same D once more, now computing the prompt itself
+                continue
             try:
                 answer = _Answer(self, request, turn, p_node, node, resp, injected, remember)
                 return await (answer.stream() if stream_d else answer.whole())
@@ -118,6 +128,22 @@ class DecodeLeg:
                 else:
                     resp.close()  # client gone or D failed: abort D's request
         return unavailable_response(self.metrics, self.pool)
+
+    async def _drop_failed_pull(
+        self, turn: Turn, node: Upstream, resp: aiohttp.ClientResponse
+    ) -> None:
+        """Count and log D's 5xx to a turn whose prompt it was to pull from P."""
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, OSError):
+            raw = b""
+        finally:
+            resp.release()
+            node.inflight -= 1
+        self.metrics.fallbacks.labels(failure_label(Leg.DECODE, Cause.PULL)).inc()
+        log.warning("[%s] conv=%s: D %s answered HTTP %d to the pull of P's blocks (%s); "
+                    "retrying the D leg as a miss (D computes the prompt)", turn.rid,
+                    turn.conv, node.id, resp.status, raw[:200].decode("utf-8", "replace"))
 
     def _next_after(
         self, turn: Turn, node: Upstream, exc: BaseException, tried: list[Upstream]

@@ -1,0 +1,105 @@
+"""Operational faults at ``bidir-kv proxy``: failed pulls, stalls, bursts, held blocks.
+
+One emulated 1P2D set (real processes on loopback) is shared by the module;
+each test starts routers of its own in front of some of those engines and
+resets any fault it sets on an engine, even when it fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.router import RouterProcess, chat, router_counter
+
+_ids = itertools.count()
+
+
+def conv_id(tag: str) -> str:
+    return f"{tag}-{next(_ids)}"
+
+
+def story(tag: str) -> list[dict[str, Any]]:
+    text = f"Conversation {tag}: tell me a long story about dragons, castles and rivers. " * 4
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    try:
+        import bidir_kv.engine.cli  # noqa: F401
+        from bidir_kv.topology.local import LocalTopology
+    except ImportError as exc:
+        skip_or_fail(request.config, "integration", f"emulated engine unavailable: {exc}")
+    from bidir_kv.testing.router import bidirectional_config as kv_config
+    from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
+
+    spec = TopologySpec(
+        num_decode=2,
+        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", enable_prefix_caching=False),
+        decode=EngineSpec(kv=kv_config("decode"), transport="tcp"),
+        router=RouterSpec(extra_args=("--health-interval", "0.5")),
+    )
+    with LocalTopology(spec, tmp_path_factory.mktemp("router-ops")) as t:
+        yield t
+
+
+def _post_json(url: str, body: Any) -> Any:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture
+def faults(topo: Any) -> Iterator[Callable[[Any, dict[str, Any]], None]]:
+    """Set faults on an engine node; every node touched is reset at teardown."""
+    touched: list[Any] = []
+
+    def set_faults(node: Any, changes: dict[str, Any]) -> None:
+        touched.append(node)
+        _post_json(node.url + "/_emulator/faults", changes)
+
+    try:
+        yield set_faults
+    finally:
+        for node in touched:
+            _post_json(node.url + "/_emulator/faults", {"fail_transfers": 0.0, "stall": False})
+
+
+def router_for(topo: Any, router_process: Callable[..., RouterProcess], decode: list[Any],
+               *flags: str) -> RouterProcess:
+    return router_process([(n.host, n.port) for n in topo.prefill],
+                          [(n.host, n.port) for n in decode],
+                          extra=("--health-interval", "0.5", *flags))
+
+
+def oracle(topo: Any, messages: list[dict[str, Any]], max_tokens: int = 12) -> str:
+    return chat(topo.prefill[0].url, messages, stream=False, max_tokens=max_tokens).text
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_failed_pull_on_d_is_answered_as_a_miss(
+    topo: Any, router_process: Callable[..., RouterProcess],
+    faults: Callable[[Any, dict[str, Any]], None], stream: bool,
+) -> None:
+    """D cannot pull P's blocks (it answers 500): the client still gets the right text."""
+    d = topo.decode[0]
+    rp = router_for(topo, router_process, [d])
+    faults(d, {"fail_transfers": 1.0})
+    msgs = story(conv_id("pullfail"))
+    res = chat(rp.url, msgs, conv_id("pullfail"), stream=stream)
+    assert res.status == 200 and res.error is None, res.raw[:300]
+    assert res.text == oracle(topo, msgs)
+    assert router_counter(rp.url, "fallbacks", cause="decode_pull") == 1
