@@ -45,7 +45,8 @@ class _RouterApp:
         self.prefill = UpstreamPool("prefill", settings.prefill_hosts, settings.prefill_ports)
         self.decode = UpstreamPool("decode", settings.decode_hosts, settings.decode_ports)
         self.store = store or open_store(
-            settings.store, settings.cache_ttl, settings.max_conversations
+            settings.store, settings.cache_ttl, settings.max_conversations,
+            max_concurrency=settings.max_concurrency,
         )
         self.metrics = RouterMetrics()
         self.checker: HealthChecker | None = None

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest request body accepted; larger ones get 413 before they are "
                    f"read (default {d.max_body_bytes})")
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency,
+                   help="store operations in flight at once: the Redis store's connection "
+                   "pool size; requests beyond it wait for a free connection "
+                   f"(default {d.max_concurrency})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS,
                    help=f"log level (default {d.log_level})")
     return p
@@ -95,6 +99,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-conversations must be positive, got {args.max_conversations}")
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    if args.max_concurrency <= 0:
+        raise ValueError(f"--max-concurrency must be positive, got {args.max_concurrency}")
     if args.max_body_bytes <= 0:
         raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
     if not is_store_spec(args.store):
@@ -123,6 +129,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         health_interval=args.health_interval,
         log_level=args.log_level,
         max_body_bytes=args.max_body_bytes,
+        max_concurrency=args.max_concurrency,
     )
 
 

@@ -49,3 +49,4 @@ class RouterSettings:
     health_interval: float = 2.0
     log_level: str = "info"  # one of LOG_LEVELS
     max_body_bytes: int = 64 * 1024 * 1024
+    max_concurrency: int = 128  # Redis connections (blocking pool beyond them)

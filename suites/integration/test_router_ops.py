@@ -103,3 +103,35 @@ def test_failed_pull_on_d_is_answered_as_a_miss(
     assert res.status == 200 and res.error is None, res.raw[:300]
     assert res.text == oracle(topo, msgs)
     assert router_counter(rp.url, "fallbacks", cause="decode_pull") == 1
+
+
+def test_redis_store_survives_200_concurrent_turns(
+    topo: Any, router_process: Callable[..., RouterProcess], redis_server: Any
+) -> None:
+    """More turns at once than redis-py's default pool allows (100): none fails, all stored
+    (the blocking pool of --max-concurrency connections makes the excess wait)."""
+    import asyncio
+
+    import aiohttp
+
+    rp = router_for(topo, router_process, topo.decode[:1], "--store", redis_server.url)
+    n = 200
+    tag = conv_id("redis-burst")
+
+    async def one(session: aiohttp.ClientSession, i: int) -> int:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"hi {tag} {i}"}],
+                "max_tokens": 2, "temperature": 0, "conversation_id": f"{tag}-{i}"}
+        async with session.post(rp.url + "/v1/chat/completions", json=body) as resp:
+            await resp.read()
+            return resp.status
+
+    async def burst() -> list[int]:
+        timeout = aiohttp.ClientTimeout(total=120)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(n)))
+
+    statuses = asyncio.run(burst())
+    assert statuses == [200] * n
+    assert router_counter(rp.url, "errors", cause="store") == 0
+    assert router_counter(rp.url, "cache_stores") == n
