@@ -7,6 +7,7 @@ of the stream, so a client that sends its next turn right away finds it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -99,12 +100,18 @@ class DecodeLeg:
                 resp = await self.session.post(
                     f"{node.url}/v1/{turn.endpoint}", data=data, headers=turn.headers,
                     timeout=aiohttp.ClientTimeout(
-                        total=None, sock_connect=self.settings.decode_connect_timeout
+                        total=self.settings.decode_timeout,
+                        sock_connect=self.settings.decode_connect_timeout,
                     ),
                 )
+            except asyncio.CancelledError:  # the client went away: the request is closed
+                node.inflight -= 1
+                raise
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 node.inflight -= 1
                 turn.upstream += time.perf_counter() - t
+                if _gave_up(exc):
+                    return self._timed_out(turn, node)
                 node = self._next_after(turn, node, exc, tried)
                 if node is None:
                     self.metrics.errors.labels(failure_label(Leg.DECODE, Cause.UNREACHABLE)).inc()
@@ -128,6 +135,15 @@ class DecodeLeg:
                 else:
                     resp.close()  # client gone or D failed: abort D's request
         return unavailable_response(self.metrics, self.pool)
+
+    def _timed_out(self, turn: Turn, node: Upstream) -> web.Response:
+        """D gave no answer within ``--decode-timeout`` (stalled or overloaded)."""
+        self.metrics.errors.labels(failure_label(Leg.DECODE, Cause.TIMEOUT)).inc()
+        limit = self.settings.decode_timeout
+        log.error("[%s] conv=%s: D %s did not answer within %gs (--decode-timeout); request "
+                  "cancelled", turn.rid, turn.conv, node.id, limit)
+        return error_response(504, f"decode node {node.id} did not answer within {limit:g}s "
+                              "(--decode-timeout)", "GatewayTimeout")
 
     async def _drop_failed_pull(
         self, turn: Turn, node: Upstream, resp: aiohttp.ClientResponse
@@ -164,6 +180,11 @@ class DecodeLeg:
         log.warning("[%s] D %s unreachable (%s); retrying on %s", turn.rid, node.id, exc,
                     nxt.id)
         return nxt
+
+
+def _gave_up(exc: BaseException) -> bool:
+    """The total D-leg timeout fired (not a connect timeout: that means busy, retry)."""
+    return isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError)
 
 
 class _Answer:
@@ -244,6 +265,10 @@ class _Answer:
         t = time.perf_counter()
         try:
             raw = await self.resp.read()
+        except TimeoutError:  # before OSError: TimeoutError is one
+            self._error(Cause.TIMEOUT)
+            return error_response(504, f"decode node {d_node.id} did not finish within the "
+                                  "--decode-timeout", "GatewayTimeout")
         except (aiohttp.ClientError, OSError) as exc:
             self._error(Cause.MID_STREAM)
             d_node.mark(False, str(exc))

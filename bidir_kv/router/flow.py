@@ -39,7 +39,7 @@ from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.prefill import PrefillLeg
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, Entry, StoreError, Taken
-from bidir_kv.router.turn import Turn
+from bidir_kv.router.turn import Turn, record_client_gone
 from bidir_kv.router.upstreams import Upstream, UpstreamPool
 
 __all__ = ["RouterFlow"]
@@ -100,6 +100,9 @@ class RouterFlow:
                     guard=self.settings.guard)
         try:
             return await self._run(request, turn)
+        except asyncio.CancelledError:
+            record_client_gone(turn, self.metrics)  # P/D requests closed on the way out
+            raise
         finally:
             turn.cancel_tokenize()
 

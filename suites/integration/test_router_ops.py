@@ -135,3 +135,49 @@ def test_redis_store_survives_200_concurrent_turns(
     assert statuses == [200] * n
     assert router_counter(rp.url, "errors", cause="store") == 0
     assert router_counter(rp.url, "cache_stores") == n
+
+
+def _decode_inflight(url: str) -> float:
+    from bidir_kv.scrape import scrape
+
+    return scrape(url).value("bidir_kv_router_backend_inflight", role="decode")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_stalled_d_gets_a_504_within_the_decode_timeout(
+    topo: Any, router_process: Callable[..., RouterProcess],
+    faults: Callable[[Any, dict[str, Any]], None], stream: bool,
+) -> None:
+    import time
+
+    d = topo.decode[1]
+    rp = router_for(topo, router_process, [d], "--decode-timeout", "2")
+    faults(d, {"stall": True})
+    t0 = time.monotonic()
+    res = chat(rp.url, story(conv_id("stall")), conv_id("stall"), stream=stream, timeout=30)
+    assert res.status == 504, res.raw[:300]
+    assert "--decode-timeout" in res.error["message"]
+    assert time.monotonic() - t0 < 15
+    assert router_counter(rp.url, "errors", cause="decode_timeout") == 1
+
+
+def test_client_leaving_cancels_the_d_leg(
+    topo: Any, router_process: Callable[..., RouterProcess],
+    faults: Callable[[Any, dict[str, Any]], None],
+) -> None:
+    """The client gives up on a stalled D: the router closes its D request at once
+    (counted as client_gone), instead of waiting on D for ever."""
+    import contextlib
+
+    from bidir_kv.testing.scenario import wait_for
+
+    d = topo.decode[1]
+    rp = router_for(topo, router_process, [d])
+    faults(d, {"stall": True})
+    res = None
+    with contextlib.suppress(OSError):  # TimeoutError is one: the client gives up
+        res = chat(rp.url, story(conv_id("gone")), conv_id("gone"), timeout=2)
+    assert res is None, "the stalled D answered"
+    wait_for(lambda: router_counter(rp.url, "errors", cause="client_gone") == 1, 10,
+             "the router to notice the client left")
+    wait_for(lambda: _decode_inflight(rp.url) == 0, 10, "the D request to be closed")
