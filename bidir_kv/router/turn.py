@@ -32,6 +32,8 @@ class Turn:
     tokenize_task: asyncio.Task[list[int]] | None = None
     upstream: float = 0.0
     first_byte: bool = False
+    p_usage: dict[str, Any] | None = None  # ``usage`` of P's answer to the P leg
+    fell_back: bool = False  # the P leg was retried as a miss
 
     @property
     def conv(self) -> str:

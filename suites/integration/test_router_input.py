@@ -151,3 +151,13 @@ def test_control_characters_in_ids_cannot_forge_log_lines(own_router: RouterProc
     assert "c1\\n" + forged in log  # escaped on the line it belongs to
     assert not any(line.startswith(forged) for line in log.splitlines())
     assert "\x1b" not in log
+
+
+def test_no_id_warning_names_the_client_side_fix(own_router: RouterProcess) -> None:
+    res = chat(own_router.url, [{"role": "user", "content": "hi"}], max_tokens=2)
+    assert res.status == 200
+    warning = [ln for ln in own_router.log().splitlines() if "No conversation_id" in ln]
+    assert warning, own_router.log()[-2000:]
+    for fix in ("--send-conversation-id", "X-Session-ID", "prompt_cache_key",
+                "conversation_id"):
+        assert fix in warning[0]

@@ -181,3 +181,32 @@ def test_client_leaving_cancels_the_d_leg(
     wait_for(lambda: router_counter(rp.url, "errors", cause="client_gone") == 1, 10,
              "the router to notice the client left")
     wait_for(lambda: _decode_inflight(rp.url) == 0, 10, "the D request to be closed")
+
+
+def test_hits_count_only_tokens_p_actually_took(
+    topo: Any, router_process: Callable[..., RouterProcess]
+) -> None:
+    """A real continuation counts a hit (with P's cached tokens); a rewritten history
+    whose verified prefix is below P's recompute threshold (64) is offered, trimmed,
+    and not pulled by P: offered, but not a hit."""
+    rp = router_for(topo, router_process, topo.decode[:1], "--block-size", "16")
+    conv = conv_id("hitcount")
+    msgs = story(conv)
+    first = chat(rp.url, msgs, conv)
+    assert first.status == 200
+    msgs2 = [*msgs, {"role": "assistant", "content": first.text},
+             {"role": "user", "content": "Go on."}]
+    second = chat(rp.url, msgs2, conv)
+    assert second.status == 200 and second.text == oracle(topo, msgs2)
+    assert router_counter(rp.url, "cache_hits") == 1
+    assert router_counter(rp.url, "cache_hit_tokens") >= 64
+    # same conversation, history rewritten after its first few words
+    rewritten = [{"role": "user", "content": "Conversation " + "zebra quartz " * 40},
+                 {"role": "assistant", "content": second.text},
+                 {"role": "user", "content": "Go on."}]
+    third = chat(rp.url, rewritten, conv)
+    assert third.status == 200 and third.text == oracle(topo, rewritten)
+    assert router_counter(rp.url, "cache_hit_offers") == 2
+    assert router_counter(rp.url, "guard_trims") == 1
+    assert router_counter(rp.url, "cache_hits") == 1
+    assert router_counter(rp.url, "cache_misses", reason="not_pulled") == 1
