@@ -19,7 +19,6 @@ __all__ = ["FLOW_KEY", "build_app"]
 log = logging.getLogger("bidir_kv.router")
 
 FLOW_KEY = web.AppKey("flow", RouterFlow)
-_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 
 
 def build_app(
@@ -27,7 +26,7 @@ def build_app(
 ) -> web.Application:
     """The router app; pools and store are created here, connections on startup."""
     router = _RouterApp(settings, store)
-    app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
+    app = web.Application(client_max_size=settings.max_body_bytes)
     app.on_startup.append(router.on_startup)
     app.on_cleanup.append(router.on_cleanup)
     app.router.add_post("/v1/chat/completions", router.chat)
@@ -46,7 +45,8 @@ class _RouterApp:
         self.prefill = UpstreamPool("prefill", settings.prefill_hosts, settings.prefill_ports)
         self.decode = UpstreamPool("decode", settings.decode_hosts, settings.decode_ports)
         self.store = store or open_store(
-            settings.store, settings.cache_ttl, settings.max_conversations
+            settings.store, settings.cache_ttl, settings.max_conversations,
+            max_concurrency=settings.max_concurrency,
         )
         self.metrics = RouterMetrics()
         self.checker: HealthChecker | None = None

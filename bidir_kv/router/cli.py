@@ -59,8 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "block-aligned prefix of a non-continuation instead of nothing")
     p.add_argument("--prefill-timeout", type=float, default=d.prefill_timeout,
                    help=f"seconds before a P leg counts as failed (default {d.prefill_timeout:g})")
+    p.add_argument("--decode-timeout", type=float, default=d.decode_timeout,
+                   help="seconds the whole D leg may take (a stalled D is cancelled and the "
+                   f"client gets 504; default {d.decode_timeout:g})")
     p.add_argument("--health-interval", type=float, default=d.health_interval,
                    help="seconds between background /health checks of every node (0: off)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body accepted; larger ones get 413 before they are "
+                   f"read (default {d.max_body_bytes})")
+    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency,
+                   help="store operations in flight at once: the Redis store's connection "
+                   "pool size; requests beyond it wait for a free connection "
+                   f"(default {d.max_concurrency})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS,
                    help=f"log level (default {d.log_level})")
     return p
@@ -92,6 +102,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-conversations must be positive, got {args.max_conversations}")
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    if args.decode_timeout <= 0:
+        raise ValueError(f"--decode-timeout must be positive, got {args.decode_timeout:g}")
+    if args.max_concurrency <= 0:
+        raise ValueError(f"--max-concurrency must be positive, got {args.max_concurrency}")
+    if args.max_body_bytes <= 0:
+        raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
     if not is_store_spec(args.store):
         raise ValueError(f"--store must be 'memory' or a redis:// URL, got {args.store!r}")
 
@@ -116,7 +132,10 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         block_size=args.block_size,
         prefill_timeout=args.prefill_timeout,
         health_interval=args.health_interval,
+        decode_timeout=args.decode_timeout,
         log_level=args.log_level,
+        max_body_bytes=args.max_body_bytes,
+        max_concurrency=args.max_concurrency,
     )
 
 
@@ -145,8 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _use_fast_loop()
     app = build_app(settings)
+    # handler_cancellation: a client that leaves cancels its handler, which closes the
+    # P and D requests it was waiting on (the engines abort them).
     web.run_app(app, host=settings.host, port=settings.port, access_log=None, print=None,
-                handle_signals=True)
+                handle_signals=True, handler_cancellation=True)
     return 0
 
 

@@ -7,6 +7,7 @@ of the stream, so a client that sends its next turn right away finds it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -86,6 +87,9 @@ class DecodeLeg:
         stream_d = turn.stream and self.settings.decode_stream == "always"
         body, injected = self.body(turn, p_node, p_params, stream_d)
         data = json.dumps(body)
+        # D failing to pull P's blocks answers 5xx before any byte (under vLLM's default
+        # kv_load_failure_policy "fail"): retried once as a miss, D computes the prompt.
+        can_recompute = p_params is not None and p_params.has_remote_blocks
         tried: list[Upstream] = []
         node: Upstream | None = d_node
         while node is not None:
@@ -96,18 +100,31 @@ class DecodeLeg:
                 resp = await self.session.post(
                     f"{node.url}/v1/{turn.endpoint}", data=data, headers=turn.headers,
                     timeout=aiohttp.ClientTimeout(
-                        total=None, sock_connect=self.settings.decode_connect_timeout
+                        total=self.settings.decode_timeout,
+                        sock_connect=self.settings.decode_connect_timeout,
                     ),
                 )
+            except asyncio.CancelledError:  # the client went away: the request is closed
+                node.inflight -= 1
+                raise
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 node.inflight -= 1
                 turn.upstream += time.perf_counter() - t
+                if _gave_up(exc):
+                    return self._timed_out(turn, node)
                 node = self._next_after(turn, node, exc, tried)
                 if node is None:
                     self.metrics.errors.labels(failure_label(Leg.DECODE, Cause.UNREACHABLE)).inc()
                     return unavailable_response(self.metrics, self.pool)
                 continue
             turn.upstream += time.perf_counter() - t
+            if can_recompute and resp.status >= 500:
+                can_recompute = False
+                await self._drop_failed_pull(turn, node, resp)
+                body, injected = self.body(turn, p_node, None, stream_d)
+                data = json.dumps(body)
+                tried.pop()  # the same D once more, now computing the prompt itself
+                continue
             try:
                 answer = _Answer(self, request, turn, p_node, node, resp, injected, remember)
                 return await (answer.stream() if stream_d else answer.whole())
@@ -118,6 +135,31 @@ class DecodeLeg:
                 else:
                     resp.close()  # client gone or D failed: abort D's request
         return unavailable_response(self.metrics, self.pool)
+
+    def _timed_out(self, turn: Turn, node: Upstream) -> web.Response:
+        """D gave no answer within ``--decode-timeout`` (stalled or overloaded)."""
+        self.metrics.errors.labels(failure_label(Leg.DECODE, Cause.TIMEOUT)).inc()
+        limit = self.settings.decode_timeout
+        log.error("[%s] conv=%s: D %s did not answer within %gs (--decode-timeout); request "
+                  "cancelled", turn.rid, turn.conv, node.id, limit)
+        return error_response(504, f"decode node {node.id} did not answer within {limit:g}s "
+                              "(--decode-timeout)", "GatewayTimeout")
+
+    async def _drop_failed_pull(
+        self, turn: Turn, node: Upstream, resp: aiohttp.ClientResponse
+    ) -> None:
+        """Count and log D's 5xx to a turn whose prompt it was to pull from P."""
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, OSError):
+            raw = b""
+        finally:
+            resp.release()
+            node.inflight -= 1
+        self.metrics.fallbacks.labels(failure_label(Leg.DECODE, Cause.PULL)).inc()
+        log.warning("[%s] conv=%s: D %s answered HTTP %d to the pull of P's blocks (%s); "
+                    "retrying the D leg as a miss (D computes the prompt)", turn.rid,
+                    turn.conv, node.id, resp.status, raw[:200].decode("utf-8", "replace"))
 
     def _next_after(
         self, turn: Turn, node: Upstream, exc: BaseException, tried: list[Upstream]
@@ -138,6 +180,11 @@ class DecodeLeg:
         log.warning("[%s] D %s unreachable (%s); retrying on %s", turn.rid, node.id, exc,
                     nxt.id)
         return nxt
+
+
+def _gave_up(exc: BaseException) -> bool:
+    """The total D-leg timeout fired (not a connect timeout: that means busy, retry)."""
+    return isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError)
 
 
 class _Answer:
@@ -218,6 +265,10 @@ class _Answer:
         t = time.perf_counter()
         try:
             raw = await self.resp.read()
+        except TimeoutError:  # before OSError: TimeoutError is one
+            self._error(Cause.TIMEOUT)
+            return error_response(504, f"decode node {d_node.id} did not finish within the "
+                                  "--decode-timeout", "GatewayTimeout")
         except (aiohttp.ClientError, OSError) as exc:
             self._error(Cause.MID_STREAM)
             d_node.mark(False, str(exc))

@@ -43,6 +43,7 @@ class Cause(enum.Enum):
     BAD_RESPONSE = "bad_response"  # a 2xx answer we cannot use
     UNSUPPORTED = "unsupported"  # a request shape the router cannot handle this way
     MID_STREAM = "mid_stream"  # D's answer broke off after it started
+    PULL = "pull"  # D could not pull P's blocks (it answered 5xx before any byte)
 
 
 def failure_label(leg: Leg, cause: Cause) -> str:

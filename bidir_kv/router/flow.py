@@ -13,7 +13,6 @@ and :mod:`bidir_kv.router.decode`; what a turn leaves behind is written by
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import uuid
@@ -34,17 +33,25 @@ from bidir_kv.router.failures import (
 )
 from bidir_kv.router.guard import GuardVerdict, judge_continuation, release_params
 from bidir_kv.router.identity import IdentityError, conversation_key
+from bidir_kv.router.intake import Rejected, check_fields, parse_body, read_body
 from bidir_kv.router.memo import TurnMemo
 from bidir_kv.router.metrics import RouterMetrics
-from bidir_kv.router.prefill import PrefillLeg
+from bidir_kv.router.prefill import PrefillLeg, pulled_tokens
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, Entry, StoreError, Taken
-from bidir_kv.router.turn import Turn
+from bidir_kv.router.turn import Turn, record_client_gone
 from bidir_kv.router.upstreams import Upstream, UpstreamPool
 
 __all__ = ["RouterFlow"]
 
 log = logging.getLogger("bidir_kv.router")
+
+# What the client changes so its turns can reuse KV (issue: warnings name the fix).
+NO_ID_FIX = (
+    "To enable it, send the conversation's id as the body field conversation_id, the "
+    "X-Session-ID header (vLLM's benchmark_serving_multi_turn.py: --send-conversation-id) "
+    "or OpenAI's prompt_cache_key."
+)
 
 
 class RouterFlow:
@@ -77,14 +84,11 @@ class RouterFlow:
         m = self.metrics
         m.requests.labels(endpoint).inc()
         try:
-            raw = await request.read()
-            body = json.loads(raw)
-        except ValueError as exc:
+            body = parse_body(await read_body(request, self.settings.max_body_bytes))
+            check_fields(body, endpoint)
+        except Rejected as exc:
             m.errors.labels("bad_request").inc()
-            return error_response(400, f"request body is not valid JSON: {exc}", "BadRequestError")
-        if not isinstance(body, dict):
-            m.errors.labels("bad_request").inc()
-            return error_response(400, "request body must be a JSON object", "BadRequestError")
+            return error_response(exc.status, exc.message, exc.kind)
         rid = str(uuid.uuid4())
         if "kv_transfer_params" in body:
             body.pop("kv_transfer_params")
@@ -99,10 +103,13 @@ class RouterFlow:
         auth = self._api_auth or request.headers.get("Authorization")
         if auth:
             headers["Authorization"] = auth
-        turn = Turn(rid, endpoint, body, headers, key, bool(body.get("stream")),
+        turn = Turn(rid, endpoint, body, headers, key, body.get("stream") is True,
                     guard=self.settings.guard)
         try:
             return await self._run(request, turn)
+        except asyncio.CancelledError:
+            record_client_gone(turn, self.metrics)  # P/D requests closed on the way out
+            raise
         finally:
             turn.cancel_tokenize()
 
@@ -116,7 +123,7 @@ class RouterFlow:
             return unavailable_response(self.metrics, *down)
         hit, release = await self._reuse(turn, p_node, entry)
         if hit is not None:
-            self.metrics.hits.inc()
+            self.metrics.hit_offers.inc()
             log.info("[%s] conv=%s: sending D's cached blocks to P (remote_request_id=%s)",
                      turn.rid, turn.conv, hit.remote_request_id)
         elif turn.key is not None:
@@ -127,6 +134,8 @@ class RouterFlow:
             )
         except UpstreamFailure as exc:
             return self._failure_response(turn, Leg.PREFILL, exc)
+        if hit is not None:
+            self._count_hit(turn, hit, fell_back=turn.fell_back)
         if turn.prompt_tokens is None and turn.wants_ids:
             # P did not echo the prompt ids (and D may not on streams): tokenize off the
             # critical path, while D decodes.
@@ -136,6 +145,21 @@ class RouterFlow:
         return await self.decode_leg.run(request, turn, p_node, d_node, p_params,
                                          self.memo.remember)
 
+    def _count_hit(self, turn: Turn, hit: KVTransferParams, fell_back: bool) -> None:
+        """A hit is counted once P reports it took D's tokens (not when the dict is sent)."""
+        if fell_back:
+            return
+        pulled = pulled_tokens(hit, turn.p_usage)
+        if pulled is None:  # P reports no cached tokens: count the hit it accepted
+            self.metrics.hits.inc()
+        elif pulled > 0:
+            self.metrics.hits.inc()
+            self.metrics.hit_tokens.inc(pulled)
+        else:
+            self.metrics.misses.labels("not_pulled").inc()
+            log.info("[%s] conv=%s: P did not take D's cached tokens (cached_tokens %s)",
+                     turn.rid, turn.conv, (turn.p_usage or {}).get("prompt_tokens_details"))
+
     # ---- store and guard --------------------------------------------------------
 
     async def _take(self, turn: Turn) -> Entry | None:
@@ -144,7 +168,7 @@ class RouterFlow:
             m.misses.labels("no_id").inc()
             log.warning(
                 "[%s] No conversation_id provided — KV cache reuse disabled for this request. "
-                "Send conversation_id, X-Session-ID or prompt_cache_key to enable it.", turn.rid
+                "%s", turn.rid, NO_ID_FIX
             )
             return None
         try:

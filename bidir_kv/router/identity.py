@@ -18,11 +18,23 @@ __all__ = [
     "ConversationKey",
     "IdentityError",
     "conversation_key",
+    "log_safe",
     "tenant_digest",
 ]
 
 ANONYMOUS_TENANT: Final = "anon"
 MAX_CONVERSATION_ID_LEN: Final = 512
+
+
+def log_safe(text: str, limit: int = 200) -> str:
+    """Client text fit for one log line: control characters, non-ASCII and backslashes
+    escaped (a newline in an id cannot forge a line), cut to ``limit`` characters."""
+    cut = text[:limit]
+    if cut.isprintable() and "\\" not in cut:
+        out = cut
+    else:
+        out = cut.encode("unicode_escape").decode("ascii")
+    return out + ("..." if len(text) > limit else "")
 
 
 class IdentityError(ValueError):

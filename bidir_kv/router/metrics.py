@@ -24,11 +24,21 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "bidir_kv_router_"
         self.requests = Counter(p + "requests", "Client requests", ["endpoint"], registry=r)
-        self.hits = Counter(p + "cache_hits", "Turns sent to P with D's cached params", registry=r)
+        self.hits = Counter(
+            p + "cache_hits",
+            "Turns whose P took D's cached tokens (P's usage.cached_tokens covered the offer)",
+            registry=r,
+        )
+        self.hit_offers = Counter(
+            p + "cache_hit_offers", "Turns sent to P with D's cached params", registry=r
+        )
+        self.hit_tokens = Counter(
+            p + "cache_hit_tokens", "Cached tokens P reported on counted hits", registry=r
+        )
         self.misses = Counter(
             p + "cache_misses",
             "Turns sent to P with the miss dict",
-            ["reason"],  # no_id, not_found, stale, guard, fallback
+            ["reason"],  # no_id, not_found, stale, guard, fallback, not_pulled, ...
             registry=r,
         )
         self.stale = Counter(p + "cache_stale", "Entries found older than --cache-ttl", registry=r)

@@ -22,7 +22,7 @@ from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.turn import Turn
 from bidir_kv.router.upstreams import Upstream, UpstreamPool
 
-__all__ = ["PrefillLeg", "prompt_ids_of"]
+__all__ = ["PrefillLeg", "prompt_ids_of", "pulled_tokens"]
 
 log = logging.getLogger("bidir_kv.router")
 
@@ -111,6 +111,7 @@ class PrefillLeg:
             self.metrics.fallbacks.labels(failure_label(Leg.PREFILL, exc.cause)).inc()
             if hit is not None or release is not None:
                 self.metrics.misses.labels("fallback").inc()
+            turn.fell_back = True
             log.warning("[%s] conv=%s: P leg failed on %s (%s); retrying as a miss on %s",
                         turn.rid, turn.conv, node.id, exc, retry.id)
             return retry, await self.run(turn, retry, KVTransferParams.miss())
@@ -132,6 +133,8 @@ class PrefillLeg:
             out = json.loads(raw)
             if not isinstance(out, dict):
                 return None
+            usage = out.get("usage")
+            turn.p_usage = usage if isinstance(usage, dict) else None
             if turn.prompt_tokens is None and turn.wants_ids:
                 turn.prompt_tokens = prompt_ids_of(out)
             return params_from_response(out)
@@ -199,3 +202,19 @@ def prompt_ids_of(body: dict[str, Any]) -> list[int] | None:
     if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
         return list(ids)
     return None
+
+
+def pulled_tokens(hit: KVTransferParams, usage: dict[str, Any] | None) -> int | None:
+    """Tokens P took from D's hit, judged from P's ``usage``: its cached tokens when they
+    cover the offered prefix (a pull, or P already had it), else 0 (P skipped the pull:
+    below its threshold, declined, failed). ``None``: P reported no
+    ``prompt_tokens_details`` (vLLM without ``--enable-prompt-tokens-details``)."""
+    details = (usage or {}).get("prompt_tokens_details")
+    if not isinstance(details, dict) or not isinstance(details.get("cached_tokens"), int):
+        return None
+    cached = int(details["cached_tokens"])
+    prompt = (usage or {}).get("prompt_tokens")
+    offered = hit.num_remote_tokens
+    if isinstance(prompt, int):
+        offered = min(offered, prompt)
+    return cached if offered > 0 and cached >= offered else 0

@@ -46,5 +46,8 @@ class RouterSettings:
     block_size: int | None = None
     prefill_timeout: float = 60.0
     decode_connect_timeout: float = 10.0
+    decode_timeout: float = 600.0  # whole D leg, first byte to last
     health_interval: float = 2.0
     log_level: str = "info"  # one of LOG_LEVELS
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_concurrency: int = 128  # Redis connections (blocking pool beyond them)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bidir_kv.router.identity import ConversationKey
+from bidir_kv.router.identity import ConversationKey, log_safe
 from bidir_kv.router.metrics import RouterMetrics
 
 __all__ = ["Turn", "record_client_gone", "record_first_byte"]
@@ -32,10 +32,12 @@ class Turn:
     tokenize_task: asyncio.Task[list[int]] | None = None
     upstream: float = 0.0
     first_byte: bool = False
+    p_usage: dict[str, Any] | None = None  # ``usage`` of P's answer to the P leg
+    fell_back: bool = False  # the P leg was retried as a miss
 
     @property
     def conv(self) -> str:
-        return "-" if self.key is None else self.key.conversation_id
+        return "-" if self.key is None else log_safe(self.key.conversation_id)
 
     @property
     def single_choice(self) -> bool:

@@ -35,11 +35,16 @@ def is_store_spec(spec: str) -> bool:
 
 
 def open_store(
-    spec: str, ttl: float, max_entries: int, now: Callable[[], float] = time.time
+    spec: str,
+    ttl: float,
+    max_entries: int,
+    now: Callable[[], float] = time.time,
+    max_concurrency: int = 128,
 ) -> ConversationStore:
-    """``memory`` or a ``redis://`` / ``rediss://`` / ``unix://`` URL."""
+    """``memory`` or a ``redis://`` / ``rediss://`` / ``unix://`` URL; a Redis store's
+    connection pool holds ``max_concurrency`` connections and blocks beyond them."""
     if spec == "memory":
         return MemoryStore(ttl, max_entries, now)
     if spec.startswith(REDIS_SCHEMES):
-        return RedisStore(spec, ttl, max_entries, now)
+        return RedisStore(spec, ttl, max_entries, now, max_connections=max_concurrency)
     raise ValueError(f"--store must be 'memory' or a redis:// URL, got {spec!r}")

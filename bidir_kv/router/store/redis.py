@@ -34,6 +34,8 @@ class RedisStore(ConversationStore):
         max_entries: int,
         now: Callable[[], float] = time.time,
         prefix: str = "bidirkv:",
+        max_connections: int = 128,
+        wait_timeout: float = 5.0,
     ) -> None:
         super().__init__(ttl, max_entries, now)
         from redis import asyncio as aioredis
@@ -41,9 +43,14 @@ class RedisStore(ConversationStore):
         self.url = url
         self.prefix = prefix
         self._index = f"{prefix}index"
-        self._redis: Any = aioredis.Redis.from_url(
-            url, socket_timeout=5, socket_connect_timeout=5
+        # Bounded and blocking: a request beyond ``max_connections`` waits (up to
+        # ``wait_timeout``) for a free connection; redis-py's default pool raises
+        # "Too many connections" past 100 instead.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=wait_timeout,
+            socket_timeout=5, socket_connect_timeout=5,
         )
+        self._redis: Any = aioredis.Redis(connection_pool=pool)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}conv:{key}"
@@ -103,3 +110,4 @@ class RedisStore(ConversationStore):
 
     async def close(self) -> None:
         await self._redis.aclose()
+        await self._redis.connection_pool.disconnect()

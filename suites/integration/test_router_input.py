@@ -1,0 +1,163 @@
+"""Hostile and invalid input at ``bidir-kv proxy``: always a 4xx naming the problem.
+
+A router process in front of an emulated 1P1D pair, all on loopback. Requests D
+would refuse must be refused before the P leg, so they cost P no prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from bidir_kv.scrape import scrape
+from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.router import RouterProcess, chat
+
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+
+
+@pytest.fixture(scope="module")
+def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    try:
+        import bidir_kv.engine.cli  # noqa: F401
+        from bidir_kv.topology.local import LocalTopology
+    except ImportError as exc:
+        skip_or_fail(request.config, "integration", f"emulated engine unavailable: {exc}")
+    from bidir_kv.testing.router import bidirectional_config as kv_config
+    from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
+
+    spec = TopologySpec(
+        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp"),
+        decode=EngineSpec(kv=kv_config("decode"), transport="tcp"),
+        router=RouterSpec(extra_args=("--health-interval", "0.5")),
+    )
+    with LocalTopology(spec, tmp_path_factory.mktemp("router-input")) as t:
+        yield t
+
+
+@pytest.fixture
+def own_router(topo: Any, router_process: Callable[..., RouterProcess]) -> RouterProcess:
+    """A router of this test's own (its log is this test's alone)."""
+    return router_process([(n.host, n.port) for n in topo.prefill],
+                          [(n.host, n.port) for n in topo.decode])
+
+
+def post_raw(url: str, data: bytes, content_type: str = "application/json",
+             path: str = "/v1/chat/completions") -> tuple[int, Any]:
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, raw
+
+
+def message(status: int, body: Any) -> str:
+    assert 400 <= status < 500, f"expected a 4xx, got {status}: {body!r}"
+    assert isinstance(body, dict) and "error" in body, body
+    return str(body["error"]["message"])
+
+
+def good_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": 4, **extra}
+
+
+def test_deep_nesting_is_a_400(topo: Any) -> None:
+    for depth in (100, 100_000):
+        raw = b'{"model": "tiny", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+        status, body = post_raw(topo.router_url, raw)
+        assert "nests deeper" in message(status, body)
+
+
+def test_lone_surrogate_is_a_400(topo: Any) -> None:
+    raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    status, body = post_raw(topo.router_url, raw)
+    assert "U+D800" in message(status, body)
+    bad_utf8 = b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff"}]}'
+    status, body = post_raw(topo.router_url, bad_utf8)
+    assert "UTF-8" in message(status, body)
+
+
+def test_unknown_charset_is_refused_naming_it(topo: Any) -> None:
+    raw = json.dumps(good_body()).encode()
+    status, body = post_raw(topo.router_url, raw, "application/json; charset=x-klingon")
+    assert status == 415 and "x-klingon" in message(status, body)
+
+
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, [], {}])
+def test_non_boolean_stream_is_a_400(topo: Any, value: Any) -> None:
+    status, body = post_raw(topo.router_url, json.dumps(good_body(stream=value)).encode())
+    assert "'stream' must be a boolean" in message(status, body)
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"n": 2}, "'n'"),
+    ({"stream": True, "stream_options": "usage"}, "stream_options"),
+])
+def test_what_d_would_refuse_never_reaches_p(topo: Any, extra: dict[str, Any],
+                                             field: str) -> None:
+    p_url = topo.prefill[0].url
+    before = scrape(p_url).value(PROMPT_TOKENS)
+    status, body = post_raw(topo.router_url, json.dumps(good_body(**extra)).encode())
+    assert field in message(status, body)
+    assert scrape(p_url).value(PROMPT_TOKENS) == before, "P prefilled a request D refuses"
+
+
+def test_missing_prompt_or_messages_is_a_400(topo: Any) -> None:
+    status, body = post_raw(topo.router_url, b'{"model": "tiny"}')
+    assert "messages" in message(status, body)
+    status, body = post_raw(topo.router_url, b'{"model": "tiny"}', path="/v1/completions")
+    assert "prompt" in message(status, body)
+
+
+def test_oversize_body_is_refused_before_it_is_read(topo: Any) -> None:
+    """Content-Length far above the limit: 413 at once, though no body byte was sent."""
+    host, port = topo.router_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: 1000000000\r\n\r\n{")
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert b"exceeds the limit" in reply
+
+
+def test_control_characters_in_ids_cannot_forge_log_lines(own_router: RouterProcess) -> None:
+    forged = "FORGED ERROR bidir_kv.router: everything is on fire"
+    conv = f"c1\n{forged}\r\x1b[31m"
+    res = chat(own_router.url, [{"role": "user", "content": "hi"}], conv, max_tokens=2)
+    assert res.status == 200
+    res = chat(own_router.url, [{"role": "user", "content": "hi"}], max_tokens=2,
+               headers={"X-Session-ID": f"h\t{forged}"})
+    assert res.status == 200
+    log = own_router.log()
+    assert "c1\\n" + forged in log  # escaped on the line it belongs to
+    assert not any(line.startswith(forged) for line in log.splitlines())
+    assert "\x1b" not in log
+
+
+def test_no_id_warning_names_the_client_side_fix(own_router: RouterProcess) -> None:
+    res = chat(own_router.url, [{"role": "user", "content": "hi"}], max_tokens=2)
+    assert res.status == 200
+    warning = [ln for ln in own_router.log().splitlines() if "No conversation_id" in ln]
+    assert warning, own_router.log()[-2000:]
+    for fix in ("--send-conversation-id", "X-Session-ID", "prompt_cache_key",
+                "conversation_id"):
+        assert fix in warning[0]

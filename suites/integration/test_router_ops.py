@@ -1,0 +1,212 @@
+"""Operational faults at ``bidir-kv proxy``: failed pulls, stalls, bursts, held blocks.
+
+One emulated 1P2D set (real processes on loopback) is shared by the module;
+each test starts routers of its own in front of some of those engines and
+resets any fault it sets on an engine, even when it fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.router import RouterProcess, chat, router_counter
+
+_ids = itertools.count()
+
+
+def conv_id(tag: str) -> str:
+    return f"{tag}-{next(_ids)}"
+
+
+def story(tag: str) -> list[dict[str, Any]]:
+    text = f"Conversation {tag}: tell me a long story about dragons, castles and rivers. " * 4
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    try:
+        import bidir_kv.engine.cli  # noqa: F401
+        from bidir_kv.topology.local import LocalTopology
+    except ImportError as exc:
+        skip_or_fail(request.config, "integration", f"emulated engine unavailable: {exc}")
+    from bidir_kv.testing.router import bidirectional_config as kv_config
+    from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
+
+    spec = TopologySpec(
+        num_decode=2,
+        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", enable_prefix_caching=False),
+        decode=EngineSpec(kv=kv_config("decode"), transport="tcp"),
+        router=RouterSpec(extra_args=("--health-interval", "0.5")),
+    )
+    with LocalTopology(spec, tmp_path_factory.mktemp("router-ops")) as t:
+        yield t
+
+
+def _post_json(url: str, body: Any) -> Any:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture
+def faults(topo: Any) -> Iterator[Callable[[Any, dict[str, Any]], None]]:
+    """Set faults on an engine node; every node touched is reset at teardown."""
+    touched: list[Any] = []
+
+    def set_faults(node: Any, changes: dict[str, Any]) -> None:
+        touched.append(node)
+        _post_json(node.url + "/_emulator/faults", changes)
+
+    try:
+        yield set_faults
+    finally:
+        for node in touched:
+            _post_json(node.url + "/_emulator/faults", {"fail_transfers": 0.0, "stall": False})
+
+
+def router_for(topo: Any, router_process: Callable[..., RouterProcess], decode: list[Any],
+               *flags: str) -> RouterProcess:
+    return router_process([(n.host, n.port) for n in topo.prefill],
+                          [(n.host, n.port) for n in decode],
+                          extra=("--health-interval", "0.5", *flags))
+
+
+def oracle(topo: Any, messages: list[dict[str, Any]], max_tokens: int = 12) -> str:
+    return chat(topo.prefill[0].url, messages, stream=False, max_tokens=max_tokens).text
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_failed_pull_on_d_is_answered_as_a_miss(
+    topo: Any, router_process: Callable[..., RouterProcess],
+    faults: Callable[[Any, dict[str, Any]], None], stream: bool,
+) -> None:
+    """D cannot pull P's blocks (it answers 500): the client still gets the right text."""
+    d = topo.decode[0]
+    rp = router_for(topo, router_process, [d])
+    faults(d, {"fail_transfers": 1.0})
+    msgs = story(conv_id("pullfail"))
+    res = chat(rp.url, msgs, conv_id("pullfail"), stream=stream)
+    assert res.status == 200 and res.error is None, res.raw[:300]
+    assert res.text == oracle(topo, msgs)
+    assert router_counter(rp.url, "fallbacks", cause="decode_pull") == 1
+
+
+def test_redis_store_survives_200_concurrent_turns(
+    topo: Any, router_process: Callable[..., RouterProcess], redis_server: Any
+) -> None:
+    """More turns at once than redis-py's default pool allows (100): none fails, all stored
+    (the blocking pool of --max-concurrency connections makes the excess wait)."""
+    import asyncio
+
+    import aiohttp
+
+    rp = router_for(topo, router_process, topo.decode[:1], "--store", redis_server.url)
+    n = 200
+    tag = conv_id("redis-burst")
+
+    async def one(session: aiohttp.ClientSession, i: int) -> int:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"hi {tag} {i}"}],
+                "max_tokens": 2, "temperature": 0, "conversation_id": f"{tag}-{i}"}
+        async with session.post(rp.url + "/v1/chat/completions", json=body) as resp:
+            await resp.read()
+            return resp.status
+
+    async def burst() -> list[int]:
+        timeout = aiohttp.ClientTimeout(total=120)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(n)))
+
+    statuses = asyncio.run(burst())
+    assert statuses == [200] * n
+    assert router_counter(rp.url, "errors", cause="store") == 0
+    assert router_counter(rp.url, "cache_stores") == n
+
+
+def _decode_inflight(url: str) -> float:
+    from bidir_kv.scrape import scrape
+
+    return scrape(url).value("bidir_kv_router_backend_inflight", role="decode")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_stalled_d_gets_a_504_within_the_decode_timeout(
+    topo: Any, router_process: Callable[..., RouterProcess],
+    faults: Callable[[Any, dict[str, Any]], None], stream: bool,
+) -> None:
+    import time
+
+    d = topo.decode[1]
+    rp = router_for(topo, router_process, [d], "--decode-timeout", "2")
+    faults(d, {"stall": True})
+    t0 = time.monotonic()
+    res = chat(rp.url, story(conv_id("stall")), conv_id("stall"), stream=stream, timeout=30)
+    assert res.status == 504, res.raw[:300]
+    assert "--decode-timeout" in res.error["message"]
+    assert time.monotonic() - t0 < 15
+    assert router_counter(rp.url, "errors", cause="decode_timeout") == 1
+
+
+def test_client_leaving_cancels_the_d_leg(
+    topo: Any, router_process: Callable[..., RouterProcess],
+    faults: Callable[[Any, dict[str, Any]], None],
+) -> None:
+    """The client gives up on a stalled D: the router closes its D request at once
+    (counted as client_gone), instead of waiting on D for ever."""
+    import contextlib
+
+    from bidir_kv.testing.scenario import wait_for
+
+    d = topo.decode[1]
+    rp = router_for(topo, router_process, [d])
+    faults(d, {"stall": True})
+    res = None
+    with contextlib.suppress(OSError):  # TimeoutError is one: the client gives up
+        res = chat(rp.url, story(conv_id("gone")), conv_id("gone"), timeout=2)
+    assert res is None, "the stalled D answered"
+    wait_for(lambda: router_counter(rp.url, "errors", cause="client_gone") == 1, 10,
+             "the router to notice the client left")
+    wait_for(lambda: _decode_inflight(rp.url) == 0, 10, "the D request to be closed")
+
+
+def test_hits_count_only_tokens_p_actually_took(
+    topo: Any, router_process: Callable[..., RouterProcess]
+) -> None:
+    """A real continuation counts a hit (with P's cached tokens); a rewritten history
+    whose verified prefix is below P's recompute threshold (64) is offered, trimmed,
+    and not pulled by P: offered, but not a hit."""
+    rp = router_for(topo, router_process, topo.decode[:1], "--block-size", "16")
+    conv = conv_id("hitcount")
+    msgs = story(conv)
+    first = chat(rp.url, msgs, conv)
+    assert first.status == 200
+    msgs2 = [*msgs, {"role": "assistant", "content": first.text},
+             {"role": "user", "content": "Go on."}]
+    second = chat(rp.url, msgs2, conv)
+    assert second.status == 200 and second.text == oracle(topo, msgs2)
+    assert router_counter(rp.url, "cache_hits") == 1
+    assert router_counter(rp.url, "cache_hit_tokens") >= 64
+    # same conversation, history rewritten after its first few words
+    rewritten = [{"role": "user", "content": "Conversation " + "zebra quartz " * 40},
+                 {"role": "assistant", "content": second.text},
+                 {"role": "user", "content": "Go on."}]
+    third = chat(rp.url, rewritten, conv)
+    assert third.status == 200 and third.text == oracle(topo, rewritten)
+    assert router_counter(rp.url, "cache_hit_offers") == 2
+    assert router_counter(rp.url, "guard_trims") == 1
+    assert router_counter(rp.url, "cache_hits") == 1
+    assert router_counter(rp.url, "cache_misses", reason="not_pulled") == 1
