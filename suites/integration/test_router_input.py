@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.scrape import scrape
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import RouterProcess, chat
 
 PROMPT_TOKENS = "vllm:prompt_tokens_total"

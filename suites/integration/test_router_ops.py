@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.testing.plugin import skip_or_fail
+from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import RouterProcess, chat, router_counter
 
 _ids = itertools.count()
