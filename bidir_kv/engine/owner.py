@@ -106,7 +106,7 @@ class HandleOwner:
             "remote_blocks_expiry_time": expiry,
         }
         if self.settings.emulate_vllm != "0.32":
-            fields["remote_registration_generation"] = 0
+            fields["remote_registration_generation"] = self.worker.generation
         fields["transfer_mode"] = "pull"
         if prefill:
             fields["remote_prefill_cached_tokens"] = req.cached_tokens

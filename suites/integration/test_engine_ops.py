@@ -7,19 +7,25 @@ Real ``bidir-kv engine`` processes on loopback. D's KV capacity is made small
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bidir_kv.testing.engines import EnginePair, random_prompt
-from bidir_kv.testing.pd_client import Completion
+from bidir_kv.testing.pd_client import Completion, EngineClient
 from bidir_kv.testing.poll import wait_for
+from bidir_kv.topology.local import engine_argv
+from bidir_kv.topology.process import ManagedProcess, wait_http_ok
 
 Factory = Callable[..., EnginePair]
 EVICTED = "vllm:nixl_num_kv_evicted_reqs_total"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 # 64 blocks of 16 tokens (63 usable): four retained 200-token turns (13 blocks each)
 # leave 11 free, fewer than the next turn's 13
 SMALL_KV = 1024
@@ -137,3 +143,96 @@ def test_health_sees_a_stalled_step_loop(engine_pair: Factory) -> None:
         worker.join(60)
     assert done and done[0].ok
     wait_for(lambda: _health(pair.d.url)[0] == 200, timeout=10, what="health back to 200")
+
+
+# ---- peers restarted with the same engine id ----------------------------------------
+
+
+def _restart(pair: EnginePair, which: str) -> None:
+    """Stop P or D and start a new process as a deploy would: same engine id, same
+    HTTP and side-channel ports, new data port and blocks."""
+    topo = pair.topo
+    node = topo.prefill[0] if which == "p" else topo.decode[0]
+    spec = topo.spec.prefill if which == "p" else topo.spec.decode
+    topo.process(node.name).stop()
+    env = dict(os.environ)
+    env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=node.host,
+               VLLM_NIXL_SIDE_CHANNEL_PORT=str(node.side_channel_port))  # fmt: skip
+    log = Path(str(node.log_path)).with_suffix(".restarted.log")
+    argv = engine_argv(spec, node.port, node.info["engine_id"])
+    proc = ManagedProcess(f"{node.name}-restarted", argv, log, env=env)
+    topo.procs[proc.name] = proc  # the topology stops it on close
+    proc.start()
+    wait_http_ok(node.url + "/health", 30, alive=proc)
+    client = EngineClient(dataclasses.replace(node, log_path=str(log)))
+    if which == "p":
+        pair.p = client
+    else:
+        pair.d = client
+
+
+def _hits(client: EngineClient) -> float:
+    return client.metrics([EXTERNAL_HITS]).value(EXTERNAL_HITS)
+
+
+def test_p_restarted_with_the_same_engine_id_serves_every_later_request(
+    engine_pair: Factory,
+) -> None:
+    """D cached P; P restarts (same id and address, new data port): D sees the newer
+    remote_registration_generation, handshakes again and pulls for every new turn."""
+    pair = engine_pair()
+    rng = random.Random("p-restart")
+    _, d = pair.turn(random_prompt(rng, PROMPT), GEN)
+    assert d is not None and d.ok and d.params is not None
+    old_gen = pair.prefill(random_prompt(rng, 40), None).params
+    assert old_gen is not None
+    _restart(pair, "p")
+    for _ in range(3):
+        prompt = random_prompt(rng, PROMPT)
+        h0 = _hits(pair.d)
+        pr, d = pair.turn(prompt, GEN)
+        pr.require_ok()
+        assert pr.params is not None
+        assert pr.params.remote_registration_generation > old_gen.remote_registration_generation
+        assert d is not None, "no D leg"
+        d.require_ok()
+        assert _hits(pair.d) - h0 == PROMPT  # the whole prompt was pulled from the new P
+
+
+def test_peer_cache_vllm_keeps_the_stale_peer(engine_pair: Factory) -> None:
+    """``--peer-cache vllm`` reproduces vLLM 0.32 (peers cached by engine id): after
+    the restart D keeps reading the dead process, so new turns fail."""
+    pair = engine_pair(decode={"extra_args": ("--peer-cache", "vllm")})
+    rng = random.Random("p-restart-vllm")
+    _, d = pair.turn(random_prompt(rng, PROMPT), GEN)
+    assert d is not None and d.ok
+    _restart(pair, "p")
+    _, d = pair.turn(random_prompt(rng, PROMPT), GEN)
+    assert d is not None and d.status == 500
+
+
+def test_d_restarted_reads_of_old_params_miss_and_reuse_returns(engine_pair: Factory) -> None:
+    """P cached D; D restarts. A turn with the old D's params is a miss (recompute,
+    no hit counted); the next turn carries the new D's generation and pulls again."""
+    pair = engine_pair(
+        prefill={"enable_prefix_caching": False},
+        prefill_kv={"kv_load_failure_policy": "recompute"},
+    )
+    rng = random.Random("d-restart")
+    prompt = random_prompt(rng, PROMPT)
+    _, d = pair.turn(prompt, GEN)
+    assert d is not None and d.ok and d.params is not None
+    for step in range(3):
+        if step == 1:
+            _restart(pair, "d")
+        prompt = [*prompt, *d.token_ids, *random_prompt(rng, 30)]
+        h0 = _hits(pair.p)
+        pr, nd = pair.turn(prompt, GEN, previous=d.params)
+        pr.require_ok()
+        pulled = _hits(pair.p) - h0
+        if step == 1:
+            assert pulled == 0  # the old D's blocks are gone: a miss, not a hit
+        else:
+            assert pulled > 0, f"turn {step + 2}: P did not pull D's history"
+        assert nd is not None and nd.ok and nd.params is not None
+        d = nd
