@@ -32,7 +32,7 @@ class Faults:
     clock_skew: float = 0.0  # seconds added to the exported remote_blocks_expiry_time only
     drop_notifications: float = 0.0  # fraction of incoming notifications ignored
     stall_seconds: float = 0.0  # extra wall time added to every scheduler step
-    stall: bool = False  # scheduler does no work until cleared (health still answers)
+    stall: bool = False  # no scheduler steps until cleared (/health turns 503, see settings)
     seed: int = 0
 
     def __post_init__(self) -> None:
