@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import get_args
+from typing import Any, get_args
 
 from bidir_kv.config import ConfigError, KVTransferConfig
 from bidir_kv.engine.faults import FaultError, add_fault_flags, faults_from_args
@@ -101,6 +101,21 @@ def _add_emulator_flags(group: argparse._ArgumentGroup) -> None:
         help="cap pulls at the prefix the owner provably holds for this prompt (hashes), "
         "or trust the params like vLLM (off)",
     )
+    # operations (issue 16): safe defaults; "pin" and "vllm" reproduce vLLM 0.32
+    from bidir_kv.engine.settings import PeerCache, RetainedBlocks
+
+    group.add_argument("--retained-blocks", choices=get_args(RetainedBlocks),
+                       default=_default("retained_blocks"),
+                       help="evict retained turns before new work waits, or pin them to TTL")
+    group.add_argument("--max-waiting-seconds", type=float, metavar="S",
+                       default=_default("max_waiting_seconds"),
+                       help="a request queued this long fails with 503 (0: wait forever)")
+    group.add_argument("--health-stall-seconds", type=float, metavar="S",
+                       default=_default("health_stall_seconds"),
+                       help="/health is 503 when running work saw no step this long")
+    group.add_argument("--peer-cache", choices=get_args(PeerCache),
+                       default=_default("peer_cache"),
+                       help="safe: re-handshake a restarted peer; vllm: keep it by engine id")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,6 +195,7 @@ def _settings(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Engine
         kv_verify=ns.kv_verify,
         kv_guard=ns.kv_guard == "hashes",
         faults=faults,
+        **_ops(parser, ns),
     )
     if settings.effective_kv_bytes_per_token % settings.num_layers:
         parser.error(
@@ -187,6 +203,15 @@ def _settings(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Engine
             f"multiple of the profile's num_layers ({settings.num_layers})"
         )
     return settings
+
+
+def _ops(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict[str, Any]:
+    from bidir_kv.engine.settings import ops_from_args
+
+    try:
+        return ops_from_args(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 class StartupError(RuntimeError):

@@ -36,13 +36,24 @@ from bidir_kv.engine.transport.sidechannel import (
     handshake,
 )
 
-__all__ = ["ConnectorWorker", "Peer"]
+__all__ = ["ClaimRefused", "ConnectorWorker", "Peer", "StaleParams"]
 
 logger = logging.getLogger("bidir_kv.engine")
 _ENVELOPE = "bidir-kv-engine/1"
 # vLLM's side-channel receive timeout is 5 s; ours is longer so a heavily loaded test
 # machine does not turn scheduling delays into failed transfers
 CONTROL_TIMEOUT = 30.0
+
+
+class ClaimRefused(TransportError):
+    """The owner answered and refused the claim: the peer itself is fine."""
+
+
+class StaleParams(TransportError):
+    """The params name an earlier start of the peer: their blocks died with it."""
+
+
+PeerKey = tuple[str, int | str]
 
 
 @dataclass
@@ -91,8 +102,12 @@ class ConnectorWorker:
         self.transfer_floor = transfer_floor
         self.http_port = 0
         self._side: SideChannelServer | None = None
-        self._peers: dict[tuple[str, int], Peer] = {}
-        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        # grows on each start (ms since the epoch): exported as
+        # remote_registration_generation and in the handshake, so a peer that cached
+        # us learns we restarted (docs/engine.md "Operations")
+        self.generation = time.time_ns() // 1_000_000
+        self._peers: dict[PeerKey, Peer] = {}
+        self._locks: dict[PeerKey, asyncio.Lock] = {}
         self._session: Any = None  # aiohttp.ClientSession, created lazily
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -128,45 +143,93 @@ class ConnectorWorker:
             block_size=self.block_size,
             block_nbytes=self.agent.pool.block_nbytes,
             num_blocks=self.agent.pool.num_blocks,
+            registration_generation=self.generation,
         )
 
     # ---- peers ---------------------------------------------------------------------
 
-    async def peer(self, host: str, port: int, engine_id: str | None) -> Peer:
-        """Handshake once per (host, port); re-handshake if the engine id changed."""
-        key = (host, port)
+    async def peer(
+        self,
+        host: str,
+        port: int,
+        engine_id: str | None,
+        *,
+        generation: int | None = None,
+        by_engine_id: bool = False,
+    ) -> Peer:
+        """The handshaken peer at ``host:port``, handshaking when needed.
+
+        Safe (default): cached per address; handshake again when the engine id
+        changed or ``generation`` (the params' ``remote_registration_generation``)
+        is newer than the cached one, and refuse params older than the live
+        engine's (:class:`StaleParams`). ``by_engine_id`` reproduces vLLM 0.32:
+        cached per engine id, never handshaken again while cached.
+        """
+        key: PeerKey = ("engine", engine_id) if by_engine_id and engine_id else (host, port)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             known = self._peers.get(key)
             if known is not None and (engine_id is None or known.engine_id == engine_id):
-                return known
-            info = await handshake(
-                host,
-                port,
-                local_hash=self.compat_hash,
-                enforce_compat=self.enforce_compat,
-                expected_engine_id=engine_id,
-                backend=self.agent.backend,
-                clock=self.clock,
-                timeout=CONTROL_TIMEOUT,
-            )
-            if info.meta.block_size != self.block_size:
-                raise TransportError(
-                    f"engine {info.engine_id} uses block size {info.meta.block_size}, "
-                    f"we use {self.block_size}"
-                )
-            try:
-                env = msgpack.unpackb(info.meta.agent_metadata, raw=False)
-            except (ValueError, msgpack.UnpackException) as exc:
-                raise TransportError(f"peer metadata envelope is malformed: {exc}") from None
-            if not isinstance(env, dict) or env.get("envelope") != _ENVELOPE:
-                raise TransportError(
-                    f"engine {info.engine_id} is not a bidir-kv engine (no metadata envelope)"
-                )
-            name = await self.agent.add_peer(env["agent"])
-            peer = Peer(info=info, agent_name=name, http_port=int(env["http_port"]))
+                if by_engine_id or generation is None:
+                    return known
+                if generation <= known.info.meta.registration_generation:
+                    self._check_generation(known, generation)
+                    return known
+                logger.info(
+                    "Engine %s at %s:%d restarted or re-registered (generation %d -> %d); "
+                    "handshaking again",
+                    known.engine_id, host, port, known.info.meta.registration_generation,
+                    generation,
+                )  # fmt: skip
+            peer = await self._handshake(host, port, engine_id)
             self._peers[key] = peer
-            return peer
+        if not by_engine_id and generation is not None:
+            self._check_generation(peer, generation)
+        return peer
+
+    @staticmethod
+    def _check_generation(peer: Peer, generation: int) -> None:
+        live = peer.info.meta.registration_generation
+        if generation < live:
+            raise StaleParams(
+                f"kv_transfer_params name generation {generation} of engine {peer.engine_id}, "
+                f"which restarted since (now generation {live}); its blocks are gone"
+            )
+
+    def forget(self, peer: Peer) -> None:
+        """Drop a cached peer after a failure that suggests it went away."""
+        for key, cached in list(self._peers.items()):
+            if cached is peer:
+                del self._peers[key]
+                logger.info("Dropping cached peer %s; the next request handshakes again",
+                            peer.engine_id)  # fmt: skip
+
+    async def _handshake(self, host: str, port: int, engine_id: str | None) -> Peer:
+        info = await handshake(
+            host,
+            port,
+            local_hash=self.compat_hash,
+            enforce_compat=self.enforce_compat,
+            expected_engine_id=engine_id,
+            backend=self.agent.backend,
+            clock=self.clock,
+            timeout=CONTROL_TIMEOUT,
+        )
+        if info.meta.block_size != self.block_size:
+            raise TransportError(
+                f"engine {info.engine_id} uses block size {info.meta.block_size}, "
+                f"we use {self.block_size}"
+            )
+        try:
+            env = msgpack.unpackb(info.meta.agent_metadata, raw=False)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise TransportError(f"peer metadata envelope is malformed: {exc}") from None
+        if not isinstance(env, dict) or env.get("envelope") != _ENVELOPE:
+            raise TransportError(
+                f"engine {info.engine_id} is not a bidir-kv engine (no metadata envelope)"
+            )
+        name = await self.agent.add_peer(env["agent"])
+        return Peer(info=info, agent_name=name, http_port=int(env["http_port"]))
 
     # ---- claims --------------------------------------------------------------------
 
@@ -191,7 +254,7 @@ class ConnectorWorker:
             raise TransportError(f"claim of {request_id} at {url} failed: {exc}") from None
         if resp.status != 200:
             reason = answer.get("error") if isinstance(answer, dict) else answer
-            raise TransportError(f"engine {peer.engine_id} refused to serve {request_id}: {reason}")
+            raise ClaimRefused(f"engine {peer.engine_id} refused to serve {request_id}: {reason}")
         held = answer.get("tokens") if isinstance(answer, dict) else None
         if held is None:
             return None

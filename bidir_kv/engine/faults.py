@@ -32,7 +32,7 @@ class Faults:
     clock_skew: float = 0.0  # seconds added to the exported remote_blocks_expiry_time only
     drop_notifications: float = 0.0  # fraction of incoming notifications ignored
     stall_seconds: float = 0.0  # extra wall time added to every scheduler step
-    stall: bool = False  # scheduler does no work until cleared (health still answers)
+    stall: bool = False  # no scheduler steps until cleared (/health turns 503, see settings)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -91,6 +91,7 @@ def add_fault_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fault-clock-skew", type=float, default=0.0, metavar="S")
     g.add_argument("--fault-drop-notifications", type=float, default=0.0, metavar="FRACTION")
     g.add_argument("--fault-stall-seconds", type=float, default=0.0, metavar="S")
+    g.add_argument("--fault-stall", action="store_true", help="no scheduler steps until cleared")
     g.add_argument("--fault-seed", type=int, default=0)
 
 
@@ -104,5 +105,6 @@ def faults_from_args(ns: argparse.Namespace) -> Faults:
         clock_skew=ns.fault_clock_skew,
         drop_notifications=ns.fault_drop_notifications,
         stall_seconds=ns.fault_stall_seconds,
+        stall=ns.fault_stall,
         seed=ns.fault_seed,
     )

@@ -156,6 +156,11 @@ class EngineMetrics:
         self.kv_expired = counter(
             "vllm:nixl_num_kv_expired_reqs", "Expired leases/retentions and declined reads."
         )
+        # emulator-only, named as vLLM names its NIXL counters: retained turns given up
+        # early because new work needed their blocks (vLLM pins them until the TTL)
+        self.kv_evicted = counter(
+            "vllm:nixl_num_kv_evicted_reqs", "Retained turns evicted under memory pressure."
+        )
         self.notifs_after_expiry = counter(
             "vllm:nixl_num_notifications_after_expiry", "Notifications for unknown requests."
         )
@@ -175,7 +180,7 @@ class EngineMetrics:
                   self.prefix_cache_hits, self.external_queries, self.external_hits,
                   self.ttft, self.e2e, self.xfer_time, self.post_time, self.bytes_transferred,
                   self.num_descriptors, self.failed_transfers, self.failed_notifications,
-                  self.kv_expired, self.notifs_after_expiry, self.kv_mismatch,
+                  self.kv_expired, self.kv_evicted, self.notifs_after_expiry, self.kv_mismatch,
                   self.guard_rejected):  # fmt: skip
             m.labels(**self.labels)
         for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
@@ -228,6 +233,9 @@ class EngineMetrics:
     def expired(self) -> None:
         self.inc(self.kv_expired)
         self.window.expired += 1
+
+    def evicted(self) -> None:
+        self.inc(self.kv_evicted)
 
     def notification_after_expiry(self) -> None:
         self.inc(self.notifs_after_expiry)

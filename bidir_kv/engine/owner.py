@@ -28,6 +28,7 @@ from bidir_kv.policy import (
     blocks_for_tokens,
     heartbeat_extension,
     remote_deadline,
+    retained_eviction_order,
 )
 from bidir_kv.protocol import KVTransferParams
 
@@ -105,7 +106,7 @@ class HandleOwner:
             "remote_blocks_expiry_time": expiry,
         }
         if self.settings.emulate_vllm != "0.32":
-            fields["remote_registration_generation"] = 0
+            fields["remote_registration_generation"] = self.worker.generation
         fields["transfer_mode"] = "pull"
         if prefill:
             fields["remote_prefill_cached_tokens"] = req.cached_tokens
@@ -207,6 +208,34 @@ class HandleOwner:
         self._forget(rid)
         self.blocks.free(blocks)
         self._wake()
+
+    # ---- memory pressure ---------------------------------------------------------------
+
+    def evict_for(self, need: int) -> int:
+        """Give up retained turns (policy order) until ``need`` blocks are free.
+
+        Only D's retained turns are candidates, never one being read (claimed) and
+        never P's leases (a D is about to read those). Returns how many were evicted;
+        ``retained_blocks="pin"`` (vLLM's behaviour) evicts nothing.
+        """
+        if self.settings.retained_blocks == "pin":
+            return 0
+        evicted = 0
+        order = retained_eviction_order(self.ledger.deadlines(), busy=self._claimed)
+        for rid in order:
+            if self.blocks.num_free >= need:
+                break
+            rel = self.ledger.evict(rid)
+            logger.info(
+                "Evicting retained KV blocks of request %s (%d blocks) for new work",
+                rid,
+                len(rel.blocks),
+            )
+            self.metrics.evicted()
+            self._forget(rid)
+            self.blocks.free(rel.blocks)
+            evicted += 1
+        return evicted
 
     def held(self) -> dict[str, int]:
         """How many handles are retained (D) and leased (P)."""

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from bidir_kv.engine import notifications
 from bidir_kv.engine.compute import ModelRunner
-from bidir_kv.engine.connector import ConnectorWorker, Peer
+from bidir_kv.engine.connector import ClaimRefused, ConnectorWorker, Peer, StaleParams
 from bidir_kv.engine.guard import HandleTokens, verified_tokens
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.request import Request, RequestError
@@ -148,8 +148,22 @@ class PullReader:
     async def _peer_for(self, params: KVTransferParams) -> Peer:
         assert params.remote_host is not None and params.remote_port is not None
         return await self.worker.peer(
-            params.remote_host, params.remote_port, params.remote_engine_id
+            params.remote_host,
+            params.remote_port,
+            params.remote_engine_id,
+            generation=params.remote_registration_generation,
+            by_engine_id=self.settings.peer_cache == "vllm",
         )
+
+    def _peer_failed(self, peer: Peer | None, exc: BaseException) -> None:
+        """A failure that may mean the peer restarted: handshake again next time.
+
+        A refused claim or params of an earlier start are answers from a live peer;
+        ``--peer-cache vllm`` keeps the peer regardless (vLLM 0.32)."""
+        if peer is None or isinstance(exc, ClaimRefused | StaleParams):
+            return
+        if self.settings.peer_cache != "vllm":
+            self.worker.forget(peer)
 
     def _declines(self, req: Request, peer: Peer, params: KVTransferParams) -> bool:
         """P's expiry check right before reading D's retained blocks."""
@@ -178,6 +192,7 @@ class PullReader:
         assert p is not None and p.remote_request_id is not None
         done = notifications.completion(p.remote_request_id)
         heartbeats: asyncio.Task[None] | None = None
+        peer: Peer | None = None
         try:
             peer = await self._peer_for(p)
             if from_prefill:
@@ -198,8 +213,13 @@ class PullReader:
                 self._pull_resolved(req, hit, 0, failed=False)
                 return
             res = await self.worker.read(peer, local, remote, done, tokens=count)
+        except StaleParams as exc:  # the blocks died with an earlier start: a plain miss
+            logger.warning("Not reading for %s: %s", req.request_id, exc)
+            self._pull_resolved(req, hit, 0, failed=False)
+            return
         except Exception as exc:  # any failure ends in the policy, never in a hang
             self.metrics.transfer_failed()
+            self._peer_failed(peer, exc)
             if isinstance(exc, TransportError | OSError):
                 logger.warning("KV transfer for %s failed: %s", req.request_id, exc)
             else:
@@ -269,12 +289,14 @@ class PullReader:
         self._host.run_locally(req, hit, external=count)
 
     async def _notify_only(self, params: KVTransferParams) -> None:
+        peer: Peer | None = None
         try:
             peer = await self._peer_for(params)
             # str(): a null remote_request_id is present on the wire and sent as "None"
             await self.worker.notify(peer, notifications.completion(str(params.remote_request_id)))
         except (TransportError, OSError) as exc:
             self.metrics.notification_failed()
+            self._peer_failed(peer, exc)
             logger.warning("Notification to %s failed: %s", params.remote_engine_id, exc)
 
     def _verify(self, req: Request, hit: int, count: int) -> None:

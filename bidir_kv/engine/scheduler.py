@@ -92,6 +92,7 @@ class EngineCore:
         while True:
             await asyncio.sleep(_HOUSEKEEPING_PERIOD)
             self.owner.reap(self.clock())
+            self.steps.expire_waiting(time.perf_counter())
             if time.perf_counter() - last_log >= self.settings.metrics_log_interval:
                 last_log = time.perf_counter()
                 window = self.metrics.take_window()
@@ -131,6 +132,17 @@ class EngineCore:
 
     def usage_cached_tokens(self, req: Request) -> int:
         return req.usage_cached_tokens()
+
+    def stall_reason(self) -> str | None:
+        """Why ``/health`` should fail: the step loop made no progress while work ran."""
+        limit = self.settings.health_stall_seconds
+        stalled = self.steps.stalled_for(time.perf_counter())
+        if limit <= 0 or stalled < limit:
+            return None
+        return (
+            f"scheduler stalled: no step for {stalled:.1f} s with "
+            f"{len(self.steps.running)} request(s) running (--health-stall-seconds {limit:g})"
+        )
 
     def assert_idle(self) -> dict[str, int]:
         """Counts of what is still held (the suites' ``assert_scheduler_empty``)."""

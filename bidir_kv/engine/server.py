@@ -33,6 +33,13 @@ def _internal_error() -> web.Response:
     return _json_error(500, "Internal server error", "InternalServerError")
 
 
+def _request_failed(err: RequestError) -> web.Response:
+    """A request the engine gave up: 500 as vLLM's, or the status it names (503)."""
+    if err.status == 500:
+        return _internal_error()
+    return _json_error(err.status, err.message, "ServiceUnavailableError")
+
+
 class Routes:
     def __init__(
         self,
@@ -52,7 +59,12 @@ class Routes:
     # ---- plain endpoints -------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.ready else 503)
+        if not self.ready:
+            return web.Response(status=503, text="starting")
+        stalled = self.core.stall_reason()
+        if stalled is not None:
+            return web.Response(status=503, text=stalled)
+        return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:
         from bidir_kv import __version__
@@ -196,7 +208,7 @@ class Routes:
             return await self._stream(request, req, pr, public_id)
         await req.done.wait()
         if req.error is not None:
-            return _internal_error()
+            return _request_failed(req.error)
         return web.json_response(self._final_body(req, pr, public_id))
 
     def _final_body(self, req: Request, pr: ParsedRequest, public_id: str) -> dict[str, Any]:
@@ -234,7 +246,7 @@ class Routes:
     ) -> web.StreamResponse:
         first = await req.events.get()
         if first is None and req.error is not None:
-            return _internal_error()
+            return _request_failed(req.error)
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         streamed = 0
         v032 = self.core.settings.emulate_vllm == "0.32"

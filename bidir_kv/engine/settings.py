@@ -19,9 +19,20 @@ from bidir_kv.config import KVTransferConfig
 from bidir_kv.engine.faults import Faults
 from bidir_kv.engine.profiles import CostProfile
 
-__all__ = ["DEFAULT_PROFILE", "EngineSettings", "Pairing", "TransportChoice", "VllmVersion"]
+__all__ = [
+    "DEFAULT_PROFILE",
+    "EngineSettings",
+    "Pairing",
+    "PeerCache",
+    "RetainedBlocks",
+    "TransportChoice",
+    "VllmVersion",
+    "ops_from_args",
+]
 
 Pairing = Literal["position", "suffix-trim"]
+PeerCache = Literal["safe", "vllm"]
+RetainedBlocks = Literal["evict", "pin"]
 TransportChoice = Literal["auto", "nixl", "tcp"]
 VllmVersion = Literal["0.32", "0.33"]
 DEFAULT_PROFILE = "tiny"  # the cost profile ``--profile`` loads when not given
@@ -57,6 +68,12 @@ class EngineSettings:
     metrics_log_interval: float = 10.0
     kv_verify: bool = True
     kv_guard: bool = True
+    # operations (issue 16; docs/engine.md "Operations"): "safe" defaults, vLLM's
+    # behaviour one flag away
+    retained_blocks: RetainedBlocks = "evict"  # "pin": held until notified/TTL, as vLLM
+    max_waiting_seconds: float = 30.0  # a queued request fails with 503 after this; 0 = never
+    health_stall_seconds: float = 10.0  # /health is 503 when running work saw no step this long
+    peer_cache: PeerCache = "safe"  # "vllm": peers cached by engine id, never re-handshaken
     faults: Faults = field(default_factory=Faults)
 
     @classmethod
@@ -99,3 +116,15 @@ class EngineSettings:
             env_host if self.side_host is None else self.side_host,
             env_port if self.side_port is None else self.side_port,
         )
+
+
+_OPS_FIELDS = ("retained_blocks", "max_waiting_seconds", "health_stall_seconds", "peer_cache")
+
+
+def ops_from_args(ns: Any) -> dict[str, Any]:
+    """The operations settings from parsed flags (same names as the fields)."""
+    out = {name: getattr(ns, name) for name in _OPS_FIELDS}
+    for name in ("max_waiting_seconds", "health_stall_seconds"):
+        if out[name] < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {out[name]}")
+    return out

@@ -55,6 +55,7 @@ class StepLoop:
         self.running: list[Request] = []
         self.wake = asyncio.Event()
         self.requests_seen = 0
+        self.heartbeat = time.perf_counter()  # last time the loop made progress
 
     # ---- submission ----------------------------------------------------------------
 
@@ -104,6 +105,39 @@ class StepLoop:
             self.waiting.remove(req)
         self.finish(req, "abort")
 
+    def expire_waiting(self, now: float) -> int:
+        """Fail requests queued longer than ``max_waiting_seconds`` with HTTP 503."""
+        bound = self.settings.max_waiting_seconds
+        if bound <= 0 or not self.waiting:
+            return 0
+        late = [r for r in self.waiting if now - r.arrival >= bound]
+        if not late:
+            return 0
+        why = self._waiting_reason(late[0])
+        for req in late:
+            self.waiting.remove(req)
+            logger.warning("Request %s waited %.1f s for %s; failing it", req.request_id,
+                           now - req.arrival, why)  # fmt: skip
+            req.error = RequestError(
+                503,
+                f"request waited {now - req.arrival:.1f} s for {why} and was given up "
+                f"(--max-waiting-seconds {bound:g}); retry later or on another engine",
+            )
+            self.finish(req, "error")
+        self.metrics.waiting.labels(**self.metrics.labels).set(len(self.waiting))
+        return len(late)
+
+    def _waiting_reason(self, req: Request) -> str:
+        if len(self.running) + self.reader.num_pulling >= self.settings.max_num_seqs:
+            return f"a sequence slot ({self.settings.max_num_seqs} busy, --max-num-seqs)"
+        need = blocks_for_tokens(req.max_kv_slots, self.settings.block_size)
+        held = self.owner.held()
+        return (
+            f"KV blocks ({need} needed, {self.blocks.num_free} free of "
+            f"{self.blocks.num_usable_blocks}; {held['retained']} retained and "
+            f"{held['leased']} leased turns hold the rest)"
+        )
+
     # ---- admission -----------------------------------------------------------------
 
     def _admit(self) -> None:
@@ -116,10 +150,9 @@ class StepLoop:
             n = req.prompt_len
             hit_blocks = self.blocks.lookup(req.block_chain[: max_prefix_hit_blocks(n, bs)])
             total = blocks_for_tokens(req.max_kv_slots, bs)
-            try:
-                self.blocks.touch(hit_blocks)
-                fresh = self.blocks.allocate(total - len(hit_blocks))
-            except NoFreeBlocks:
+            self.blocks.touch(hit_blocks)
+            fresh = self._allocate(total - len(hit_blocks))
+            if fresh is None:
                 self.blocks.free(hit_blocks)
                 return  # head-of-line waits for retained/leased blocks to be released
             self.waiting.popleft()
@@ -132,6 +165,15 @@ class StepLoop:
             if not self.reader.begin(req, hit):
                 self.run_locally(req, hit, external=0)
         self.metrics.waiting.labels(**self.metrics.labels).set(len(self.waiting))
+
+    def _allocate(self, count: int) -> list[int] | None:
+        """``count`` fresh blocks, evicting retained turns first if needed; None: wait."""
+        if count > self.blocks.num_free:
+            self.owner.evict_for(count)
+        try:
+            return self.blocks.allocate(count)
+        except NoFreeBlocks:
+            return None
 
     def run_locally(self, req: Request, hit: int, external: int) -> None:
         """Start computing: ``hit`` tokens came from our cache, ``external`` from a pull."""
@@ -148,6 +190,7 @@ class StepLoop:
 
     async def run(self) -> None:
         while True:
+            self.heartbeat = time.perf_counter()
             self._admit()
             if not self.running:
                 self.wake.clear()
@@ -156,6 +199,12 @@ class StepLoop:
             while self.faults.stall:
                 await asyncio.sleep(0.05)
             await self._step()
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds running work has waited for the loop (0 when idle or progressing)."""
+        if not self.running:
+            return 0.0
+        return max(0.0, now - self.heartbeat)
 
     async def _step(self) -> None:
         t0 = time.perf_counter()

@@ -34,6 +34,7 @@ __all__ = [
     "local_deadline",
     "read_window",
     "remote_deadline",
+    "retained_eviction_order",
     "should_decline",
     "valid_lease_duration",
     "valid_retention_ttl",
@@ -50,7 +51,7 @@ class Release:
 
     request_id: str
     blocks: tuple[int, ...]
-    reason: str  # "notified" | "expired"
+    reason: str  # "notified" | "expired" | "evicted"
     reads: int  # completion notifications seen before release
 
 
@@ -147,6 +148,29 @@ class RetentionLedger:
 
     def next_deadline(self) -> float | None:
         return min((h.deadline for h in self._held.values()), default=None)
+
+    def deadlines(self) -> dict[str, float]:
+        """Every held request id and its deadline (the eviction order's input)."""
+        return {rid: h.deadline for rid, h in self._held.items()}
+
+    def evict(self, request_id: str) -> Release:
+        """Release one entry early because its blocks are needed for new work."""
+        held = self._held.pop(request_id)
+        return Release(request_id, held.blocks, "evicted", held.seen)
+
+
+def retained_eviction_order(deadlines: dict[str, float], busy: Iterable[str] = ()) -> list[str]:
+    """Which retained turns D gives up first when new work needs their blocks.
+
+    Oldest first: with a fixed TTL the earliest deadline is the turn retained
+    longest ago, the one least likely to be continued (a conversation's next turn
+    usually follows within seconds) and the one closest to expiring anyway. Ids in
+    ``busy`` (a read of them is under way) are never evicted. Ties break by id so
+    the order is deterministic.
+    """
+    skip = set(busy)
+    live = [(d, rid) for rid, d in deadlines.items() if rid not in skip]
+    return [rid for _, rid in sorted(live)]
 
 
 def heartbeat_interval(lease_duration: int) -> int:
