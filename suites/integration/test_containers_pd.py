@@ -29,7 +29,8 @@ BYTES = "vllm:nixl_bytes_transferred_sum"
 XFERS = "vllm:nixl_xfer_time_seconds_count"
 FAILED = "vllm:nixl_num_failed_transfers_total"
 FALLBACKS = "bidir_kv_router_fallbacks_total"
-HITS = "bidir_kv_router_cache_hits_total"
+HITS = "bidir_kv_router_cache_hits_total"  # turns whose tokens P pulled
+OFFERS = "bidir_kv_router_cache_hit_offers_total"  # turns sent to P with D's dict
 MISSES = "bidir_kv_router_cache_misses_total"
 HEALTHY = "bidir_kv_router_backend_healthy"
 
@@ -127,7 +128,8 @@ def test_cut_p_to_d_link_falls_back_to_recompute_with_the_same_answer(
     t2 = chat(url, msgs2, "conv-cut")
     assert t2.status == 200, t2.raw
     dp, dr = _delta(p, p0), scrape(url) - r0
-    assert dr.value(HITS) == 1  # the router did try reuse ...
+    assert dr.value(OFFERS) == 1  # the router did try reuse ...
+    assert dr.value(HITS) == 0  # ... which pulled nothing, so it is no hit
     assert dr.value(FALLBACKS) >= 1  # ... P failed the read, the router retried as a miss
     assert dp.value(FAILED) >= 1
     assert dp.value(TOKENS, source="external_kv_transfer") == 0
@@ -186,7 +188,8 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
         assert dr.value(FALLBACKS) == 0
         assert dp.value(FAILED) == 0  # P was never asked to read from the dead D
     else:
-        assert dr.value(HITS) == 1
+        assert dr.value(OFFERS) == 1
+        assert dr.value(HITS) == 0  # the read failed: not counted as a hit
         assert dr.value(FALLBACKS) >= 1
         assert dp.value(FAILED) >= 1
     assert dp.value(TOKENS, source="external_kv_transfer") == 0  # nothing left to pull
