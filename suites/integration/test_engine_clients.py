@@ -1,0 +1,206 @@
+"""Request fields real clients send, and hostile bodies, against a running emulated engine.
+
+Each field of vLLM's requests is honoured or refused with a 400 naming it
+(``bidir_kv.engine.fields``); hostile bodies get 4xx naming the problem, never 500.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from bidir_kv.engine.fields import REFUSED
+from bidir_kv.protocol import iter_sse_data
+from bidir_kv.testing.engines import EnginePair, random_prompt
+
+pytestmark = pytest.mark.integration
+
+
+def post(
+    url: str, path: str, body: Any = None, *, raw: bytes | None = None,
+    ctype: str = "application/json",
+) -> tuple[int, Any]:  # fmt: skip
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data, {"Content-Type": ctype})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text, status = r.read(), r.status
+            stream = "event-stream" in r.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+    if stream:
+        return status, [json.loads(d) for d in iter_sse_data(text.splitlines()) if d != b"[DONE]"]
+    return status, json.loads(text)
+
+
+def complete(url: str, **body: Any) -> dict[str, Any]:
+    status, out = post(url, "/v1/completions", body)
+    assert status == 200, out
+    return dict(out)
+
+
+def chat(url: str, **body: Any) -> dict[str, Any]:
+    body.setdefault("messages", [{"role": "user", "content": "hello there"}])
+    status, out = post(url, "/v1/chat/completions", body)
+    assert status == 200, out
+    return dict(out)
+
+
+def prompts(seed: str, count: int, length: int = 24) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [random_prompt(rng, length) for _ in range(count)]
+
+
+def test_min_tokens_equal_max_tokens_gives_exactly_that_many(shared_pair: EnginePair) -> None:
+    url = shared_pair.p.url
+    def one(p: list[int]) -> tuple[int, str]:
+        out = complete(url, prompt=p, max_tokens=40, min_tokens=40)
+        return out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, prompts("min_tokens", 100)))
+    assert results == [(40, "length")] * 100
+
+
+def test_no_turn_ends_at_its_first_token(shared_pair: EnginePair) -> None:
+    url = shared_pair.p.url
+    def one(p: list[int]) -> str:
+        return str(complete(url, prompt=p, max_tokens=1)["choices"][0]["text"])
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(one, prompts("first-token", 400, 8)))
+    assert all(texts), f"{texts.count('')} of 400 turns had empty content"
+
+
+def test_stop_strings_and_include_stop_str(shared_pair: EnginePair) -> None:
+    url = shared_pair.p.url
+    p = prompts("stop", 1)[0]
+    base = complete(url, prompt=p, max_tokens=12, ignore_eos=True)["choices"][0]["text"]
+    word = base.split(" ")[4]  # the fourth generated word
+    stop = " " + word
+    cut = base.index(stop)
+    out = complete(url, prompt=p, max_tokens=12, ignore_eos=True, stop=[stop])
+    ch = out["choices"][0]
+    assert (ch["text"], ch["finish_reason"], ch["stop_reason"]) == (base[:cut], "stop", stop)
+    assert out["usage"]["completion_tokens"] == 4
+    kept = complete(url, prompt=p, max_tokens=12, ignore_eos=True, stop=stop,
+                    include_stop_str_in_output=True)  # fmt: skip
+    assert kept["choices"][0]["text"] == base[: cut + len(stop)]
+    status, events = post(url, "/v1/completions", {"prompt": p, "max_tokens": 12, "stop": stop,
+                                                   "ignore_eos": True, "stream": True})  # fmt: skip
+    assert status == 200
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == base[:cut]
+
+
+def test_stop_token_ids_and_min_tokens(shared_pair: EnginePair) -> None:
+    url = shared_pair.p.url
+    p = prompts("stop-ids", 1)[0]
+    ids = complete(url, prompt=p, max_tokens=8, ignore_eos=True,
+                   return_token_ids=True)["choices"][0]["token_ids"]  # fmt: skip
+    out = complete(url, prompt=p, max_tokens=8, ignore_eos=True, stop_token_ids=[ids[2]],
+                   return_token_ids=True)  # fmt: skip
+    ch = out["choices"][0]
+    assert ch["token_ids"] == ids[:3]
+    assert (ch["finish_reason"], ch["stop_reason"]) == ("stop", ids[2])
+    held = complete(url, prompt=p, max_tokens=8, min_tokens=8, stop_token_ids=[ids[2]])
+    assert held["usage"]["completion_tokens"] == 8
+    assert held["choices"][0]["finish_reason"] == "length"
+
+
+def test_cache_salt_separates_the_prefix_cache(shared_pair: EnginePair) -> None:
+    url = shared_pair.p.url
+    p = prompts("salt", 1, 80)[0]
+
+    def cached(**salt: Any) -> int:
+        out = complete(url, prompt=p, max_tokens=2, **salt)
+        return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") == 64
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    status, err = post(url, "/v1/completions", {"prompt": p, "cache_salt": ""})
+    assert status == 400 and "cache_salt" in err["error"]["message"]
+
+
+def test_logprobs_have_vllms_shape(shared_pair: EnginePair) -> None:
+    url = shared_pair.p.url
+    out = chat(url, max_completion_tokens=5, logprobs=True, top_logprobs=2, ignore_eos=True)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"] == 5
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+    comp = complete(url, prompt="hello", max_tokens=3, logprobs=1, ignore_eos=True)
+    lp = comp["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert "".join(lp["tokens"]) == comp["choices"][0]["text"]
+    status, err = post(url, "/v1/chat/completions", {"messages": [{"role": "user",
+                       "content": "x"}], "top_logprobs": 2})  # fmt: skip
+    assert status == 400 and "top_logprobs" in err["error"]["message"]
+
+
+def test_seed_n_and_max_completion_tokens(shared_pair: EnginePair) -> None:
+    url = shared_pair.p.url
+    out = chat(url, max_completion_tokens=3, max_tokens=50, seed=7, ignore_eos=True, n=1)
+    assert out["usage"]["completion_tokens"] == 3
+    status, err = post(url, "/v1/completions", {"prompt": "x", "n": 2})
+    assert status == 400 and "'n'" in err["error"]["message"]
+    status, err = post(url, "/v1/completions", {"prompt": "x", "seed": "s"})
+    assert status == 400 and "'seed'" in err["error"]["message"]
+
+
+def test_skip_special_tokens(shared_pair: EnginePair) -> None:
+    url = shared_pair.p.url
+    for p in prompts("eos", 50, 8):  # a turn that ends with EOS (about 1 in 4 at 30 tokens)
+        out = complete(url, prompt=p, max_tokens=30)
+        if out["choices"][0]["finish_reason"] == "stop":
+            break
+    else:
+        pytest.fail("no turn ended with EOS")
+    text = out["choices"][0]["text"]
+    assert "<|eos|>" not in text
+    shown = complete(url, prompt=p, max_tokens=30, skip_special_tokens=False,
+                     include_stop_str_in_output=True)  # fmt: skip
+    assert shown["choices"][0]["text"] == text + "<|eos|>"
+    status, err = post(url, "/v1/completions", {"prompt": "x", "skip_special_tokens": "no"})
+    assert status == 400 and "skip_special_tokens" in err["error"]["message"]
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_refused_fields_are_named(shared_pair: EnginePair, field: str) -> None:
+    status, err = post(shared_pair.p.url, "/v1/completions", {"prompt": "x", field: 7})
+    assert status == 400
+    assert f"'{field}'" in err["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "ctype", "status", "needle"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "nested deeper"),
+        (b'{"prompt": ' + b"[" * 70 + b"1" + b"]" * 70 + b"}", "application/json", 400,
+         "nested deeper"),
+        (b'{"prompt": "a\\ud800b"}', "application/json", 400, "surrogate"),
+        (b'{"prompt": "\xff\xfe"}', "application/json", 400, "not valid utf-8"),
+        (b'{"prompt": "x"}', "application/json; charset=klingon", 415, "klingon"),
+        (b'{"prompt": "x", "stream": "false"}', "application/json", 400, "'stream'"),
+        (b'{"prompt": "x", "stream": 0}', "application/json", 400, "'stream'"),
+        (b'{"prompt": "x"', "application/json", 400, "not valid JSON"),
+    ],
+)
+def test_hostile_bodies_get_4xx_naming_the_problem(
+    shared_pair: EnginePair, raw: bytes, ctype: str, status: int, needle: str
+) -> None:
+    paths = ["/v1/completions", "/v1/chat/completions"]
+    if "stream" not in needle:
+        paths.append("/tokenize")
+    for path in paths:
+        got, err = post(shared_pair.p.url, path, raw=raw, ctype=ctype)
+        assert got == status, (path, err)
+        assert needle in err["error"]["message"], (path, err)
