@@ -58,6 +58,8 @@ class EngineSettings:
     kv_verify: bool = True
     kv_guard: bool = True
     faults: Faults = field(default_factory=Faults)
+    tensor_parallel_size: int = 1  # emulated ranks: KV per rank = total / N (docs/engine.md)
+    tokenizer: str | None = None  # a local Hugging Face tokenizer dir; None: the builtin one
 
     @classmethod
     def default(cls, name: str) -> Any:

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds before a P leg counts as failed (default {d.prefill_timeout:g})")
     p.add_argument("--health-interval", type=float, default=d.health_interval,
                    help="seconds between background /health checks of every node (0: off)")
-    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS,
+    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, type=str.lower,
                    help=f"log level (default {d.log_level})")
     return p
 
@@ -145,8 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _use_fast_loop()
     app = build_app(settings)
-    web.run_app(app, host=settings.host, port=settings.port, access_log=None, print=None,
-                handle_signals=True)
+    try:
+        web.run_app(app, host=settings.host, port=settings.port, access_log=None, print=None,
+                    handle_signals=True)
+    except OSError as exc:  # the listen socket (in use, no permission): one line, no traceback
+        print(f"bidir-kv proxy: error: cannot listen on {settings.host}:{settings.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 

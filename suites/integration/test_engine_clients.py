@@ -7,10 +7,16 @@ Each field of vLLM's requests is honoured or refused with a 400 naming it
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
+import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +24,7 @@ import pytest
 from bidir_kv.engine.fields import REFUSED
 from bidir_kv.protocol import iter_sse_data
 from bidir_kv.testing.engines import EnginePair, random_prompt
+from bidir_kv.topology.process import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -204,3 +211,70 @@ def test_hostile_bodies_get_4xx_naming_the_problem(
         got, err = post(shared_pair.p.url, path, raw=raw, ctype=ctype)
         assert got == status, (path, err)
         assert needle in err["error"]["message"], (path, err)
+
+
+# ---- flags of the publication's recipe; bind failures ------------------------------------
+
+BIN = str(Path(sys.executable).parent / "bidir-kv")
+
+
+def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([BIN, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})  # fmt: skip
+
+
+def test_recipe_flags_accepted_with_one_line_each_saying_what_is_emulated() -> None:
+    cfg = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                      "kv_buffer_device": "cuda", "engine_id": "recipe",
+                      "kv_connector_extra_config": {"backends": ["LIBFABRIC"],
+                                                    "bidirectional_kv_xfer": True}})  # fmt: skip
+    proc = subprocess.Popen(
+        [BIN, "engine", "tiny", "--port", str(free_port()), "--transport", "tcp",
+         "--tensor-parallel-size", "8", "--kv-transfer-config", cfg],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+    )  # fmt: skip
+    killer = threading.Timer(60, proc.kill)
+    killer.start()
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Starting vLLM API server" in line:
+                break
+    finally:
+        killer.cancel()
+        proc.terminate()
+        proc.wait(timeout=20)
+    log = "".join(lines)
+    assert "tensor_parallel_size=8: emulating 8 ranks" in log, log
+    assert sum("kv_buffer_device='cuda': emulated" in x for x in lines) == 1
+    assert sum("NIXL backends ['LIBFABRIC']: emulated" in x for x in lines) == 1
+
+
+def test_bind_failures_are_one_line() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = str(held.getsockname()[1])
+        runs = {
+            "engine http": _run(["engine", "tiny", "--port", busy, "--transport", "tcp"],
+                                VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port())),
+            "side channel": _run(["engine", "tiny", "--port", str(free_port()),
+                                  "--transport", "tcp"], VLLM_NIXL_SIDE_CHANNEL_PORT=busy),
+            "proxy": _run(["proxy", "--host", "127.0.0.1", "--port", busy, "--log-level", "INFO",
+                           "--prefiller-host", "127.0.0.1", "--prefiller-port", "1",
+                           "--decoder-host", "127.0.0.1", "--decoder-port", "2"]),
+        }  # fmt: skip
+    for what, r in runs.items():
+        errors = [x for x in r.stderr.splitlines() if "Traceback" in x or "error" in x.lower()]
+        assert r.returncode == 1, (what, r.stderr)
+        assert len(errors) == 1 and busy in errors[0] and "in use" in errors[0], (what, r.stderr)
+
+
+def test_tokenizer_that_is_not_a_local_dir_is_one_line() -> None:
+    r = _run(["engine", "tiny", "--tokenizer", "Qwen/Qwen3-32B", "--port", str(free_port())],
+             VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))  # fmt: skip
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "not a local directory" in r.stderr
