@@ -27,6 +27,7 @@ from bidir_kv.testing.engines import EnginePair, random_prompt
 from bidir_kv.topology.process import free_port
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def post(
@@ -278,3 +279,73 @@ def test_tokenizer_that_is_not_a_local_dir_is_one_line() -> None:
              VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))  # fmt: skip
     assert r.returncode == 1
     assert r.stderr.count("\n") == 1 and "not a local directory" in r.stderr
+
+
+# ---- --tokenizer: a client counting with the same HF tokenizer agrees with usage ---------
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny HF tokenizer, built without torch (about a second)."""
+    out = tmp_path_factory.mktemp("tokenizer") / "tiny"
+    subprocess.run([sys.executable, str(ROOT / "fixtures/tiny_model.py"), "--tokenizer-only",
+                    "--out", str(out)], check=True, timeout=120)  # fmt: skip
+    return out
+
+
+def _stream_chat(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    status, events = post(url, "/v1/chat/completions", body)
+    assert status == 200, events
+    text = "".join((c["delta"].get("content") or "") for e in events for c in e["choices"])
+    usage = [e["usage"] for e in events if e.get("usage")]
+    assert len(usage) == 1
+    return text, usage[0]
+
+
+def test_hf_tokenizer_counts_agree_with_usage_through_the_router(
+    tiny_tokenizer: Path, run_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from bidir_kv.testing.engines import kv_config
+    from bidir_kv.topology.base import EngineSpec, TopologySpec
+    from bidir_kv.topology.local import LocalTopology
+
+    args = ("--tokenizer", str(tiny_tokenizer))
+    spec = TopologySpec(
+        # no prefix cache on P: turns >= 2 must pull D's retained KV (prompt + answer)
+        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", extra_args=args,
+                           enable_prefix_caching=False),
+        decode=EngineSpec(kv=kv_config("decode"), transport="tcp", extra_args=args),
+    )
+    client = AutoTokenizer.from_pretrained(str(tiny_tokenizer))
+    rng = random.Random("hf-usage")
+    words = ["kalo", "mine", "ruta", "vozi", "pesu", "dofa", "guhi", "jabo"]
+    with LocalTopology(spec, run_dir) as topo:
+        messages: list[dict[str, str]] = [{"role": "system", "content": " ".join(
+            rng.choice(words) for _ in range(300))}]  # fmt: skip
+        previous = 0
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"turn {turn}: " + " ".join(
+                rng.choice(words) for _ in range(20))})  # fmt: skip
+            text, usage = _stream_chat(topo.router_url, {
+                "model": "tiny", "messages": messages, "max_tokens": 24, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True},
+                "conversation_id": "hf-conv"})  # fmt: skip
+            ids = client.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            assert usage["prompt_tokens"] == len(ids), turn
+            assert usage["completion_tokens"] == len(client.encode(text,
+                                                    add_special_tokens=False)) == 24, turn
+            # the previous prompt and answer re-encode to a token-exact prefix: all reused
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            assert turn == 0 or cached >= (previous + 24 - 1) // 16 * 16, (turn, cached)
+            previous = usage["prompt_tokens"]
+            messages.append({"role": "assistant", "content": text})
+        from bidir_kv.scrape import scrape
+
+        assert scrape(topo.router_url).value("bidir_kv_router_cache_hits_total") >= 3
+        p2p = scrape(topo.prefill[0].url).value(
+            "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+        assert p2p > 0
