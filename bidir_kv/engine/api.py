@@ -6,15 +6,22 @@ placement per version) are in one place.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bidir_kv.engine.model import ChatTemplateError, Tokenizer, render_chat
+from bidir_kv.engine.fields import refused_field
+from bidir_kv.engine.model import ChatTemplateError, render_chat
+from bidir_kv.engine.sampling import emulated_logprobs
+from bidir_kv.policy import ROOT_HASH
 from bidir_kv.protocol import KVTransferParams, ProtocolError, params_from_request
 
-__all__ = ["ApiError", "ParsedRequest", "error_body", "now_s", "parse_request", "usage"]
+__all__ = [
+    "ApiError", "ParsedRequest", "chat_logprobs", "completion_logprobs", "error_body",
+    "logprob_entries", "now_s", "parse_request", "render_prompt", "salt_root", "usage",
+]  # fmt: skip
 
 
 class ApiError(Exception):
@@ -41,26 +48,12 @@ class ParsedRequest:
     return_token_ids: bool
     stop_token_ids: frozenset[int]
     params: KVTransferParams | None
-
-
-# accepted only at their neutral values; anything else would be silently ignored
-_UNSUPPORTED = ("echo", "stop", "logprobs", "top_logprobs", "prompt_logprobs", "best_of",
-                "tools", "response_format", "guided_json", "guided_regex", "guided_choice",
-                "suffix")  # fmt: skip
-
-
-def _neutral(key: str, value: Any) -> bool:
-    if value is None or value is False:
-        return True
-    if key == "best_of":
-        return bool(value == 1)
-    if key == "top_logprobs":
-        return bool(value == 0)
-    if key in ("stop", "tools"):
-        return value in ([], "")
-    if key == "response_format":
-        return isinstance(value, Mapping) and value.get("type") == "text"
-    return False
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # number of top alternatives; None: no logprobs
+    cache_salt: str | None = None
 
 
 def _bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
@@ -81,8 +74,101 @@ def _opt_int(body: Mapping[str, Any], key: str) -> int | None:
     return v
 
 
+def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(s for s in stop if s)
+    raise ApiError(400, f"'stop' must be a string or a list of strings, got {stop!r}")
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """Top alternatives per token, or None. Chat: ``logprobs`` (bool) and
+    ``top_logprobs`` (0-20); completions: ``logprobs`` (an int, 0-20)."""
+    if chat:
+        top = _opt_int(body, "top_logprobs")
+        if not _bool(body, "logprobs"):
+            if top:
+                raise ApiError(400, "'top_logprobs' needs 'logprobs': true")
+            return None
+        top = top or 0
+    else:
+        top = _opt_int(body, "logprobs")
+        if top is None:
+            return None
+    if top > 20:
+        name = "top_logprobs" if chat else "logprobs"
+        raise ApiError(400, f"'{name}' must be at most 20, got {top}")
+    return top
+
+
+def _salt(body: Mapping[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ApiError(400, f"'cache_salt' must be a non-empty string, got {salt!r}")
+    return salt
+
+
+def salt_root(salt: str | None) -> bytes:
+    """Parent of a request's first block hash: different salts never share a block."""
+    if salt is None:
+        return ROOT_HASH
+    return hashlib.blake2b(b"cache_salt\0" + salt.encode(), digest_size=16).digest()
+
+
+def _check_fields(body: Mapping[str, Any]) -> None:
+    n = body.get("n", 1)
+    if n not in (1, None) or isinstance(n, bool):
+        raise ApiError(400, f"'n' must be 1 in the emulated engine, got {n!r}")
+    refusal = refused_field(body)
+    if refusal is not None:
+        raise ApiError(400, refusal)
+    _opt_int(body, "seed")
+
+
+def _chat_prompt(body: Mapping[str, Any], tokenizer: Any) -> list[int]:
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise ApiError(400, "'chat_template_kwargs' must be an object")
+    try:
+        text = render_prompt(
+            tokenizer, body.get("messages"), _bool(body, "add_generation_prompt", True), kwargs
+        )
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc)) from None
+    return list(tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens")))
+
+
+def render_prompt(
+    tokenizer: Any, messages: Any, add_generation_prompt: bool, kwargs: Mapping[str, Any]
+) -> str:
+    """The chat prompt text: the served tokenizer's template, else the builtin one."""
+    if hasattr(tokenizer, "render_chat"):
+        return str(tokenizer.render_chat(messages, add_generation_prompt, **kwargs))
+    return render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+
+def _max_tokens(body: Mapping[str, Any], chat: bool) -> int | None:
+    if chat:
+        max_tokens = _opt_int(body, "max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = _opt_int(body, "max_tokens")
+    else:
+        max_tokens = _opt_int(body, "max_tokens")
+        if "max_tokens" not in body:
+            max_tokens = 16  # OpenAI's and vLLM's default for completions
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}")
+    return max_tokens
+
+
 def parse_request(
-    body: Any, *, chat: bool, tokenizer: Tokenizer, served_names: list[str]
+    body: Any, *, chat: bool, tokenizer: Any, served_names: list[str]
 ) -> ParsedRequest:
     if not isinstance(body, Mapping):
         raise ApiError(400, "request body must be a JSON object")
@@ -91,35 +177,21 @@ def parse_request(
         model = served_names[0]
     elif model not in served_names:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise ApiError(400, "only n=1 is supported by the emulated engine")
-    for key in _UNSUPPORTED:
-        if not _neutral(key, body.get(key)):
-            raise ApiError(400, f"'{key}' is not supported by the emulated engine")
+    _check_fields(body)
     try:
         params = params_from_request(body)
     except ProtocolError as exc:
         raise ApiError(400, f"invalid kv_transfer_params: {exc}") from None
+    stream = _bool(body, "stream")
     if chat:
-        try:
-            text = render_chat(
-                body.get("messages"),
-                add_generation_prompt=_bool(body, "add_generation_prompt", True),
-            )
-        except ChatTemplateError as exc:
-            raise ApiError(400, str(exc)) from None
-        prompt = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens"))
-        max_tokens = _opt_int(body, "max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = _opt_int(body, "max_tokens")
+        prompt = _chat_prompt(body, tokenizer)
     else:
         prompt = _completion_prompt(body.get("prompt"), tokenizer, body)
-        max_tokens = _opt_int(body, "max_tokens")
-        if "max_tokens" not in body:
-            max_tokens = 16  # OpenAI's and vLLM's default for completions
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}")
+    max_tokens = _max_tokens(body, chat)
+    min_tokens = _opt_int(body, "min_tokens") or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ApiError(400, f"'min_tokens' ({min_tokens}) must not exceed max_tokens "
+                            f"({max_tokens})")  # fmt: skip
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
@@ -133,16 +205,22 @@ def parse_request(
         model=str(model),
         prompt=prompt,
         max_tokens=max_tokens,
-        stream=_bool(body, "stream"),
+        stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
         ignore_eos=_bool(body, "ignore_eos"),
         return_token_ids=_bool(body, "return_token_ids"),
         stop_token_ids=frozenset(stop_ids),
         params=params,
+        min_tokens=min_tokens,
+        stop=_stop_strings(body),
+        include_stop_str=_bool(body, "include_stop_str_in_output"),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        logprobs=_logprobs(body, chat),
+        cache_salt=_salt(body),
     )
 
 
-def _completion_prompt(prompt: Any, tokenizer: Tokenizer, body: Mapping[str, Any]) -> list[int]:
+def _completion_prompt(prompt: Any, tokenizer: Any, body: Mapping[str, Any]) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -168,3 +246,48 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 def now_s() -> int:
     return int(time.time())
+
+
+def logprob_entries(
+    tokenizer: Any, ids: list[int], start: int, top: int
+) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """``(token text, logprob, [(alternative text, logprob), ...])`` per id (emulated)."""
+    out = []
+    for i, t in enumerate(ids):
+        lp, alts = emulated_logprobs(t, start + i, max(0, top - 1))
+        text = tokenizer.decode([t], skip_special_tokens=False)
+        ranked = [(text, lp)] if top else []
+        ranked += [(tokenizer.decode([a], skip_special_tokens=False), lp - 0.5 * (k + 1))
+                   for k, a in enumerate(alts)]  # fmt: skip
+        out.append((text, lp, ranked))
+    return out
+
+
+def chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict[str, Any]:
+    """vLLM's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def one(text: str, lp: float) -> dict[str, Any]:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**one(text, lp), "top_logprobs": [one(a, alp) for a, alp in ranked]}
+            for text, lp, ranked in entries
+        ]
+    }
+
+
+def completion_logprobs(
+    entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int
+) -> dict[str, Any]:
+    """vLLM's completions ``logprobs``: parallel lists, ``top_logprobs`` as dicts."""
+    offsets = []
+    for text, _, _ in entries:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "tokens": [text for text, _, _ in entries],
+        "top_logprobs": [dict(ranked) for _, _, ranked in entries],
+    }

@@ -8,6 +8,7 @@ import logging
 from aiohttp import web
 
 from bidir_kv.engine.connector import ConnectorWorker
+from bidir_kv.engine.hf_tokenizer import HFTokenizer
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.model import Tokenizer
@@ -56,12 +57,17 @@ async def run_engine(settings: EngineSettings, stop: asyncio.Event) -> None:
     worker = _worker(settings, pool)
     metrics = EngineMetrics(settings.model_name)
     core = EngineCore(settings, blocks, worker, metrics)
-    routes = Routes(core, Tokenizer(), settings.served_names, settings.model, settings.faults)
+    tokenizer = Tokenizer() if settings.tokenizer is None else HFTokenizer(settings.tokenizer)
+    routes = Routes(core, tokenizer, settings.served_names, settings.model, settings.faults)
     runner = web.AppRunner(build_app(routes), access_log=None, handle_signals=False)
     await runner.setup()
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise OSError(f"HTTP server cannot listen on {settings.host}:{settings.port}: "
+                          f"{exc.strerror or exc}") from None  # fmt: skip
         await worker.start(core.on_notification, http_port=_bound_port(runner, settings.port))
         core.start()
         routes.ready = True
@@ -91,7 +97,32 @@ def _log_ready(
         settings.block_size,
         settings.emulate_vllm,
     )
+    for note in emulation_notes(settings, worker.agent.backend):
+        logger.info("%s", note)
     logger.info("Starting vLLM API server on http://%s:%d", settings.host, http_port)
+
+
+def emulation_notes(settings: EngineSettings, backend: str) -> list[str]:
+    """One line per recipe setting that is accepted but emulated by something else."""
+    notes = []
+    kv = settings.kv
+    tp = settings.tensor_parallel_size
+    if tp > 1:
+        notes.append(
+            f"tensor_parallel_size={tp}: emulating {tp} ranks in one process; KV per rank "
+            f"{settings.effective_kv_bytes_per_token // tp} of "
+            f"{settings.effective_kv_bytes_per_token} bytes/token, one transport agent "
+            "carries every rank's blocks"
+        )
+    if kv.kv_buffer_device != "cpu":
+        notes.append(
+            f"kv_buffer_device={kv.kv_buffer_device!r}: emulated; the KV pool is host memory"
+        )
+    if list(kv.backends) != ["UCX"]:
+        notes.append(
+            f"NIXL backends {list(kv.backends)}: emulated; KV moves over {backend}"
+        )
+    return notes
 
 
 def _bound_port(runner: web.AppRunner, default: int) -> int:

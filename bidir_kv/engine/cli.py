@@ -53,8 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=_default("max_num_batched_tokens"))
     # accepted for launch-script compatibility; they do not change the emulation
     p.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"))
-    for flag in ("--dtype", "--gpu-memory-utilization", "--seed",
-                 "--tensor-parallel-size", "--uvicorn-log-level"):  # fmt: skip
+    p.add_argument("-tp", "--tensor-parallel-size", type=int,
+                   default=_default("tensor_parallel_size"),
+                   help="emulated ranks: KV bytes per rank = total / N (one process)")
+    p.add_argument("--tokenizer", default=_default("tokenizer"), metavar="DIR",
+                   help="a local Hugging Face tokenizer directory (tokenizer.json); "
+                   "default: the builtin tokenizer")
+    for flag in ("--dtype", "--gpu-memory-utilization", "--seed", "--uvicorn-log-level"):
         p.add_argument(flag, default=None, help="accepted, no effect in the emulator")
     p.add_argument("--enforce-eager", action="store_true", help="accepted, no effect")
     p.add_argument("--disable-log-requests", action="store_true", help="accepted, no effect")
@@ -138,9 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_sizes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    if ns.tensor_parallel_size not in (None, "1"):
-        parser.error("--tensor-parallel-size: the emulator runs one rank; only 1 is supported")
-    for name in ("block_size", "max_model_len", "kv_capacity_tokens", "max_num_seqs"):
+    names = ("tensor_parallel_size", "block_size", "max_model_len", "kv_capacity_tokens",
+             "max_num_seqs")  # fmt: skip
+    for name in names:
         if getattr(ns, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if ns.max_num_batched_tokens is not None and ns.max_num_batched_tokens <= 0:
@@ -196,11 +201,14 @@ def _settings(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Engine
         kv_guard=ns.kv_guard == "hashes",
         faults=faults,
         **_ops(parser, ns),
+        tensor_parallel_size=ns.tensor_parallel_size,
+        tokenizer=ns.tokenizer,
     )
-    if settings.effective_kv_bytes_per_token % settings.num_layers:
+    per_rank = settings.num_layers * settings.tensor_parallel_size
+    if settings.effective_kv_bytes_per_token % per_rank:
         parser.error(
             f"--kv-bytes-per-token ({settings.effective_kv_bytes_per_token}) must be a "
-            f"multiple of the profile's num_layers ({settings.num_layers})"
+            f"multiple of num_layers x --tensor-parallel-size ({per_rank})"
         )
     return settings
 
@@ -220,6 +228,7 @@ class StartupError(RuntimeError):
 
 async def _serve(settings: EngineSettings) -> None:
     from bidir_kv.engine.app import run_engine
+    from bidir_kv.engine.hf_tokenizer import TokenizerLoadError
     from bidir_kv.engine.transport.base import TransportError
 
     stop = asyncio.Event()
@@ -228,5 +237,5 @@ async def _serve(settings: EngineSettings) -> None:
         loop.add_signal_handler(sig, stop.set)  # POSIX only, like vllm serve on CPU
     try:
         await run_engine(settings, stop)
-    except (TransportError, OSError) as exc:
+    except (TransportError, OSError, TokenizerLoadError) as exc:
         raise StartupError(str(exc)) from None

@@ -57,7 +57,7 @@ class ModelRunner:
             more = (
                 block_hashes(tokens, bs, req.block_chain[-1])
                 if req.block_chain
-                else block_hashes(tokens, bs)
+                else block_hashes(tokens, bs, req.chain_root)
             )
             req.block_chain.extend(more)
         while req.num_cached_blocks < full:

@@ -118,6 +118,10 @@ class Tokenizer:
                 raise ValueError(f"token id {t} is outside the vocabulary (size {VOCAB_SIZE})")
         return buf.decode("utf-8", errors="replace")
 
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """One string per id (``/tokenize``'s ``token_strs``)."""
+        return [self.decode([t], skip_special_tokens=False) for t in self.check_ids(ids)]
+
     def check_ids(self, ids: Sequence[Any]) -> list[int]:
         """Validate a token-id prompt; raise naming the first bad id."""
         out = []

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from bidir_kv.policy import ROOT_HASH
 from bidir_kv.protocol import KVTransferParams
 
 __all__ = ["Request", "RequestError"]
@@ -28,6 +30,12 @@ class Request:
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
     params: KVTransferParams | None = None
+    min_tokens: int = 0
+    include_stop_str: bool = False
+    chain_root: bytes = ROOT_HASH  # parent of the first block hash (cache_salt)
+    vocab: Any = None  # sampling.Vocab of the serving tokenizer (None: builtin ids)
+    text: Any = None  # sampling.TextState: detokenized output, stop strings
+    stop_reason: int | str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     # progress
     tokens: list[int] = field(default_factory=list)

@@ -14,9 +14,24 @@ from typing import Any
 
 from aiohttp import web
 
-from bidir_kv.engine.api import ApiError, ParsedRequest, error_body, now_s, parse_request, usage
+from bidir_kv.engine.api import (
+    ApiError,
+    ParsedRequest,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    logprob_entries,
+    now_s,
+    parse_request,
+    render_prompt,
+    salt_root,
+    usage,
+)
+from bidir_kv.engine.body import BodyError, read_json_body
 from bidir_kv.engine.faults import FaultError, Faults
-from bidir_kv.engine.model import ChatTemplateError, Tokenizer, render_chat
+from bidir_kv.engine.hf_tokenizer import HFTokenizer
+from bidir_kv.engine.model import ChatTemplateError, Tokenizer
+from bidir_kv.engine.sampling import TextState, Vocab
 from bidir_kv.engine.scheduler import EngineCore, Request, RequestError
 
 __all__ = ["Routes", "build_app"]
@@ -44,7 +59,7 @@ class Routes:
     def __init__(
         self,
         core: EngineCore,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | HFTokenizer,
         served_names: list[str],
         model: str,
         faults: Faults,
@@ -54,6 +69,7 @@ class Routes:
         self.names = served_names
         self.model = model
         self.faults = faults
+        self.vocab = Vocab.of(tokenizer)
         self.ready = False  # /health answers 503 until the transport and scheduler run
 
     # ---- plain endpoints -------------------------------------------------------------
@@ -97,24 +113,26 @@ class Routes:
             return body
         try:
             if "messages" in body:
-                text = render_chat(
-                    body["messages"],
-                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                text = render_prompt(
+                    self.tok, body["messages"], body.get("add_generation_prompt") is not False,
+                    body.get("chat_template_kwargs") or {},
                 )
-                tokens = self.tok.encode(text, bool(body.get("add_special_tokens", False)))
+                tokens = self.tok.encode(text, body.get("add_special_tokens") is True)
             elif isinstance(body.get("prompt"), str):
-                tokens = self.tok.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
+                special = body.get("add_special_tokens") is not False
+                tokens = self.tok.encode(body["prompt"], special)
             else:
                 return _json_error(400, "/tokenize needs 'prompt' (string) or 'messages'",
                                    "BadRequestError")  # fmt: skip
         except ChatTemplateError as exc:
             return _json_error(400, str(exc), "BadRequestError")
+        strs = self.tok.token_strs(tokens) if body.get("return_token_strs") is True else None
         return web.json_response(
             {
                 "count": len(tokens),
                 "max_model_len": self.core.settings.max_model_len,
                 "tokens": tokens,
-                "token_strs": None,
+                "token_strs": strs,
             }
         )
 
@@ -127,6 +145,14 @@ class Routes:
         except ValueError as exc:
             return _json_error(400, str(exc), "BadRequestError")
         return web.json_response({"prompt": self.tok.decode(ids)})
+
+    def _logprobs(
+        self, pr: ParsedRequest, ids: list[int], start: int, offset: int
+    ) -> dict[str, Any] | None:
+        if pr.logprobs is None:
+            return None
+        entries = logprob_entries(self.tok, ids, start, pr.logprobs)
+        return chat_logprobs(entries) if pr.chat else completion_logprobs(entries, offset)
 
     # ---- admin -----------------------------------------------------------------------
 
@@ -164,12 +190,10 @@ class Routes:
 
     async def _body(self, request: web.Request) -> Any:
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return _json_error(400, "request body is not valid JSON", "BadRequestError")
-        if not isinstance(body, dict):
-            return _json_error(400, "request body must be a JSON object", "BadRequestError")
-        return body
+            return await read_json_body(request)
+        except BodyError as exc:
+            kind = "BadRequestError" if exc.status == 400 else "RequestError"
+            return _json_error(exc.status, exc.message, kind)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -199,6 +223,17 @@ class Routes:
             ignore_eos=pr.ignore_eos,
             stop_token_ids=pr.stop_token_ids,
             params=pr.params,
+            min_tokens=pr.min_tokens,
+            include_stop_str=pr.include_stop_str,
+            chain_root=salt_root(pr.cache_salt),
+            vocab=self.vocab,
+            text=TextState(
+                self.tok.decode,
+                stops=pr.stop,
+                include_stop=pr.include_stop_str,
+                skip_special_tokens=pr.skip_special_tokens,
+                context=pr.prompt,
+            ),
         )
         try:
             self.core.submit(req)
@@ -212,7 +247,7 @@ class Routes:
         return web.json_response(self._final_body(req, pr, public_id))
 
     def _final_body(self, req: Request, pr: ParsedRequest, public_id: str) -> dict[str, Any]:
-        text = self.tok.decode(req.output)
+        text = req.text.final
         choice: dict[str, Any] = {"index": 0}
         if pr.chat:
             choice["message"] = {
@@ -223,7 +258,11 @@ class Routes:
             }
         else:
             choice["text"] = text
-        choice.update(logprobs=None, finish_reason=req.finish_reason, stop_reason=None)
+        choice.update(
+            logprobs=self._logprobs(pr, req.output, 0, 0),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
         if pr.return_token_ids:
             choice["token_ids"] = list(req.output)
             if not pr.chat:
@@ -249,6 +288,7 @@ class Routes:
             return _request_failed(req.error)
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         streamed = 0
+        offset = 0
         v032 = self.core.settings.emulate_vllm == "0.32"
         created = now_s()
         obj = "chat.completion.chunk" if pr.chat else "text_completion"
@@ -281,7 +321,10 @@ class Routes:
             while tok is not None:
                 nxt = await req.events.get()
                 terminal = nxt is None
-                ch = _token_choice(pr, self.tok.decode([tok]), tok, req, terminal)
+                piece = req.text.pieces[streamed] + (req.text.tail if terminal else "")
+                ch = _token_choice(pr, piece, tok, req, terminal)
+                ch["logprobs"] = self._logprobs(pr, [tok], streamed, offset)
+                offset += len(piece)
                 params = None
                 if terminal and req.out_params is not None:
                     params = req.out_params.to_dict()
@@ -330,7 +373,7 @@ def _token_choice(
         ch["text"] = text
     ch["logprobs"] = None
     ch["finish_reason"] = req.finish_reason if terminal else None
-    ch["stop_reason"] = None
+    ch["stop_reason"] = req.stop_reason if terminal else None
     if pr.return_token_ids:
         ch["token_ids"] = [tok]
     return ch

@@ -75,6 +75,8 @@ class EngineSettings:
     health_stall_seconds: float = 10.0  # /health is 503 when running work saw no step this long
     peer_cache: PeerCache = "safe"  # "vllm": peers cached by engine id, never re-handshaken
     faults: Faults = field(default_factory=Faults)
+    tensor_parallel_size: int = 1  # emulated ranks: KV per rank = total / N (docs/engine.md)
+    tokenizer: str | None = None  # a local Hugging Face tokenizer dir; None: the builtin one
 
     @classmethod
     def default(cls, name: str) -> Any:

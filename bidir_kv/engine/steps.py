@@ -19,16 +19,18 @@ from collections import deque
 from bidir_kv.engine.compute import ModelRunner
 from bidir_kv.engine.kvcache import BlockManager, NoFreeBlocks
 from bidir_kv.engine.metrics import EngineMetrics
-from bidir_kv.engine.model import EOS
+from bidir_kv.engine.model import EOS, VOCAB_SIZE, WORD_BASE
 from bidir_kv.engine.owner import HandleOwner
 from bidir_kv.engine.reader import PullReader
 from bidir_kv.engine.request import Request, RequestError
+from bidir_kv.engine.sampling import Vocab
 from bidir_kv.engine.settings import EngineSettings
 from bidir_kv.policy import block_hashes, blocks_for_tokens, max_prefix_hit_blocks
 
 __all__ = ["StepLoop"]
 
 logger = logging.getLogger("bidir_kv.engine")
+_BUILTIN_VOCAB = Vocab(range(WORD_BASE, VOCAB_SIZE), EOS)
 
 
 class StepLoop:
@@ -88,7 +90,7 @@ class StepLoop:
                 f"{self.blocks.num_usable_blocks} (--kv-capacity-tokens)",
             )
         req.tokens = list(req.prompt)
-        req.block_chain = block_hashes(req.prompt, self.settings.block_size)
+        req.block_chain = block_hashes(req.prompt, self.settings.block_size, req.chain_root)
         self.waiting.append(req)
         self.metrics.waiting.labels(**self.metrics.labels).set(len(self.waiting))
         self.wake.set()
@@ -216,7 +218,7 @@ class StepLoop:
                 break
             budget -= 1
             self.runner.compute(r, r.num_computed, r.num_computed + 1)
-            emitted.append((r, self.runner.sample(r)))
+            emitted.append((r, self._sample(r)))
         prefill_tokens = 0
         ctx = 0
         for r in self.running:
@@ -230,7 +232,7 @@ class StepLoop:
             budget -= chunk
             prefill_tokens += chunk
             if r.num_computed >= r.prompt_len:
-                emitted.append((r, self.runner.sample(r)))
+                emitted.append((r, self._sample(r)))
         profile = self.settings.profile
         modelled = profile.prefill_seconds(prefill_tokens, ctx)
         modelled += profile.decode_step_seconds(len(decodes))
@@ -240,6 +242,20 @@ class StepLoop:
             self._emit(r, tok)
         self.metrics.running.labels(**self.metrics.labels).set(len(self.running))
         self.metrics.kv_usage.labels(**self.metrics.labels).set(self.blocks.usage())
+
+    def _sample(self, req: Request) -> int:
+        """The model's choice under the request's rules: no end before ``min_tokens``
+        (and never at the first token), no stop token id before ``min_tokens``."""
+        vocab = req.vocab or _BUILTIN_VOCAB
+        n = len(req.output)
+        return int(
+            vocab.choose(
+                self.runner.sample(req),
+                may_end=n >= max(1, req.min_tokens) and not req.ignore_eos,
+                banned=req.stop_token_ids if n < req.min_tokens else frozenset(),
+                salt=req.tokens[-1] + n,
+            )
+        )
 
     def _emit(self, req: Request, tok: int) -> None:
         if req.state == "finished":
@@ -251,7 +267,15 @@ class StepLoop:
         req.output.append(tok)
         req.tokens.append(tok)
         self.metrics.inc(self.metrics.generation_tokens)
-        stop = tok in req.stop_token_ids or (tok == EOS and not req.ignore_eos)
+        eos = (req.vocab or _BUILTIN_VOCAB).eos_id
+        stop = tok in req.stop_token_ids or (tok == eos and not req.ignore_eos)
+        if stop and tok != eos:
+            req.stop_reason = tok
+        if req.text is not None:
+            if stop and not req.include_stop_str:
+                req.text.pieces.append("")  # vLLM: the stop token's text is not output
+            elif req.text.push(tok, check_stops=len(req.output) >= req.min_tokens):
+                stop, req.stop_reason = True, req.text.matched
         req.events.put_nowait(tok)
         if stop:
             self.finish(req, "stop")
@@ -267,6 +291,8 @@ class StepLoop:
         state_before = req.state
         req.state = "finished"
         req.finish_reason = reason
+        if req.text is not None:
+            req.text.finish()
         self.metrics.inc(self.metrics.request_success, finished_reason=reason)
         self.metrics.e2e.labels(**self.metrics.labels).observe(time.perf_counter() - req.arrival)
         if state_before == "waiting" or not req.blocks:

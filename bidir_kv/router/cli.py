@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store operations in flight at once: the Redis store's connection "
                    "pool size; requests beyond it wait for a free connection "
                    f"(default {d.max_concurrency})")
-    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS,
+    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, type=str.lower,
                    help=f"log level (default {d.log_level})")
     return p
 
@@ -166,8 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = build_app(settings)
     # handler_cancellation: a client that leaves cancels its handler, which closes the
     # P and D requests it was waiting on (the engines abort them).
-    web.run_app(app, host=settings.host, port=settings.port, access_log=None, print=None,
-                handle_signals=True, handler_cancellation=True)
+    try:
+        web.run_app(app, host=settings.host, port=settings.port, access_log=None, print=None,
+                    handle_signals=True, handler_cancellation=True)
+    except OSError as exc:  # the listen socket (in use, no permission): one line, no traceback
+        print(f"bidir-kv proxy: error: cannot listen on {settings.host}:{settings.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -147,12 +147,12 @@ def test_032_and_033_engines_refuse_to_handshake(engine_pair: Factory) -> None:
          "remote_port"),
         ("/v1/completions", {"prompt": [5] * 40000}, "maximum context length"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n=1"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "'n' must be 1"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "'echo' is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "stop": ["kalo"]}, "'stop' is not supported"),
+                                  "use_beam_search": True}, "'use_beam_search' is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "logprobs": True}, "'logprobs' is not supported"),
+                                  "logit_bias": {"5": 1}}, "'logit_bias' is not supported"),
     ],
 )
 def test_bad_requests_name_the_problem(
