@@ -27,7 +27,7 @@ import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as _RustTokenizer
 
-from bidir_kv.engine.model import ChatTemplateError
+from bidir_kv.engine.model import ChatTemplateError, content_text
 
 __all__ = ["HFTokenizer", "IncrementalDetokenizer", "TokenizerLoadError"]
 
@@ -113,24 +113,6 @@ def _find_template(directory: Path, config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _content_text(content: Any, index: int) -> str:
-    """Message content as one string; text parts are joined by newlines as vLLM does."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
-                raise ChatTemplateError(
-                    f"messages[{index}].content: only text parts are supported, got {part!r}"
-                )
-            texts.append(str(part.get("text", "")))
-        return "\n".join(texts)
-    raise ChatTemplateError(f"messages[{index}].content must be a string or a list of parts")
-
-
 def _template_messages(messages: Any) -> list[dict[str, Any]]:
     """Validated copies: keys whose value is None dropped (as transformers does), content
     flattened to a string."""
@@ -141,7 +123,7 @@ def _template_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
             raise ChatTemplateError(f"messages[{i}] must be an object with a string 'role'")
         copy = {str(k): v for k, v in msg.items() if v is not None}
-        copy["content"] = _content_text(msg.get("content"), i)
+        copy["content"] = content_text(msg.get("content"), i, separator="\n")
         out.append(copy)
     return out
 

@@ -37,6 +37,7 @@ __all__ = [
     "ChatTemplateError",
     "KVContent",
     "Tokenizer",
+    "content_text",
     "next_token",
     "render_chat",
 ]
@@ -134,7 +135,12 @@ class Tokenizer:
         return out
 
 
-def _content_text(content: Any, index: int) -> str:
+def content_text(content: Any, index: int, separator: str = "") -> str:
+    """A message's content as one string: a string, or its text parts joined.
+
+    The builtin ChatML template joins parts with nothing; a Hugging Face template
+    gets them joined with newlines, as vLLM does (``separator``).
+    """
     if content is None:
         return ""
     if isinstance(content, str):
@@ -147,7 +153,7 @@ def _content_text(content: Any, index: int) -> str:
                     f"messages[{index}].content: only text parts are supported, got {part!r}"
                 )
             parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return separator.join(parts)
     raise ChatTemplateError(f"messages[{index}].content must be a string or a list of parts")
 
 
@@ -159,7 +165,7 @@ def render_chat(messages: Any, add_generation_prompt: bool = True) -> str:
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
             raise ChatTemplateError(f"messages[{i}] must be an object with a string 'role'")
-        out.append(f"<|im_start|>{msg['role']}\n{_content_text(msg.get('content'), i)}<|im_end|>\n")
+        out.append(f"<|im_start|>{msg['role']}\n{content_text(msg.get('content'), i)}<|im_end|>\n")
     if add_generation_prompt:
         out.append("<|im_start|>assistant\n")
     return "".join(out)
