@@ -35,7 +35,7 @@ def _conversation(pair: EnginePair) -> dict[str, Any]:
     prompt = random_prompt(random.Random("tp-conversation"), 200)
     p0, d0 = pair.snap()
     pr, dr = pair.turn(prompt, 100)  # D's history outgrows P's cache by >= the threshold
-    assert pr.ok and dr is not None and dr.ok and dr.params is not None
+    assert pr.ok and pr.params is not None and dr is not None and dr.ok and dr.params is not None
     d1 = pair.d.metrics()
     follow = prompt + dr.token_ids + random_prompt(random.Random("tp-turn2"), 40)
     pr2, dr2 = pair.turn(follow, 8, dr.params)
@@ -47,7 +47,8 @@ def _conversation(pair: EnginePair) -> dict[str, Any]:
         return {k: delta.value(k) for k in (DESCS, DESC_OBS, BYTES, XFERS, MISMATCH)}
 
     return {"d_pull": reads(d1 - d0), "p_pull": reads(p2 - p0),
-            "answers": (dr.token_ids, dr2.token_ids)}  # fmt: skip
+            "answers": (dr.token_ids, dr2.token_ids),
+            "tp_sizes": (pr.params.tp_size, dr.params.tp_size)}  # fmt: skip
 
 
 def test_tp2_reads_per_rank_same_bytes_and_answer(
@@ -56,6 +57,7 @@ def test_tp2_reads_per_rank_same_bytes_and_answer(
     one = _conversation(engine_pair())
     pair2 = engine_pair(prefill=_tp(2), decode=_tp(2))
     two = _conversation(pair2)
+    assert two["tp_sizes"] == (2, 2) and one["tp_sizes"] == (1, 1)  # as vLLM: the owner's TP
     assert two["answers"] == one["answers"]
     for leg in ("d_pull", "p_pull"):
         a, b = one[leg], two[leg]
