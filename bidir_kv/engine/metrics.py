@@ -218,7 +218,9 @@ class EngineMetrics:
         """Record a READ as vLLM's workers do: one observation per rank, each with that
         rank's share of the bytes and descriptors (the ranks' READs run in parallel)."""
         lab, n = self.labels, self.ranks
-        nbytes, descs = res.bytes // n, res.descriptors // n
+        # NIXL's telemetry counts descriptors after merging contiguous ones; a rank's
+        # READ holds at least one, hence the rounding up
+        nbytes, descs = res.bytes // n, -(-res.descriptors // n)
         w = self.window
         for _ in range(n):
             self.xfer_time.labels(**lab).observe(res.xfer_time)

@@ -13,8 +13,10 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from bidir_kv.scrape import MetricsSnapshot
-from bidir_kv.testing.engines import EnginePair, random_prompt
+from bidir_kv.testing.engines import EnginePair, random_prompt, transport_names
 from bidir_kv.testing.poll import wait_for
 
 DESCS = "vllm:nixl_num_descriptors_sum"
@@ -51,11 +53,12 @@ def _conversation(pair: EnginePair) -> dict[str, Any]:
             "tp_sizes": (pr.params.tp_size, dr.params.tp_size)}  # fmt: skip
 
 
+@pytest.mark.parametrize("transport", transport_names())
 def test_tp2_reads_per_rank_same_bytes_and_answer(
-    engine_pair: Callable[..., EnginePair],
+    engine_pair: Callable[..., EnginePair], transport: str
 ) -> None:
-    one = _conversation(engine_pair())
-    pair2 = engine_pair(prefill=_tp(2), decode=_tp(2))
+    one = _conversation(engine_pair(transport=transport))
+    pair2 = engine_pair(transport=transport, prefill=_tp(2), decode=_tp(2))
     two = _conversation(pair2)
     assert two["tp_sizes"] == (2, 2) and one["tp_sizes"] == (1, 1)  # as vLLM: the owner's TP
     assert two["answers"] == one["answers"]
