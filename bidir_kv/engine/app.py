@@ -26,7 +26,10 @@ logger = logging.getLogger("bidir_kv.engine")
 def _worker(settings: EngineSettings, pool: KVPool) -> ConnectorWorker:
     """The transport agent and side channel, with the compatibility hash peers check."""
     side_host, side_port = settings.side_channel()
-    agent = create_agent(settings.transport, settings.kv.engine_id, pool, host=side_host)
+    tp = settings.tensor_parallel_size
+    agent = create_agent(
+        settings.transport, settings.kv.engine_id, pool.rank_rows(tp), host=side_host
+    )
     compat = compatibility_hash(
         {
             "model": settings.model,
@@ -46,6 +49,7 @@ def _worker(settings: EngineSettings, pool: KVPool) -> ConnectorWorker:
         enforce_compat=settings.kv.enforce_handshake_compat,
         faults=settings.faults,
         transfer_floor=settings.profile.transfer_seconds,
+        tp_size=tp,
     )
 
 
@@ -55,7 +59,7 @@ async def run_engine(settings: EngineSettings, stop: asyncio.Event) -> None:
     pool = KVPool.allocate(num_blocks, bs * settings.effective_kv_bytes_per_token)
     blocks = BlockManager(pool, bs, settings.num_layers, settings.enable_prefix_caching)
     worker = _worker(settings, pool)
-    metrics = EngineMetrics(settings.model_name)
+    metrics = EngineMetrics(settings.model_name, ranks=settings.tensor_parallel_size)
     core = EngineCore(settings, blocks, worker, metrics)
     tokenizer = Tokenizer() if settings.tokenizer is None else HFTokenizer(settings.tokenizer)
     routes = Routes(core, tokenizer, settings.served_names, settings.model, settings.faults)
@@ -111,8 +115,8 @@ def emulation_notes(settings: EngineSettings, backend: str) -> list[str]:
         notes.append(
             f"tensor_parallel_size={tp}: emulating {tp} ranks in one process; KV per rank "
             f"{settings.effective_kv_bytes_per_token // tp} of "
-            f"{settings.effective_kv_bytes_per_token} bytes/token, one transport agent "
-            "carries every rank's blocks"
+            f"{settings.effective_kv_bytes_per_token} bytes/token; a pull moves {tp} per-rank "
+            f"descriptor sets in one READ over one transport agent; peers must run TP {tp}"
         )
     if kv.kv_buffer_device != "cpu":
         notes.append(

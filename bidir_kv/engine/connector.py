@@ -89,6 +89,7 @@ class ConnectorWorker:
         faults: Faults,
         clock: Callable[[], float] = time.perf_counter,
         transfer_floor: Callable[[int], float] | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.engine_id = engine_id
         self.agent = agent
@@ -100,6 +101,8 @@ class ConnectorWorker:
         self.faults = faults
         self.clock = clock
         self.transfer_floor = transfer_floor
+        # emulated ranks; the agent's pool rows are per-rank shares (KVPool.rank_rows)
+        self.tp_size = tp_size
         self.http_port = 0
         self._side: SideChannelServer | None = None
         # grows on each start (ms since the epoch): exported as
@@ -131,10 +134,12 @@ class ConnectorWorker:
         await self.agent.close()
 
     def local_metadata(self) -> EngineMetadata:
-        envelope = msgpack.packb(
-            {"envelope": _ENVELOPE, "agent": self.agent.metadata(), "http_port": self.http_port},
-            use_bin_type=True,
-        )
+        env: dict[str, Any] = {
+            "envelope": _ENVELOPE, "agent": self.agent.metadata(), "http_port": self.http_port
+        }
+        if self.tp_size != 1:  # absent means 1: a TP 1 handshake is unchanged
+            env["tp_size"] = self.tp_size
+        envelope = msgpack.packb(env, use_bin_type=True)
         return EngineMetadata(
             engine_id=self.engine_id,
             compat_hash=self.compat_hash,
@@ -228,6 +233,12 @@ class ConnectorWorker:
             raise TransportError(
                 f"engine {info.engine_id} is not a bidir-kv engine (no metadata envelope)"
             )
+        remote_tp = int(env.get("tp_size", 1))
+        if remote_tp != self.tp_size:
+            raise TransportError(
+                f"engine {info.engine_id} runs tensor_parallel_size {remote_tp}, we run "
+                f"{self.tp_size}; the emulator needs equal TP on both sides"
+            )
         name = await self.agent.add_peer(env["agent"])
         return Peer(info=info, agent_name=name, http_port=int(env["http_port"]))
 
@@ -279,7 +290,10 @@ class ConnectorWorker:
             raise TransportError("injected transfer failure (fault fail_transfers)")
         if self.faults.roll(self.faults.delay_transfers) and self.faults.delay_seconds > 0:
             await asyncio.sleep(self.faults.delay_seconds)
-        res = await self.agent.read(peer.agent_name, local, remote, notification.encode())
+        local_rows, remote_rows = self.rank_rows(local), self.rank_rows(remote)
+        res = await self.agent.read(
+            peer.agent_name, local_rows, remote_rows, notification.encode()
+        )
         if self.transfer_floor is not None:
             floor = self.transfer_floor(tokens)
             elapsed = time.perf_counter() - start
@@ -287,6 +301,16 @@ class ConnectorWorker:
                 await asyncio.sleep(floor - elapsed)
                 res = ReadResult(res.bytes, res.descriptors, res.post_time, floor)
         return res
+
+    def rank_rows(self, blocks: Sequence[int]) -> Sequence[int]:
+        """The agent's rows for ``blocks``: every rank's share of each block, block-major.
+
+        One READ carries all ranks' descriptor sets (``tp_size`` per block), so the
+        bytes equal a TP 1 read; metrics split it per rank (EngineMetrics.read_done)."""
+        n = self.tp_size
+        if n == 1:
+            return blocks
+        return [b * n + r for b in blocks for r in range(n)]
 
     async def notify(self, peer: Peer, message: str) -> None:
         await self.agent.notify(peer.agent_name, message.encode())

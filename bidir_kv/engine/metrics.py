@@ -81,14 +81,19 @@ def _fmt(x: float) -> str:
 class EngineMetrics:
     """Every metric the engine exports; names as vLLM's."""
 
-    def __init__(self, model_name: str, engine_index: str = "0") -> None:
+    def __init__(self, model_name: str, engine_index: str = "0", ranks: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name, "engine": engine_index}
+        self.ranks = ranks  # emulated tensor-parallel ranks: one READ observation per rank
         # registration order is the scrape order: requests first, then transfers
         self._add_request_metrics()
         self._add_transfer_metrics()
         self.window = TransferWindow()
         self._create_children()
+        if ranks > 1:  # emulator-only, absent at TP 1 so its scrape is unchanged
+            self._gauge(
+                "bidir_kv:tensor_parallel_size", "Emulated tensor-parallel ranks."
+            ).labels(**self.labels).set(ranks)
 
     def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
         return Counter(name, doc, [*self.labels, *extra], registry=self.registry)
@@ -210,16 +215,22 @@ class EngineMetrics:
         self.inc(self.prompt_tokens_by_source, external, source="external_kv_transfer")
 
     def read_done(self, res: ReadResult) -> None:
-        lab = self.labels
-        self.xfer_time.labels(**lab).observe(res.xfer_time)
-        self.post_time.labels(**lab).observe(res.post_time)
-        self.bytes_transferred.labels(**lab).observe(res.bytes)
-        self.num_descriptors.labels(**lab).observe(res.descriptors)
+        """Record a READ as vLLM's workers do: one observation per rank, each with that
+        rank's share of the bytes and descriptors (the ranks' READs run in parallel)."""
+        lab, n = self.labels, self.ranks
+        # NIXL's telemetry counts descriptors after merging contiguous ones; a rank's
+        # READ holds at least one, hence the rounding up
+        nbytes, descs = res.bytes // n, -(-res.descriptors // n)
         w = self.window
-        w.xfer.append(res.xfer_time)
-        w.post.append(res.post_time)
-        w.nbytes.append(res.bytes)
-        w.descs.append(res.descriptors)
+        for _ in range(n):
+            self.xfer_time.labels(**lab).observe(res.xfer_time)
+            self.post_time.labels(**lab).observe(res.post_time)
+            self.bytes_transferred.labels(**lab).observe(nbytes)
+            self.num_descriptors.labels(**lab).observe(descs)
+            w.xfer.append(res.xfer_time)
+            w.post.append(res.post_time)
+            w.nbytes.append(nbytes)
+            w.descs.append(descs)
 
     def transfer_failed(self) -> None:
         self.inc(self.failed_transfers)

@@ -99,7 +99,7 @@ class HandleOwner:
             "remote_request_id": req.request_id,
             "remote_host": self.worker.side_host,
             "remote_port": self.worker.side_port,
-            "tp_size": 1,
+            "tp_size": self.settings.tensor_parallel_size,  # vLLM: the owner's TP
             "dcp_size": 1,
             "pp_size": 1,
             "remote_num_tokens": req.num_computed,

@@ -35,6 +35,17 @@ class KVPool:
             raise ValueError(f"pool needs positive sizes, got {num_blocks} x {block_nbytes}")
         return cls(np.zeros((num_blocks, block_nbytes), dtype=np.uint8))
 
+    def rank_rows(self, ranks: int) -> KVPool:
+        """The same memory seen as ``ranks`` shares per block: row ``b * ranks + r`` is
+        rank ``r``'s ``1/ranks`` of block ``b`` (emulated tensor parallelism)."""
+        if ranks == 1:
+            return self
+        if self.block_nbytes % ranks:
+            raise ValueError(
+                f"block of {self.block_nbytes} bytes does not split into {ranks} ranks"
+            )
+        return KVPool(self.data.reshape(self.num_blocks * ranks, self.block_nbytes // ranks))
+
     @property
     def num_blocks(self) -> int:
         return int(self.data.shape[0])
