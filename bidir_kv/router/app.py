@@ -74,6 +74,7 @@ class _RouterApp:
     async def on_cleanup(self, app: web.Application) -> None:
         if self.checker is not None:
             await self.checker.stop()
+        await app[FLOW_KEY].releaser.close()
         await app[FLOW_KEY].session.close()
         await self.store.close()
 

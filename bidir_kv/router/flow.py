@@ -37,6 +37,7 @@ from bidir_kv.router.intake import Rejected, check_fields, parse_body, read_body
 from bidir_kv.router.memo import TurnMemo
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.prefill import PrefillLeg, pulled_tokens
+from bidir_kv.router.release import Releaser
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, Entry, StoreError, Taken
 from bidir_kv.router.turn import Turn, record_client_gone
@@ -73,8 +74,10 @@ class RouterFlow:
         self.session = session
         self.settings = settings
         self.prefill_leg = PrefillLeg(prefill, session, settings, metrics)
-        self.decode_leg = DecodeLeg(decode, session, settings, metrics)
-        self.memo = TurnMemo(store, metrics, settings.guard)
+        self.releaser = Releaser(prefill, decode, session, settings, metrics)
+        store.on_evict = self.releaser.release_entry  # evicted entries free D's blocks
+        self.memo = TurnMemo(store, metrics, settings.guard, self.releaser)
+        self.decode_leg = DecodeLeg(decode, session, settings, metrics, self.memo.release)
         api_key = os.environ.get("OPENAI_API_KEY")
         self._api_auth = f"Bearer {api_key}" if api_key else None
 

@@ -51,3 +51,5 @@ class RouterSettings:
     log_level: str = "info"  # one of LOG_LEVELS
     max_body_bytes: int = 64 * 1024 * 1024
     max_concurrency: int = 128  # Redis connections (blocking pool beyond them)
+    release_concurrency: int = 4  # notify-only releases of D's blocks in flight at once
+    max_pending_releases: int = 1024  # queued beyond that: dropped (D's TTL frees them)
