@@ -43,7 +43,9 @@ class _RouterApp:
     def __init__(self, settings: RouterSettings, store: ConversationStore | None) -> None:
         self.settings = settings
         self.prefill = UpstreamPool("prefill", settings.prefill_hosts, settings.prefill_ports)
-        self.decode = UpstreamPool("decode", settings.decode_hosts, settings.decode_ports)
+        self.decode = UpstreamPool("decode", settings.decode_hosts, settings.decode_ports,
+                                   held_weight=settings.held_weight,
+                                   held_ttl=settings.cache_ttl)
         self.store = store or open_store(
             settings.store, settings.cache_ttl, settings.max_conversations,
             max_concurrency=settings.max_concurrency,

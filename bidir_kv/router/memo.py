@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections.abc import Callable
 
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.router.failures import UpstreamFailure
@@ -30,9 +31,11 @@ class TurnMemo:
     """Writes D's params (and the turn's token ids) to the conversation store."""
 
     def __init__(
-        self, store: ConversationStore, metrics: RouterMetrics, guard: bool, releaser: Releaser
+        self, store: ConversationStore, metrics: RouterMetrics, guard: bool, releaser: Releaser,
+        hold: Callable[[str, str], None],
     ) -> None:
         self.store = store
+        self.hold = hold  # count the stored turn as work its D holds (placement)
         self.metrics = metrics
         self.guard = guard
         self.releaser = releaser
@@ -94,6 +97,7 @@ class TurnMemo:
             self.release(turn, p_node, d_node, params, "store_error")
             return
         m.stored.inc()
+        self.hold(d_node.id, str(params.remote_request_id))
         log.info("conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)", turn.conv,
                  params.remote_request_id, params.num_blocks)
 
