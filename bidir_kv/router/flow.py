@@ -32,7 +32,12 @@ from bidir_kv.router.failures import (
     unavailable_response,
 )
 from bidir_kv.router.guard import GuardVerdict, judge_continuation, release_params
-from bidir_kv.router.identity import IdentityError, conversation_key
+from bidir_kv.router.identity import (
+    IdentityError,
+    cache_salt_for,
+    conversation_key,
+    tenant_digest,
+)
 from bidir_kv.router.intake import Rejected, check_fields, parse_body, read_body
 from bidir_kv.router.memo import TurnMemo
 from bidir_kv.router.metrics import RouterMetrics
@@ -102,6 +107,9 @@ class RouterFlow:
         except IdentityError as exc:
             m.errors.labels("bad_request").inc()
             return error_response(400, str(exc), "BadRequestError")
+        salt = cache_salt_for(tenant_digest(request.headers.get("Authorization")))
+        if salt is not None and "cache_salt" not in body:
+            body["cache_salt"] = salt  # both legs; a client's own salt is kept
         headers = {"Content-Type": JSON, "X-Request-Id": rid}
         auth = self._api_auth or request.headers.get("Authorization")
         if auth:
