@@ -28,6 +28,7 @@ from bidir_kv.policy.guard import (
     reusable_prefix,
     reusable_prefix_by_hashes,
 )
+from bidir_kv.policy.placement import least_loaded, node_load
 from bidir_kv.policy.retention import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_KV_LEASE_DURATION,
@@ -83,8 +84,10 @@ __all__ = [
     "entry_is_stale",
     "heartbeat_extension",
     "heartbeat_interval",
+    "least_loaded",
     "local_deadline",
     "max_prefix_hit_blocks",
+    "node_load",
     "partial_tail_tokens",
     "position_pairing",
     "pull_decision",

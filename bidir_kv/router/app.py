@@ -43,7 +43,9 @@ class _RouterApp:
     def __init__(self, settings: RouterSettings, store: ConversationStore | None) -> None:
         self.settings = settings
         self.prefill = UpstreamPool("prefill", settings.prefill_hosts, settings.prefill_ports)
-        self.decode = UpstreamPool("decode", settings.decode_hosts, settings.decode_ports)
+        self.decode = UpstreamPool("decode", settings.decode_hosts, settings.decode_ports,
+                                   held_weight=settings.held_weight,
+                                   held_ttl=settings.cache_ttl)
         self.store = store or open_store(
             settings.store, settings.cache_ttl, settings.max_conversations,
             max_concurrency=settings.max_concurrency,
@@ -74,6 +76,7 @@ class _RouterApp:
     async def on_cleanup(self, app: web.Application) -> None:
         if self.checker is not None:
             await self.checker.stop()
+        await app[FLOW_KEY].releaser.close()
         await app[FLOW_KEY].session.close()
         await self.store.close()
 

@@ -32,12 +32,14 @@ from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.turn import Turn, record_client_gone, record_first_byte
 from bidir_kv.router.upstreams import Upstream, UpstreamPool
 
-__all__ = ["DecodeLeg", "Remember"]
+__all__ = ["DecodeLeg", "Release", "Remember"]
 
 log = logging.getLogger("bidir_kv.router")
 
 # Called with (turn, P node, D node, what the relay captured) once D's answer is complete.
 Remember = Callable[[Turn, Upstream, Upstream, RelayResult], Awaitable[None]]
+# Called with (turn, P node, D node, D's dict, reason) to free D's blocks of a turn not stored.
+Release = Callable[[Turn, Upstream, Upstream, KVTransferParams | None, str], None]
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -51,11 +53,13 @@ class DecodeLeg:
         session: aiohttp.ClientSession,
         settings: RouterSettings,
         metrics: RouterMetrics,
+        release: Release,
     ) -> None:
         self.pool = pool
         self.session = session
         self.settings = settings
         self.metrics = metrics
+        self.release = release
 
     def body(
         self, turn: Turn, p_node: Upstream, p_params: KVTransferParams | None, stream: bool
@@ -202,6 +206,7 @@ class _Answer:
         remember: Remember,
     ) -> None:
         self.metrics = leg.metrics
+        self.release = leg.release
         self.request = request
         self.turn = turn
         self.p_node = p_node
@@ -242,7 +247,11 @@ class _Answer:
             record_client_gone(turn, self.metrics)
             return out
         record_first_byte(turn, self.metrics)
-        result = await self.relay.pump(self.resp, out)
+        try:
+            result = await self.relay.pump(self.resp, out)
+        except asyncio.CancelledError:  # the client left: D's blocks, if it sent them, go
+            self.release(turn, self.p_node, d_node, self.relay.result.params, "client_gone")
+            raise
         turn.upstream += result.upstream_seconds
         if result.failure is not None:
             self._error(Cause.MID_STREAM)
@@ -251,6 +260,7 @@ class _Answer:
                       turn.conv, d_node.id, result.failure)
         elif result.client_gone:
             record_client_gone(turn, self.metrics)
+            self.release(turn, self.p_node, d_node, result.params, "client_gone")
         else:
             await self.remember(turn, self.p_node, d_node, result)
         await self.relay.finish(out)

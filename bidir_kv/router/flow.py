@@ -32,11 +32,17 @@ from bidir_kv.router.failures import (
     unavailable_response,
 )
 from bidir_kv.router.guard import GuardVerdict, judge_continuation, release_params
-from bidir_kv.router.identity import IdentityError, conversation_key
+from bidir_kv.router.identity import (
+    IdentityError,
+    cache_salt_for,
+    conversation_key,
+    tenant_digest,
+)
 from bidir_kv.router.intake import Rejected, check_fields, parse_body, read_body
 from bidir_kv.router.memo import TurnMemo
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.prefill import PrefillLeg, pulled_tokens
+from bidir_kv.router.release import Releaser
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, Entry, StoreError, Taken
 from bidir_kv.router.turn import Turn, record_client_gone
@@ -73,8 +79,10 @@ class RouterFlow:
         self.session = session
         self.settings = settings
         self.prefill_leg = PrefillLeg(prefill, session, settings, metrics)
-        self.decode_leg = DecodeLeg(decode, session, settings, metrics)
-        self.memo = TurnMemo(store, metrics, settings.guard)
+        self.releaser = Releaser(prefill, decode, session, settings, metrics)
+        store.on_evict = self._evicted  # evicted entries free D's blocks
+        self.memo = TurnMemo(store, metrics, settings.guard, self.releaser, decode.hold)
+        self.decode_leg = DecodeLeg(decode, session, settings, metrics, self.memo.release)
         api_key = os.environ.get("OPENAI_API_KEY")
         self._api_auth = f"Bearer {api_key}" if api_key else None
 
@@ -99,6 +107,9 @@ class RouterFlow:
         except IdentityError as exc:
             m.errors.labels("bad_request").inc()
             return error_response(400, str(exc), "BadRequestError")
+        salt = cache_salt_for(tenant_digest(request.headers.get("Authorization")))
+        if salt is not None and "cache_salt" not in body:
+            body["cache_salt"] = salt  # both legs; a client's own salt is kept
         headers = {"Content-Type": JSON, "X-Request-Id": rid}
         auth = self._api_auth or request.headers.get("Authorization")
         if auth:
@@ -113,14 +124,33 @@ class RouterFlow:
         finally:
             turn.cancel_tokenize()
 
+    def _evicted(self, entry: Entry, reason: str) -> None:
+        """A store entry dropped unused: D no longer holds it for us; free its blocks."""
+        self.decode.unhold(entry.decode, str(entry.params.remote_request_id))
+        self.releaser.release_entry(entry, reason)
+
     async def _run(self, request: web.Request, turn: Turn) -> web.StreamResponse:
         entry = await self._take(turn)
+        if entry is not None:
+            self.decode.unhold(entry.decode, str(entry.params.remote_request_id))
         p_node = self.prefill.pick(entry.prefill if entry else None)
         d_node = self.decode.pick(entry.decode if entry else None)
         if p_node is None or d_node is None:
             down = [pool for pool, node in ((self.prefill, p_node), (self.decode, d_node))
                     if node is None]
             return unavailable_response(self.metrics, *down)
+        # Reserved from the pick to the end of the D leg: turns picked while this one is
+        # still in its P leg see it (placement would otherwise herd them onto one D).
+        d_node.reserved += 1
+        try:
+            return await self._legs(request, turn, entry, p_node, d_node)
+        finally:
+            d_node.reserved -= 1
+
+    async def _legs(
+        self, request: web.Request, turn: Turn, entry: Entry | None, p_node: Upstream,
+        d_node: Upstream,
+    ) -> web.StreamResponse:
         hit, release = await self._reuse(turn, p_node, entry)
         if hit is not None:
             self.metrics.hit_offers.inc()

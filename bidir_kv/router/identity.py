@@ -17,6 +17,7 @@ __all__ = [
     "ANONYMOUS_TENANT",
     "ConversationKey",
     "IdentityError",
+    "cache_salt_for",
     "conversation_key",
     "log_safe",
     "tenant_digest",
@@ -35,6 +36,17 @@ def log_safe(text: str, limit: int = 200) -> str:
     else:
         out = cut.encode("unicode_escape").decode("ascii")
     return out + ("..." if len(text) > limit else "")
+
+
+def cache_salt_for(tenant: str) -> str | None:
+    """vLLM's per-request ``cache_salt`` for a tenant: prompts of different tenants
+    never share prefix-cache blocks, so ``usage.cached_tokens`` cannot reveal how much
+    of a guessed prompt another tenant sent. ``None`` for anonymous clients: they are
+    one tenant already (one store namespace); a random salt per request would end
+    their prefix hits, including the history P reads from D."""
+    if tenant == ANONYMOUS_TENANT:
+        return None
+    return f"tenant-{tenant}"
 
 
 class IdentityError(ValueError):

@@ -2,17 +2,22 @@
 
 A turn is stored only when D returned a dict with blocks, the request had one
 choice, and the next prompt can be verified (token ids known, or no delta a
-client might drop or re-render when it sends the history back).
+client might drop or re-render when it sends the history back). A turn that is
+not stored but whose D returned blocks gets them released at once
+(:mod:`bidir_kv.router.release`): nobody will read them.
 """
 
 from __future__ import annotations
 
 import logging
 from array import array
+from collections.abc import Callable
 
+from bidir_kv.protocol import KVTransferParams
 from bidir_kv.router.failures import UpstreamFailure
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.relay import RelayResult
+from bidir_kv.router.release import Releaser
 from bidir_kv.router.store import ConversationStore, Entry, StoreError
 from bidir_kv.router.turn import Turn
 from bidir_kv.router.upstreams import Upstream
@@ -25,11 +30,24 @@ log = logging.getLogger("bidir_kv.router")
 class TurnMemo:
     """Writes D's params (and the turn's token ids) to the conversation store."""
 
-    def __init__(self, store: ConversationStore, metrics: RouterMetrics, guard: bool) -> None:
+    def __init__(
+        self, store: ConversationStore, metrics: RouterMetrics, guard: bool, releaser: Releaser,
+        hold: Callable[[str, str], None],
+    ) -> None:
         self.store = store
+        self.hold = hold  # count the stored turn as work its D holds (placement)
         self.metrics = metrics
         self.guard = guard
+        self.releaser = releaser
         self._explained: set[str] = set()
+
+    def release(
+        self, turn: Turn, p_node: Upstream, d_node: Upstream,
+        params: KVTransferParams | None, reason: str,
+    ) -> None:
+        """Free the blocks D holds for this turn: it leaves nothing in the store."""
+        self.releaser.release(params, d_node.id, reason, model=turn.body.get("model"),
+                              prefill=p_node.id, auth=turn.headers.get("Authorization"))
 
     async def remember(
         self, turn: Turn, p_node: Upstream, d_node: Upstream, result: RelayResult
@@ -38,6 +56,7 @@ class TurnMemo:
         m = self.metrics
         params = result.params
         if turn.key is None:
+            self.release(turn, p_node, d_node, params, "no_id")
             return
         if params is None or not params.has_remote_blocks:
             turn.cancel_tokenize()
@@ -47,6 +66,7 @@ class TurnMemo:
         if not turn.single_choice:
             turn.cancel_tokenize()
             m.not_cached.labels("n_gt_1").inc()
+            self.release(turn, p_node, d_node, params, "n_gt_1")
             return
         tokens = result.tokens(await _prompt_ids(turn)) if result.collected_ids else None
         verifiable = self.guard and tokens is not None
@@ -58,21 +78,26 @@ class TurnMemo:
                 m.not_cached.labels("untracked_delta").inc()
                 log.info("[%s] conv=%s: not caching a turn with %s (cannot verify the next "
                          "prompt)", turn.rid, turn.conv, untracked)
+                self.release(turn, p_node, d_node, params, "untracked_delta")
                 return
+        model = turn.body.get("model")
         entry = Entry(
             params=params,  # remote_host is rewritten to D's HTTP host when it is used
             decode=d_node.id,
             prefill=p_node.id,
             created=self.store.now(),
             tokens=_packed(tokens),
+            model=model if isinstance(model, str) else None,
         )
         try:
             await self.store.put(turn.key.storage_key, entry)
         except StoreError as exc:
             m.errors.labels("store").inc()
             log.error("[%s] conv=%s: %s; turn not cached", turn.rid, turn.conv, exc)
+            self.release(turn, p_node, d_node, params, "store_error")
             return
         m.stored.inc()
+        self.hold(d_node.id, str(params.remote_request_id))
         log.info("conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)", turn.conv,
                  params.remote_request_id, params.num_blocks)
 

@@ -78,6 +78,16 @@ class RouterMetrics:
                              ["role", "node"], registry=r)
         self.inflight = Gauge(p + "backend_inflight", "Requests in flight per node",
                               ["role", "node"], registry=r)
+        self.releases = Counter(
+            p + "releases",
+            "Notify-only releases of D's blocks that P accepted (turns not stored)",
+            ["reason"],  # no_id, untracked_delta, n_gt_1, store_error, client_gone, evicted, ...
+            registry=r,
+        )
+        self.release_failures = Counter(
+            p + "release_failures", "Releases of D's blocks not sent or refused", ["cause"],
+            registry=r,
+        )
         self.cached = Gauge(p + "cached_conversations", "Live store entries", registry=r)
 
     def render(self) -> bytes:

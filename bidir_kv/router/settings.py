@@ -51,3 +51,6 @@ class RouterSettings:
     log_level: str = "info"  # one of LOG_LEVELS
     max_body_bytes: int = 64 * 1024 * 1024
     max_concurrency: int = 128  # Redis connections (blocking pool beyond them)
+    held_weight: float = 0.25  # placement: one stored turn pinned on a D = 1/4 of a request
+    release_concurrency: int = 4  # notify-only releases of D's blocks in flight at once
+    max_pending_releases: int = 1024  # queued beyond that: dropped (D's TTL frees them)

@@ -3,7 +3,9 @@
 The upstream proxy round-robins D per request, so a turn usually lands on a D
 without the conversation's prefix and the whole history crosses the network a
 second time. Here the next turn goes to the D (and P) that served the last one
-while it is healthy; otherwise to the least-loaded healthy node.
+while it is healthy; otherwise to the least-loaded healthy node
+(:func:`bidir_kv.policy.node_load`: requests reserved on it from the moment they
+were picked, plus the turns this router holds in its store for it, weighted).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Literal
 
 import aiohttp
 
+from bidir_kv.policy import least_loaded, node_load, stale_cutoff
+
 __all__ = ["HealthChecker", "Role", "Upstream", "UpstreamPool"]
 
 log = logging.getLogger("bidir_kv.router")
@@ -33,7 +37,9 @@ class Upstream:
     host: str
     port: int
     healthy: bool = True
-    inflight: int = 0
+    inflight: int = 0  # requests open to it right now
+    reserved: int = 0  # turns placed on it whose leg has not ended (picked, maybe not sent)
+    held: dict[str, float] = field(default_factory=dict)  # stored turns: request id -> time
     last_error: str | None = None
     strikes: int = 0  # consecutive failed health probes
     last_change: float = field(default_factory=time.monotonic)
@@ -61,7 +67,10 @@ class Upstream:
 class UpstreamPool:
     """The upstream engines of one role."""
 
-    def __init__(self, role: Role, hosts: Sequence[str], ports: Sequence[int]) -> None:
+    def __init__(
+        self, role: Role, hosts: Sequence[str], ports: Sequence[int],
+        held_weight: float = 0.0, held_ttl: float = float("inf"),
+    ) -> None:
         if len(hosts) != len(ports):
             raise ValueError(
                 f"{role}: {len(hosts)} host(s) but {len(ports)} port(s); give one port per host"
@@ -74,6 +83,8 @@ class UpstreamPool:
         ]
         self._by_id = {node.id: node for node in self.nodes}
         self._rr = itertools.count()
+        self.held_weight = held_weight
+        self.held_ttl = held_ttl  # a held turn older than this is no longer counted
 
     def get(self, upstream_id: str | None) -> Upstream | None:
         return None if upstream_id is None else self._by_id.get(upstream_id)
@@ -91,9 +102,39 @@ class UpstreamPool:
         candidates = [node for node in self.nodes if node.healthy and node is not exclude]
         if not candidates:
             return None
-        low = min(node.inflight for node in candidates)
-        tied = [node for node in candidates if node.inflight == low]
-        return tied[next(self._rr) % len(tied)]
+        now = time.monotonic()
+        loads = [self.load(node, now) for node in candidates]
+        tied = least_loaded(loads)
+        return candidates[tied[next(self._rr) % len(tied)]]
+
+    def load(self, node: Upstream, now: float | None = None) -> float:
+        """What placement compares (:func:`bidir_kv.policy.node_load`)."""
+        return node_load(max(node.reserved, node.inflight), self.held_count(node, now),
+                         self.held_weight)
+
+    # ---- held work: turns in the store whose KV the node keeps pinned ------------
+
+    def hold(self, node_id: str, request_id: str) -> None:
+        node = self.get(node_id)
+        if node is not None:
+            node.held.pop(request_id, None)  # keep the dict in time order
+            node.held[request_id] = time.monotonic()
+
+    def unhold(self, node_id: str | None, request_id: str) -> None:
+        node = self.get(node_id)
+        if node is not None:
+            node.held.pop(request_id, None)
+
+    def held_count(self, node: Upstream, now: float | None = None) -> int:
+        """Held turns, forgetting those older than ``held_ttl`` (taken by another
+        replica, or expired in a shared store)."""
+        cutoff = stale_cutoff(time.monotonic() if now is None else now, self.held_ttl)
+        while node.held:
+            rid, at = next(iter(node.held.items()))
+            if at >= cutoff:
+                break
+            del node.held[rid]
+        return len(node.held)
 
     def down_description(self) -> str:
         parts = [

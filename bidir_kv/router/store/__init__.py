@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from bidir_kv.router.store.base import ConversationStore, Entry, StoreError, Taken
+from bidir_kv.router.store.base import ConversationStore, Entry, EvictionHook, StoreError, Taken
 from bidir_kv.router.store.memory import MemoryStore
 from bidir_kv.router.store.redis import RedisStore
 
@@ -18,6 +18,7 @@ __all__ = [
     "REDIS_SCHEMES",
     "ConversationStore",
     "Entry",
+    "EvictionHook",
     "MemoryStore",
     "RedisStore",
     "StoreError",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -21,7 +21,7 @@ import msgpack
 from bidir_kv.policy import entry_age, entry_is_stale
 from bidir_kv.protocol import KVTransferParams
 
-__all__ = ["ConversationStore", "Entry", "StoreError", "Taken"]
+__all__ = ["ConversationStore", "Entry", "EvictionHook", "StoreError", "Taken"]
 
 _FORMAT: Final = 1
 
@@ -46,6 +46,7 @@ class Entry:
     prefill: str | None
     created: float
     tokens: Sequence[int] | None = None
+    model: str | None = None  # the turn's ``model``, for a release of an evicted entry
 
     def to_bytes(self) -> bytes:
         toks = None
@@ -60,6 +61,7 @@ class Entry:
                 "p": self.prefill,
                 "t": self.created,
                 "tok": toks,
+                "m": self.model,
             },
             use_bin_type=True,
         )
@@ -82,9 +84,14 @@ class Entry:
                 prefill=None if obj.get("p") is None else str(obj["p"]),
                 created=float(obj["t"]),
                 tokens=tokens,
+                model=obj["m"] if isinstance(obj.get("m"), str) else None,
             )
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
             raise StoreError(f"unreadable conversation entry: {exc}") from None
+
+
+# Called with an entry dropped unused and why; must not block (it queues work).
+EvictionHook = Callable[[Entry, str], object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +108,8 @@ class ConversationStore(abc.ABC):
 
     Implementations provide :meth:`_pop` (remove and return, atomically) and the
     other abstract methods; :meth:`take` judges what :meth:`_pop` returned.
+    Every entry dropped without being used (bound, stale, overwritten) is handed to
+    :attr:`on_evict` with the reason, so the router can free D's blocks at once.
     """
 
     kind: str = "abstract"
@@ -115,6 +124,15 @@ class ConversationStore(abc.ABC):
         self.now = now
         self.evicted_stale = 0
         self.evicted_lru = 0
+        self.on_evict: EvictionHook | None = None
+
+    def _evicted(self, entries: Iterable[Entry | None], reason: str) -> None:
+        """Report entries dropped unused (``reason``: ``evicted``, ``stale``, ``replaced``)."""
+        if self.on_evict is None:
+            return
+        for entry in entries:
+            if entry is not None:
+                self.on_evict(entry, reason)
 
     async def take(self, key: str) -> Taken:
         """Remove and return the entry (single use); a stale one comes back as ``stale``."""
@@ -125,6 +143,7 @@ class ConversationStore(abc.ABC):
         age = entry_age(entry.created, now)
         if entry_is_stale(entry.created, now, self.ttl):
             self.evicted_stale += 1
+            self._evicted([entry], "stale")
             return Taken(None, stale=True, age=age)
         return Taken(entry, age=age)
 

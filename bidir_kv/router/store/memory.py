@@ -25,11 +25,12 @@ class MemoryStore(ConversationStore):
         return self._entries.pop(key, None)
 
     async def put(self, key: str, entry: Entry) -> None:
-        self._entries.pop(key, None)
+        self._evicted([self._entries.pop(key, None)], "replaced")
         self._entries[key] = entry
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            _, old = self._entries.popitem(last=False)
             self.evicted_lru += 1
+            self._evicted([old], "evicted")
 
     async def size(self) -> int:
         now = self.now()
@@ -46,7 +47,6 @@ class MemoryStore(ConversationStore):
             for key, entry in self._entries.items()
             if entry_is_stale(entry.created, now, self.ttl)
         ]
-        for key in stale:
-            del self._entries[key]
+        self._evicted([self._entries.pop(key) for key in stale], "stale")
         self.evicted_stale += len(stale)
         return len(stale)

@@ -77,17 +77,40 @@ class RedisStore(ConversationStore):
     async def put(self, key: str, entry: Entry) -> None:
         name = self._key(key)
         pipe = self._redis.pipeline(transaction=True)
-        pipe.set(name, entry.to_bytes(), px=int((self.ttl + self.GRACE) * 1000))
+        # GET: an entry this one overwrites (concurrent turns of one conversation) is
+        # reported, so its blocks on D are released
+        pipe.set(name, entry.to_bytes(), px=int((self.ttl + self.GRACE) * 1000), get=True)
         pipe.zadd(self._index, {name: entry.created})
         pipe.zcard(self._index)
-        *_, count = await self._run("SET", pipe.execute())
+        old, _, count = await self._run("SET", pipe.execute())
+        self._evicted(self._decode([old]), "replaced")
         excess = int(count) - self.max_entries
         if excess > 0:
             popped = await self._run("ZPOPMIN", self._redis.zpopmin(self._index, excess))
             names = [member for member, _score in popped]
             if names:
-                await self._run("DEL", self._redis.delete(*names))
+                raws = await self._getdel(names)
                 self.evicted_lru += len(names)
+                self._evicted(self._decode(raws), "evicted")
+
+    async def _getdel(self, names: list[Any]) -> list[Any]:
+        pipe = self._redis.pipeline(transaction=True)
+        for name in names:
+            pipe.getdel(name)
+        return list(await self._run("GETDEL", pipe.execute()))
+
+    @staticmethod
+    def _decode(raws: list[Any]) -> list[Entry | None]:
+        """Entries of raw values; ``None`` for missing ones, unreadable ones skipped."""
+        out: list[Entry | None] = []
+        for raw in raws:
+            if raw is None:
+                continue
+            try:
+                out.append(Entry.from_bytes(raw))
+            except StoreError:
+                continue
+        return out
 
     async def size(self) -> int:
         cutoff = stale_cutoff(self.now(), self.ttl)  # fresh: created at or after the cutoff
@@ -102,10 +125,12 @@ class RedisStore(ConversationStore):
         if not names:
             return 0
         pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(*names)
+        for name in names:
+            pipe.getdel(name)
         pipe.zrem(self._index, *names)
-        await self._run("sweep", pipe.execute())
+        *raws, _ = await self._run("sweep", pipe.execute())
         self.evicted_stale += len(names)
+        self._evicted(self._decode(raws), "stale")
         return len(names)
 
     async def close(self) -> None:

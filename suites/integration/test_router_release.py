@@ -1,0 +1,173 @@
+"""D's blocks of turns the router will not store are freed at once, and placement.
+
+One emulated 1P2D set (real processes on loopback) is shared by the module; each
+test starts routers of its own in front of some of those engines. D's retained
+handles are read from its ``/_emulator/state``; without a release they stay until
+D's ``decoder_kv_blocks_ttl`` (480 s).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.poll import wait_for
+from bidir_kv.testing.router import RouterProcess, chat, router_counter
+
+_ids = itertools.count()
+
+
+def conv_id(tag: str) -> str:
+    return f"{tag}-{next(_ids)}"
+
+
+def story(tag: str) -> list[dict[str, Any]]:
+    text = f"Conversation {tag}: tell me a long story about dragons, castles and rivers. " * 4
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    try:
+        import bidir_kv.engine.cli  # noqa: F401
+        from bidir_kv.topology.local import LocalTopology
+    except ImportError as exc:
+        skip_or_fail(request.config, "integration", f"emulated engine unavailable: {exc}")
+    from bidir_kv.testing.router import bidirectional_config as kv_config
+    from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
+
+    spec = TopologySpec(
+        num_decode=2,
+        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", enable_prefix_caching=False),
+        decode=EngineSpec(kv=kv_config("decode"), transport="tcp"),
+        router=RouterSpec(extra_args=("--health-interval", "0.5")),
+    )
+    with LocalTopology(spec, tmp_path_factory.mktemp("router-release")) as t:
+        yield t
+
+
+def retained(node: Any) -> int:
+    """Finished turns whose blocks D holds for a next turn's P."""
+    with urllib.request.urlopen(node.url + "/_emulator/state", timeout=10) as resp:
+        return int(json.loads(resp.read())["retained"])
+
+
+def router_for(topo: Any, router_process: Callable[..., RouterProcess], decode: list[Any],
+               *flags: str) -> RouterProcess:
+    return router_process([(n.host, n.port) for n in topo.prefill],
+                          [(n.host, n.port) for n in decode],
+                          extra=("--health-interval", "0.5", *flags))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_turn_without_id_frees_ds_blocks_at_once(
+    topo: Any, router_process: Callable[..., RouterProcess], stream: bool
+) -> None:
+    """No conversation id: nothing is stored, so D's retained blocks are released now
+    (notify-only through P) instead of staying pinned until D's TTL."""
+    d = topo.decode[0]
+    rp = router_for(topo, router_process, [d])
+    before = retained(d)
+    res = chat(rp.url, story(conv_id("noid")), None, stream=stream)
+    assert res.status == 200 and res.error is None, res.raw[:300]
+    wait_for(lambda: retained(d) == before, 15, "D to free the released blocks")
+    assert router_counter(rp.url, "releases", reason="no_id") == 1
+    assert router_counter(rp.url, "release_failures", cause="http") == 0
+
+
+def test_evicted_entry_frees_ds_blocks(
+    topo: Any, router_process: Callable[..., RouterProcess]
+) -> None:
+    """--max-conversations 1: the second conversation evicts the first, whose blocks on
+    D are released at once; the second's stay retained for its next turn."""
+    d = topo.decode[0]
+    rp = router_for(topo, router_process, [d], "--max-conversations", "1")
+    before = retained(d)
+    for tag in ("evict-a", "evict-b"):
+        conv = conv_id(tag)
+        res = chat(rp.url, story(conv), conv)
+        assert res.status == 200 and res.error is None, res.raw[:300]
+    wait_for(lambda: retained(d) == before + 1, 15, "D to free the evicted turn's blocks")
+    assert router_counter(rp.url, "releases", reason="evicted") == 1
+
+
+@pytest.fixture
+def faults(topo: Any) -> Iterator[Callable[[Any, dict[str, Any]], None]]:
+    """Set faults on an engine node; every node touched is reset at teardown."""
+    touched: list[Any] = []
+
+    def post(node: Any, changes: dict[str, Any]) -> None:
+        req = urllib.request.Request(node.url + "/_emulator/faults",
+                                     data=json.dumps(changes).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            resp.read()
+
+    def set_faults(node: Any, changes: dict[str, Any]) -> None:
+        touched.append(node)
+        post(node, changes)
+
+    try:
+        yield set_faults
+    finally:
+        for node in touched:
+            post(node, {"stall_seconds": 0.0})
+
+
+def _finished(node: Any) -> float:
+    from bidir_kv.scrape import scrape
+
+    return scrape(node.url).value("vllm:request_success_total")
+
+
+def test_new_conversations_do_not_herd_onto_one_d(
+    topo: Any, router_process: Callable[..., RouterProcess],
+    faults: Callable[[Any, dict[str, Any]], None],
+) -> None:
+    """D0 is slowed and busy with one long turn; 16 new conversations then arrive at
+    once while P is slow (none has reached its D leg when the others are placed).
+    Each D gets at least 5 of the 16: every turn counts on its D from the moment it
+    is picked, not only once its D leg starts (which put all 16 on D1)."""
+    import asyncio
+    import threading
+
+    import aiohttp
+
+    from bidir_kv.scrape import scrape
+
+    d0, d1 = topo.decode
+    rp = router_for(topo, router_process, [d0, d1])
+    faults(d0, {"stall_seconds": 0.05})
+    long_turn = threading.Thread(
+        target=chat, args=(rp.url, story(conv_id("long")), conv_id("long")),
+        kwargs={"max_tokens": 120}, daemon=True)
+    long_turn.start()  # first pick of a fresh router: D0 (ties rotate from the first node)
+    wait_for(lambda: scrape(rp.url).value("bidir_kv_router_backend_inflight",
+                                          node=f"{d0.host}:{d0.port}") == 1, 15,
+             "the long turn to be decoding on D0")
+    before = (_finished(d0), _finished(d1))
+    faults(topo.prefill[0], {"stall_seconds": 0.3})
+    tag = conv_id("herd")
+
+    async def one(session: aiohttp.ClientSession, i: int) -> int:
+        body = {"model": "tiny", "messages": story(f"{tag}-{i}"), "max_tokens": 2,
+                "temperature": 0, "conversation_id": f"{tag}-{i}"}
+        async with session.post(rp.url + "/v1/chat/completions", json=body) as resp:
+            await resp.read()
+            return resp.status
+
+    async def burst() -> list[int]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            return await asyncio.gather(*(one(s, i) for i in range(16)))
+
+    assert asyncio.run(burst()) == [200] * 16
+    long_turn.join(60)
+    on_d0 = _finished(d0) - before[0] - 1  # minus the long turn, finished meanwhile
+    on_d1 = _finished(d1) - before[1]
+    assert on_d0 + on_d1 == 16 and min(on_d0, on_d1) >= 5, (on_d0, on_d1)
