@@ -7,6 +7,7 @@ Loaded by the plugin; suites use the fixtures ``redis_server`` and
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import sys
 import urllib.error
@@ -28,9 +29,11 @@ from bidir_kv.router.store import ConversationStore
 from bidir_kv.testing.engines import kv_config
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.tools.stub_engine import StubEngine
-from bidir_kv.topology.base import BackendUnavailable
+from bidir_kv.topology.base import BackendUnavailable, EngineSpec, RouterSpec, TopologySpec
 from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.topology.redis_server import RedisServer
+
+_conversations = itertools.count()
 
 __all__ = [
     "ChatResult",
@@ -38,7 +41,10 @@ __all__ = [
     "StubStack",
     "bidirectional_config",
     "chat",
+    "conversation_id",
     "counter",
+    "emulated_router_topology",
+    "long_opening",
     "redis_server",
     "router_counter",
     "router_process",
@@ -304,3 +310,44 @@ def router_counter(url: str, name: str, **labels: str) -> float:
     from bidir_kv.scrape import scrape
 
     return scrape(url).value(f"bidir_kv_router_{name}_total", **labels)
+
+
+def conversation_id(tag: str) -> str:
+    """A conversation id unique within the test session."""
+    return f"{tag}-{next(_conversations)}"
+
+
+def long_opening(tag: str) -> list[dict[str, Any]]:
+    """A first user turn long enough (well over 64 tokens) to make pulls worthwhile."""
+    text = f"Conversation {tag}: tell me a long story about dragons, castles and rivers. " * 4
+    return [{"role": "user", "content": text}]
+
+
+@contextlib.contextmanager
+def emulated_router_topology(
+    config: pytest.Config,
+    run_dir: Path,
+    *,
+    num_decode: int = 1,
+    prefix_caching_on_p: bool = True,
+    engine_args: tuple[str, ...] = (),
+) -> Iterator[Any]:
+    """Emulated P and D engines (TCP transport) behind one router, as processes.
+
+    The router checks health every 0.5 s so a test sees a node's state change quickly.
+    Skips (or fails under a required tier) where the emulated engine cannot be imported.
+    """
+    try:
+        import bidir_kv.engine.cli  # noqa: F401
+        from bidir_kv.topology.local import LocalTopology
+    except ImportError as exc:
+        skip_or_fail(config, "integration", f"emulated engine unavailable: {exc}")
+    spec = TopologySpec(
+        num_decode=num_decode,
+        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp",
+                           enable_prefix_caching=prefix_caching_on_p, extra_args=engine_args),
+        decode=EngineSpec(kv=kv_config("decode"), transport="tcp", extra_args=engine_args),
+        router=RouterSpec(extra_args=("--health-interval", "0.5")),
+    )
+    with LocalTopology(spec, run_dir) as topology:
+        yield topology

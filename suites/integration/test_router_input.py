@@ -16,28 +16,14 @@ from typing import Any
 import pytest
 
 from bidir_kv.scrape import scrape
-from bidir_kv.testing.gating import skip_or_fail
-from bidir_kv.testing.router import RouterProcess, chat
+from bidir_kv.testing.router import RouterProcess, chat, emulated_router_topology
 
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 
 
 @pytest.fixture(scope="module")
 def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    try:
-        import bidir_kv.engine.cli  # noqa: F401
-        from bidir_kv.topology.local import LocalTopology
-    except ImportError as exc:
-        skip_or_fail(request.config, "integration", f"emulated engine unavailable: {exc}")
-    from bidir_kv.testing.router import bidirectional_config as kv_config
-    from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
-
-    spec = TopologySpec(
-        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp"),
-        decode=EngineSpec(kv=kv_config("decode"), transport="tcp"),
-        router=RouterSpec(extra_args=("--health-interval", "0.5")),
-    )
-    with LocalTopology(spec, tmp_path_factory.mktemp("router-input")) as t:
+    with emulated_router_topology(request.config, tmp_path_factory.mktemp("router-input")) as t:
         yield t
 
 

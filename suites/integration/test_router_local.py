@@ -10,7 +10,6 @@ router processes in front of the same engines.
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,45 +17,28 @@ from typing import Any
 import pytest
 
 from bidir_kv.scrape import MetricsSnapshot, scrape
-from bidir_kv.testing.gating import skip_or_fail
-from bidir_kv.testing.router import ChatResult, RouterProcess, chat, router_counter
+from bidir_kv.testing.router import (
+    ChatResult,
+    RouterProcess,
+    chat,
+    conversation_id,
+    emulated_router_topology,
+    long_opening,
+    router_counter,
+)
 from bidir_kv.topology.process import free_port
 
 TOKENS = "vllm:prompt_tokens_by_source_total"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
-_ids = itertools.count()
-
-
-def conv_id(tag: str) -> str:
-    return f"{tag}-{next(_ids)}"
-
-
-def story(tag: str) -> list[dict[str, Any]]:
-    """A first user turn long enough (well over 64 tokens) to make pulls worthwhile."""
-    text = f"Conversation {tag}: tell me a long story about dragons, castles and rivers. " * 4
-    return [{"role": "user", "content": text}]
 
 
 @pytest.fixture(scope="module")
 def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    try:
-        import bidir_kv.engine.cli  # noqa: F401
-        from bidir_kv.topology.local import LocalTopology
-    except ImportError as exc:
-        skip_or_fail(request.config, "integration", f"emulated engine unavailable: {exc}")
-    from bidir_kv.testing.router import bidirectional_config as kv_config
-    from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
-
     # --kv-guard off: the engines trust params like vLLM, so only the router's guard
     # stands between a rewritten history and wrong KV.
-    vllm_like = ("--kv-guard", "off")
-    spec = TopologySpec(
-        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", enable_prefix_caching=False,
-                           extra_args=vllm_like),
-        decode=EngineSpec(kv=kv_config("decode"), transport="tcp", extra_args=vllm_like),
-        router=RouterSpec(extra_args=("--health-interval", "0.5")),
-    )
-    with LocalTopology(spec, tmp_path_factory.mktemp("router-local")) as t:
+    with emulated_router_topology(request.config, tmp_path_factory.mktemp("router-local"),
+                                  prefix_caching_on_p=False,
+                                  engine_args=("--kv-guard", "off")) as t:
         yield t
 
 
@@ -97,8 +79,8 @@ def oracle(topo: Any, messages: list[dict[str, Any]], max_tokens: int = 12) -> s
 
 
 def test_multi_turn_hits_pull_history_from_d_and_match_the_oracle(topo: Any) -> None:
-    url, conv = topo.router_url, conv_id("multi")
-    msgs = story(conv)
+    url, conv = topo.router_url, conversation_id("multi")
+    msgs = long_opening(conv)
     hits0 = router_counter(url, "cache_hits")
     for turn in range(3):
         res, pulled, _ = p_pulled(topo, lambda m=msgs: chat(url, m, conv))  # type: ignore[misc]
@@ -115,7 +97,7 @@ def test_multi_turn_hits_pull_history_from_d_and_match_the_oracle(topo: Any) -> 
 
 def test_without_conversation_id_nothing_is_reused(topo: Any) -> None:
     url = topo.router_url
-    msgs = story(conv_id("anon"))
+    msgs = long_opening(conversation_id("anon"))
     res = chat(url, msgs)
     msgs = [*msgs, {"role": "assistant", "content": res.text}, {"role": "user", "content": "go"}]
     res2, pulled, _ = p_pulled(topo, lambda: chat(url, msgs))
@@ -123,9 +105,9 @@ def test_without_conversation_id_nothing_is_reused(topo: Any) -> None:
 
 
 def test_tenant_isolation(topo: Any) -> None:
-    url, conv = topo.router_url, conv_id("tenant")
+    url, conv = topo.router_url, conversation_id("tenant")
     alice, mallory = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer mallory"}
-    msgs = story(conv)
+    msgs = long_opening(conv)
     first = chat(url, msgs, conv, headers=alice)
     msgs2 = [*msgs, {"role": "assistant", "content": first.text},
              {"role": "user", "content": "and then?"}]
@@ -141,9 +123,9 @@ def test_internal_params_never_reach_the_client(topo: Any, extra_router: Callabl
     forged = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[1]],
               "remote_engine_id": "x", "remote_request_id": "x", "remote_host": "127.0.0.1",
               "remote_port": free_port(), "remote_num_tokens": 16}
-    msgs = story(conv_id("strip"))
+    msgs = long_opening(conversation_id("strip"))
     for stream in (True, False):
-        res = chat(topo.router_url, msgs, conv_id("strip"), stream=stream,
+        res = chat(topo.router_url, msgs, conversation_id("strip"), stream=stream,
                    kv_transfer_params=forged)
         assert res.status == 200
         assert b"kv_transfer_params" not in res.raw and b"remote_block_ids" not in res.raw
@@ -151,14 +133,14 @@ def test_internal_params_never_reach_the_client(topo: Any, extra_router: Callabl
     assert router_counter(topo.router_url, "client_kv_params_dropped") >= 2
     # control: the debug flag shows what stripping removes
     debug = extra_router("--keep-kv-params")
-    res = chat(debug, msgs, conv_id("strip"))
+    res = chat(debug, msgs, conversation_id("strip"))
     assert b'"remote_block_ids"' in res.raw
 
 
 def _diverging_turn(topo: Any, url: str, tag: str, mangle: Callable[[str], str]
                     ) -> tuple[ChatResult, float, list[dict[str, Any]]]:
-    conv = conv_id(tag)
-    msgs = story(conv)
+    conv = conversation_id(tag)
+    msgs = long_opening(conv)
     first = chat(url, msgs, conv)
     msgs2 = [*msgs, {"role": "assistant", "content": mangle(first.text)},
              {"role": "user", "content": "Please continue."}]
@@ -200,8 +182,8 @@ def test_unguarded_router_reuses_wrong_kv(topo: Any, extra_router: Callable[...,
 def test_declined_read_falls_back_to_a_miss(topo: Any, extra_router: Callable[..., str]) -> None:
     """D exports an expiry already past: P declines (policy fail -> 500); the router retries."""
     url = topo.router_url
-    conv = conv_id("decline")
-    msgs = story(conv)
+    conv = conversation_id("decline")
+    msgs = long_opening(conv)
     d_url = topo.decode[0].url
     _set_faults(d_url, {"clock_skew": -10_000.0})
     try:
@@ -231,7 +213,7 @@ def _set_faults(url: str, faults: dict[str, Any]) -> None:
 def test_prefill_down_gives_503_naming_it(topo: Any, extra_router: Callable[..., str]) -> None:
     dead = free_port()
     url = extra_router(prefill=[("127.0.0.1", dead)])
-    res = chat(url, story("p-down"), conv_id("p-down"))
+    res = chat(url, long_opening("p-down"), conversation_id("p-down"))
     assert res.status == 503
     assert "no healthy prefill node" in res.error["message"]
     assert f"127.0.0.1:{dead}" in res.error["message"]
@@ -241,8 +223,8 @@ def test_stale_entry_is_discarded(topo: Any, extra_router: Callable[..., str]) -
     import time
 
     url = extra_router("--cache-ttl", "0.3")
-    conv = conv_id("stale")
-    msgs = story(conv)
+    conv = conversation_id("stale")
+    msgs = long_opening(conv)
     first = chat(url, msgs, conv)
     stored_at = time.monotonic()
     assert router_counter(url, "cache_stores") == 1
@@ -266,8 +248,8 @@ def _get(url: str) -> bytes:
 def test_openai_client_through_the_router(topo: Any) -> None:
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=topo.router_url + "/v1", api_key="sk-test")
-    conv = conv_id("openai")
-    msgs: list[dict[str, Any]] = story(conv)
+    conv = conversation_id("openai")
+    msgs: list[dict[str, Any]] = long_opening(conv)
     stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12,
                                             temperature=0, stream=True,
                                             extra_body={"conversation_id": conv})
@@ -309,7 +291,7 @@ def _complete(url: str, prompt: list[int], conv: str | None, stream: bool) -> di
 def test_completions_with_token_ids_the_client_asked_for(topo: Any, stream: bool) -> None:
     """Token-id prompts (as the conformance tier sends them); the client's own
     ``return_token_ids`` is honoured, not stripped, and turn 2 reuses D's KV."""
-    url, conv = topo.router_url, conv_id("compl")
+    url, conv = topo.router_url, conversation_id("compl")
     prompt = [300 + (i * 7) % 500 for i in range(150)]
     first = _complete(url, prompt, conv, stream)
     assert len(first["ids"]) == 10 and b"kv_transfer_params" not in first["raw"]

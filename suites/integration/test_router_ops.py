@@ -7,7 +7,6 @@ resets any fault it sets on an engine, even when it fails.
 
 from __future__ import annotations
 
-import itertools
 import json
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -15,38 +14,20 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.testing.gating import skip_or_fail
-from bidir_kv.testing.router import RouterProcess, chat, router_counter
-
-_ids = itertools.count()
-
-
-def conv_id(tag: str) -> str:
-    return f"{tag}-{next(_ids)}"
-
-
-def story(tag: str) -> list[dict[str, Any]]:
-    text = f"Conversation {tag}: tell me a long story about dragons, castles and rivers. " * 4
-    return [{"role": "user", "content": text}]
+from bidir_kv.testing.router import (
+    RouterProcess,
+    chat,
+    conversation_id,
+    emulated_router_topology,
+    long_opening,
+    router_counter,
+)
 
 
 @pytest.fixture(scope="module")
 def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    try:
-        import bidir_kv.engine.cli  # noqa: F401
-        from bidir_kv.topology.local import LocalTopology
-    except ImportError as exc:
-        skip_or_fail(request.config, "integration", f"emulated engine unavailable: {exc}")
-    from bidir_kv.testing.router import bidirectional_config as kv_config
-    from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
-
-    spec = TopologySpec(
-        num_decode=2,
-        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", enable_prefix_caching=False),
-        decode=EngineSpec(kv=kv_config("decode"), transport="tcp"),
-        router=RouterSpec(extra_args=("--health-interval", "0.5")),
-    )
-    with LocalTopology(spec, tmp_path_factory.mktemp("router-ops")) as t:
+    with emulated_router_topology(request.config, tmp_path_factory.mktemp("router-ops"),
+                                  num_decode=2, prefix_caching_on_p=False) as t:
         yield t
 
 
@@ -98,8 +79,8 @@ def test_failed_pull_on_d_is_answered_as_a_miss(
     d = topo.decode[0]
     rp = router_for(topo, router_process, [d])
     faults(d, {"fail_transfers": 1.0})
-    msgs = story(conv_id("pullfail"))
-    res = chat(rp.url, msgs, conv_id("pullfail"), stream=stream)
+    msgs = long_opening(conversation_id("pullfail"))
+    res = chat(rp.url, msgs, conversation_id("pullfail"), stream=stream)
     assert res.status == 200 and res.error is None, res.raw[:300]
     assert res.text == oracle(topo, msgs)
     assert router_counter(rp.url, "fallbacks", cause="decode_pull") == 1
@@ -116,7 +97,7 @@ def test_redis_store_survives_200_concurrent_turns(
 
     rp = router_for(topo, router_process, topo.decode[:1], "--store", redis_server.url)
     n = 200
-    tag = conv_id("redis-burst")
+    tag = conversation_id("redis-burst")
 
     async def one(session: aiohttp.ClientSession, i: int) -> int:
         body = {"model": "tiny", "messages": [{"role": "user", "content": f"hi {tag} {i}"}],
@@ -154,7 +135,8 @@ def test_stalled_d_gets_a_504_within_the_decode_timeout(
     rp = router_for(topo, router_process, [d], "--decode-timeout", "2")
     faults(d, {"stall": True})
     t0 = time.monotonic()
-    res = chat(rp.url, story(conv_id("stall")), conv_id("stall"), stream=stream, timeout=30)
+    res = chat(rp.url, long_opening(conversation_id("stall")), conversation_id("stall"),
+               stream=stream, timeout=30)
     assert res.status == 504, res.raw[:300]
     assert "--decode-timeout" in res.error["message"]
     assert time.monotonic() - t0 < 15
@@ -176,7 +158,8 @@ def test_client_leaving_cancels_the_d_leg(
     faults(d, {"stall": True})
     res = None
     with contextlib.suppress(OSError):  # TimeoutError is one: the client gives up
-        res = chat(rp.url, story(conv_id("gone")), conv_id("gone"), timeout=2)
+        res = chat(rp.url, long_opening(conversation_id("gone")), conversation_id("gone"),
+                   timeout=2)
     assert res is None, "the stalled D answered"
     wait_for(lambda: router_counter(rp.url, "errors", cause="client_gone") == 1, 10,
              "the router to notice the client left")
@@ -190,8 +173,8 @@ def test_hits_count_only_tokens_p_actually_took(
     whose verified prefix is below P's recompute threshold (64) is offered, trimmed,
     and not pulled by P: offered, but not a hit."""
     rp = router_for(topo, router_process, topo.decode[:1], "--block-size", "16")
-    conv = conv_id("hitcount")
-    msgs = story(conv)
+    conv = conversation_id("hitcount")
+    msgs = long_opening(conv)
     first = chat(rp.url, msgs, conv)
     assert first.status == 200
     msgs2 = [*msgs, {"role": "assistant", "content": first.text},

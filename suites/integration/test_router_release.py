@@ -8,7 +8,6 @@ D's ``decoder_kv_blocks_ttl`` (480 s).
 
 from __future__ import annotations
 
-import itertools
 import json
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -16,39 +15,21 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.poll import wait_for
-from bidir_kv.testing.router import RouterProcess, chat, router_counter
-
-_ids = itertools.count()
-
-
-def conv_id(tag: str) -> str:
-    return f"{tag}-{next(_ids)}"
-
-
-def story(tag: str) -> list[dict[str, Any]]:
-    text = f"Conversation {tag}: tell me a long story about dragons, castles and rivers. " * 4
-    return [{"role": "user", "content": text}]
+from bidir_kv.testing.router import (
+    RouterProcess,
+    chat,
+    conversation_id,
+    emulated_router_topology,
+    long_opening,
+    router_counter,
+)
 
 
 @pytest.fixture(scope="module")
 def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    try:
-        import bidir_kv.engine.cli  # noqa: F401
-        from bidir_kv.topology.local import LocalTopology
-    except ImportError as exc:
-        skip_or_fail(request.config, "integration", f"emulated engine unavailable: {exc}")
-    from bidir_kv.testing.router import bidirectional_config as kv_config
-    from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
-
-    spec = TopologySpec(
-        num_decode=2,
-        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", enable_prefix_caching=False),
-        decode=EngineSpec(kv=kv_config("decode"), transport="tcp"),
-        router=RouterSpec(extra_args=("--health-interval", "0.5")),
-    )
-    with LocalTopology(spec, tmp_path_factory.mktemp("router-release")) as t:
+    with emulated_router_topology(request.config, tmp_path_factory.mktemp("router-release"),
+                                  num_decode=2, prefix_caching_on_p=False) as t:
         yield t
 
 
@@ -74,7 +55,7 @@ def test_turn_without_id_frees_ds_blocks_at_once(
     d = topo.decode[0]
     rp = router_for(topo, router_process, [d])
     before = retained(d)
-    res = chat(rp.url, story(conv_id("noid")), None, stream=stream)
+    res = chat(rp.url, long_opening(conversation_id("noid")), None, stream=stream)
     assert res.status == 200 and res.error is None, res.raw[:300]
     wait_for(lambda: retained(d) == before, 15, "D to free the released blocks")
     assert router_counter(rp.url, "releases", reason="no_id") == 1
@@ -90,8 +71,8 @@ def test_evicted_entry_frees_ds_blocks(
     rp = router_for(topo, router_process, [d], "--max-conversations", "1")
     before = retained(d)
     for tag in ("evict-a", "evict-b"):
-        conv = conv_id(tag)
-        res = chat(rp.url, story(conv), conv)
+        conv = conversation_id(tag)
+        res = chat(rp.url, long_opening(conv), conv)
         assert res.status == 200 and res.error is None, res.raw[:300]
     wait_for(lambda: retained(d) == before + 1, 15, "D to free the evicted turn's blocks")
     assert router_counter(rp.url, "releases", reason="evicted") == 1
@@ -145,7 +126,7 @@ def test_new_conversations_do_not_herd_onto_one_d(
     rp = router_for(topo, router_process, [d0, d1])
     faults(d0, {"stall_seconds": 0.05})
     long_turn = threading.Thread(
-        target=chat, args=(rp.url, story(conv_id("long")), conv_id("long")),
+        target=chat, args=(rp.url, long_opening(conversation_id("long")), conversation_id("long")),
         kwargs={"max_tokens": 120}, daemon=True)
     long_turn.start()  # first pick of a fresh router: D0 (ties rotate from the first node)
     wait_for(lambda: scrape(rp.url).value("bidir_kv_router_backend_inflight",
@@ -153,10 +134,10 @@ def test_new_conversations_do_not_herd_onto_one_d(
              "the long turn to be decoding on D0")
     before = (_finished(d0), _finished(d1))
     faults(topo.prefill[0], {"stall_seconds": 0.3})
-    tag = conv_id("herd")
+    tag = conversation_id("herd")
 
     async def one(session: aiohttp.ClientSession, i: int) -> int:
-        body = {"model": "tiny", "messages": story(f"{tag}-{i}"), "max_tokens": 2,
+        body = {"model": "tiny", "messages": long_opening(f"{tag}-{i}"), "max_tokens": 2,
                 "temperature": 0, "conversation_id": f"{tag}-{i}"}
         async with session.post(rp.url + "/v1/chat/completions", json=body) as resp:
             await resp.read()
