@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -166,14 +167,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = build_app(settings)
     # handler_cancellation: a client that leaves cancels its handler, which closes the
     # P and D requests it was waiting on (the engines abort them).
+    # Bind before anything starts (health probes, the store): a port in use is one
+    # line and exit 1, with nothing else having run or logged.
     try:
-        web.run_app(app, host=settings.host, port=settings.port, access_log=None, print=None,
-                    handle_signals=True, handler_cancellation=True)
-    except OSError as exc:  # the listen socket (in use, no permission): one line, no traceback
+        sock = _listen_socket(settings.host, settings.port)
+    except OSError as exc:  # in use, no permission, unknown host: one line, no traceback
         print(f"bidir-kv proxy: error: cannot listen on {settings.host}:{settings.port}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 1
+    with sock:
+        web.run_app(app, sock=sock, access_log=None, print=None,
+                    handle_signals=True, handler_cancellation=True)
     return 0
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (IPv4 or IPv6, as the host resolves)."""
+    family, _, _, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return socket.create_server(address, family=family, backlog=1024)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -42,11 +43,57 @@ class ProcessFailed(RuntimeError):
     """A child died or never became healthy; the message includes its log tail."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it)."""
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+_LOWEST_PORT = 10_000
+# Picks lie this far apart: a node's side channel serves TP rank r on base + r (vLLM).
+_STRIDE = 16
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The OS's range for outgoing connections' source ports (Linux; a default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether ``port`` can be listened on now (no SO_REUSEADDR: a TIME_WAIT counts as busy)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port for a child process to listen on, picked so that two picks cannot collide.
+
+    A port the OS hands out for ``bind(0)`` is free only until the socket closes: the
+    next ``bind(0)`` may return it again (two ports of one node were once equal), and any
+    outgoing connection may take it as its source port before the child binds. So picks
+    come from below the OS's ephemeral range, ``_STRIDE`` apart, never repeat within this
+    process, start at a per-process offset (two test runs side by side walk different
+    ports), and must be bindable without SO_REUSEADDR at the time of the pick.
+    """
+    low = _LOWEST_PORT
+    high = _ephemeral_range()[0] - 1
+    if high - low < 1000:  # an unusual ephemeral range: let the OS pick
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return int(s.getsockname()[1])
+    span = high - low + 1
+    start = (os.getpid() * 7919) % span
+    with _HANDED_OUT_LOCK:
+        for i in range(span):
+            port = low + (start + _STRIDE * (len(_HANDED_OUT) + i)) % span
+            if port not in _HANDED_OUT and _bindable(host, port):
+                _HANDED_OUT.add(port)
+                return port
+    raise OSError(f"no free port in {low}..{high} on {host}")
 
 
 def wait_http_ok(
