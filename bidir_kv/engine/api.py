@@ -15,6 +15,8 @@ from typing import Any
 from bidir_kv.engine.fields import refused_field
 from bidir_kv.engine.model import ChatTemplateError, render_chat
 from bidir_kv.engine.sampling import emulated_logprobs
+from bidir_kv.intake import InputError, check_request
+from bidir_kv.intake.fields import effective_max_tokens
 from bidir_kv.policy import ROOT_HASH
 from bidir_kv.protocol import KVTransferParams, ProtocolError, params_from_request
 
@@ -56,22 +58,13 @@ class ParsedRequest:
     cache_salt: str | None = None
 
 
+# The values below were checked by bidir_kv.intake.check_request (vLLM's field rules,
+# shared with the router); these only read them.
+
+
 def _bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ApiError(400, f"'{key}' must be a boolean, got {v!r}")
-    return v
-
-
-def _opt_int(body: Mapping[str, Any], key: str) -> int | None:
     v = body.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ApiError(400, f"'{key}' must be a non-negative integer, got {v!r}")
-    return v
+    return default if v is None else bool(v)
 
 
 def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -80,38 +73,16 @@ def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         return (stop,) if stop else ()
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return tuple(s for s in stop if s)
-    raise ApiError(400, f"'stop' must be a string or a list of strings, got {stop!r}")
+    return tuple(s for s in stop if s)
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
     """Top alternatives per token, or None. Chat: ``logprobs`` (bool) and
-    ``top_logprobs`` (0-20); completions: ``logprobs`` (an int, 0-20)."""
+    ``top_logprobs``; completions: ``logprobs`` (an int)."""
     if chat:
-        top = _opt_int(body, "top_logprobs")
-        if not _bool(body, "logprobs"):
-            if top:
-                raise ApiError(400, "'top_logprobs' needs 'logprobs': true")
-            return None
-        top = top or 0
-    else:
-        top = _opt_int(body, "logprobs")
-        if top is None:
-            return None
-    if top > 20:
-        name = "top_logprobs" if chat else "logprobs"
-        raise ApiError(400, f"'{name}' must be at most 20, got {top}")
-    return top
-
-
-def _salt(body: Mapping[str, Any]) -> str | None:
-    salt = body.get("cache_salt")
-    if salt is None:
-        return None
-    if not isinstance(salt, str) or not salt:
-        raise ApiError(400, f"'cache_salt' must be a non-empty string, got {salt!r}")
-    return salt
+        return (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+    top = body.get("logprobs")
+    return None if top is None else int(top)
 
 
 def salt_root(salt: str | None) -> bytes:
@@ -128,7 +99,6 @@ def _check_fields(body: Mapping[str, Any]) -> None:
     refusal = refused_field(body)
     if refusal is not None:
         raise ApiError(400, refusal)
-    _opt_int(body, "seed")
 
 
 def _chat_prompt(body: Mapping[str, Any], tokenizer: Any) -> list[int]:
@@ -153,20 +123,6 @@ def render_prompt(
     return render_chat(messages, add_generation_prompt=add_generation_prompt)
 
 
-def _max_tokens(body: Mapping[str, Any], chat: bool) -> int | None:
-    if chat:
-        max_tokens = _opt_int(body, "max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = _opt_int(body, "max_tokens")
-    else:
-        max_tokens = _opt_int(body, "max_tokens")
-        if "max_tokens" not in body:
-            max_tokens = 16  # OpenAI's and vLLM's default for completions
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}")
-    return max_tokens
-
-
 def parse_request(
     body: Any, *, chat: bool, tokenizer: Any, served_names: list[str]
 ) -> ParsedRequest:
@@ -177,6 +133,10 @@ def parse_request(
         model = served_names[0]
     elif model not in served_names:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
+    try:
+        check_request(body, chat)
+    except InputError as exc:
+        raise ApiError(400, exc.message) from None
     _check_fields(body)
     try:
         params = params_from_request(body)
@@ -187,19 +147,10 @@ def parse_request(
         prompt = _chat_prompt(body, tokenizer)
     else:
         prompt = _completion_prompt(body.get("prompt"), tokenizer, body)
-    max_tokens = _max_tokens(body, chat)
-    min_tokens = _opt_int(body, "min_tokens") or 0
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise ApiError(400, f"'min_tokens' ({min_tokens}) must not exceed max_tokens "
-                            f"({max_tokens})")  # fmt: skip
+    max_tokens = effective_max_tokens(body, chat)
+    min_tokens = body.get("min_tokens") or 0
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
-    ):
-        raise ApiError(400, f"'stop_token_ids' must be a list of integers, got {stop_ids!r}")
     opts = body.get("stream_options") or {}
-    if not isinstance(opts, Mapping):
-        raise ApiError(400, "'stream_options' must be an object")
     return ParsedRequest(
         chat=chat,
         model=str(model),
@@ -216,7 +167,7 @@ def parse_request(
         include_stop_str=_bool(body, "include_stop_str_in_output"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         logprobs=_logprobs(body, chat),
-        cache_salt=_salt(body),
+        cache_salt=body.get("cache_salt"),
     )
 
 

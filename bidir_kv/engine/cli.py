@@ -115,6 +115,9 @@ def _add_emulator_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-waiting-seconds", type=float, metavar="S",
                        default=_default("max_waiting_seconds"),
                        help="a request queued this long fails with 503 (0: wait forever)")
+    group.add_argument("--max-body-bytes", type=int, metavar="N",
+                       default=_default("max_body_bytes"),
+                       help="a larger request body is a 413 (bidir-kv only; vLLM has no limit)")
     group.add_argument("--health-stall-seconds", type=float, metavar="S",
                        default=_default("health_stall_seconds"),
                        help="/health is 503 when running work saw no step this long")

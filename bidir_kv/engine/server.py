@@ -27,12 +27,12 @@ from bidir_kv.engine.api import (
     salt_root,
     usage,
 )
-from bidir_kv.engine.body import BodyError, read_json_body
 from bidir_kv.engine.faults import FaultError, Faults
 from bidir_kv.engine.hf_tokenizer import HFTokenizer
 from bidir_kv.engine.model import ChatTemplateError, Tokenizer
 from bidir_kv.engine.sampling import TextState, Vocab
 from bidir_kv.engine.scheduler import EngineCore, Request, RequestError
+from bidir_kv.intake import InputError, decode_json, read_capped
 
 __all__ = ["Routes", "build_app"]
 
@@ -65,6 +65,7 @@ class Routes:
         faults: Faults,
     ) -> None:
         self.core = core
+        self._max_body = core.settings.max_body_bytes
         self.tok = tokenizer
         self.names = served_names
         self.model = model
@@ -190,10 +191,9 @@ class Routes:
 
     async def _body(self, request: web.Request) -> Any:
         try:
-            return await read_json_body(request)
-        except BodyError as exc:
-            kind = "BadRequestError" if exc.status == 400 else "RequestError"
-            return _json_error(exc.status, exc.message, kind)
+            return decode_json(await read_capped(request, self._max_body, "--max-body-bytes"))
+        except InputError as exc:
+            return _json_error(exc.status, exc.message, exc.kind)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -384,7 +384,7 @@ def _sse(obj: dict[str, Any]) -> bytes:
 
 
 def build_app(routes: Routes) -> web.Application:
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=routes.core.settings.max_body_bytes)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/version", routes.version)

@@ -72,6 +72,7 @@ class EngineSettings:
     # behaviour one flag away
     retained_blocks: RetainedBlocks = "evict"  # "pin": held until notified/TTL, as vLLM
     max_waiting_seconds: float = 30.0  # a queued request fails with 503 after this; 0 = never
+    max_body_bytes: int = 256 * 1024 * 1024  # a larger request body is a 413 (docs/engine.md)
     health_stall_seconds: float = 10.0  # /health is 503 when running work saw no step this long
     peer_cache: PeerCache = "safe"  # "vllm": peers cached by engine id, never re-handshaken
     faults: Faults = field(default_factory=Faults)
@@ -120,7 +121,8 @@ class EngineSettings:
         )
 
 
-_OPS_FIELDS = ("retained_blocks", "max_waiting_seconds", "health_stall_seconds", "peer_cache")
+_OPS_FIELDS = ("retained_blocks", "max_waiting_seconds", "max_body_bytes",
+               "health_stall_seconds", "peer_cache")
 
 
 def ops_from_args(ns: Any) -> dict[str, Any]:
@@ -129,4 +131,6 @@ def ops_from_args(ns: Any) -> dict[str, Any]:
     for name in ("max_waiting_seconds", "health_stall_seconds"):
         if out[name] < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {out[name]}")
+    if out["max_body_bytes"] < 1:
+        raise ValueError(f"--max-body-bytes must be positive, got {out['max_body_bytes']}")
     return out

@@ -38,7 +38,7 @@ from bidir_kv.router.identity import (
     conversation_key,
     tenant_digest,
 )
-from bidir_kv.router.intake import Rejected, check_fields, parse_body, read_body
+from bidir_kv.router.intake import InputError, read_request
 from bidir_kv.router.memo import TurnMemo
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.prefill import PrefillLeg, pulled_tokens
@@ -92,9 +92,8 @@ class RouterFlow:
         m = self.metrics
         m.requests.labels(endpoint).inc()
         try:
-            body = parse_body(await read_body(request, self.settings.max_body_bytes))
-            check_fields(body, endpoint)
-        except Rejected as exc:
+            body = await read_request(request, self.settings.max_body_bytes, endpoint)
+        except InputError as exc:
             m.errors.labels("bad_request").inc()
             return error_response(exc.status, exc.message, exc.kind)
         rid = str(uuid.uuid4())

@@ -191,11 +191,11 @@ def test_refused_fields_are_named(shared_pair: EnginePair, field: str) -> None:
 @pytest.mark.parametrize(
     ("raw", "ctype", "status", "needle"),
     [
-        (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "nested deeper"),
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "nests deeper"),
         (b'{"prompt": ' + b"[" * 70 + b"1" + b"]" * 70 + b"}", "application/json", 400,
-         "nested deeper"),
+         "nests deeper"),
         (b'{"prompt": "a\\ud800b"}', "application/json", 400, "surrogate"),
-        (b'{"prompt": "\xff\xfe"}', "application/json", 400, "not valid utf-8"),
+        (b'{"prompt": "\xff\xfe"}', "application/json", 400, "not valid UTF-8"),
         (b'{"prompt": "x"}', "application/json; charset=klingon", 415, "klingon"),
         (b'{"prompt": "x", "stream": "false"}', "application/json", 400, "'stream'"),
         (b'{"prompt": "x", "stream": 0}', "application/json", 400, "'stream'"),

@@ -113,6 +113,41 @@ def test_missing_prompt_or_messages_is_a_400(topo: Any) -> None:
     assert "prompt" in message(status, body)
 
 
+_CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize(("raw", "ctype"), [
+    (b"[" * 100_000 + b"]" * 100_000, "application/json"),
+    (b'{"messages": ' + b"[" * 70 + b"]" * 70 + b"}", "application/json"),
+    (_CHAT[:-1] + b', "x": "a\\ud800b"}]', "application/json"),
+    ('{"model": "tiny", "messages": [{"role": "user", "content": "a\ud800"}]}'.encode(
+        "utf-16-le", "surrogatepass"), "application/json"),
+    (_CHAT + b"}", "application/json; charset=x-klingon"),
+    (_CHAT + b"}", "application/json; charset=latin-1"),
+    (_CHAT + b', "stream": "false"}', "application/json"),
+    (_CHAT + b', "max_tokens": 0}', "application/json"),
+    (_CHAT + b', "min_tokens": 5, "max_completion_tokens": 2}', "application/json"),
+    (_CHAT + b', "stop": [1]}', "application/json"),
+    (_CHAT + b', "logprobs": true, "top_logprobs": 21}', "application/json"),
+    (_CHAT + b', "cache_salt": ""}', "application/json"),
+    (b'{"model": "tiny"}', "application/json"),
+])  # fmt: skip
+def test_router_and_engine_refuse_alike(topo: Any, raw: bytes, ctype: str) -> None:
+    """One set of checks (bidir_kv.intake): the router answers what the engine would."""
+    via_router = post_raw(topo.router_url, raw, ctype)
+    at_engine = post_raw(topo.decode[0].url, raw, ctype)
+    assert via_router[0] == at_engine[0], (via_router, at_engine)
+    assert message(*via_router) == message(*at_engine)
+
+
+def test_utf16_json_is_read_as_vllm_reads_it(topo: Any) -> None:
+    """JSON's own encoding detection decides, as in vLLM's server (charset ignored)."""
+    raw = json.dumps(good_body(max_tokens=2)).encode("utf-16")
+    for url in (topo.router_url, topo.decode[0].url):
+        status, _ = post_raw(url, raw, "application/json; charset=utf-16")
+        assert status == 200, url
+
+
 def test_oversize_body_is_refused_before_it_is_read(topo: Any) -> None:
     """Content-Length far above the limit: 413 at once, though no body byte was sent."""
     host, port = topo.router_url.removeprefix("http://").split(":")
