@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a non-disaggregated engine serving the same model (the oracle); "
                    "without it answers are not checked")
     e.add_argument("--router-pid", type=int, default=None, help="for the router's RSS")
+    e.add_argument("--router-workers", type=int, default=1,
+                   help="the router's --workers (above 1 the hit rate comes from P's READs)")
     return p
 
 
@@ -65,7 +67,7 @@ def _deployment(args: argparse.Namespace) -> Deployment:
         if not args.prefill_url or not args.decode_url:
             raise ValueError("--router-url needs --prefill-url and --decode-url")
         return external(args.router_url, args.prefill_url, args.decode_url,
-                        args.reference_url, args.router_pid)
+                        args.reference_url, args.router_pid, args.router_workers)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="bidir-kv-campaign-"))
     print(f"campaign: emulated 1P1D + router (store {args.store}, profile {args.profile}); "
           f"logs in {run_dir}", flush=True)

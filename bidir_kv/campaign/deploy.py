@@ -58,6 +58,7 @@ class Deployment:
     topology: LocalTopology | None = None
     reference: LocalTopology | None = None
     router_pid: int | None = None
+    router_workers: int = 1  # > 1: each /metrics scrape answers for one worker
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -150,15 +151,26 @@ def start_emulated(opts: EmulatedOptions) -> Deployment:
     dep.decode_urls = [n.url for n in topo.decode]
     dep.reference_url = ref.prefill[0].url
     dep.router_pid = topo.procs["router-0"].pid
+    dep.router_workers = _workers(opts.router_args)
     return dep
 
 
+def _workers(argv: tuple[str, ...]) -> int:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--workers="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--workers" and i + 1 < len(argv):
+            return int(argv[i + 1])
+    return 1
+
+
 def external(router_url: str, prefill: list[str], decode: list[str],
-             reference: str | None, router_pid: int | None) -> Deployment:
+             reference: str | None, router_pid: int | None, workers: int = 1) -> Deployment:
     """A deployment someone else started (nothing is restarted or stalled)."""
     return Deployment(router_url.rstrip("/"), [u.rstrip("/") for u in prefill],
                       [u.rstrip("/") for u in decode],
-                      reference.rstrip("/") if reference else None, router_pid=router_pid)
+                      reference.rstrip("/") if reference else None, router_pid=router_pid,
+                      router_workers=workers)
 
 
 def node_of(url: str) -> Node:

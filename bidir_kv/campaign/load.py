@@ -20,6 +20,7 @@ from bidir_kv.scrape import scrape
 __all__ = ["LoadPlan", "LoadResult", "run_load"]
 
 HITS = "bidir_kv_router_cache_hits_total"
+PULLS = "vllm:nixl_xfer_time_seconds_count"  # READs a node made (P's: D's history pulled)
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class LoadPlan:
 class LoadResult:
     plan: LoadPlan
     turns: list[Turn] = field(default_factory=list)
-    hits: float | None = None
+    hits: float | None = None  # the router's counter (one process: its whole count)
+    pulls: float | None = None  # READs the P nodes made, from their own metrics
     router_rss: int | None = None
     seconds: float = 0.0
 
@@ -57,9 +59,17 @@ class LoadResult:
 
     @property
     def hit_rate(self) -> float | None:
-        if self.hits is None or not self.later_turns:
+        """Router-counted hits per turn >= 2; P's READs when the router count is partial."""
+        count = self.hits if self.hits is not None else self.pulls
+        if count is None or not self.later_turns:
             return None
-        return self.hits / self.later_turns
+        return count / self.later_turns
+
+    @property
+    def pull_rate(self) -> float | None:
+        if self.pulls is None or not self.later_turns:
+            return None
+        return self.pulls / self.later_turns
 
     def latency(self, q: float) -> float:
         xs = sorted(t.elapsed for t in self.turns)
@@ -71,11 +81,20 @@ class LoadResult:
                 and (rate is None or rate >= min_hit_rate))
 
 
-def _router_hits(url: str) -> float | None:
+def _value(url: str, name: str) -> float | None:
     try:
-        return scrape(url).value(HITS)
+        return scrape(url).value(name)
     except (OSError, ValueError):
         return None
+
+
+def _delta(before: list[float | None], after: list[float | None]) -> float | None:
+    total = 0.0
+    for a, b in zip(after, before, strict=True):
+        if a is None or b is None:
+            return None
+        total += a - b
+    return total
 
 
 async def _drive(dep: Deployment, plan: LoadPlan, tag: str) -> list[Turn]:
@@ -99,10 +118,13 @@ def run_load(dep: Deployment, plan: LoadPlan, tag: str = "0") -> LoadResult:
     """Run the plan once; hits are the router counter's delta across the run."""
     import time
 
-    h0 = _router_hits(dep.router_url)
+    # With --workers N each scrape reaches one worker: its count is partial.
+    routers = [dep.router_url] if dep.router_workers == 1 else []
+    h0 = [_value(u, HITS) for u in routers]
+    p0 = [_value(u, PULLS) for u in dep.prefill_urls]
     t0 = time.perf_counter()
     turns = asyncio.run(_drive(dep, plan, tag))
     seconds = time.perf_counter() - t0
-    h1 = _router_hits(dep.router_url)
-    hits = None if h0 is None or h1 is None else h1 - h0
-    return LoadResult(plan, turns, hits, dep.router_rss(), seconds)
+    hits = _delta(h0, [_value(u, HITS) for u in routers]) if routers else None
+    pulls = _delta(p0, [_value(u, PULLS) for u in dep.prefill_urls])
+    return LoadResult(plan, turns, hits, pulls, dep.router_rss(), seconds)

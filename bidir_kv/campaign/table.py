@@ -29,9 +29,11 @@ def _load(r: LoadResult, min_hit_rate: float) -> list[str]:
     wrong = "n/a" if r.wrong is None else str(r.wrong)
     row = [f"{r.plan.conversations} x {r.plan.turns}", str(len(r.turns)), str(r.failed), wrong,
            "n/a" if rate is None else f"{rate * 100:.1f} %",
+           "n/a" if r.pull_rate is None else f"{r.pull_rate * 100:.1f} %",
            f"{r.latency(0.5) * 1000:.0f} ms", f"{r.latency(0.99) * 1000:.0f} ms", rss,
            f"{r.seconds:.0f} s", "PASS" if r.holds(min_hit_rate) else "FAIL"]
     head = ["conversations x turns", "turns", "failed", "wrong", "hit rate (turns>=2)",
+            "P pulled (turns>=2)",
             "p50", "p99", "router RSS", "took", "result"]
     return ["LOAD", *_rows(head, [row])]
 
