@@ -342,6 +342,10 @@ def _print_ratios(cells: dict[str, Cell]) -> None:
             print(f"  {mode} / relay CPU per request: {cpu / relay_cpu:.2f}x")
         if base and base.rps:
             print(f"  {mode} / direct throughput: {cell.rps / base.rps:.2f}x")
+    caps = [f"{m} {1000 / c.cpu_ms_per_request:.0f}" for m, c in cells.items()
+            if c.cpu_ms_per_request]
+    if caps:  # what one fully given core would serve at this CPU cost per request
+        print(f"  CPU-bound capacity, req/s per core: {', '.join(caps)}")
     single, multi = cells.get("router-redis"), cells.get("router-workers")
     if single and multi and single.rps:
         print(f"  router-workers / router-redis throughput (same store): "
