@@ -29,6 +29,18 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return socket.create_server(address, family=family, backlog=1024, reuse_port=True)
 
 
+def _die_with_parent(supervisor: int) -> None:
+    """Ask Linux to SIGTERM this worker when the supervisor dies (even by SIGKILL)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != supervisor:  # the supervisor died before the call
+        os._exit(1)
+
+
 def _exit_status(status: int) -> int:
     return os.waitstatus_to_exitcode(status) if status else 0
 
@@ -36,11 +48,13 @@ def _exit_status(status: int) -> int:
 def run_workers(count: int, serve: Callable[[int], int]) -> int:
     """Fork ``count`` workers running ``serve(index)``; return the first one's exit code."""
     children: list[int] = []
+    supervisor = os.getpid()
     for index in range(count):
         pid = os.fork()
         if pid == 0:  # worker: default signal handling, serve, never return here
             code = 1
             try:
+                _die_with_parent(supervisor)
                 code = serve(index)
             finally:
                 sys.stdout.flush()
