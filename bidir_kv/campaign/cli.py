@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logs of every node (default: a fresh temporary directory)")
     g.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for the router (repeatable, e.g. --router-arg=--workers=2)")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
+                   help="extra flag for both emulated engines (repeatable), e.g. "
+                   "--engine-arg=--peer-cache=vllm to see a fault as vLLM 0.32 meets it")
     e = p.add_argument_group("an existing deployment")
     e.add_argument("--router-url", default=None)
     e.add_argument("--prefill-url", nargs="+", default=[])
@@ -75,6 +78,7 @@ def _deployment(args: argparse.Namespace) -> Deployment:
     router_args = ("--decode-timeout", str(DECODE_TIMEOUT), *args.router_arg)
     return start_emulated(EmulatedOptions(store=args.store, profile=args.profile,
                                           transport=args.transport, router_args=router_args,
+                                          engine_args=tuple(args.engine_arg),
                                           run_dir=run_dir))
 
 

@@ -28,6 +28,7 @@ __all__ = ["FAULTS", "FaultResult", "run_faults"]
 RECOVERY_SECONDS = 30.0
 HITS = "bidir_kv_router_cache_hits_total"
 HEALTHY = "bidir_kv_router_backend_healthy"
+FAILED_READS = "vllm:nixl_num_failed_transfers_total"
 OPENING, NEW, GEN = 160, 24, 8
 BIG_TURN = 30_000  # tokens: a handful fill D's default KV capacity
 
@@ -74,16 +75,24 @@ class Ctx:
         t = await self.turn(conv)
         return t.status == 200 and t.correct is not False
 
+    def failed_reads(self) -> float:
+        """READs that failed on every engine (a D still reading a dead P's memory
+        recomputes, so the client never notices; this counter does)."""
+        return sum(scrape(u).value(FAILED_READS)
+                   for u in [*self.dep.prefill_urls, *self.dep.decode_urls])
+
     async def recovered(self) -> bool:
+        """A fresh two-turn conversation: correct, its second turn a hit, no READ failed."""
         deadline = time.monotonic() + RECOVERY_SECONDS
         while time.monotonic() < deadline:
             conv = self.conv("recovery")
+            f0 = self.failed_reads()
             first = await self.turn(conv, OPENING)
             h0 = scrape(self.dep.router_url).value(HITS)
             second = await self.turn(conv)
             hit = scrape(self.dep.router_url).value(HITS) > h0
             if first.status == second.status == 200 and first.correct is not False \
-                    and second.correct is not False and hit:
+                    and second.correct is not False and hit and self.failed_reads() == f0:
                 return True
             await asyncio.sleep(0.5)
         return False
