@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bidir_kv.bench.cli", "multi-turn TTFT sweep, OFF vs ON"),
     "report": ("bidir_kv.bench.report_cli", "Markdown summary and plots from bench results"),
     "demo": ("bidir_kv.bench.demo", "emulated 1P1D + router, OFF/ON sweep, report"),
+    "campaign": ("bidir_kv.campaign.cli", "load, fault and bad-input campaigns, one table"),
     "plan": ("bidir_kv.bench.plan_cli", "break-even threshold, TTFT saving and TTL memory planner"),
 }
 

@@ -72,6 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store operations in flight at once: the Redis store's connection "
                    "pool size; requests beyond it wait for a free connection "
                    f"(default {d.max_concurrency})")
+    p.add_argument("--held-weight", type=float, default=d.held_weight,
+                   help="placement: weight of one stored turn pinned on a D against one "
+                   f"request in flight (default {d.held_weight:g})")
+    p.add_argument("--release-concurrency", type=int, default=d.release_concurrency,
+                   help="notify-only releases of D's blocks in flight at once "
+                   f"(default {d.release_concurrency})")
+    p.add_argument("--max-pending-releases", type=int, default=d.max_pending_releases,
+                   help="releases queued beyond the ones in flight; more are dropped and "
+                   f"counted, D's TTL frees them (default {d.max_pending_releases})")
+    p.add_argument("--workers", type=int, default=d.workers,
+                   help="router processes sharing the listen port (SO_REUSEPORT); above 1 "
+                   f"needs a redis:// --store (default {d.workers})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, type=str.lower,
                    help=f"log level (default {d.log_level})")
     return p
@@ -109,6 +121,21 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be positive, got {args.max_concurrency}")
     if args.max_body_bytes <= 0:
         raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+    if args.held_weight < 0:
+        raise ValueError(f"--held-weight must be >= 0, got {args.held_weight:g}")
+    if args.release_concurrency <= 0:
+        raise ValueError(
+            f"--release-concurrency must be positive, got {args.release_concurrency}")
+    if args.max_pending_releases < 0:
+        raise ValueError(
+            f"--max-pending-releases must be >= 0, got {args.max_pending_releases}")
+    if args.workers <= 0:
+        raise ValueError(f"--workers must be positive, got {args.workers}")
+    if args.workers > 1 and args.store == "memory":
+        raise ValueError(
+            f"--workers {args.workers} needs a shared store: the memory store lives in one "
+            "process, so a turn landing on another worker would find nothing; use "
+            "--store redis://...")
     if not is_store_spec(args.store):
         raise ValueError(f"--store must be 'memory' or a redis:// URL, got {args.store!r}")
 
@@ -137,6 +164,10 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         log_level=args.log_level,
         max_body_bytes=args.max_body_bytes,
         max_concurrency=args.max_concurrency,
+        held_weight=args.held_weight,
+        release_concurrency=args.release_concurrency,
+        max_pending_releases=args.max_pending_releases,
+        workers=args.workers,
     )
 
 
@@ -159,30 +190,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if settings.workers > 1:
+        from bidir_kv.router.workers import run_workers
+
+        return run_workers(settings.workers, lambda _index: _serve(settings, reuse_port=True))
+    return _serve(settings)
+
+
+def _serve(settings: RouterSettings, *, reuse_port: bool = False) -> int:
+    """Bind, build the app and serve until a signal; the exit code."""
     from aiohttp import web
 
     from bidir_kv.router.app import build_app
 
     _use_fast_loop()
-    app = build_app(settings)
-    # handler_cancellation: a client that leaves cancels its handler, which closes the
-    # P and D requests it was waiting on (the engines abort them).
     # Bind before anything starts (health probes, the store): a port in use is one
     # line and exit 1, with nothing else having run or logged.
     try:
-        sock = _listen_socket(settings.host, settings.port)
+        sock = _listen_socket(settings.host, settings.port, reuse_port=reuse_port)
     except OSError as exc:  # in use, no permission, unknown host: one line, no traceback
         print(f"bidir-kv proxy: error: cannot listen on {settings.host}:{settings.port}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return 1
+    app = build_app(settings)
+    # handler_cancellation: a client that leaves cancels its handler, which closes the
+    # P and D requests it was waiting on (the engines abort them).
     with sock:
         web.run_app(app, sock=sock, access_log=None, print=None,
                     handle_signals=True, handler_cancellation=True)
     return 0
 
 
-def _listen_socket(host: str, port: int) -> socket.socket:
+def _listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A listening socket on ``host:port`` (IPv4 or IPv6, as the host resolves)."""
+    if reuse_port:
+        from bidir_kv.router.workers import reuse_port_socket
+
+        return reuse_port_socket(host, port)
     family, _, _, _, address = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     return socket.create_server(address, family=family, backlog=1024)

@@ -54,3 +54,4 @@ class RouterSettings:
     held_weight: float = 0.25  # placement: one stored turn pinned on a D = 1/4 of a request
     release_concurrency: int = 4  # notify-only releases of D's blocks in flight at once
     max_pending_releases: int = 1024  # queued beyond that: dropped (D's TTL frees them)
+    workers: int = 1  # router processes on one port (SO_REUSEPORT); > 1 needs a Redis store

@@ -34,6 +34,7 @@ __all__ = [
     "EngineClient",
     "LegDelta",
     "PDTurn",
+    "completion_from_bytes",
     "run_pd_turn",
     "tokens_by_source",
 ]
@@ -227,6 +228,15 @@ def _read_body(body: dict[str, Any]) -> Completion:
         params_present="kv_transfer_params" in body,
         usage=body.get("usage"),
     )
+
+
+def completion_from_bytes(status: int, raw: bytes, stream: bool) -> Completion:
+    """A :class:`Completion` from a whole response body (for clients other than urllib)."""
+    if status != 200:
+        return Completion(status=status, error=raw.decode(errors="replace")[:2000])
+    out = _read_stream(raw.split(b"\n")) if stream else _read_body(json.loads(raw))
+    out.status = status
+    return out
 
 
 def _lines(resp: Any) -> Iterator[bytes]:

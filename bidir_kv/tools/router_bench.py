@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.tools.cpu_account import cpu_seconds
 from bidir_kv.tools.router_relay import HOST, serve_relay
 from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 
@@ -46,6 +47,14 @@ class Cell:
     elapsed: float = 0.0
     internal_p50: float | None = None  # router's own time before the first byte (histogram)
     internal_p99: float | None = None
+    completed: int = 0  # requests answered, warm-up included (what the CPU time paid for)
+    cpu_s: float | None = None  # the proxy's own CPU seconds over those requests
+
+    @property
+    def cpu_ms_per_request(self) -> float | None:
+        if self.cpu_s is None or not self.completed:
+            return None
+        return self.cpu_s * 1000 / self.completed
 
     @property
     def rps(self) -> float:
@@ -141,6 +150,7 @@ async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
                     if measuring[0]:
                         cell.errors += 1
                     continue
+                cell.completed += 1
                 if measuring[0]:
                     cell.latencies.append(time.perf_counter() - t)
                 conv.answered(_text(raw))
@@ -196,7 +206,10 @@ def _fmt(x: float) -> str:
     return f"{x * 1000:8.2f}"
 
 
-MODES = ("direct", "relay", "router", "router-noguard")
+MODES = ("direct", "relay", "router", "router-noguard", "router-redis", "router-workers")
+DEFAULT_MODES = ("direct", "relay", "router", "router-noguard")
+# modes served by our router, and the extra flags each is started with
+ROUTER_MODES = {"router": (), "router-noguard": ("--no-continuation-guard",)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -207,7 +220,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds before measuring, per round")
     ap.add_argument("--rounds", type=int, default=3,
                     help="modes alternate in this many rounds per concurrency")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES,
+                    help="router-redis: one router on a Redis store; router-workers: "
+                    "--workers routers on one port sharing that store")
+    ap.add_argument("--workers", type=int, default=2,
+                    help="router processes of the router-workers mode (default 2)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     return ap
 
@@ -222,7 +239,8 @@ def _use_uvloop() -> str:
     return "uvloop"
 
 
-def _start_all(modes: Sequence[str], log_dir: Path, procs: list[ManagedProcess]) -> dict[str, Any]:
+def _start_all(modes: Sequence[str], log_dir: Path, procs: list[ManagedProcess],
+               pids: dict[str, int | None], workers: int = 2) -> dict[str, Any]:
     """Start the stub engines and every proxy in ``modes``; each mode's target URL(s).
 
     Started processes are appended to ``procs`` as they come up, so the caller stops
@@ -238,31 +256,51 @@ def _start_all(modes: Sequence[str], log_dir: Path, procs: list[ManagedProcess])
     targets: dict[str, Any] = {"direct": (f"http://{HOST}:{p_port}", f"http://{HOST}:{d_port}")}
     upstream = ["--prefiller-hosts", HOST, "--prefiller-ports", str(p_port),
                 "--decoder-hosts", HOST, "--decoder-ports", str(d_port)]
-    for mode, extra in (("router", []), ("router-noguard", ["--no-continuation-guard"])):
+    modes_flags = {m: list(f) for m, f in ROUTER_MODES.items()}
+    if {"router-redis", "router-workers"} & set(modes):
+        from bidir_kv.topology.redis_server import RedisServer
+
+        redis = RedisServer(log_dir).start()
+        assert redis.process is not None
+        procs.append(redis.process)  # stopped with the others
+        modes_flags["router-redis"] = ["--store", redis.url]
+        modes_flags["router-workers"] = ["--store", redis.url, "--workers", str(workers)]
+    for mode, extra in modes_flags.items():
         if mode in modes:
             port = free_port()
             procs.append(_start(mode, [py, "-m", "bidir_kv", "proxy", "--host", HOST,
                                        "--port", str(port), *upstream,
                                        "--log-level", "warning", *extra], log_dir, port))
             targets[mode] = f"http://{HOST}:{port}"
+            pids[mode] = procs[-1].pid
     if "relay" in modes:
         port = free_port()
         procs.append(_start("relay", [py, "-m", "bidir_kv.tools.router_bench", "relay", "--port",
                                       str(port), "--prefill", f"{HOST}:{p_port}",
                                       "--decode", f"{HOST}:{d_port}"], log_dir, port))
         targets["relay"] = f"http://{HOST}:{port}"
+        pids["relay"] = procs[-1].pid
     return targets
 
 
-def _measure(args: argparse.Namespace, targets: dict[str, Any], c: int) -> dict[str, Cell]:
-    """Every mode at concurrency ``c``, in interleaved rounds, with the router's own time."""
+def _measure(args: argparse.Namespace, targets: dict[str, Any], pids: dict[str, int | None],
+             c: int) -> dict[str, Cell]:
+    """Every mode at concurrency ``c``, in interleaved rounds, with the router's own time
+    and the proxy process's CPU time (its kernel accounting, workers included)."""
     cells = {mode: Cell(mode, c) for mode in args.modes}
-    hist0 = {m: _buckets(targets[m]) for m in args.modes if m.startswith("router")}
+    # router-workers' /metrics answers for one worker only: no histogram for it
+    hist0 = {m: _buckets(targets[m]) for m in args.modes if m in ROUTER_MODES
+             or m == "router-redis"}
     # Modes take turns in short rounds, so drifting machine load hits all alike.
     for _ in range(args.rounds):
         for mode in args.modes:
+            pid = pids.get(mode)
+            cpu0 = cpu_seconds(pid) if pid else None
             asyncio.run(run_cell(mode, targets[mode], c, args.duration / args.rounds,
                                  args.warmup, cells[mode]))
+            cpu1 = cpu_seconds(pid) if pid else None
+            if cpu0 is not None and cpu1 is not None:
+                cells[mode].cpu_s = (cells[mode].cpu_s or 0.0) + cpu1 - cpu0
     for mode, before in hist0.items():
         after = _buckets(targets[mode])
         cells[mode].internal_p50 = _quantile_bound(before, after, 0.5)
@@ -274,30 +312,52 @@ def _print_cells(c: int, cells: dict[str, Cell]) -> None:
     base = cells.get("direct")
     print(f"\nconcurrency {c}")
     print(f"  {'mode':<15} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'+p50 ms':>8} {'+p99 ms':>8} errors")
+          f"{'+p50 ms':>8} {'+p99 ms':>8} {'cpu ms/req':>10} errors")
     for mode, cell in cells.items():
         add50 = cell.pct(0.5) - base.pct(0.5) if base else float("nan")
         add99 = cell.pct(0.99) - base.pct(0.99) if base else float("nan")
+        cpu = cell.cpu_ms_per_request
         print(f"  {mode:<15} {cell.rps:8.1f} {_fmt(cell.pct(0.5))} "
-              f"{_fmt(cell.pct(0.99))} {_fmt(add50)} {_fmt(add99)} {cell.errors}")
+              f"{_fmt(cell.pct(0.99))} {_fmt(add50)} {_fmt(add99)} "
+              f"{'-' if cpu is None else f'{cpu:.3f}':>10} {cell.errors}")
     for mode, cell in cells.items():
         if cell.internal_p50 is not None:
             print(f"  {mode}: own time before first byte (outside engine waits, warmup "
                   f"included) p50 <= {cell.internal_p50 * 1000:g} ms, "
                   f"p99 <= {(cell.internal_p99 or 0) * 1000:g} ms")
-    relay = cells.get("relay")
-    for mode in ("router", "router-noguard"):
-        if mode in cells and relay and relay.rps:
-            print(f"  {mode} / relay throughput: {cells[mode].rps / relay.rps:.2f}x")
-        if mode in cells and base and base.rps:
-            print(f"  {mode} / direct throughput: {cells[mode].rps / base.rps:.2f}x")
+    _print_ratios(cells)
+
+
+def _print_ratios(cells: dict[str, Cell]) -> None:
+    relay, base = cells.get("relay"), cells.get("direct")
+    relay_cpu = relay.cpu_ms_per_request if relay else None
+    for mode in ("router", "router-noguard", "router-redis", "router-workers"):
+        cell = cells.get(mode)
+        if cell is None:
+            continue
+        if relay and relay.rps:
+            print(f"  {mode} / relay throughput: {cell.rps / relay.rps:.2f}x")
+        cpu = cell.cpu_ms_per_request
+        if relay_cpu and cpu is not None:
+            print(f"  {mode} / relay CPU per request: {cpu / relay_cpu:.2f}x")
+        if base and base.rps:
+            print(f"  {mode} / direct throughput: {cell.rps / base.rps:.2f}x")
+    caps = [f"{m} {1000 / c.cpu_ms_per_request:.0f}" for m, c in cells.items()
+            if c.cpu_ms_per_request]
+    if caps:  # what one fully given core would serve at this CPU cost per request
+        print(f"  CPU-bound capacity, req/s per core: {', '.join(caps)}")
+    single, multi = cells.get("router-redis"), cells.get("router-workers")
+    if single and multi and single.rps:
+        print(f"  router-workers / router-redis throughput (same store): "
+              f"{multi.rps / single.rps:.2f}x")
 
 
 def _write_json(path: Path, results: Sequence[Cell]) -> None:
     path.write_text(json.dumps([
         {"mode": r.mode, "concurrency": r.concurrency, "rps": r.rps,
          "p50_s": r.pct(0.5), "p99_s": r.pct(0.99), "n": len(r.latencies),
-         "errors": r.errors, "router_own_p50_s_bound": r.internal_p50,
+         "errors": r.errors, "cpu_ms_per_request": r.cpu_ms_per_request,
+         "router_own_p50_s_bound": r.internal_p50,
          "router_own_p99_s_bound": r.internal_p99} for r in results], indent=2))
 
 
@@ -310,14 +370,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs: list[ManagedProcess] = []
     log_dir = Path(tempfile.mkdtemp(prefix="bidir-kv-router-bench-"))
     try:
-        targets = _start_all(args.modes, log_dir, procs)
+        pids: dict[str, int | None] = {}
+        targets = _start_all(args.modes, log_dir, procs, pids, args.workers)
         print(f"router benchmark: upstream = stub engines ({__package__}.stub_engine, aiohttp, "
               f"8-token streamed answers), {TURNS_PER_CONVERSATION}-turn conversations, "
               f"client loop {loop_name}, {args.duration:g}s per cell in {args.rounds} "
               f"interleaved rounds; logs in {log_dir}")
         results: list[Cell] = []
         for c in args.concurrency:
-            cells = _measure(args, targets, c)
+            cells = _measure(args, targets, pids, c)
             results.extend(cells.values())
             _print_cells(c, cells)
         if args.json:

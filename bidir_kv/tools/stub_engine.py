@@ -57,6 +57,7 @@ class StubEngine:
     fail_hits: int = 0  # answer 500 to the next N P requests that carry D's blocks
     fail_all: int = 0  # answer 500 to the next N P requests, hit or miss
     die_after_chunks: int | None = None  # drop the connection mid-stream
+    end_after_chunks: int | None = None  # end the stream cleanly: no finish_reason, no [DONE]
     reasoning: bool = False  # emit a reasoning_content delta
     tool_call: bool = False
     return_params: bool = True
@@ -190,6 +191,9 @@ class StubEngine:
             if self.die_after_chunks is not None and i >= self.die_after_chunks:
                 assert request.transport is not None
                 request.transport.abort()
+                return resp
+            if self.end_after_chunks is not None and i >= self.end_after_chunks:
+                await resp.write_eof()
                 return resp
             last = i == n - 1
             choice: dict[str, Any] = {"index": 0, "logprobs": None,

@@ -46,6 +46,11 @@ class RedisServer:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
+    @property
+    def process(self) -> ManagedProcess | None:
+        """The running server's process (``None`` when stopped)."""
+        return self._proc
+
     def start(self, timeout: float = 10.0) -> RedisServer:
         argv = [
             redis_binary(), "--bind", self.host, "--port", str(self.port),

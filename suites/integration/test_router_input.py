@@ -182,3 +182,25 @@ def test_no_id_warning_names_the_client_side_fix(own_router: RouterProcess) -> N
     for fix in ("--send-conversation-id", "X-Session-ID", "prompt_cache_key",
                 "conversation_id"):
         assert fix in warning[0]
+
+
+def _cached_tokens(url: str, messages: list[dict[str, Any]], token: str | None) -> int:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0}
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 headers)
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        out = json.loads(resp.read())
+    return int((out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_another_tenant_sees_no_cached_tokens_of_a_guessed_prompt(topo: Any) -> None:
+    """Prefix caching on P and D: tenant A's repeated prompt is served from cache, but
+    tenant B sending the very same prompt is told 0 cached tokens (the router salts
+    each tenant's requests), so usage cannot reveal what A sent."""
+    messages = [{"role": "user", "content": "the secret plan: " + "rivers and castles " * 20}]
+    assert _cached_tokens(topo.router_url, messages, "tenant-a-key") == 0
+    assert _cached_tokens(topo.router_url, messages, "tenant-a-key") > 0  # A's own cache
+    assert _cached_tokens(topo.router_url, messages, "tenant-b-key") == 0

@@ -35,6 +35,11 @@ def test_upstream_flags_and_defaults() -> None:
         (["--store", "mysql://x"], "--store must be 'memory' or a redis:// URL"),
         (["--max-conversations", "0"], "--max-conversations must be positive"),
         (["--block-size", "-1"], "--block-size must be positive"),
+        (["--workers", "2"], "--workers 2 needs a shared store"),
+        (["--workers", "0"], "--workers must be positive"),
+        (["--held-weight", "-1"], "--held-weight must be >= 0"),
+        (["--release-concurrency", "0"], "--release-concurrency must be positive"),
+        (["--max-pending-releases", "-1"], "--max-pending-releases must be >= 0"),
     ],
 )
 def test_bad_combinations_are_refused_with_a_clear_message(argv: list[str], message: str,
@@ -48,3 +53,13 @@ def test_decode_stream_choices() -> None:
     assert settings("--decode-stream", "never").decode_stream == "never"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--decode-stream", "sometimes"])
+
+
+def test_placement_and_release_bounds_are_flags_defaulting_to_the_settings() -> None:
+    d, r = settings(), RouterSettings()
+    assert (d.held_weight, d.release_concurrency, d.max_pending_releases, d.workers) == \
+        (r.held_weight, r.release_concurrency, r.max_pending_releases, r.workers)
+    s = settings("--held-weight", "0.5", "--release-concurrency", "8",
+                 "--max-pending-releases", "16", "--workers", "3", "--store", "redis://h:1/0")
+    assert (s.held_weight, s.release_concurrency, s.max_pending_releases, s.workers) == \
+        (0.5, 8, 16, 3)

@@ -258,6 +258,27 @@ def test_decode_death_mid_stream_sends_error_event_and_drops_entry() -> None:
     run(go)
 
 
+def test_decode_ending_cleanly_before_the_terminal_chunk_is_an_error_not_an_answer() -> None:
+    """D closes its stream properly after a few tokens, with no finish_reason and no
+    [DONE]: the client gets the error event (not a silently short answer), and the
+    truncated turn is not stored for reuse."""
+    async def go() -> None:
+        async with StubStack() as s:
+            s.decode[0].end_after_chunks = 3
+            msgs = [{"role": "user", "content": "hello"}]
+            status, _, events = await s.post(CHAT, chat_body(msgs))
+            assert status == 200
+            err = json.loads(events[-2])
+            assert err["error"]["code"] == 502
+            assert "before the terminal chunk" in err["error"]["message"]
+            assert events[-1] == b"[DONE]"
+            assert counter(s.flow, "errors", cause="decode_mid_stream") == 1
+            s.decode[0].end_after_chunks = None
+            await s.post(CHAT, chat_body(msgs))
+            assert last_params(s.prefill[0]) == KVTransferParams.miss()
+    run(go)
+
+
 def test_prefill_down_gives_503_naming_it() -> None:
     async def go() -> None:
         async with StubStack() as s:

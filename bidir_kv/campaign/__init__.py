@@ -1,0 +1,1 @@
+"""``bidir-kv campaign``: load, fault and bad-input campaigns on any topology (docs/campaign.md)."""

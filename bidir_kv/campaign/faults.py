@@ -1,0 +1,269 @@
+"""The fault campaign: operational events, each judged by what a client sees next.
+
+Per fault: what the client saw while (or right after) it happened, whether the next
+turn of a conversation that lived through it is correct (oracle), and whether
+serving recovered without restarting anything else: a fresh two-turn conversation
+answers correctly and its second turn is a counted hit, within ``RECOVERY_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from bidir_kv.campaign.client import Conversation, body, random_tokens
+from bidir_kv.campaign.deploy import Deployment
+from bidir_kv.scrape import scrape
+
+__all__ = ["FAULTS", "FaultResult", "run_faults"]
+
+RECOVERY_SECONDS = 30.0
+HITS = "bidir_kv_router_cache_hits_total"
+HEALTHY = "bidir_kv_router_backend_healthy"
+FAILED_READS = "vllm:nixl_num_failed_transfers_total"
+OPENING, NEW, GEN = 160, 24, 8
+BIG_TURN = 30_000  # tokens: a handful fill D's default KV capacity
+
+
+@dataclass
+class FaultResult:
+    name: str
+    saw: str  # what the client saw
+    next_correct: bool | None  # None: not tried
+    recovered: bool | None
+    expected: bool = True  # what the client saw is what the fault should give
+    seconds: float = 0.0
+
+    @property
+    def holds(self) -> bool:
+        return self.expected and self.next_correct is not False and self.recovered is not False
+
+
+class Ctx:
+    """One session, the deployment, and conversation helpers for the fault steps."""
+
+    def __init__(self, dep: Deployment, session: aiohttp.ClientSession) -> None:
+        self.dep, self.session = dep, session
+        self.n = 0
+
+    def conv(self, tag: str, cid: bool = True) -> Conversation:
+        self.n += 1
+        return Conversation(f"fault-{tag}-{self.n}-{time.time_ns()}" if cid else None,
+                            random.Random(f"{tag}-{self.n}"))
+
+    async def turn(self, conv: Conversation, new: int = NEW, gen: int = GEN) -> Any:
+        return await conv.turn(self.session, self.dep.router_url, self.dep.reference_url,
+                               new, gen)
+
+    async def warm(self, tag: str) -> Conversation:
+        conv = self.conv(tag)
+        for new in (OPENING, NEW):
+            t = await self.turn(conv, new)
+            if t.status != 200:
+                raise RuntimeError(f"{tag}: warm-up turn failed: {t.status} {t.error}")
+        return conv
+
+    async def next_correct(self, conv: Conversation) -> bool:
+        t = await self.turn(conv)
+        return t.status == 200 and t.correct is not False
+
+    def failed_reads(self) -> float:
+        """READs that failed on every engine (a D still reading a dead P's memory
+        recomputes, so the client never notices; this counter does)."""
+        return sum(scrape(u).value(FAILED_READS)
+                   for u in [*self.dep.prefill_urls, *self.dep.decode_urls])
+
+    async def recovered(self) -> bool:
+        """A fresh two-turn conversation: correct, its second turn a hit, no READ failed."""
+        deadline = time.monotonic() + RECOVERY_SECONDS
+        while time.monotonic() < deadline:
+            conv = self.conv("recovery")
+            f0 = self.failed_reads()
+            first = await self.turn(conv, OPENING)
+            h0 = scrape(self.dep.router_url).value(HITS)
+            second = await self.turn(conv)
+            hit = scrape(self.dep.router_url).value(HITS) > h0
+            if first.status == second.status == 200 and first.correct is not False \
+                    and second.correct is not False and hit and self.failed_reads() == f0:
+                return True
+            await asyncio.sleep(0.5)
+        return False
+
+    async def router_sees_healthy(self, timeout: float = 15.0) -> float | None:
+        """Seconds until the router's health checks pass every node again; ``None`` if not."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            snap = scrape(self.dep.router_url)
+            values = [v for (name, _), v in snap.samples.items() if name == HEALTHY]
+            if values and all(v == 1 for v in values):
+                return time.monotonic() - t0
+            await asyncio.sleep(0.1)
+        return None
+
+    def faults(self, url: str, **changes: Any) -> bool:
+        return self.dep.set_faults(url, **changes)
+
+    def state(self, url: str) -> dict[str, int]:
+        with urllib.request.urlopen(url + "/_emulator/state", timeout=10) as resp:
+            out: dict[str, int] = json.loads(resp.read())
+        return out
+
+
+async def _restart(ctx: Ctx, role: str) -> FaultResult:
+    name = f"{'P' if role == 'prefill' else 'D'} restarted (same engine id)"
+    if not ctx.dep.local:
+        return FaultResult(name, "not tried (external deployment)", None, None)
+    conv = await ctx.warm(role)
+    ctx.dep.restart(role)  # in this thread: a child is tied to the thread that started it
+    seen = await ctx.router_sees_healthy()
+    t = await ctx.turn(conv)
+    saw = f"HTTP {t.status}" + ("" if t.correct is not False else ", wrong answer") + (
+        "; router never saw it healthy" if seen is None else
+        f" (router saw it healthy {seen:.1f} s after it was up)")
+    nxt = t.status == 200 and t.correct is not False and await ctx.next_correct(conv)
+    return FaultResult(name, saw, nxt, await ctx.recovered(), expected=t.status == 200)
+
+
+async def p_restarted(ctx: Ctx) -> FaultResult:
+    return await _restart(ctx, "prefill")
+
+
+async def d_restarted(ctx: Ctx) -> FaultResult:
+    return await _restart(ctx, "decode")
+
+
+async def d_stalled(ctx: Ctx) -> FaultResult:
+    name = "D stalled (no scheduler steps)"
+    d = ctx.dep.decode_urls[0]
+    conv = await ctx.warm("stall")
+    if not ctx.faults(d, stall=True):
+        return FaultResult(name, "not tried (no fault endpoint)", None, None)
+    try:
+        t = await ctx.turn(conv)
+    finally:
+        ctx.faults(d, stall=False)
+    seen = await ctx.router_sees_healthy()
+    saw = f"HTTP {t.status} after {t.elapsed:.1f} s" + (
+        "; router never saw D healthy again" if seen is None else
+        f"; D healthy again {seen:.1f} s after the stall ended")
+    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
+                       expected=t.status in (503, 504))
+
+
+async def d_filled(ctx: Ctx) -> FaultResult:
+    """Conversations of ~30k tokens each, stored and retained on D, beyond its capacity."""
+    name = f"retained blocks fill D (10 x {BIG_TURN // 1000}k-token turns)"
+    conv = await ctx.warm("fill")
+    statuses, slowest = [], 0.0
+    for i in range(10):
+        big = ctx.conv(f"fill-big-{i}")
+        prompt = random_tokens(big.rng, BIG_TURN)
+        t0 = time.perf_counter()
+        async with ctx.session.post(ctx.dep.router_url + "/v1/completions",
+                                    json=body(prompt, 4, big.cid, stream=False)) as resp:
+            await resp.read()
+            statuses.append(resp.status)
+        slowest = max(slowest, time.perf_counter() - t0)
+    ok = statuses.count(200)
+    saw = f"{ok}/{len(statuses)} HTTP 200, slowest {slowest:.1f} s"
+    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
+                       expected=ok == len(statuses))
+
+
+async def burst_without_ids(ctx: Ctx) -> FaultResult:
+    name = "burst of 32 turns without ids (1k tokens)"
+    conv = await ctx.warm("burst")
+    d = ctx.dep.decode_urls[0]
+    before = ctx.state(d).get("retained", 0) if ctx.dep.local else 0
+
+    async def one(i: int) -> int:
+        c = ctx.conv(f"burst-{i}", cid=False)
+        t = await ctx.turn(c, 1000)
+        return t.status if t.correct is not False else -1
+
+    statuses = await asyncio.gather(*(one(i) for i in range(32)))
+    freed: bool | None = None
+    if ctx.dep.local:  # D frees each no-id turn's blocks at once (notify-only release)
+        deadline = time.monotonic() + 10
+        freed = False
+        while time.monotonic() < deadline and not freed:
+            freed = ctx.state(d).get("retained", 0) <= before
+            await asyncio.sleep(0.1)
+    ok = statuses.count(200)
+    saw = f"{ok}/32 HTTP 200 and correct" + ("" if freed is None else
+                                             f", D released them: {'yes' if freed else 'no'}")
+    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
+                       expected=ok == 32 and freed is not False)
+
+
+async def client_gone(ctx: Ctx) -> FaultResult:
+    """The client reads the first streamed chunk of a slow answer, then disconnects."""
+    name = "client gone mid-stream"
+    d = ctx.dep.decode_urls[0]
+    conv = await ctx.warm("gone")
+    if not ctx.faults(d, stall_seconds=0.05):
+        return FaultResult(name, "not tried (no fault endpoint)", None, None)
+    got_first = False
+    try:
+        prompt = conv.next_prompt(NEW)
+        async with ctx.session.post(ctx.dep.router_url + "/v1/completions",
+                                    json=body(prompt, 400, conv.cid)) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    got_first = True
+                    break
+            resp.close()
+        idle = await _wait_idle(ctx, d) if ctx.dep.local else None
+    finally:
+        ctx.faults(d, stall_seconds=0.0)
+    saw = ("first chunk, then left" if got_first else "no chunk") + (
+        "" if idle is None else f"; D's request aborted: {'yes' if idle else 'no'}")
+    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
+                       expected=got_first and idle is not False)
+
+
+async def _wait_idle(ctx: Ctx, url: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = ctx.state(url)
+        if s.get("running", 0) == 0 and s.get("waiting", 0) == 0:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+FAULTS: dict[str, Callable[[Ctx], Awaitable[FaultResult]]] = {
+    "p-restart": p_restarted,
+    "d-restart": d_restarted,
+    "d-stall": d_stalled,
+    "d-full": d_filled,
+    "burst-no-id": burst_without_ids,
+    "client-gone": client_gone,
+}
+
+
+async def _run(dep: Deployment, names: list[str]) -> list[FaultResult]:
+    out = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        ctx = Ctx(dep, session)
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                res = await FAULTS[name](ctx)
+            except (RuntimeError, OSError, aiohttp.ClientError) as exc:
+                res = FaultResult(name, f"campaign step failed: {exc}"[:120], False, False)
+            res.seconds = time.perf_counter() - t0
+            out.append(res)
+    return out
+
+
+def run_faults(dep: Deployment, names: list[str] | None = None) -> list[FaultResult]:
+    return asyncio.run(_run(dep, list(names or FAULTS)))
