@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from bidir_kv.policy import EXPIRY_SAFETY_MARGIN, cache_ttl_within_retention
 from bidir_kv.scrape import MetricsSnapshot, parse_metrics
 
 __all__ = ["Context", "Result", "Status", "fetch_json", "host_checks", "node_checks",
@@ -32,7 +33,7 @@ DECLINE_LINE = "Declining expired remote read"
 RAIL_LINES = (re.compile(r"Created rail \d+ \(device="), re.compile(r"mapped to rail"))
 TCP_FALLBACK = re.compile(
     r"(fall(ing)?\s*back.{0,40}\b(tcp|sockets)\b|provider[=: ]+(tcp|sockets)\b)", re.IGNORECASE)
-CLOCK_WARN_S, CLOCK_FAIL_S = 1.0, 5.0  # 5 s: P's safety margin before D's deadline
+CLOCK_WARN_S, CLOCK_FAIL_S = 1.0, EXPIRY_SAFETY_MARGIN  # P declines this close to a deadline
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ def check_router_ttl(ctx: Context) -> Result:
     if d_ttl is None:
         return Result(name, "WARN", "D's TTL unknown: pass --decoder-kv-blocks-ttl", fix)
     ttl = float(cfg.get("cache_ttl", 0))
-    if ttl >= float(d_ttl):
+    if not cache_ttl_within_retention(ttl, float(d_ttl)):
         return Result(name, "FAIL", f"router --cache-ttl {ttl:g} s >= D's TTL {float(d_ttl):g} s",
                       fix)
     return Result(name, "PASS", f"router {ttl:g} s < D {float(d_ttl):g} s")

@@ -9,6 +9,7 @@ import time
 from urllib.parse import urlsplit
 
 from bidir_kv.doctor.checks import Context, Result, fetch_json
+from bidir_kv.policy import deadline_offset
 from bidir_kv.testing.pd_client import NIXL_BYTES, EngineClient, run_pd_turn
 from bidir_kv.topology.base import Node
 
@@ -75,7 +76,9 @@ def probe(ctx: Context, model: str, tokens: int, token_range: tuple[int, int],
     expiry = params.remote_blocks_expiry_time
     if expiry is not None and ctx.decoder_ttl is not None and _local(ctx.prefill_url,
                                                                       ctx.decode_url):
-        ctx.cache["deadline_skew"] = float(expiry) - (time.monotonic() + ctx.decoder_ttl)
+        # same host: D's monotonic clock is ours; D retained the blocks about now
+        ctx.cache["deadline_skew"] = deadline_offset(float(expiry), time.monotonic(),
+                                                     ctx.decoder_ttl)
     results.append(_stream_result(ctx, p, d, [rng.randrange(*token_range) for _ in range(tokens)]))
     prompt2 = [*turn1.sequence, *(rng.randrange(*token_range) for _ in range(150))]
     turn2 = run_pd_turn(p, d, prompt2, 4, previous=params)
