@@ -34,6 +34,8 @@ lint: venv
 	$(VENV)/bin/ruff check bidir_kv suites fixtures conftest.py
 	@# the layering contracts of [tool.importlinter] in pyproject.toml
 	$(VENV)/bin/lint-imports --no-cache
+	@# the CI workflows (.github/workflows, runner labels in .github/actionlint.yaml)
+	$(VENV)/bin/actionlint .github/workflows/*.yml
 
 typecheck: venv
 	$(VENV)/bin/mypy bidir_kv

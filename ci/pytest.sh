@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 mkdir -p out
 if [ "${CI:-}" = "true" ] && [ -z "${BIDIR_KV_REQUIRE+x}" ]; then
-  export BIDIR_KV_REQUIRE="unit,integration,conformance"
+  export BIDIR_KV_REQUIRE="unit,integration,conformance,hardware"
 fi
 "$PY" -m pytest --durations=15 "$@"
 rc=$?

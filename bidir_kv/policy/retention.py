@@ -29,6 +29,7 @@ __all__ = [
     "Release",
     "RetentionLedger",
     "clock_offset",
+    "deadline_offset",
     "heartbeat_extension",
     "heartbeat_interval",
     "local_deadline",
@@ -290,6 +291,12 @@ def read_window(ttl: float, margin: float = EXPIRY_SAFETY_MARGIN) -> float:
     if not valid_retention_ttl(ttl):
         raise ValueError(f"decoder_kv_blocks_ttl must be positive, got {ttl}")
     return max(0.0, ttl - margin)
+
+
+def deadline_offset(remote_expiry: float, retained_at: float, ttl: float) -> float:
+    """How far D's exported deadline lies from ``retained_at + ttl`` on our clock: the
+    clock offset (or skew) it implies, when D retained the blocks at ``retained_at``."""
+    return remote_expiry - (retained_at + ttl)
 
 
 def remote_deadline(deadline: float, offset: float) -> float:

@@ -106,6 +106,10 @@ class _RouterApp:
             "store": {"kind": self.store.kind, "ok": store_ok},
             "prefill": [_node(node) for node in prefill.nodes],
             "decode": [_node(node) for node in decode.nodes],
+            # what `bidir-kv doctor` checks against the engines (docs/hardware.md §5)
+            "config": {"cache_ttl": self.settings.cache_ttl,
+                       "decoder_kv_blocks_ttl": self.settings.decoder_kv_blocks_ttl,
+                       "decode_stream": self.settings.decode_stream},
         }
         return web.json_response(body, status=200 if p_ok and d_ok else 503)
 

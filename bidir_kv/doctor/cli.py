@@ -1,0 +1,115 @@
+"""``bidir-kv doctor``: the troubleshooting list, run against a P/D pair (and its router).
+
+    bidir-kv doctor --prefill-url http://P:8100 --decode-url http://D:8200 \\
+        [--router-url http://R:8000] [--prefill-log P.log --decode-log D.log] [--json]
+
+Each check prints PASS, WARN or FAIL with the fix in one line; the exit code is 1 when
+any check FAILs (docs/hardware.md §5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from bidir_kv.doctor.checks import (
+    Context,
+    Result,
+    check_nodes,
+    host_checks,
+    node_checks,
+    router_checks,
+)
+
+__all__ = ["main", "run"]
+
+_TTL_LINE = re.compile(r"released after a TTL of (\d+) seconds")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bidir-kv doctor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefill-url", required=True)
+    p.add_argument("--decode-url", required=True)
+    p.add_argument("--router-url", default=None)
+    p.add_argument("--prefill-log", type=Path, default=None, help="P's server log")
+    p.add_argument("--decode-log", type=Path, default=None, help="D's server log")
+    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=None,
+                   help="D's TTL (default: from D's log start-up line, or the router's)")
+    p.add_argument("--probe-tokens", type=int, default=600,
+                   help="first-turn prompt length of the live probe (default 600)")
+    p.add_argument("--probe-output-tokens", type=int, default=128,
+                   help="D's first answer in the probe: must exceed P's kv_recompute_threshold")
+    p.add_argument("--probe-token-range", default="5,1000", metavar="LO,HI",
+                   help="token ids the probe's prompts use (ordinary tokens of the model)")
+    p.add_argument("--no-probe", dest="probe", action="store_false",
+                   help="skip the live two-turn probe")
+    p.add_argument("--no-host-checks", dest="host_checks", action="store_false",
+                   help="skip fi_info (when the doctor does not run on an engine host)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    return p
+
+
+def _ttl_from_log(path: Path | None) -> float | None:
+    if path is None:
+        return None
+    try:
+        found = _TTL_LINE.search(path.read_text(errors="replace"))
+    except OSError:
+        return None
+    return float(found.group(1)) if found else None
+
+
+def run(ctx: Context, *, probe: bool = True, probe_tokens: int = 600,
+        token_range: tuple[int, int] = (5, 1000), output_tokens: int = 128) -> list[Result]:
+    """Every check in the troubleshooting order; the probe runs before the counters."""
+    first = check_nodes(ctx)
+    results = [first]
+    if first.status == "FAIL":
+        return results
+    if probe:
+        from bidir_kv.doctor.probe import probe as live_probe
+
+        results += live_probe(ctx, str(ctx.cache["model"]), probe_tokens, token_range,
+                              output_tokens)
+    for check in [*node_checks()[1:], *router_checks(), *host_checks(ctx)]:
+        results.append(check(ctx))
+    return results
+
+
+def _print(results: Sequence[Result]) -> None:
+    width = max(len(r.name) for r in results)
+    for r in results:
+        print(f"{r.status:<4}  {r.name:<{width}}  {r.detail}")
+        if r.status != "PASS" and r.fix:
+            print(f"      {'':<{width}}  fix: {r.fix}")
+    fails = sum(r.status == "FAIL" for r in results)
+    warns = sum(r.status == "WARN" for r in results)
+    print(f"\n{len(results)} checks: {fails} FAIL, {warns} WARN")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        lo, hi = (int(x) for x in ns.probe_token_range.split(","))
+    except ValueError:
+        print(f"bidir-kv doctor: --probe-token-range must be LO,HI, got "
+              f"{ns.probe_token_range!r}", file=sys.stderr)
+        return 2
+    logs = {role: path for role, path in (("prefill", ns.prefill_log), ("decode", ns.decode_log))
+            if path is not None}
+    ctx = Context(prefill_url=ns.prefill_url.rstrip("/"), decode_url=ns.decode_url.rstrip("/"),
+                  router_url=ns.router_url.rstrip("/") if ns.router_url else None, logs=logs,
+                  decoder_ttl=ns.decoder_kv_blocks_ttl or _ttl_from_log(ns.decode_log),
+                  host_checks=ns.host_checks)
+    results = run(ctx, probe=ns.probe, probe_tokens=ns.probe_tokens, token_range=(lo, hi),
+                  output_tokens=ns.probe_output_tokens)
+    if ns.json:
+        print(json.dumps([r.to_dict() for r in results], indent=1))
+    else:
+        _print(results)
+    return 1 if any(r.status == "FAIL" for r in results) else 0

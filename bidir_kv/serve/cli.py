@@ -1,0 +1,170 @@
+"""``bidir-kv serve``: one vLLM P or D node as the published recipe starts it.
+
+    bidir-kv serve --role prefill --model M --ip P_IP --peer-ip D_IP --nixl-backend LIBFABRIC \\
+        --tp 8 --cold-prefill --dry-run
+    bidir-kv serve stop [--pidfile FILE | --run-dir DIR]
+
+Without ``--dry-run`` the node starts in the background (its own session, log to a file),
+``/health`` is awaited, and a pidfile in ``--run-dir`` lets ``serve stop`` clean up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
+from bidir_kv.serve.command import (
+    DEFAULT_PORTS,
+    DEVICES,
+    NIXL_BACKENDS,
+    ServeSpec,
+    build,
+)
+
+__all__ = ["main", "spec_from_args"]
+
+DEFAULT_RUN_DIR = Path("out/serve")
+
+
+def _on_off(text: str) -> bool:
+    low = text.lower()
+    if low not in ("on", "off", "true", "false"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return low in ("on", "true")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bidir-kv serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--model", required=True, help="model id or path (vllm serve's positional)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--bidir", type=_on_off, default=True, metavar="on|off",
+                   help="bidirectional_kv_xfer (must match on P and D; default on)")
+    p.add_argument("--cold-prefill", action="store_true",
+                   help="--no-enable-prefix-caching on P (the recipe); D keeps its cache")
+    p.add_argument("--ip", default="127.0.0.1",
+                   help="this node's address, exported as VLLM_NIXL_SIDE_CHANNEL_HOST")
+    p.add_argument("--peer-ip", default=None,
+                   help="the other node's address (printed in the router hint, kept in the "
+                   "pidfile for `bidir-kv doctor`)")
+    p.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"HTTP port (default {DEFAULT_PORTS['prefill']} on P, "
+                   f"{DEFAULT_PORTS['decode']} on D)")
+    p.add_argument("--side-channel-port", type=int, default=5600,
+                   help="VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600)")
+    p.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-recompute-threshold", type=int, default=DEFAULT_RECOMPUTE_THRESHOLD)
+    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=DEFAULT_DECODER_KV_BLOCKS_TTL)
+    p.add_argument("--nixl-backend", choices=NIXL_BACKENDS, default="UCX",
+                   help="kv_connector_extra_config.backends (LIBFABRIC sets FI_PROVIDER=efa)")
+    p.add_argument("--device", choices=DEVICES, default="cuda")
+    p.add_argument("--gpus", default=None, metavar="IDS",
+                   help="accelerators for this node: CUDA_VISIBLE_DEVICES, "
+                   "NEURON_RT_VISIBLE_CORES or VLLM_CPU_OMP_THREADS_BIND by --device")
+    p.add_argument("--engine-id", default=None,
+                   help="engine_id (default prefill-engine-001 / decode-engine-001)")
+    p.add_argument("--no-kv-rank", dest="kv_rank", action="store_false",
+                   help="leave out the recipe's kv_rank/kv_parallel_size keys")
+    p.add_argument("--nixl-debug", action="store_true", help="NIXL_LOG_LEVEL=DEBUG (rail lines)")
+    p.add_argument("--vllm", default="vllm", help="the vllm executable (default: on PATH)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the command and env, start nothing")
+    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
+                   help=f"pidfiles and logs (default {DEFAULT_RUN_DIR})")
+    p.add_argument("--log-file", type=Path, default=None,
+                   help="server log (default <run-dir>/<role>-<port>.log)")
+    p.add_argument("--health-timeout", type=float, default=1800.0,
+                   help="seconds to wait for /health (large models load for minutes)")
+    p.add_argument("--no-wait", dest="wait", action="store_false",
+                   help="return once started, without waiting for /health")
+    p.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="after --: more vllm serve flags, passed through")
+    return p
+
+
+def spec_from_args(ns: argparse.Namespace) -> ServeSpec:
+    extra = list(ns.extra)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    rank = (0 if ns.role == "prefill" else 1) if ns.kv_rank else None
+    return ServeSpec(
+        role=ns.role, model=ns.model, served_model_name=ns.served_model_name, bidir=ns.bidir,
+        cold_prefill=ns.cold_prefill, ip=ns.ip, host=ns.host, port=ns.port,
+        side_channel_port=ns.side_channel_port, tp=ns.tp, max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs, dtype=ns.dtype, block_size=ns.block_size,
+        enforce_eager=ns.enforce_eager, kv_recompute_threshold=ns.kv_recompute_threshold,
+        decoder_kv_blocks_ttl=ns.decoder_kv_blocks_ttl, nixl_backend=ns.nixl_backend,
+        device=ns.device, engine_id=ns.engine_id, kv_rank=rank,
+        kv_parallel_size=2 if ns.kv_rank else None, visible=ns.gpus,
+        nixl_debug=ns.nixl_debug, vllm=ns.vllm, extra_args=tuple(extra),
+    )
+
+
+def _router_hint(spec: ServeSpec, peer: str | None) -> str | None:
+    if peer is None:
+        return None
+    p_ip, d_ip = (spec.ip, peer) if spec.role == "prefill" else (peer, spec.ip)
+    return (f"router: bidir-kv proxy --prefiller-host {p_ip} --prefiller-port "
+            f"{DEFAULT_PORTS['prefill']} --decoder-host {d_ip} --decoder-port "
+            f"{DEFAULT_PORTS['decode']} --decoder-kv-blocks-ttl {spec.decoder_kv_blocks_ttl:g}")
+
+
+def _stop_main(argv: Sequence[str]) -> int:
+    from bidir_kv.serve.launcher import stop, stop_all
+
+    p = argparse.ArgumentParser(prog="bidir-kv serve stop",
+                                description="stop nodes that `bidir-kv serve` started")
+    p.add_argument("--pidfile", type=Path, default=None)
+    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+    p.add_argument("--timeout", type=float, default=30.0)
+    ns = p.parse_args(list(argv))
+    lines = [stop(ns.pidfile, ns.timeout)] if ns.pidfile else stop_all(ns.run_dir, ns.timeout)
+    for line in lines or [f"no pidfiles in {ns.run_dir}"]:
+        print(line)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "stop":
+        return _stop_main(args[1:])
+    ns = _parser().parse_args(args)
+    spec = spec_from_args(ns)
+    try:
+        cmd = build(spec)
+    except ValueError as exc:
+        print(f"bidir-kv serve: {exc}", file=sys.stderr)
+        return 2
+    hint = _router_hint(spec, ns.peer_ip)
+    if ns.dry_run:
+        print(cmd.shell())
+        if hint:
+            print(f"# {hint}")
+        return 0
+    from bidir_kv.serve.launcher import launch
+    from bidir_kv.topology.process import ProcessFailed
+
+    port = spec.http_port
+    log = ns.log_file or ns.run_dir / f"{spec.role}-{port}.log"
+    pidfile = ns.run_dir / f"{spec.role}-{port}.pid"
+    url = f"http://{'127.0.0.1' if spec.host in ('0.0.0.0', '::') else spec.host}:{port}"
+    try:
+        rec = launch(cmd, role=spec.role, url=url, log_path=log, pidfile=pidfile,
+                     health_timeout=ns.health_timeout, wait=ns.wait)
+    except (ProcessFailed, OSError) as exc:
+        print(f"bidir-kv serve: {spec.role} did not come up: {exc}", file=sys.stderr)
+        return 1
+    print(f"{spec.role} serving at {rec.url} (pid {rec.pid}, log {rec.log}, pidfile {pidfile})")
+    if hint:
+        print(hint)
+    return 0

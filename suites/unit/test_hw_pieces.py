@@ -1,0 +1,46 @@
+"""Pieces of the hardware tier that need no deployment: the --hw-launch node specs and
+the tier's JUnit writer (the release gate script reads it)."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from typing import Any
+
+from bidir_kv.serve.command import argv_value, build
+from bidir_kv.testing.hw_launch import _spec
+from bidir_kv.testing.hw_report import _junit
+
+
+class _Config:
+    def __init__(self, **opts: Any) -> None:
+        self.opts = {"--hw-tp": 4, "--hw-nixl-backend": "LIBFABRIC", "--hw-device": "cuda",
+                     "--hw-threshold": 64, "--hw-p-gpus": "0,1,2,3", "--hw-d-gpus": "4,5,6,7",
+                     "--hw-launch-arg": ["--gpu-memory-utilization", "0.9"], **opts}
+
+    def getoption(self, name: str) -> Any:
+        return self.opts[name]
+
+
+def test_launched_pair_follows_the_recipe_on_one_host() -> None:
+    p, d = (build(_spec(_Config(), role, "Qwen/Qwen3-32B")) for role in ("prefill", "decode"))  # type: ignore[arg-type]
+    assert "--no-enable-prefix-caching" in p.argv and "--no-enable-prefix-caching" not in d.argv
+    assert p.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and d.env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert argv_value(p.argv, "--port") == "8100" and argv_value(d.argv, "--port") == "8200"
+    assert p.env["FI_PROVIDER"] == "efa" and "--gpu-memory-utilization" in d.argv
+    kv = json.loads(str(argv_value(d.argv, "--kv-transfer-config")))
+    assert kv["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"] and kv["kv_rank"] == 1
+
+
+def test_junit_counts_failures_and_skips() -> None:
+    cases = [{"nodeid": "suites/hardware/t.py::test_a[1000]", "outcome": "passed",
+              "duration": 1.0, "message": ""},
+             {"nodeid": "suites/hardware/t.py::test_b", "outcome": "failed", "duration": 0.5,
+              "message": "length 1000: below the bound <2.0x>"},
+             {"nodeid": "suites/hardware/t.py::test_c", "outcome": "skipped", "duration": 0.0,
+              "message": ""}]
+    root = ET.fromstring(_junit(cases))
+    assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("3", "1", "1")
+    failure = root.find("testcase[@name='test_b']/failure")
+    assert failure is not None and "below the bound <2.0x>" in str(failure.get("message"))
