@@ -171,6 +171,14 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
         "--router-arg=--no-continuation-guard",
     )
     eng.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for both emulated engines (repeatable), e.g. "
+        "--engine-arg=--no-kv-verify",
+    )
+    eng.add_argument(
         "--decode-stream",
         choices=("always", "never"),
         default=None,

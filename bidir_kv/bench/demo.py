@@ -1,14 +1,18 @@
-"""``bidir-kv demo`` (``make demo``): the AWS blog's OFF/ON sweep on this machine in minutes.
+"""``bidir-kv demo`` (``make demo``): the AWS blog's OFF/ON sweep on this machine, in real time.
 
 Starts an emulated 1P1D + router with a realistic profile (default
-``qwen3-32b-p5en``), runs the OFF leg and the ON leg, renders the report and the
-two plots, and prints the table. Every process is started through
-``bidir_kv.topology`` and stopped when its leg ends (also on Ctrl-C or errors).
+``qwen3-32b-p5en``), runs the OFF leg and the ON leg with the publication's
+workload shape (P's prefix cache off, 150 input and 300 output tokens per turn, 2
+clients, prefix lengths 2k to 24k), renders the report and the two plots, and
+prints per length the measured TTFT, prefill and KV transfer beside the planner's
+prediction. Every process is started through ``bidir_kv.topology`` and stopped
+when its leg ends (also on Ctrl-C or errors).
 
-The profile is *time-scaled* (``--time-scale``, default 3): every emulated
-duration is multiplied, which keeps the recompute/transfer ratios of the target
-while making them large against this machine's own per-request overhead
-(tokenizing 24k-token prompts, moving the scaled KV bytes, HTTP).
+Durations are the target's, in absolute milliseconds (``--time-scale 1``), so they
+can stand next to a published chart; ``--time-scale`` > 1 stretches them (ratios
+kept) when this machine's own per-request overhead is too large against them. The
+run measures that overhead and the machine's load and says when they make the
+headline unreliable (``bidir_kv.bench.headline``).
 """
 
 from __future__ import annotations
@@ -23,8 +27,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from bidir_kv.bench import cli as bench_cli
+from bidir_kv.bench.headline import headline, headline_text
+from bidir_kv.bench.predict import Prediction, predict
 from bidir_kv.bench.report_cli import render_dir
-from bidir_kv.engine.profiles import ProfileError, load_profile
+from bidir_kv.bench.results import load_result
+from bidir_kv.bench.split import on_prefill_split
+from bidir_kv.bench.summary import Summary, ratio_rows, summarize_result
+from bidir_kv.engine.profiles import PROFILE_DIR, ProfileError, load_profile
 
 __all__ = ["main", "scaled_profile"]
 
@@ -55,13 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--time-scale",
         type=float,
-        default=3.0,
-        help="multiply emulated durations (default 3; 1 = the target's real time)",
+        default=1.0,
+        help="multiply emulated durations (default 1: the target's real time, absolute ms)",
     )
-    ap.add_argument("--prefix-tokens", default="2000,8000,16000,24000")
-    ap.add_argument("--num-conversations", type=int, default=2)
+    ap.add_argument("--prefix-tokens", default="2000,4000,8000,16000,24000")
+    ap.add_argument("--num-conversations", type=int, default=4)
     ap.add_argument("--num-turns", type=int, default=4)
-    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--input-tokens", type=int, default=150)
+    ap.add_argument("--output-tokens", type=int, default=300)
     ap.add_argument("--num-clients", type=int, default=2)
     ap.add_argument(
         "--transport",
@@ -69,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
         default="tcp",
         help="emulator KV transport (default tcp: UCX progress threads compete for "
         "the 2 cores of a small machine)",
+    )
+    ap.add_argument(
+        "--kv-verify",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the engines' pulled-KV check (a test oracle costing about one prefill's CPU "
+        "per pulled token; off in the demo so P's own CPU stays small against its "
+        "emulated prefill)",
     )
     ap.add_argument("-o", "--out", type=Path, default=Path("out/demo"))
     return ap
@@ -83,7 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out.exists():
         shutil.rmtree(args.out)
     try:
-        profile_path = scaled_profile(args.profile, args.time_scale, args.out)
+        profile_path = (
+            scaled_profile(args.profile, args.time_scale, args.out)
+            if args.time_scale != 1
+            else Path(args.profile)
+        )
+        load_profile(str(profile_path))
     except ProfileError as exc:
         print(f"bidir-kv demo: {exc}", file=sys.stderr)
         return 2
@@ -100,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return rc
-    _print_outcome(args.out)
+    _print_outcome(args.out, args.profile)
     print(f"done in {time.monotonic() - t0:.0f} s; every process stopped")
     return 0
 
@@ -113,21 +136,32 @@ def _sweep_argv(args: argparse.Namespace, profile_path: Path) -> list[str]:
         "--prefix-tokens", args.prefix_tokens,
         "--num-conversations", str(args.num_conversations),
         "--num-turns", str(args.num_turns),
-        "--input-tokens", "150",
+        "--input-tokens", str(args.input_tokens),
         "--output-tokens", str(args.output_tokens),
         "--num-clients", str(args.num_clients),
         "--max-active-conversations", str(args.num_conversations),
         "--transport", args.transport,
         "-o", str(args.out),
+        *([] if args.kv_verify else ["--engine-arg=--no-kv-verify"]),
     ]  # fmt: skip
 
 
-def _print_outcome(out: Path) -> None:
-    """Render the report and print the table, the client's margin and where files are."""
-    report, table = render_dir(out)
+def _print_outcome(out: Path, profile: str) -> None:
+    """Render the report; print per length the measurements beside the planner's
+    prediction, the headline with its reliability, and where the files are."""
+    report, _ = render_dir(out)
+    summary = summarize_result(load_result(out))
+    pred = predict(summary)
     print()
-    print("TTFT median, turns >= 2 (OFF = recompute on P, ON = P pulls D's KV):")
-    print(table)
+    print(f"profile {profile}: {_profile_sources(profile)}")
+    if isinstance(pred, str):
+        print(f"planner: no prediction ({pred})")
+    else:
+        print(f"planner: {pred.source}; break-even {pred.break_even_tokens:.0f} history tokens")
+    print(f"turns >= {summary.min_turn} (turn 1 is a miss in both legs); times in ms")
+    for line in length_table(summary, pred):
+        print(line)
+    print(headline_text(headline(summary)))
     manifest = json.loads((out / "manifest.json").read_text())
     cap = manifest.get("client_capacity") or {}
     if cap:
@@ -139,3 +173,48 @@ def _print_outcome(out: Path) -> None:
         )
     print(f"report: {report}")
     print(f"plots:  {out / 'ttft.png'}  {out / 'prefill.png'}")
+
+
+def _profile_sources(profile: str) -> str:
+    """What the profile file says it was derived from (its sources, else derivation)."""
+    path = Path(profile) if Path(profile).suffix else PROFILE_DIR / f"{profile}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "(profile file not readable)"
+    src = data.get("sources") or data.get("derivation") or "(no sources recorded)"
+    if isinstance(src, list | dict):
+        src = json.dumps(src)
+    return str(src)[:600]
+
+
+def length_table(summary: Summary, pred: Prediction | str) -> list[str]:
+    """Per prompt length: OFF/ON TTFT, prefill, KV transfer, and the prediction."""
+    predicted = {} if isinstance(pred, str) else {p.point: p for p in pred.points}
+    head = (
+        f"{'prefix':>7} {'TTFT OFF':>9} {'TTFT ON':>8} {'OFF/ON':>7} {'prefill OFF':>11} "
+        f"{'prefill ON':>10} {'xfer ms':>8} {'MiB/xfer':>9} {'pred OFF/ON':>11} "
+        f"{'meas OFF/ON':>11}"
+    )
+    lines = [head]
+    for row in ratio_rows(summary):
+        point = int(row["point"])
+        off, on = summary.get("off", point), summary.get("on", point)
+        split = on_prefill_split(summary, point)
+        on_prefill = split[0] if split else (on.prefill_ms if on else None)
+        off_prefill = off.prefill_ms if off else None
+        meas = off_prefill / on_prefill if off_prefill and on_prefill else None
+        p = predicted.get(point)
+        lines.append(
+            f"{point:>7} {_f(row['ttft_off_ms'], '9.0f')} {_f(row['ttft_on_ms'], '8.0f')} "
+            f"{_f(row['ttft_ratio'], '6.2f')}× {_f(off_prefill, '11.0f')} "
+            f"{_f(on_prefill, '10.0f')} {_f(split[1] if split else None, '8.1f')} "
+            f"{_f(on.mb_per_transfer if on else None, '9.1f')} "
+            f"{_f(p.predicted_ratio if p else None, '10.2f')}× {_f(meas, '10.2f')}×"
+        )
+    return lines
+
+
+def _f(v: float | None, spec: str) -> str:
+    width = int(spec.split(".")[0] or 0)
+    return "n/a".rjust(width) if v is None else format(v, spec)

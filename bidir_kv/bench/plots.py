@@ -2,7 +2,8 @@
 
 * ``ttft.png``: TTFT against prompt length, OFF and ON, median with a p10–p90 band.
 * ``prefill.png``: prefill duration per prompt length as paired bars; the ON bar
-  is stacked into prefill compute and KV transfer (as in the AWS blog).
+  (reuse turns only, ``split.py``) is stacked into prefill compute and KV transfer
+  (as in the AWS blog).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.bench.split import on_prefill_split
 from bidir_kv.bench.summary import Summary
 
 __all__ = ["write_plots"]
@@ -70,10 +72,16 @@ def _plot_prefill(plt: Any, summary: Summary, out_dir: Path) -> Path:
     off = [summary.get("off", p) for p in points]
     on = [summary.get("on", p) for p in points]
     off_ms = [r.prefill_ms or 0.0 if r else 0.0 for r in off]
-    on_total = [r.prefill_ms or 0.0 if r else 0.0 for r in on]
+    # ON: reuse turns only (turn 1 is a miss in both legs) where the router log says
+    # which P legs reused D's blocks; else every request of the point
+    splits = [on_prefill_split(summary, p) for p in points]
+    on_total = [
+        sp[0] if sp else (r.prefill_ms or 0.0 if r else 0.0)
+        for sp, r in zip(splits, on, strict=True)
+    ]
     on_xfer = [
-        min(r.xfer_ms_per_request or 0.0, t) if r else 0.0
-        for r, t in zip(on, on_total, strict=True)
+        sp[1] if sp else (min(r.xfer_ms_per_request or 0.0, t) if r else 0.0)
+        for sp, r, t in zip(splits, on, on_total, strict=True)
     ]
     on_compute = [t - x for t, x in zip(on_total, on_xfer, strict=True)]
     ax.bar(

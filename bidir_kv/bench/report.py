@@ -11,7 +11,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.bench.headline import headline, headline_text, point_overhead_of
 from bidir_kv.bench.predict import Prediction
+from bidir_kv.bench.split import on_prefill_split
 from bidir_kv.bench.summary import Summary, ratio_rows
 
 __all__ = ["render_markdown"]
@@ -97,12 +99,37 @@ def render_markdown(
             f"| {r.tokens_external:.0f} | {r.tokens_local_compute:.0f} | {r.expired:.0f} "
             f"| {r.failed:.0f} | {r.errors} |"
         )
+    lines += _overhead_lines(summary)
     lines += _prediction_lines(prediction)
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     lines.append("")
     return "\n".join(lines)
+
+
+def _overhead_lines(summary: Summary) -> list[str]:
+    """The headline with its reliability, the ON reuse-turn split, and what the run
+    cost this machine per point (``overhead.py``, ``split.py``)."""
+    lines = ["", "## Headline, overhead and load", "", headline_text(headline(summary)), ""]
+    lines += [
+        "| leg | prefix tokens | ON prefill ms, turns ≥ 2 | of which transfer ms | compute ms"
+        " | P CPU ms/request | P+D CPU ms/request | our CPU share | load average (start, end) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in summary.rows:
+        ov = point_overhead_of(summary, r.leg, r.point)
+        sp = on_prefill_split(summary, r.point) if r.leg == "on" else None
+        share = ov.get("own_cpu_share")
+        lines.append(
+            f"| {r.leg} | {r.point} | {_fmt(sp[0] if sp else None, '.1f')} "
+            f"| {_fmt(sp[1] if sp else None, '.1f')} | {_fmt(sp[2] if sp else None, '.1f')} "
+            f"| {_fmt(ov.get('prefill_cpu_ms_per_request'), '.1f')} "
+            f"| {_fmt(ov.get('engine_cpu_ms_per_request'), '.1f')} "
+            f"| {_fmt(share * 100 if share is not None else None, '.0f')} % "
+            f"| {ov.get('load1', 'n/a')} of {ov.get('cores', 'n/a')} cores |"
+        )
+    return lines
 
 
 def _prediction_lines(pred: Prediction | str) -> list[str]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from bidir_kv.bench.capacity import client_capacity
 from bidir_kv.bench.interrupt import Interrupt, run_point_interruptible, terminate
+from bidir_kv.bench.overhead import load_now, node_cpu, point_overhead
 from bidir_kv.bench.progress import Progress
 from bidir_kv.bench.runner import (
     HttpTokenCounter,
@@ -28,6 +29,7 @@ from bidir_kv.bench.runner import (
     snapshot_nodes,
     write_point,
 )
+from bidir_kv.bench.split import log_offsets
 from bidir_kv.bench.topo import LegSetup, node_urls, start_leg
 from bidir_kv.bench.workload import (
     Conversation,
@@ -111,6 +113,7 @@ def _leg_setup(args: argparse.Namespace, out: Path) -> LegSetup:
         decode_stream=args.decode_stream or ("never" if vllm_cpu else LegSetup().decode_stream),
         transport=args.transport,
         router_args=router_args,
+        engine_args=tuple(getattr(args, "engine_arg", None) or ()),
         log_dir=out / "logs",
     )
 
@@ -137,6 +140,7 @@ def _manifest(
             "block_size": args.block_size,
             "transport": args.transport,
             "router_args": args.router_arg,
+            "engine_args": getattr(args, "engine_arg", None) or [],
             "prefix_caching": {"prefill": False, "decode": True},
         },
         "complete": False,
@@ -249,6 +253,11 @@ class _Sweep:
                 return False
         return True
 
+    def _pids(self, leg: str) -> dict[str, int | None]:
+        """PIDs of the nodes this run started for ``leg`` (none for ``--url``)."""
+        nodes = (self.manifest.get("nodes") or {}).get(leg) or {}
+        return {name: n.get("pid") for name, n in nodes.items()}
+
     def _conversations_for(self, spec: WorkloadSpec, counter: TokenCounter) -> list[Conversation]:
         if spec.prefix_tokens not in self._conversations:
             self._conversations[spec.prefix_tokens] = build_conversations(spec, counter)
@@ -264,8 +273,13 @@ class _Sweep:
     ) -> bool:
         """Run one point and write its files; False when it was interrupted."""
         self.progress.describe(f"{leg.upper()} prefix {spec.prefix_tokens}")
+        pids = self._pids(leg)
         before = snapshot_nodes(nodes)
+        cpu0, load0 = node_cpu(pids), load_now()
+        logs0 = log_offsets((self.manifest.get("nodes") or {}).get(leg) or {})
         result = run_point_interruptible(convs, opts, leg, self.progress.advance, self.intr)
+        cpu1, load1 = node_cpu(pids), load_now()
+        logs1 = log_offsets((self.manifest.get("nodes") or {}).get(leg) or {})
         after = snapshot_nodes(nodes)
         write_point(self.out, leg, spec.prefix_tokens, result, metrics_delta(before, after))
         self.manifest["runs"].setdefault(leg, {})[str(spec.prefix_tokens)] = {
@@ -275,6 +289,12 @@ class _Sweep:
             "chunks": sum(r.output_num_chunks for r in result.records),
             "interrupted": result.interrupted,
         }
+        entry = self.manifest["runs"][leg][str(spec.prefix_tokens)]
+        if pids:
+            entry["overhead"] = point_overhead(
+                cpu0, cpu1, load0, load1, result.duration_s, len(result.records)
+            )
+        entry["router_log"] = {n: [logs0[n], logs1[n]] for n in logs1 if n in logs0}
         write_manifest(self.out, self.manifest)
         if result.errors:
             first = next(r for r in result.records if not r.ok)

@@ -48,6 +48,7 @@ class LegSetup:
     decode_stream: str = _ROUTER.decode_stream
     transport: str = _ENGINE.transport
     router_args: tuple[str, ...] = ()
+    engine_args: tuple[str, ...] = ()  # extra `bidir-kv engine` flags (emulator topology)
     log_dir: Path = Path("out/bench-logs")
 
 
@@ -83,6 +84,7 @@ def leg_spec(leg: str, setup: LegSetup) -> TopologySpec:
         model=setup.model,
         profile=setup.profile,
         transport=setup.transport,
+        extra_args=setup.engine_args,
     )
     return TopologySpec(
         prefill=replace(

@@ -51,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-transfer-config", default=None, metavar="JSON")
     p.add_argument("--max-num-batched-tokens", type=int, default=_default("max_num_batched_tokens"))
-    # accepted for launch-script compatibility; they do not change the emulation
     p.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"))
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=_default("enable_chunked_prefill"),
+    )
     p.add_argument("-tp", "--tensor-parallel-size", type=int,
                    default=_default("tensor_parallel_size"),
                    help="emulated ranks: KV bytes per rank = total / N (one process)")
@@ -153,6 +157,13 @@ def _check_sizes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if ns.max_num_batched_tokens is not None and ns.max_num_batched_tokens <= 0:
         parser.error("--max-num-batched-tokens must be positive")
+    budget = ns.max_num_batched_tokens
+    if budget is not None and not ns.enable_chunked_prefill and budget < ns.max_model_len:
+        parser.error(  # vLLM's SchedulerConfig refuses the same combination
+            f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
+            f"({ns.max_model_len}) with chunked prefill disabled; increase "
+            "--max-num-batched-tokens or decrease --max-model-len"
+        )
     if ns.kv_bytes_per_token is not None and ns.kv_bytes_per_token <= 0:
         parser.error("--kv-bytes-per-token must be positive")
 
@@ -192,6 +203,7 @@ def _settings(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Engine
         max_model_len=ns.max_model_len,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_num_seqs=ns.max_num_seqs,
+        enable_chunked_prefill=ns.enable_chunked_prefill,
         kv_bytes_per_token=ns.kv_bytes_per_token,
         kv_capacity_tokens=ns.kv_capacity_tokens,
         transport=ns.transport,

@@ -23,6 +23,9 @@ _BYTE_BUCKETS = tuple(float(2**k) for k in range(10, 33, 2))
 # the emulator fills "device" and "p2p", the others stay 0 as on a NixlConnector engine
 CACHE_TIERS = ("device", "host", "p2p", "disk", "external_unspecified")
 _DESC_BUCKETS = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0)
+# vLLM's tokens-per-engine-step buckets (vllm/v1/metrics: powers of two to 16384)
+_ITER_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+                 8192.0, 16384.0)  # fmt: skip
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 
@@ -138,6 +141,11 @@ class EngineMetrics:
         )
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end latency.", _TTFT_BUCKETS)
+        # one observation per engine step that computed tokens: its count is the step count
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            _ITER_BUCKETS,
+        )
         self.running = self._gauge("vllm:num_requests_running", "Running.")
         self.waiting = self._gauge("vllm:num_requests_waiting", "Waiting.")
         self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV usage (0-1).")
@@ -183,7 +191,8 @@ class EngineMetrics:
         # children exist from the start, so every series scrapes as 0 before first use
         for m in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
                   self.prefix_cache_hits, self.external_queries, self.external_hits,
-                  self.ttft, self.e2e, self.xfer_time, self.post_time, self.bytes_transferred,
+                  self.ttft, self.e2e, self.iteration_tokens, self.xfer_time, self.post_time,
+                  self.bytes_transferred,
                   self.num_descriptors, self.failed_transfers, self.failed_notifications,
                   self.kv_expired, self.kv_evicted, self.notifs_after_expiry, self.kv_mismatch,
                   self.guard_rejected):  # fmt: skip

@@ -50,6 +50,8 @@ class PullHost(Protocol):
 
     def finish(self, req: Request, reason: str) -> None: ...
 
+    def received(self, resolve: Callable[[], None]) -> None: ...
+
 
 class PullReader:
     """Pulls for admitted requests; ``num_pulling`` of them hold blocks, not compute."""
@@ -268,6 +270,11 @@ class PullReader:
         self._pull_resolved(req, hit, 0, failed=True)
 
     def _pull_resolved(self, req: Request, hit: int, count: int, *, failed: bool) -> None:
+        """The pull is over; the step loop takes the request back at its next step
+        (vLLM's ``finished_recving``), still holding its sequence slot until then."""
+        self._host.received(lambda: self._resolve(req, hit, count, failed=failed))
+
+    def _resolve(self, req: Request, hit: int, count: int, *, failed: bool) -> None:
         """Back to the step loop: abort, fail (policy ``fail``) or run with what loaded."""
         self.num_pulling -= 1
         if req.abort_pending:

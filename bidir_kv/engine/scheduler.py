@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from bidir_kv.engine.compute import ModelRunner
@@ -107,6 +107,9 @@ class EngineCore:
     def finish(self, req: Request, reason: str) -> None:
         self.steps.finish(req, reason)
 
+    def received(self, resolve: Callable[[], None]) -> None:
+        self.steps.received(resolve)
+
     # ---- what the HTTP routes call -------------------------------------------------
 
     def new_request_id(self, prefix: str, base: str | None) -> str:
@@ -149,6 +152,8 @@ class EngineCore:
         return {
             "waiting": len(self.steps.waiting),
             "running": len(self.steps.running),
+            "pulling": self.reader.num_pulling,  # READs in flight or not yet taken back
+            "received": self.steps.num_received,  # READs over, waiting for the next step
             **self.owner.held(),
             "free_blocks": self.blocks.num_free,
             "usable_blocks": self.blocks.num_usable_blocks,

@@ -57,7 +57,10 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     max_model_len: int = 32768
     max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256  # requests running or waiting for a READ
+    # vLLM V1's API-server default for GPUs under 70 GiB (1024 on H100/H200 class,
+    # PR #12369; docs/engine.md "Scheduling"): requests running or waiting for a READ
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True  # vLLM V1: on for every generative model
     kv_bytes_per_token: int | None = None
     kv_capacity_tokens: int = 262144
     transport: TransportChoice = "auto"
@@ -98,7 +101,12 @@ class EngineSettings:
 
     @property
     def effective_max_num_batched_tokens(self) -> int:
-        return self.max_num_batched_tokens or self.profile.max_num_batched_tokens
+        """The per-step token budget. Unset, it is the profile's; without chunked
+        prefill vLLM raises an unset budget to ``max_model_len`` so every prompt fits."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        budget = self.profile.max_num_batched_tokens
+        return budget if self.enable_chunked_prefill else max(budget, self.max_model_len)
 
     @property
     def effective_kv_bytes_per_token(self) -> int:

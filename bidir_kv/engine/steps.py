@@ -1,10 +1,15 @@
 """The step loop: admission, one compute resource, sampling, emitting and finishing.
 
-One step spends a token budget (``max_num_batched_tokens``) on decode tokens first
-and prefill chunks after, and takes as long as the cost profile says. Admission
-takes the local prefix-cache hit and reserves blocks for the whole request (no
-preemption, docs/engine.md); the reader decides whether the request pulls first,
-the owner what happens to its blocks when it finishes.
+Scheduled as vLLM V1 schedules (docs/engine.md "Scheduling"): one step spends a
+token budget (``max_num_batched_tokens``) on the running requests in order, decode
+tokens and prefill chunks alike, and takes as long as the cost profile says. With
+chunked prefill off a prefill runs whole or waits for a step with room. A pull's
+completion is seen at the next step boundary (as vLLM's scheduler sees a
+connector's ``finished_recving`` only with a step's output), and the rest of that
+prefill is computed in a later step. Admission takes the local prefix-cache hit
+and reserves blocks for the whole request (no preemption, docs/engine.md); the
+reader decides whether the request pulls first, the owner what happens to its
+blocks when it finishes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 
 from bidir_kv.engine.compute import ModelRunner
 from bidir_kv.engine.kvcache import BlockManager, NoFreeBlocks
@@ -57,6 +63,8 @@ class StepLoop:
         self.running: list[Request] = []
         self.wake = asyncio.Event()
         self.requests_seen = 0
+        self.num_steps = 0  # steps that computed tokens (vllm:iteration_tokens_total count)
+        self._received: list[Callable[[], None]] = []  # pulls over, taken at the next step
         self.heartbeat = time.perf_counter()  # last time the loop made progress
 
     # ---- submission ----------------------------------------------------------------
@@ -190,17 +198,39 @@ class StepLoop:
 
     # ---- steps ---------------------------------------------------------------------
 
+    def received(self, resolve: Callable[[], None]) -> None:
+        """A pull ended (the reader's ``resolve`` hands the request back).
+
+        As vLLM's scheduler learns of a finished receive only from a step's output,
+        the request rejoins when the step in flight is over, and its remaining prefill
+        is computed in the next step (an idle engine takes it at once)."""
+        self._received.append(resolve)
+        self.wake.set()
+
+    @property
+    def num_received(self) -> int:
+        return len(self._received)
+
     async def run(self) -> None:
         while True:
-            self.heartbeat = time.perf_counter()
-            self._admit()
-            if not self.running:
-                self.wake.clear()
+            await self.iterate()
+
+    async def iterate(self) -> None:
+        """One turn of the loop: take back finished pulls, admit, then one step (or
+        wait for work)."""
+        self.heartbeat = time.perf_counter()
+        done, self._received = self._received, []
+        for resolve in done:
+            resolve()
+        self._admit()
+        if not self.running:
+            self.wake.clear()
+            if not self._received:
                 await self.wake.wait()
-                continue
-            while self.faults.stall:
-                await asyncio.sleep(0.05)
-            await self._step()
+            return
+        while self.faults.stall:
+            await asyncio.sleep(0.05)
+        await self._step()
 
     def stalled_for(self, now: float) -> float:
         """Seconds running work has waited for the loop (0 when idle or progressing)."""
@@ -219,29 +249,44 @@ class StepLoop:
             budget -= 1
             self.runner.compute(r, r.num_computed, r.num_computed + 1)
             emitted.append((r, self._sample(r)))
+        prefill_tokens, ctx = self._prefill_chunks(budget, emitted)
+        profile = self.settings.profile
+        modelled = profile.prefill_seconds(prefill_tokens, ctx)
+        modelled += profile.decode_step_seconds(len(decodes))
+        wait = modelled - (time.perf_counter() - t0) + self.faults.stall_seconds
+        await asyncio.sleep(max(0.0, wait))
+        if prefill_tokens or decodes:
+            self.num_steps += 1
+            self.metrics.iteration_tokens.labels(**self.metrics.labels).observe(
+                prefill_tokens + len(decodes)
+            )
+        for r, tok in emitted:
+            self._emit(r, tok)
+        self.metrics.running.labels(**self.metrics.labels).set(len(self.running))
+        self.metrics.kv_usage.labels(**self.metrics.labels).set(self.blocks.usage())
+
+    def _prefill_chunks(self, budget: int, emitted: list[tuple[Request, int]]) -> tuple[int, int]:
+        """Spend what the decodes left on prefills, in running order; returns the
+        tokens computed and the longest context they attended to."""
         prefill_tokens = 0
         ctx = 0
+        chunked = self.settings.enable_chunked_prefill
         for r in self.running:
             if budget <= 0:
                 break
-            if r.num_computed >= r.prompt_len:
+            left = r.prompt_len - r.num_computed
+            if left <= 0:
                 continue
-            chunk = min(budget, r.prompt_len - r.num_computed)
+            if not chunked and left > budget:
+                break  # vLLM stops scheduling here: the prefill waits for a fuller budget
+            chunk = min(budget, left)
             ctx = max(ctx, r.num_computed)
             self.runner.compute(r, r.num_computed, r.num_computed + chunk)
             budget -= chunk
             prefill_tokens += chunk
             if r.num_computed >= r.prompt_len:
                 emitted.append((r, self._sample(r)))
-        profile = self.settings.profile
-        modelled = profile.prefill_seconds(prefill_tokens, ctx)
-        modelled += profile.decode_step_seconds(len(decodes))
-        wait = modelled - (time.perf_counter() - t0) + self.faults.stall_seconds
-        await asyncio.sleep(max(0.0, wait))
-        for r, tok in emitted:
-            self._emit(r, tok)
-        self.metrics.running.labels(**self.metrics.labels).set(len(self.running))
-        self.metrics.kv_usage.labels(**self.metrics.labels).set(self.blocks.usage())
+        return prefill_tokens, ctx
 
     def _sample(self, req: Request) -> int:
         """The model's choice under the request's rules: no end before ``min_tokens``

@@ -198,3 +198,21 @@ def test_engine_flags_take_their_defaults_from_engine_settings() -> None:
     assert ns.kv_guard == ("hashes" if EngineSettings.default("kv_guard") else "off")
     with pytest.raises(KeyError):
         EngineSettings.default("model")
+
+
+def test_budget_below_max_model_len_without_chunked_prefill_is_refused(capsys) -> None:
+    """As vLLM's SchedulerConfig: no chunking and a budget below max_model_len is an
+    error naming both; an unset budget is raised to max_model_len instead."""
+    from bidir_kv.engine.cli import _settings, build_parser
+
+    parser = build_parser()
+    bad = parser.parse_args(["tiny", "--no-enable-chunked-prefill",
+                             "--max-num-batched-tokens", "256"])  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        _settings(parser, bad)
+    assert exc.value.code == 2
+    assert "max_num_batched_tokens (256) is smaller than max_model_len" in capsys.readouterr().err
+    unset = _settings(parser, parser.parse_args(["tiny", "--no-enable-chunked-prefill"]))
+    assert unset.effective_max_num_batched_tokens == unset.max_model_len
+    chunked = _settings(parser, parser.parse_args(["tiny"]))
+    assert chunked.effective_max_num_batched_tokens == chunked.profile.max_num_batched_tokens
