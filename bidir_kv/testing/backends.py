@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.connector.wire import CHAIN_KEY
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_KV_LEASE_DURATION,
@@ -128,6 +129,8 @@ class PDBackend:
     _pause_prefill: Callable[[], AbstractContextManager[None]] | None = None
     _reference: EngineClient | None = None
     run_dir: Path = Path("out/conformance")
+    # keys this backend's connector adds to D's params (documented in docs/connector.md)
+    d_params_extension: frozenset[str] = frozenset()
 
     # ---- facts scenarios branch on ------------------------------------------------
 
@@ -283,6 +286,7 @@ def _start_vllm_cpu(
         _variant_starter=variant,
         _pause_prefill=lambda: topo.paused(topo.prefill[0]),
         run_dir=run_dir,
+        d_params_extension=frozenset({CHAIN_KEY}) if cfg.connector_module else frozenset(),
     )
 
 
