@@ -35,7 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
 __all__ = ["VERIFY_KEY", "VLLM_RELEASE", "BidirKVConnector", "BidirKVScheduler"]
 
 VERIFY_KEY = "bidir_kv_verify_continuation"  # kv_connector_extra_config; default True
-log = logging.getLogger("bidir_kv.connector")
+# A child of vLLM's "vllm" logger, so our lines get vLLM's handler, format and level
+# (VLLM_LOGGING_LEVEL); a logger of our own would drop INFO under the root's WARNING.
+log = logging.getLogger("vllm.bidir_kv.connector")
 _WHY = {
     Refusal.FEATURE_OFF: "bidirectional_kv_xfer is off on this node, so D's blocks "
     "are not read; computing locally (stock vLLM waits for ever here, vLLM PR #32553 "

@@ -49,11 +49,6 @@ def test_p_node_params(pd: PDBackend, prompts: PromptFactory, length: int) -> No
     assert len(params.remote_block_ids[0]) == cdiv(length, pd.block_size)
     assert params.remote_blocks_expiry_time is None
     assert params.transfer_mode == "pull"
-    if CHAIN_KEY in pd.d_params_extension:
-        held = HeldTokens.from_params(params.extra)
-        assert held is not None, f"malformed {CHAIN_KEY}: {params.extra.get(CHAIN_KEY)!r}"
-        assert held.num_tokens == params.remote_num_tokens
-        assert held.block_size == pd.block_size
     assert params.remote_prefill_cached_tokens == 0  # fresh prompt, nothing reused
     assert (params.tp_size, params.dcp_size, params.pp_size) == (1, 1, 1)
     side = pd.prefill.node.side_channel_port
