@@ -141,3 +141,12 @@ def test_other_vllm_versions_are_refused_naming_the_supported(version: str) -> N
     with pytest.raises(UnsupportedVllm) as err:
         check_vllm_version(version)
     assert all(f"{r}.x" in str(err.value) for r in SUPPORTED_VLLM)
+
+
+def test_connector_backend_has_no_exemptions() -> None:
+    """The certification: every scenario must pass on real vLLM with our connector."""
+    from bidir_kv.testing.backends import CONNECTOR_BACKEND
+    from bidir_kv.testing.exemptions import EXEMPTIONS
+
+    assert [k for k in EXEMPTIONS if k[1] == CONNECTOR_BACKEND] == []
+    assert any(k[1] == "vllm-cpu" for k in EXEMPTIONS)  # stock vLLM keeps its pins
