@@ -11,7 +11,7 @@ ARCH := $(shell uname -m)
 PYTEST_ARGS ?=
 
 .PHONY: help venv test lint typecheck unit integration conformance hardware pytest demo \
-        provision conformance-env clean
+        provision conformance-env clean conformance-connector
 
 help:
 	@echo "make demo          emulated 1P1D + router, OFF/ON TTFT sweep, plots and report"
@@ -65,6 +65,12 @@ unit: venv
 
 conformance: venv conformance-env
 	bash ci/pytest.sh suites/conformance $(PYTEST_ARGS)
+
+# Our connector on real vLLM beside stock vLLM, one matrix (docs/connector.md §5); not
+# yet in `make test` (about 13 min on the shared 2-core machine).
+conformance-connector: venv conformance-env
+	bash ci/provision.d/vllm033-api.sh
+	bash ci/pytest.sh suites/conformance --backend vllm-cpu --backend vllm-cpu+bidir-kv $(PYTEST_ARGS)
 
 pytest: venv
 	bash ci/pytest.sh $(PYTEST_ARGS)

@@ -10,20 +10,13 @@ vLLM's behaviour).
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bidir_kv.policy import reusable_prefix_by_hashes
+from bidir_kv.policy import tail_hash, verified_continuation
 
 __all__ = ["HandleTokens", "tail_hash", "verified_tokens"]
-
-
-def tail_hash(tokens: Sequence[int]) -> bytes:
-    """Hash of the tokens of a partial block (the chain only covers full blocks)."""
-    return hashlib.blake2b(array("Q", tokens).tobytes(), digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -61,19 +54,8 @@ class HandleTokens:
 def verified_tokens(
     prompt: Sequence[int], prompt_chain: Sequence[bytes], owner: HandleTokens, block_size: int
 ) -> int:
-    """Tokens at the start of ``prompt`` whose KV the owner provably holds.
-
-    Whole matching blocks of the chain (``policy.reusable_prefix_by_hashes``), plus
-    the owner's partial tail when every full block matched and the prompt continues
-    through it. ``prompt_chain`` is ``block_hashes(prompt)``, which the engine keeps.
-    """
-    verified = reusable_prefix_by_hashes(
-        owner.chain, prompt, block_size, prompt_hashes=prompt_chain
-    )
-    if (
-        verified == len(owner.chain) * block_size
-        and len(prompt) >= owner.num_tokens > verified
-        and tail_hash(prompt[verified : owner.num_tokens]) == owner.tail
-    ):
-        verified = owner.num_tokens
-    return verified
+    """Tokens at the start of ``prompt`` whose KV the owner provably holds
+    (``policy.verified_continuation``; ``prompt_chain`` is ``block_hashes(prompt)``,
+    which the engine keeps)."""
+    return verified_continuation(owner.chain, owner.tail, owner.num_tokens, prompt,
+                                 block_size, prompt_hashes=prompt_chain)

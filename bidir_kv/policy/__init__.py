@@ -27,6 +27,8 @@ from bidir_kv.policy.guard import (
     common_prefix_tokens,
     reusable_prefix,
     reusable_prefix_by_hashes,
+    tail_hash,
+    verified_continuation,
 )
 from bidir_kv.policy.placement import least_loaded, node_load
 from bidir_kv.policy.retention import (
@@ -102,8 +104,10 @@ __all__ = [
     "should_decline",
     "stale_cutoff",
     "suffix_trim_pairing",
+    "tail_hash",
     "target_block_range",
     "threshold_enabled",
     "valid_lease_duration",
     "valid_retention_ttl",
+    "verified_continuation",
 ]

@@ -19,6 +19,8 @@ __all__ = [
     "common_prefix_tokens",
     "reusable_prefix",
     "reusable_prefix_by_hashes",
+    "tail_hash",
+    "verified_continuation",
 ]
 
 ROOT_HASH = b"\x00" * 16
@@ -96,3 +98,35 @@ def reusable_prefix_by_hashes(
             break
         n += 1
     return n * block_size
+
+
+def tail_hash(tokens: Sequence[int]) -> bytes:
+    """Hash of the tokens of a partial block (the chain only covers full blocks)."""
+    return hashlib.blake2b(array("Q", tokens).tobytes(), digest_size=16).digest()
+
+
+def verified_continuation(
+    owner_chain: Sequence[bytes],
+    owner_tail: bytes,
+    owner_num_tokens: int,
+    prompt_tokens: Sequence[int],
+    block_size: int,
+    *,
+    prompt_hashes: Sequence[bytes] | None = None,
+) -> int:
+    """Tokens at the start of ``prompt_tokens`` whose KV the owner provably holds.
+
+    Whole matching blocks of the owner's chain (:func:`reusable_prefix_by_hashes`),
+    plus the owner's partial last block when every full block matched and the prompt
+    continues through it (its ``tail_hash`` over ``[full, owner_num_tokens)``).
+    """
+    verified = reusable_prefix_by_hashes(
+        owner_chain, prompt_tokens, block_size, prompt_hashes=prompt_hashes
+    )
+    if (
+        verified == len(owner_chain) * block_size
+        and len(prompt_tokens) >= owner_num_tokens > verified
+        and tail_hash(prompt_tokens[verified:owner_num_tokens]) == owner_tail
+    ):
+        verified = owner_num_tokens
+    return verified

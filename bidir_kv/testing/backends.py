@@ -1,7 +1,8 @@
 """The P/D backends the conformance scenarios run against, behind one handle.
 
 ``emulator`` (our ``bidir-kv engine`` processes), ``vllm-cpu`` (real ``vllm serve``
-with NixlConnector, see ``bidir_kv.topology.vllm_cpu``) and ``external`` (URLs) all
+with NixlConnector, see ``bidir_kv.topology.vllm_cpu``), ``vllm-cpu+bidir-kv`` (the
+same with our connector, ``bidir_kv.connector``, on P and D) and ``external`` (URLs) all
 look the same to a scenario: a :class:`PDBackend` with a P client, a D client, the
 configuration the scenario must know (block size, threshold, D's TTL, emulated
 vLLM version), a way to get a non-disaggregated reference output, and a way to
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.connector.wire import CHAIN_KEY
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_KV_LEASE_DURATION,
@@ -32,11 +34,16 @@ from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, Top
 
 __all__ = [
     "BACKEND_CONFIG",
+    "CONNECTOR_BACKEND",
     "BackendConfig",
     "PDBackend",
     "PromptFactory",
     "start_backend",
 ]
+
+CONNECTOR_BACKEND = "vllm-cpu+bidir-kv"  # real vLLM with kv_connector_module_path below
+CONNECTOR_MODULE = "bidir_kv.connector"  # exports NixlConnector = our BidirKVConnector
+_REPO = Path(__file__).resolve().parents[2]
 
 # Token ids that are ordinary tokens in both the tiny vLLM model (vocab 1024, ids
 # 0-4 special) and the emulator's model (BYTE_BASE 5, vocab 1024).
@@ -53,6 +60,8 @@ class BackendConfig:
     lease: int = DEFAULT_KV_LEASE_DURATION
     failure_policy: str = "fail"
     max_model_len: int = 4096
+    # kv_connector_module_path: None runs vLLM's own NixlConnector
+    connector_module: str | None = None
 
     def kv(self, role: str, engine_id: str, **extra: Any) -> KVTransferConfig:
         top: dict[str, Any] = {
@@ -62,6 +71,8 @@ class BackendConfig:
             "engine_id": engine_id,
             "kv_load_failure_policy": extra.pop("kv_load_failure_policy", self.failure_policy),
         }
+        if self.connector_module is not None:
+            top["kv_connector_module_path"] = self.connector_module
         cfg: dict[str, Any] = {
             "bidirectional_kv_xfer": True,
             "kv_recompute_threshold": self.threshold,
@@ -118,6 +129,8 @@ class PDBackend:
     _pause_prefill: Callable[[], AbstractContextManager[None]] | None = None
     _reference: EngineClient | None = None
     run_dir: Path = Path("out/conformance")
+    # keys this backend's connector adds to D's params (documented in docs/connector.md)
+    d_params_extension: frozenset[str] = frozenset()
 
     # ---- facts scenarios branch on ------------------------------------------------
 
@@ -238,36 +251,42 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
     )
 
 
-def _start_vllm_cpu(cfg: BackendConfig, run_dir: Path, compiled: bool) -> PDBackend:
+def _start_vllm_cpu(
+    cfg: BackendConfig, run_dir: Path, compiled: bool, name: str = "vllm-cpu"
+) -> PDBackend:
     from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
 
     # float32, not bf16: in bf16, KV computed token by token in decode steps differs from
     # KV computed in one prefill enough to flip greedy choices (2 of 12 conversations in
     # a plain HF check, 0 of 12 in float32), which would blur the equality oracle. It
     # also avoids the AMX path (docs/vllm-cpu.md §3.4).
-    opts = VllmCpuOptions(log_dir=run_dir / "vllm-cpu", enforce_eager=not compiled,
-                          block_size=None, dtype="float32")
+    # our connector imports from this checkout: the repo root goes on the servers' path
+    opts = VllmCpuOptions(log_dir=run_dir / name, enforce_eager=not compiled,
+                          block_size=None, dtype="float32",
+                          python_path=(_REPO,) if cfg.connector_module else ())
     if cfg.block_size != 128:
         opts = replace(opts, block_size=cfg.block_size)
     topo = VllmCpuTopology(_specs(cfg), opts).start()
 
     def variant(name: str, espec: EngineSpec) -> Topology:
         vspec = TopologySpec(num_prefill=1, num_decode=0, routers=0, prefill=espec)
-        vopts = replace(opts, log_dir=run_dir / f"vllm-cpu-{name}")
+        vopts = replace(opts, log_dir=opts.log_dir.with_name(f"{opts.log_dir.name}-{name}"))
         return VllmCpuTopology(vspec, vopts).start()
 
     return PDBackend(
-        name="vllm-cpu",
+        name=name,
         topology=topo,
         prefill=EngineClient(topo.prefill[0]),
         decode=EngineClient(topo.decode[0]),
         config=cfg,
         version="0.32",
         same_clock=True,
-        description=topo.describe(),
+        description={**topo.describe(), "backend": name,
+                     "kv_connector_module_path": cfg.connector_module},
         _variant_starter=variant,
         _pause_prefill=lambda: topo.paused(topo.prefill[0]),
         run_dir=run_dir,
+        d_params_extension=frozenset({CHAIN_KEY}) if cfg.connector_module else frozenset(),
     )
 
 
@@ -306,13 +325,15 @@ def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBacken
         return _start_emulator(explicit or EMULATOR_CONFIG, run_dir,
                                options.get("emulate_vllm", "0.32"))
     cfg = explicit or BACKEND_CONFIG
-    if name == "vllm-cpu":
+    if name in ("vllm-cpu", CONNECTOR_BACKEND):
         from bidir_kv.topology.vllm_cpu import unavailable_reason
 
         reason = unavailable_reason()
         if reason:
             raise BackendUnavailable(reason)
-        return _start_vllm_cpu(cfg, run_dir, bool(options.get("compiled")))
+        if name == CONNECTOR_BACKEND:
+            cfg = replace(cfg, connector_module=CONNECTOR_MODULE)
+        return _start_vllm_cpu(cfg, run_dir, bool(options.get("compiled")), name)
     if name == "external":
         ext_cfg = replace(cfg, block_size=int(options.get("block_size") or cfg.block_size),
                           threshold=int(options.get("threshold") or cfg.threshold),

@@ -69,7 +69,7 @@ def selected_backends(config: pytest.Config) -> list[str]:
         out = ["emulator", "vllm-cpu"]
         if config.getoption("--prefill-url"):
             out.append("external")
-    return sorted(out, key=lambda name: name != "vllm-cpu")
+    return sorted(out, key=lambda name: not name.startswith("vllm-cpu"))
 
 
 def selected_proxies(config: pytest.Config) -> list[str]:
@@ -100,7 +100,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         pin = exemption_for(scenario, backend or "", params)
         if pin is not None:
             item.add_marker(pytest.mark.xfail(strict=True, reason=pin.reason))
-        elif backend == "vllm-cpu" and config.pluginmanager.hasplugin("rerunfailures"):
+        elif (backend or "").startswith("vllm-cpu") and config.pluginmanager.hasplugin(
+            "rerunfailures"
+        ):
             # Real vLLM pairs share 2 cores with everything else; one D->P READ was
             # seen to take 61 s (until D's next step) and fail the turn. One visible
             # rerun ("R" in the report), never more; the emulator gets none.

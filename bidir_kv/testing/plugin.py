@@ -21,7 +21,7 @@ TIERS = {
     "conformance": "backend-agnostic scenarios (emulator, real vLLM on CPU, external)",
     "hardware": "real NIXL on GPU/EFA; pytest-benchmark TTFT bounds",
 }
-BACKENDS = ("emulator", "vllm-cpu", "external")
+BACKENDS = ("emulator", "vllm-cpu", "vllm-cpu+bidir-kv", "external")
 _REPO = Path(__file__).resolve().parents[2]
 
 # Fixture and hook modules, registered by pytest when it loads this plugin.

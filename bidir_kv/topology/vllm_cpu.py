@@ -149,6 +149,9 @@ class VllmCpuOptions:
     cores: Sequence[int] | None = None  # core per engine, in P..., D... order
     logging_level: str | None = None  # VLLM_LOGGING_LEVEL, e.g. "DEBUG"
     check_memory: bool = True
+    # more PYTHONPATH entries for the servers (after the start-up fixes), e.g. the repo
+    # root so ``kv_connector_module_path: bidir_kv.connector`` imports in the vLLM env
+    python_path: tuple[Path, ...] = ()
 
 
 class VllmCpuTopology(Topology):
@@ -336,9 +339,11 @@ class VllmCpuTopology(Topology):
             PATH=f"{opts.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
             PYTHONUNBUFFERED="1",
         )
-        if opts.startup_fixes:
+        front = [*([str(SITE_FIXES)] if opts.startup_fixes else []),
+                 *(str(p) for p in opts.python_path)]
+        if front:
             old = env.get("PYTHONPATH")
-            env["PYTHONPATH"] = str(SITE_FIXES) + (os.pathsep + old if old else "")
+            env["PYTHONPATH"] = os.pathsep.join([*front, *([old] if old else [])])
         if opts.logging_level:
             env["VLLM_LOGGING_LEVEL"] = opts.logging_level
         env.update(dict(espec.env))

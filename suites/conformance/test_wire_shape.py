@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from bidir_kv.connector.wire import CHAIN_KEY, HeldTokens
 from bidir_kv.policy import cdiv
 from bidir_kv.protocol import KVTransferParams, ParamsKind
 from bidir_kv.testing.backends import PDBackend, PromptFactory, first_params
@@ -26,6 +27,8 @@ def expected_keys(pd: PDBackend, node: str) -> set[str]:
         keys.add("remote_registration_generation")
     if node == "prefill":
         keys.add("remote_prefill_cached_tokens")
+    else:
+        keys |= pd.d_params_extension  # e.g. our connector's token chain (docs/connector.md)
     return keys
 
 
@@ -85,6 +88,11 @@ def test_d_node_params(pd: PDBackend, prompts: PromptFactory, stream: bool) -> N
     assert params.remote_block_ids is not None
     assert len(params.remote_block_ids[0]) == cdiv(length + gen - 1, pd.block_size)
     assert params.transfer_mode == "pull"
+    if CHAIN_KEY in pd.d_params_extension:
+        held = HeldTokens.from_params(params.extra)
+        assert held is not None, f"malformed {CHAIN_KEY}: {params.extra.get(CHAIN_KEY)!r}"
+        assert held.num_tokens == params.remote_num_tokens
+        assert held.block_size == pd.block_size
     expiry = params.remote_blocks_expiry_time
     assert expiry is not None
     if pd.same_clock:

@@ -1,0 +1,38 @@
+"""bidir-kv's connector for real vLLM: NixlConnector with the defects our suite found fixed.
+
+Load it in vLLM with (docs/connector.md)::
+
+    --kv-transfer-config '{"kv_connector": "NixlConnector",
+                           "kv_connector_module_path": "bidir_kv.connector", ...}'
+
+``NixlConnector`` here is :class:`~bidir_kv.connector.nixl.BidirKVConnector` (also
+exported under that name); keeping vLLM's name keeps vLLM's own NixlConnector
+config checks in force. This package imports without vLLM: the vLLM-facing classes
+are imported on first access, which also checks the vLLM release.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bidir_kv.connector.versions import SUPPORTED_VLLM, UnsupportedVllm, check_vllm_version
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "BidirKVConnector",
+    "BidirKVScheduler",
+    "NixlConnector",
+    "UnsupportedVllm",
+    "check_vllm_version",
+]
+
+_LAZY = {"BidirKVConnector": "BidirKVConnector", "NixlConnector": "BidirKVConnector",
+         "BidirKVScheduler": "BidirKVScheduler"}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from bidir_kv.connector import nixl
+
+        return getattr(nixl, _LAZY[name])
+    raise AttributeError(f"module 'bidir_kv.connector' has no attribute {name!r}")

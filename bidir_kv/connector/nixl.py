@@ -1,0 +1,128 @@
+"""The vLLM-facing classes: vLLM's NIXL pull connector with the fixes of ``rules``.
+
+Imported only by vLLM (through ``kv_connector_module_path``) or by tests in the
+vLLM environment; importing it checks the vLLM release first
+(:mod:`bidir_kv.connector.versions`). Only the scheduler side changes; the worker,
+the NIXL side channel, READs and notifications are vLLM's own, so the wire is
+unchanged apart from the one key D adds to its params (:mod:`bidir_kv.connector.wire`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import vllm
+
+from bidir_kv.connector.rules import (
+    PullPlan,
+    Refusal,
+    is_d_params,
+    plan_pull,
+    positional_remote_blocks,
+)
+from bidir_kv.connector.versions import check_vllm_version
+from bidir_kv.connector.wire import CHAIN_KEY, HeldTokens
+
+VLLM_RELEASE = check_vllm_version(vllm.__version__)
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
+    NixlPullConnector,
+    NixlPullConnectorScheduler,
+)
+
+__all__ = ["VERIFY_KEY", "VLLM_RELEASE", "BidirKVConnector", "BidirKVScheduler"]
+
+VERIFY_KEY = "bidir_kv_verify_continuation"  # kv_connector_extra_config; default True
+# A child of vLLM's "vllm" logger, so our lines get vLLM's handler, format and level
+# (VLLM_LOGGING_LEVEL); a logger of our own would drop INFO under the root's WARNING.
+log = logging.getLogger("vllm.bidir_kv.connector")
+_WHY = {
+    Refusal.FEATURE_OFF: "bidirectional_kv_xfer is off on this node, so D's blocks "
+    "are not read; computing locally (stock vLLM waits for ever here, vLLM PR #32553 "
+    "path; D frees its blocks at its decoder_kv_blocks_ttl)",
+    Refusal.HOST_BUFFER: "this node stages KV in a host buffer, which has no D->P "
+    "read path; computing locally (stock vLLM waits for ever here)",
+    Refusal.ALREADY_READ: "its single read of D's blocks was already made or declined; "
+    "recomputing (stock vLLM claims the load again and stalls, vLLM PRs #47021/#34896)",
+    Refusal.BLOCK_LAYOUT: "D's block lists are not one block per position from token 0 "
+    "(sliding window or Mamba groups); recomputing rather than pairing blindly",
+}
+
+
+class BidirKVScheduler(NixlPullConnectorScheduler):
+    """P's D->P read decided by :func:`bidir_kv.connector.rules.plan_pull`; D's
+    params carry its token chain."""
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        kv = vllm_config.kv_transfer_config
+        self._verify = bool(kv.get_from_extra_config(VERIFY_KEY, True))
+        self._hits: dict[str, int] = {}  # request id -> P's local hit behind a claimed load
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        plan = plan_pull(
+            request.kv_transfer_params, list(request.prompt_token_ids or ()),
+            num_computed_tokens, self.block_size,
+            bidirectional=bool(self.is_bidirectional_kv_xfer_enabled),
+            host_buffer=bool(self.use_host_buffer), threshold=self.kv_recompute_threshold,
+            verify=self._verify,
+        )
+        if plan is None:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self._log_plan(request.request_id, plan)
+        if plan.tokens <= 0:
+            self._hits.pop(request.request_id, None)
+            return 0, False
+        self._hits[request.request_id] = num_computed_tokens
+        return plan.tokens, True
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        hit = self._hits.pop(request.request_id, None)
+        if (hit is not None and num_external_tokens > 0 and is_d_params(params)
+                and not params.get("_remote_blocks_processed")):
+            params["remote_block_ids"] = positional_remote_blocks(
+                params["remote_block_ids"], hit, num_external_tokens, self.block_size)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._hits.pop(request.request_id, None)
+        delay, out = super().request_finished(request, block_ids)
+        if delay and out and out.get("do_remote_decode") and self.is_bidirectional_kv_xfer_enabled:
+            n = int(out.get("remote_num_tokens") or 0)
+            held = HeldTokens.of(list(request.all_token_ids[:n]), self.block_size)
+            out[CHAIN_KEY] = held.to_wire()
+        return delay, out
+
+    @staticmethod
+    def _log_plan(req_id: str, plan: PullPlan) -> None:
+        if plan.reason in _WHY:
+            level = logging.WARNING if plan.reason == Refusal.FEATURE_OFF else logging.INFO
+            log.log(level, "bidir-kv: request %s: %s.", req_id, _WHY[Refusal(plan.reason)])
+        elif plan.capped:
+            log.info("bidir-kv: request %s: the prompt continues D's sequence for %d tokens "
+                     "only; reading %d of the %d tokens stock vLLM would read (vLLM issue "
+                     "#43094).", req_id, plan.verified, plan.tokens, plan.offered)
+        else:
+            log.debug("bidir-kv: request %s: %s, %d tokens.", req_id, plan.reason, plan.tokens)
+
+
+class BidirKVConnector(NixlPullConnector):
+    """vLLM's ``NixlConnector`` (pull mode) with :class:`BidirKVScheduler`.
+
+    Same constructor and config keys as vLLM's; the worker side is vLLM's own.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            # vLLM's scheduler built by super() has started nothing yet (its handshake
+            # listener starts with set_xfer_handshake_metadata), so replacing it is safe.
+            self.connector_scheduler = BidirKVScheduler(
+                vllm_config, self.engine_id, kv_cache_config)

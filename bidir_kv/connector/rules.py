@@ -1,0 +1,139 @@
+"""The connector's decisions, pure: what P reads from D, and from which D blocks.
+
+No vLLM here (unit-testable anywhere); the vLLM subclasses in
+:mod:`bidir_kv.connector.nixl` call these and log the reason. Each refusal names the
+upstream defect it avoids (docs/connector.md):
+
+* feature off / host buffer: vLLM answers "async load" and never queues a read, so
+  the request waits for ever (defect 2, the D->P branch added by vLLM PR #32553);
+* already read: after a declined or failed read under ``kv_load_failure_policy:
+  recompute`` (vLLM PRs #47021, #34896) vLLM asks again with the same params and
+  again answers "async load" that is never queued (defect 1);
+* unverified / misaligned: vLLM never checks that the prompt continues D's sequence
+  (vLLM issue #43094, PR #44838); we pull only the prefix D's chain proves;
+* block layout: position pairing needs D's list to be one block per position from
+  token 0 (full attention); other layouts (sliding window, Mamba) are recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from bidir_kv.connector.wire import HeldTokens
+from bidir_kv.policy import (
+    blocks_for_tokens,
+    pull_decision,
+    target_block_range,
+    verified_continuation,
+)
+
+__all__ = ["PullPlan", "Refusal", "is_d_params", "plan_pull", "positional_remote_blocks"]
+
+_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+class Refusal(StrEnum):
+    FEATURE_OFF = "feature-off"  # bidirectional_kv_xfer is off on this P
+    HOST_BUFFER = "host-buffer"  # P stages KV in host memory: no D->P read path
+    ALREADY_READ = "already-read"  # this dict's single read was made (or declined)
+    BLOCK_LAYOUT = "block-layout"  # D's lists are not one block per position from 0
+
+
+@dataclass(frozen=True, slots=True)
+class PullPlan:
+    """What P does with D's params: load ``tokens`` asynchronously (0: none).
+
+    ``offered`` is what stock vLLM would have loaded (``min(remote, prompt) - hit``),
+    ``verified`` the prompt tokens D's chain proves (``None``: not checked),
+    ``reason`` a refusal or a ``policy.PullReason`` value.
+    """
+
+    tokens: int
+    offered: int
+    verified: int | None
+    reason: str
+
+    @property
+    def capped(self) -> bool:
+        """The guard cut the pull below what stock vLLM would have loaded."""
+        return self.verified is not None and self.tokens < self.offered and self.offered > 0
+
+
+def is_d_params(params: Mapping[str, Any] | None) -> bool:
+    """A D-node dict P could read from (vLLM's own test in get_num_new_matched_tokens)."""
+    return bool(
+        params
+        and params.get("do_remote_decode")
+        and params.get("remote_block_ids")
+        and all(k in params for k in _REMOTE_KEYS)
+    )
+
+
+def _layout_ok(remote_block_ids: Sequence[Sequence[int]], remote: int, block_size: int) -> bool:
+    # D allocates for its computed tokens, plus at most one block for the sampled
+    # token it never computed; one block per position from token 0 in every group.
+    need = blocks_for_tokens(remote, block_size)
+    return all(need <= len(group) <= need + 1 for group in remote_block_ids)
+
+
+def plan_pull(
+    params: Mapping[str, Any] | None,
+    prompt: Sequence[int],
+    num_computed: int,
+    block_size: int,
+    *,
+    bidirectional: bool,
+    host_buffer: bool,
+    threshold: int,
+    verify: bool = True,
+) -> PullPlan | None:
+    """P's decision on a D-node dict; ``None`` when ``params`` are not one (vLLM decides).
+
+    ``num_computed`` is P's block-aligned local hit; ``verify=False`` trusts D's
+    ``remote_num_tokens`` as stock vLLM does (position pairing still applies).
+    """
+    if not is_d_params(params):
+        return None
+    assert params is not None
+    remote = int(params.get("remote_num_tokens") or 0)
+    offered = min(remote, len(prompt)) - num_computed
+    if not bidirectional:
+        return PullPlan(0, offered, None, Refusal.FEATURE_OFF)
+    if host_buffer:
+        return PullPlan(0, offered, None, Refusal.HOST_BUFFER)
+    if params.get("_remote_blocks_processed"):
+        return PullPlan(0, offered, None, Refusal.ALREADY_READ)
+    if not _layout_ok(params["remote_block_ids"], remote, block_size):
+        return PullPlan(0, offered, None, Refusal.BLOCK_LAYOUT)
+    verified: int | None = None
+    if verify:
+        held = HeldTokens.from_params(params)
+        ok = held is not None and held.block_size == block_size and held.num_tokens == remote
+        verified = (verified_continuation(held.chain, held.tail, held.num_tokens, prompt,
+                                          block_size) if ok and held else 0)
+    decision = pull_decision(
+        prompt_tokens=len(prompt), local_hit_tokens=num_computed,
+        remote_num_tokens=remote if verified is None else min(remote, verified),
+        block_size=block_size, threshold=threshold,
+    )
+    return PullPlan(decision.tokens, offered, verified, str(decision.reason))
+
+
+def positional_remote_blocks(
+    remote_block_ids: Sequence[Sequence[int]], local_hit: int, tokens: int, block_size: int
+) -> list[list[int]]:
+    """D's lists cut to end at the last block P reads, so vLLM's suffix trim pairs by
+    position (docs/protocol.md §6.3, defect 3).
+
+    vLLM's worker pairs P's N new blocks with the *last* N of D's list; when D holds
+    more than the prompt (a shorter or branched prompt) those are other positions.
+    Cutting D's lists to blocks ``[0, cdiv(hit + tokens, bs))`` makes "the last N"
+    exactly the blocks of positions ``[hit, hit + tokens)``; wire and worker unchanged.
+    """
+    if tokens <= 0:
+        return [list(g) for g in remote_block_ids]
+    stop = target_block_range(local_hit, tokens, block_size).stop
+    return [list(g[:stop]) for g in remote_block_ids]

@@ -1,0 +1,61 @@
+"""The one key our connector adds to D's ``kv_transfer_params``: D's token chain.
+
+vLLM's D-node dict says how many tokens D holds (``remote_num_tokens``) but not
+which, so P cannot tell whether its prompt continues D's sequence (vLLM issue
+#43094). Our D adds :data:`CHAIN_KEY`: the block-hash chain
+(``policy.block_hashes``) over the full blocks of the tokens it holds, a hash of its
+partial last block (``policy.tail_hash``) and the block size. Every other key, and
+every byte below HTTP (NIXL side channel, READs, notifications), is vLLM's.
+Routers pass the dict through verbatim; a stock vLLM P ignores the key (it reads
+params with ``.get``), so a mixed pair behaves as stock vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bidir_kv.policy import block_hashes, tail_hash
+
+__all__ = ["CHAIN_KEY", "CHAIN_VERSION", "HeldTokens"]
+
+CHAIN_KEY = "bidir_kv_chain"
+CHAIN_VERSION = 1  # bump when the value's shape or hash changes
+
+
+@dataclass(frozen=True)
+class HeldTokens:
+    """What D holds, in hashes: full-block chain, partial tail, count, block size."""
+
+    chain: tuple[bytes, ...]
+    tail: bytes
+    num_tokens: int
+    block_size: int
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], block_size: int) -> HeldTokens:
+        full = len(tokens) - len(tokens) % block_size
+        return cls(tuple(block_hashes(tokens, block_size)), tail_hash(tokens[full:]),
+                   len(tokens), block_size)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": CHAIN_VERSION, "block_size": self.block_size,
+                "num_tokens": self.num_tokens, "tail": self.tail.hex(),
+                "chain": [h.hex() for h in self.chain]}  # fmt: skip
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> HeldTokens | None:
+        """D's chain from a params dict; ``None`` when absent, of another version or
+        malformed (P then treats D's KV as unverified)."""
+        obj = params.get(CHAIN_KEY)
+        if not isinstance(obj, Mapping) or obj.get("v") != CHAIN_VERSION:
+            return None
+        try:
+            held = cls(tuple(bytes.fromhex(h) for h in obj["chain"]), bytes.fromhex(obj["tail"]),
+                       int(obj["num_tokens"]), int(obj["block_size"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        if held.block_size <= 0 or len(held.chain) != held.num_tokens // held.block_size:
+            return None
+        return held

