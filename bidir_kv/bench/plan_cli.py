@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.bench.args import distribution, float_list, int_list
-from bidir_kv.bench.calibrate import calibrate
+from bidir_kv.bench.calibrate import CheckRow, calibrate, check_rows
 from bidir_kv.bench.distributions import Distribution, DistributionError
 from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
 from bidir_kv.bench.plan import (
@@ -232,7 +232,11 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     )
     ttl = ttl_rows(cost, work, args.ttls, gpus=args.tp)
     best, ttl_why = recommend_ttl(ttl, args.miss_target, args.kv_budget_gib)
+    check = []
+    if args.calibration is not None:
+        check = [r.__dict__ for r in check_rows(load_result(args.calibration), cost)]
     return {
+        "calibration_check": check,
         "cost_model": cost.to_dict(),
         "break_even_tokens": break_even_tokens(cost),
         "recommended_threshold": threshold,
@@ -302,7 +306,31 @@ def render_text(plan: dict[str, Any]) -> str:
         f"  recommended TTL: {plan['recommended_ttl_s']:g} s — {plan['ttl_reason']}",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _check_lines(plan["calibration_check"]))
+
+
+def _check_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The calibration next to its own run: router prefill per request, ms."""
+    if not rows:
+        return []
+
+    def cell(m: float | None, p: float | None) -> str:
+        err = CheckRow.error(m, p)
+        if m is None or p is None or err is None:
+            return f"{'-':>26}"
+        return f"{m:>9.1f} {p:>9.1f} {err:>+6.0%}"
+
+    lines = [
+        "Calibration against its own run (router prefill per request, ms):",
+        f"  {'point':>7}  {'OFF meas':>9} {'pred':>9} {'err':>6}  {'ON meas':>9} {'pred':>9} "
+        f"{'err':>6}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['point']:>7}  {cell(r['off_ms'], r['off_pred_ms'])}  "
+            f"{cell(r['on_ms'], r['on_pred_ms'])}"
+        )
+    return [*lines, ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

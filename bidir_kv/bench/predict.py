@@ -50,7 +50,8 @@ def cost_from_profile(name: str) -> CostModel | None:
     if p.prefill_us_per_token <= 0 and p.prefill_us_per_token_ctx <= 0:
         return None
     pm = p.pull_model
-    byte_us = pm.rank_bytes_per_token / (pm.rank_gbytes_per_s * 1e3) if pm.rank_gbytes_per_s else 0.0
+    bw = pm.rank_gbytes_per_s
+    byte_us = pm.rank_bytes_per_token / (bw * 1e3) if bw else 0.0
     ts = p.time_scale
     return CostModel(
         recompute_us_per_token=p.prefill_us_per_token * ts,

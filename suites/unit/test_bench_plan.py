@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bidir_kv.bench.derive import TARGETS, derive_profile, target_shape
 from bidir_kv.bench.distributions import Distribution
 from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
 from bidir_kv.bench.plan import (
@@ -23,7 +25,6 @@ from bidir_kv.bench.plan import (
     ttft_rows,
     ttl_rows,
 )
-from bidir_kv.bench.derive import TARGETS, derive_profile, target_shape
 from bidir_kv.bench.plan_cli import main as plan_main
 from bidir_kv.engine.profiles import load_profile
 from bidir_kv.policy import should_decline
@@ -117,8 +118,6 @@ def test_pull_terms_by_model() -> None:
 
 def test_profile_sources_are_in_the_docs() -> None:
     """Every upstream issue/PR a profile cites is cited in docs/profiles.md too."""
-    import re
-
     doc = (ROOT / "docs" / "profiles.md").read_text()
     for name in TARGETS:
         for src in load_profile(name).sources:
