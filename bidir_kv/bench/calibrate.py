@@ -9,7 +9,9 @@ deltas ``bench`` records per point:
   against ``vllm:nixl_num_descriptors`` and ``vllm:nixl_bytes_transferred`` (means per
   rank-level transfer, bidir_kv.bench.fit);
 * step granularity: what the ON leg's router prefill holds beyond the per-request
-  part, the uncached tail and the transfers (twice its mean per pull is ``step_us``).
+  part, the uncached tail and the transfers, per pull against tokens per pull: the
+  intercept is half a step (``step_us``), the slope P's own work per pulled token
+  (``pull_after_us_per_token``).
 
 ``check_rows`` puts the calibration next to its own run, point by point.
 """
@@ -94,6 +96,10 @@ def calibrate(result: ResultDir, kv_bytes_per_token: float | None = None) -> Cos
     xs = [r.tokens_local_compute / r.prefill_count for r in off]
     ys = [(r.prefill_ms or 0.0) * 1e3 for r in off]
     fixed_req, recompute = linear_fit(xs, ys)
+    origin = fixed_req < 0
+    if origin:  # a negative per-request part is noise: the line through the origin
+        fixed_req = 0.0
+        recompute = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
     if recompute <= 0:
         raise PlanError(
             f"{result.path}: OFF prefill time did not grow with the tokens P computed "
@@ -113,28 +119,46 @@ def calibrate(result: ResultDir, kv_bytes_per_token: float | None = None) -> Cos
         source="calibration",
         xfer_us_per_descriptor=pull.per_descriptor_us,
         descriptors_per_token=total_descs / (total_tokens * tp) if pull.separable else 0.0,
-        prefill_fixed_us=max(fixed_req, 0.0),
+        prefill_fixed_us=fixed_req,
     )
-    step = _step_us(cost, [_on_point(r, tp) for r in on])
+    step, after = _residual_fit(cost, [_on_point(r, tp) for r in on])
     notes = (
         f"calibrated from {result.path}: {len(off)} OFF and {len(on)} ON points",
-        f"recompute fit over {', '.join(f'{x:.0f}' for x in xs)} tokens/request "
-        f"(intercept {fixed_req / 1e3:.2f} ms per request)",
+        f"recompute fit over {', '.join(f'{x:.0f}' for x in xs)} tokens/request"
+        + (" (through the origin)" if origin else f" (+ {fixed_req / 1e3:.2f} ms per request)"),
         f"pull: {pull.note}",
-        f"step granularity: {step / 2 / 1e3:.2f} ms per pull beyond the transfer",
+        f"beyond the transfer histogram, per pull: {step / 2 / 1e3:.2f} ms (half a step: the "
+        f"completion is seen at step granularity) + {after:.3f} µs per pulled token",
     )
-    return replace(cost, step_us=step, notes=notes, sources=notes)
+    return replace(cost, step_us=step, pull_after_us_per_token=after, notes=notes, sources=notes)
 
 
-def _step_us(cost: CostModel, points: Sequence[_OnPoint]) -> float:
-    """Twice the mean per-pull residual of the ON prefill (completion seen at a step)."""
-    residuals = []
+def _residual_fit(cost: CostModel, points: Sequence[_OnPoint]) -> tuple[float, float]:
+    """(step_us, µs per pulled token) of what the ON prefill holds beyond the model so far.
+
+    Per pull: the residual (against the measured transfer time) over tokens per pull; the intercept is half a step
+    (the completion seen at step granularity), the slope P's own work per pulled
+    token. Negative parts are noise and dropped.
+    """
+    xs, ys = [], []
     for p in points:
         if p.pulls_per_request <= 0 or not p.row.prefill_ms:
             continue
-        no_step = _on_prefill_us(cost, p)
-        residuals.append((p.row.prefill_ms * 1e3 - no_step) / p.pulls_per_request)
-    return max(0.0, 2 * sum(residuals) / len(residuals)) if residuals else 0.0
+        # against the measured transfer time, so a pull-fit error does not leak in here
+        transfers = p.pulls_per_request * (p.row.xfer_ms_per_transfer or 0.0) * 1e3
+        rest = cost.prefill_fixed_us + cost.recompute_us(p.computed_per_request)
+        xs.append(p.tokens_per_pull)
+        ys.append((p.row.prefill_ms * 1e3 - rest - transfers) / p.pulls_per_request)
+    if not xs:
+        return 0.0, 0.0
+    if len(set(xs)) == 1:
+        return max(0.0, 2 * sum(ys) / len(ys)), 0.0
+    half_step, per_token = linear_fit(xs, ys)
+    if per_token < 0:
+        return max(0.0, 2 * sum(ys) / len(ys)), 0.0
+    if half_step < 0:
+        return 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    return 2 * half_step, per_token
 
 
 def _on_prefill_us(cost: CostModel, p: _OnPoint) -> float:

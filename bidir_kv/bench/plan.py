@@ -109,7 +109,9 @@ class CostModel:
     seen at step granularity), the per-token part is the bytes (``xfer_us_per_token``)
     plus the descriptors (``descriptors_per_token × xfer_us_per_descriptor``).
     ``prefill_fixed_us`` is per request and common to both legs (HTTP, scheduling):
-    it moves leg predictions, never the break-even.
+    it moves leg predictions, never the break-even. ``pull_after_us_per_token`` is
+    what a calibration finds P's prefill spends per pulled token beyond the transfer
+    histogram (work on the pulled blocks); derived models leave it 0.
     """
 
     recompute_us_per_token: float
@@ -123,6 +125,7 @@ class CostModel:
     descriptors_per_token: float = 0.0  # per rank
     step_us: float = 0.0
     prefill_fixed_us: float = 0.0
+    pull_after_us_per_token: float = 0.0
     sources: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -136,6 +139,7 @@ class CostModel:
             "descriptors_per_token",
             "step_us",
             "prefill_fixed_us",
+            "pull_after_us_per_token",
         ):
             value = getattr(self, name)
             if value < 0 or math.isnan(value):
@@ -180,7 +184,11 @@ class CostModel:
 
     @property
     def pull_us_per_token(self) -> float:
-        return self.xfer_us_per_token + self.descriptors_per_token * self.xfer_us_per_descriptor
+        return (
+            self.xfer_us_per_token
+            + self.descriptors_per_token * self.xfer_us_per_descriptor
+            + self.pull_after_us_per_token
+        )
 
     def recompute_us(self, new_tokens: float, context_tokens: float = 0.0) -> float:
         if new_tokens <= 0:

@@ -266,7 +266,13 @@ def render_text(plan: dict[str, Any]) -> str:
         f"  pull {c['pull_overhead_us']:.0f} µs fixed + {c['step_us'] / 2:.0f} µs (half a step)"
         f" + {c['xfer_us_per_token']:.4f} µs/token of bytes + "
         f"{c['descriptors_per_token']:.3f} descriptors/token × "
-        f"{c['xfer_us_per_descriptor']:.3f} µs; KV {c['kv_bytes_per_token']:,.0f} B/token",
+        f"{c['xfer_us_per_descriptor']:.3f} µs"
+        + (
+            f" + {c['pull_after_us_per_token']:.3f} µs/token after the transfer"
+            if c["pull_after_us_per_token"]
+            else ""
+        )
+        + f"; KV {c['kv_bytes_per_token']:,.0f} B/token",
     ]
     if c.get("sources"):
         lines.append("  sources:")
