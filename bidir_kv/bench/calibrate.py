@@ -136,9 +136,9 @@ def calibrate(result: ResultDir, kv_bytes_per_token: float | None = None) -> Cos
 def _residual_fit(cost: CostModel, points: Sequence[_OnPoint]) -> tuple[float, float]:
     """(step_us, µs per pulled token) of what the ON prefill holds beyond the model so far.
 
-    Per pull: the residual (against the measured transfer time) over tokens per pull; the intercept is half a step
-    (the completion seen at step granularity), the slope P's own work per pulled
-    token. Negative parts are noise and dropped.
+    Per pull: the residual (against the measured transfer time) over tokens per
+    pull; the intercept is half a step (the completion seen at step granularity),
+    the slope P's own work per pulled token. Negative parts are noise and dropped.
     """
     xs, ys = [], []
     for p in points:
