@@ -156,8 +156,9 @@ def _residual_fit(cost: CostModel, points: Sequence[_OnPoint]) -> tuple[float, f
     half_step, per_token = linear_fit(xs, ys)
     if per_token < 0:
         return max(0.0, 2 * sum(ys) / len(ys)), 0.0
-    if half_step < 0:
-        return 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    if half_step < 0:  # through the origin; a run faster than the model gives no term
+        slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+        return 0.0, max(0.0, slope)
     return 2 * half_step, per_token
 
 

@@ -64,7 +64,7 @@ def _rec(leg: str, point: int, turn: int, conv: int) -> RequestRecord:
     )  # fmt: skip
 
 
-def make_run(root: Path) -> Path:
+def make_run(root: Path, step_us: float = STEP_US) -> Path:
     """OFF recomputes every prompt; ON pulls `point` tokens on every request and computes NEW.
 
     Bytes per descriptor differ between points (NIXL merges contiguous descriptors),
@@ -86,7 +86,9 @@ def make_run(root: Path) -> Path:
             if leg == "on":
                 nbytes, descs = point * 64.0, point / 16 * (2 + i)
                 xfer = PULL_FIXED_US + PER_DESC_US * descs + US_PER_BYTE * nbytes
-                per_req += xfer + STEP_US / 2
+                # step_us < 0: residuals with a negative intercept and a negative
+                # through-the-origin slope (what a noisy real run gave)
+                per_req += xfer + (step_us / 2 if step_us >= 0 else (-30e3, -20e3, 1e3)[i])
                 rows["prefill0"] += [
                     ["vllm:nixl_xfer_time_seconds_sum", {}, REQUESTS * xfer * 1e-6],
                     ["vllm:nixl_xfer_time_seconds_count", {}, REQUESTS],
@@ -143,3 +145,10 @@ def test_plan_prints_the_check_against_the_run(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "Calibration against its own run" in out
     assert "per-descriptor" in out or "fixed, per-descriptor and per-byte" in out
+
+
+def test_an_on_leg_faster_than_the_model_gives_no_negative_term(tmp_path: Path) -> None:
+    """Noise can make ON prefill shorter than transfer + tail: the terms stay >= 0."""
+    cost = calibrate(load_result(make_run(tmp_path, step_us=-20_000.0)))
+    assert cost.step_us == 0 and cost.pull_after_us_per_token == 0
+    assert write_profile(make_run(tmp_path / "again", step_us=-20_000.0), tmp_path / "p.json")
