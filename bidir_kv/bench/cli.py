@@ -12,16 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from bidir_kv.bench.args import distribution, int_list
+from bidir_kv.bench.calprofile import write_profile
 from bidir_kv.bench.capacity import measure_capacity
 from bidir_kv.bench.distributions import DistributionError
+from bidir_kv.bench.plan import PlanError
 from bidir_kv.bench.runner import RunOptions
 from bidir_kv.bench.sweep import run_bench
 from bidir_kv.bench.topo import TOPOLOGIES, LegSetup
 from bidir_kv.bench.workload import WorkloadError, WorkloadSpec
+from bidir_kv.engine.profiles import ProfileError
 from bidir_kv.topology import BackendUnavailable
 from bidir_kv.topology.process import ProcessFailed
 
@@ -191,6 +195,13 @@ def _output_args(ap: argparse.ArgumentParser) -> None:
     out.add_argument(
         "-o", "--out", type=Path, default=None, help="result directory (default out/bench-<time>)"
     )
+    out.add_argument(
+        "--write-profile",
+        type=Path,
+        metavar="FILE",
+        default=None,
+        help="after the run, write its calibration as an emulator profile (docs/profiles.md §6)",
+    )
     out.add_argument("--no-progress", dest="progress", action="store_false")
     out.add_argument(
         "--no-client-check",
@@ -212,10 +223,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(cap.to_dict(), indent=1))
         return 0
     try:
-        return run_bench(args)
+        if args.write_profile is not None and args.out is None:
+            args.out = Path("out") / time.strftime("bench-%Y%m%d-%H%M%S")
+        rc = run_bench(args)
+        if rc == 0 and args.write_profile is not None:
+            rc = _write_profile(args)
+        return rc
     except (WorkloadError, DistributionError, BackendUnavailable) as exc:
         print(f"bidir-kv bench: {exc}", file=sys.stderr)
         return 2
     except ProcessFailed as exc:
         print(f"bidir-kv bench: a node failed to start or died: {exc}", file=sys.stderr)
         return 1
+
+
+def _write_profile(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    try:
+        prof = write_profile(out, args.write_profile)
+    except (PlanError, ProfileError) as exc:
+        print(f"bidir-kv bench: cannot write a profile from {out}: {exc}", file=sys.stderr)
+        return 1
+    print(f"profile: {args.write_profile} ({prof.name}; bidir-kv engine --profile FILE)")
+    return 0

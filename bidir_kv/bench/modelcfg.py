@@ -69,6 +69,13 @@ class ModelShape:
         heads_per_rank = max(1, -(-self.num_kv_heads // tp))
         return self.num_layers * 2 * heads_per_rank * self.head_dim * self.kv_dtype_bytes
 
+    def kv_tensors_per_layer(self) -> int:
+        """Separate KV tensors per layer, each one RDMA descriptor per block in vLLM's NIXL
+        connector: K and V for GQA; the latent (plus the indexer keys) for MLA."""
+        if self.attention == "mla":
+            return 2 if self.index_topk else 1
+        return 2
+
     def kv_bytes_per_token(self, tp: int = 1) -> float:
         """KV bytes per token summed over the TP group (what moves and what is held)."""
         return self.kv_bytes_per_token_per_rank(tp) * tp

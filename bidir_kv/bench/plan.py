@@ -23,6 +23,7 @@ from typing import Any
 
 from bidir_kv.bench.distributions import Distribution
 from bidir_kv.bench.modelcfg import ModelShape
+from bidir_kv.engine.pull_model import PullModel
 from bidir_kv.engine.settings import EngineSettings
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
@@ -43,7 +44,6 @@ __all__ = [
     "TtlRow",
     "Workload",
     "break_even_tokens",
-    "profile_fields",
     "recommend_threshold",
     "recommend_ttl",
     "ttft_rows",
@@ -60,43 +60,73 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Hardware:
-    """Target figures. Defaults: p5en.48xlarge (8× H200, 16× 200 Gb/s EFA)."""
+    """Target figures. Defaults: p5en.48xlarge (8× H200, EFA); sources in docs/profiles.md."""
 
     gpus: int = 8  # tensor-parallel size of one engine
     peak_tflops_per_gpu: float = 989.0  # H200 dense BF16 tensor-core peak
-    mfu: float = 0.40  # achievable fraction of peak during prefill
+    mfu: float = 0.40  # achievable fraction of peak during prefill (assumption)
     hbm_gbytes_per_s: float = 4800.0  # H200 HBM3e
-    network_gbits_per_s: float = 3200.0  # EFA total per instance
-    network_efficiency: float = 0.8  # achieved fraction of line rate for NIXL READs
-    pull_overhead_us: float = 2000.0  # per pull: descriptor prep, post, notify, a scheduler step
+    rail_gbytes_per_s: float = 4.4  # achieved per rank-level NIXL transfer (measured)
+    rails_per_gpu: int = 1  # rails one rank's transfer uses (assumption)
+    per_descriptor_us: float = 0.54  # submission cost of one small RDMA READ (measured)
+    pull_overhead_us: float = 3000.0  # per pull: descriptor list, post, notify (measured)
+    block_size: int = DEFAULT_BLOCK_SIZE  # the target's KV block (descriptor granularity)
+    step_us: float = 1000.0  # one idle engine step of P (assumption)
+    handshake_us: float = 6e6  # first pull between a new pair (measured, llm-d)
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if value <= 0:
+            zero_ok = name in ("per_descriptor_us", "pull_overhead_us", "step_us", "handshake_us")
+            if value < 0 or (value == 0 and not zero_ok):
                 raise PlanError(f"hardware figure {name} must be > 0, got {value}")
-        if self.mfu > 1 or self.network_efficiency > 1:
-            raise PlanError("mfu and network_efficiency are fractions in (0, 1]")
+        if self.mfu > 1:
+            raise PlanError("mfu is a fraction in (0, 1]")
 
     @property
     def flops_per_s(self) -> float:
         return self.gpus * self.peak_tflops_per_gpu * 1e12 * self.mfu
 
-    @property
-    def bytes_per_s(self) -> float:
-        return self.network_gbits_per_s / 8 * 1e9 * self.network_efficiency
+    def pull_model(self, shape: ModelShape) -> PullModel:
+        """The pull terms of ``shape`` on this hardware (bidir_kv.engine.pull_model)."""
+        return PullModel(
+            fixed_us=self.pull_overhead_us,
+            per_descriptor_us=self.per_descriptor_us,
+            rank_bytes_per_token=shape.kv_bytes_per_token_per_rank(self.gpus),
+            rank_gbytes_per_s=self.rail_gbytes_per_s * self.rails_per_gpu,
+            block_size=self.block_size,
+            descriptors_per_block=shape.num_layers * shape.kv_tensors_per_layer(),
+            step_us=self.step_us,
+            handshake_us=self.handshake_us,
+        )
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-token costs in microseconds on the target (or as measured)."""
+    """Per-token costs in microseconds on the target (or as measured).
+
+    A pull of ``n`` tokens costs ``pull_fixed_us + n × pull_us_per_token``: the
+    fixed part is ``pull_overhead_us`` plus half an idle step (the completion is
+    seen at step granularity), the per-token part is the bytes (``xfer_us_per_token``)
+    plus the descriptors (``descriptors_per_token × xfer_us_per_descriptor``).
+    ``prefill_fixed_us`` is per request and common to both legs (HTTP, scheduling):
+    it moves leg predictions, never the break-even. ``pull_after_us_per_token`` is
+    what a calibration finds P's prefill spends per pulled token beyond the transfer
+    histogram (work on the pulled blocks); derived models leave it 0.
+    """
 
     recompute_us_per_token: float
     recompute_us_per_token_ctx: float  # per new token per 1k context tokens
-    xfer_us_per_token: float
+    xfer_us_per_token: float  # bytes part, per token
     pull_overhead_us: float
     kv_bytes_per_token: float  # held/moved per token over the whole TP group
     source: str = "hardware"
     notes: tuple[str, ...] = field(default=())
+    xfer_us_per_descriptor: float = 0.0
+    descriptors_per_token: float = 0.0  # per rank
+    step_us: float = 0.0
+    prefill_fixed_us: float = 0.0
+    pull_after_us_per_token: float = 0.0
+    sources: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         for name in (
@@ -105,6 +135,11 @@ class CostModel:
             "xfer_us_per_token",
             "pull_overhead_us",
             "kv_bytes_per_token",
+            "xfer_us_per_descriptor",
+            "descriptors_per_token",
+            "step_us",
+            "prefill_fixed_us",
+            "pull_after_us_per_token",
         ):
             value = getattr(self, name)
             if value < 0 or math.isnan(value):
@@ -114,15 +149,18 @@ class CostModel:
 
     @classmethod
     def from_hardware(cls, shape: ModelShape, hw: Hardware) -> CostModel:
+        pm = hw.pull_model(shape)
         kv_total = shape.kv_bytes_per_token(hw.gpus)
         notes = [
             f"{shape.name}: {shape.attention.upper()}, {shape.num_layers} layers, "
             f"{shape.active_params / 1e9:.1f}B active of {shape.total_params / 1e9:.1f}B params",
-            f"KV per token: {shape.kv_bytes_per_token_per_rank(hw.gpus):,.0f} B per rank × "
+            f"KV per token: {pm.rank_bytes_per_token:,.0f} B per rank × "
             f"{hw.gpus} ranks = {kv_total:,.0f} B",
             f"prefill: {hw.gpus} GPUs × {hw.peak_tflops_per_gpu:g} TFLOP/s × MFU {hw.mfu:g}",
-            f"network: {hw.network_gbits_per_s:g} Gb/s × efficiency {hw.network_efficiency:g}"
-            f" = {hw.bytes_per_s / 1e9:.0f} GB/s; fixed {hw.pull_overhead_us:g} µs per pull",
+            f"pull per rank: {hw.pull_overhead_us:g} µs fixed + {pm.descriptors_per_block} "
+            f"descriptors per {pm.block_size}-token block × {hw.per_descriptor_us:g} µs + bytes "
+            f"at {pm.rank_gbytes_per_s:g} GB/s ({hw.rails_per_gpu} × {hw.rail_gbytes_per_s:g});"
+            f" + half a {hw.step_us:g} µs step; first pull of a pair + {hw.handshake_us:g} µs",
         ]
         return cls(
             recompute_us_per_token=shape.linear_flops_per_token() / hw.flops_per_s * 1e6,
@@ -130,11 +168,26 @@ class CostModel:
             * 1000
             / hw.flops_per_s
             * 1e6,
-            xfer_us_per_token=kv_total / hw.bytes_per_s * 1e6,
-            pull_overhead_us=hw.pull_overhead_us,
+            xfer_us_per_token=pm.rank_bytes_per_token / (pm.rank_gbytes_per_s * 1e3),
+            pull_overhead_us=pm.fixed_us,
             kv_bytes_per_token=kv_total,
             source="hardware",
             notes=tuple(notes),
+            xfer_us_per_descriptor=pm.per_descriptor_us,
+            descriptors_per_token=pm.descriptors_per_block / pm.block_size,
+            step_us=pm.step_us,
+        )
+
+    @property
+    def pull_fixed_us(self) -> float:
+        return self.pull_overhead_us + self.step_us / 2
+
+    @property
+    def pull_us_per_token(self) -> float:
+        return (
+            self.xfer_us_per_token
+            + self.descriptors_per_token * self.xfer_us_per_descriptor
+            + self.pull_after_us_per_token
         )
 
     def recompute_us(self, new_tokens: float, context_tokens: float = 0.0) -> float:
@@ -146,11 +199,12 @@ class CostModel:
         )
 
     def pull_us(self, tokens: float) -> float:
-        return 0.0 if tokens <= 0 else self.pull_overhead_us + tokens * self.xfer_us_per_token
+        return 0.0 if tokens <= 0 else self.pull_fixed_us + tokens * self.pull_us_per_token
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["notes"] = list(self.notes)
+        d["sources"] = list(self.sources)
         return d
 
 
@@ -160,9 +214,9 @@ def break_even_tokens(cost: CostModel, context_tokens: float = 0.0) -> float:
     lin = (
         cost.recompute_us_per_token
         + cost.recompute_us_per_token_ctx * context_tokens / 1000
-        - cost.xfer_us_per_token
+        - cost.pull_us_per_token
     )
-    o = cost.pull_overhead_us
+    o = cost.pull_fixed_us
     if q == 0:
         if lin <= 0:
             return math.inf
@@ -182,14 +236,14 @@ def recommend_threshold(
     if math.isinf(n):
         return None, (
             "pulling never pays: per-token transfer "
-            f"({cost.xfer_us_per_token:.2f} µs) is not cheaper than recompute — keep "
-            "bidirectional_kv_xfer off, or raise network efficiency"
+            f"({cost.pull_us_per_token:.2f} µs) is not cheaper than recompute — keep "
+            "bidirectional_kv_xfer off, or make pulls cheaper (bandwidth, fewer descriptors)"
         )
     exact = max(1, math.ceil(n))
     rounded = blocks_for_tokens(exact, block_size) * block_size
     why = (
-        f"pull pays from {n:.1f} tokens: a pull costs {cost.pull_overhead_us:.0f} µs fixed + "
-        f"{cost.xfer_us_per_token:.3f} µs/token, recompute costs "
+        f"pull pays from {n:.1f} tokens: a pull costs {cost.pull_fixed_us:.0f} µs fixed + "
+        f"{cost.pull_us_per_token:.3f} µs/token, recompute costs "
         f"{cost.recompute_us_per_token:.3f} µs/token (+{cost.recompute_us_per_token_ctx:.3f} "
         f"µs/token per 1k context) — break-even at context 0 (the cheapest recompute), "
         f"rounded up to a whole block of {block_size}; vLLM's default is "
@@ -335,31 +389,3 @@ def recommend_ttl(
         f"within {EXPIRY_SAFETY_MARGIN:g} s of expiry"
     )
     return best, why
-
-
-ALLREDUCE_US = 10.0  # one small tensor-parallel all-reduce inside a node (NVLink)
-HBM_EFFICIENCY = 0.7  # achieved fraction of HBM bandwidth when streaming weights
-
-
-def profile_fields(
-    shape: ModelShape, hw: Hardware, weight_bytes_per_param: float = 2.0, **extra: Any
-) -> dict[str, Any]:
-    """CostProfile fields for the emulator, derived like the planner derives its costs.
-
-    Decode (batch 1) streams the active weights once per step from HBM and does two
-    TP all-reduces per layer.
-    """
-    cost = CostModel.from_hardware(shape, hw)
-    weights_bytes = shape.active_params * weight_bytes_per_param / hw.gpus
-    decode_us = weights_bytes / (hw.hbm_gbytes_per_s * 1e9 * HBM_EFFICIENCY) * 1e6
-    decode_us += shape.num_layers * 2 * ALLREDUCE_US
-    out = {
-        "prefill_us_per_token": round(cost.recompute_us_per_token, 3),
-        "prefill_us_per_token_ctx": round(cost.recompute_us_per_token_ctx, 4),
-        "decode_us_per_step": round(decode_us, 1),
-        "kv_bytes_per_token_target": round(cost.kv_bytes_per_token),
-        "transfer_overhead_us": hw.pull_overhead_us,
-        "transfer_gbytes_per_s": round(hw.bytes_per_s / 1e9, 3),
-    }
-    out.update(extra)
-    return out

@@ -12,11 +12,12 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bidir_kv.bench.args import distribution, float_list, int_list
-from bidir_kv.bench.calibrate import calibrate
+from bidir_kv.bench.calibrate import CheckRow, calibrate, check_rows
 from bidir_kv.bench.distributions import Distribution, DistributionError
 from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
 from bidir_kv.bench.plan import (
@@ -31,6 +32,7 @@ from bidir_kv.bench.plan import (
     ttft_rows,
     ttl_rows,
 )
+from bidir_kv.bench.predict import cost_from_profile
 from bidir_kv.bench.results import ResultError, load_result
 
 __all__ = ["build_parser", "main", "run_plan"]
@@ -51,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _cost_source_args(ap: argparse.ArgumentParser) -> None:
     src = ap.add_argument_group("cost model (one of)")
     src.add_argument("--config", type=Path, help="Hugging Face config.json of the model")
+    src.add_argument(
+        "--profile", help="an emulator profile (name in fixtures/profiles or a JSON path)"
+    )
     src.add_argument("--calibration", type=Path, metavar="DIR", help="a bench result directory")
     src.add_argument("--recompute-us-per-token", type=float, help="explicit recompute cost")
     src.add_argument("--xfer-us-per-token", type=float, help="explicit pull cost per token")
@@ -59,7 +64,7 @@ def _cost_source_args(ap: argparse.ArgumentParser) -> None:
 
 def _hardware_args(ap: argparse.ArgumentParser) -> None:
     hw = Hardware()
-    h = ap.add_argument_group("hardware (with --config)")
+    h = ap.add_argument_group("hardware (with --config; defaults: p5en, docs/profiles.md)")
     h.add_argument("--tp", type=int, default=hw.gpus, help="tensor-parallel size (default 8)")
     h.add_argument(
         "--peak-tflops",
@@ -69,18 +74,21 @@ def _hardware_args(ap: argparse.ArgumentParser) -> None:
     )
     h.add_argument("--mfu", type=float, default=hw.mfu, help="achieved fraction in prefill")
     h.add_argument(
-        "--network-gbps",
+        "--rail-gbps",
         type=float,
-        default=hw.network_gbits_per_s,
-        help="network line rate per instance in Gb/s (default 3200, EFA on p5en)",
+        default=hw.rail_gbytes_per_s,
+        help="achieved GB/s of one rank-level transfer per rail (default: measured 4.4)",
     )
-    h.add_argument("--network-efficiency", type=float, default=hw.network_efficiency)
+    h.add_argument("--rails-per-gpu", type=int, default=hw.rails_per_gpu)
+    h.add_argument("--per-descriptor-us", type=float, default=hw.per_descriptor_us)
+    h.add_argument("--target-block-size", type=int, default=hw.block_size)
+    h.add_argument("--step-us", type=float, default=hw.step_us, help="one idle engine step")
     h.add_argument(
         "--pull-overhead-us",
         type=float,
         default=None,
         help=f"fixed cost per pull (default {hw.pull_overhead_us:g}; "
-        "with --calibration: the fitted value)",
+        "with --calibration or --profile: theirs)",
     )
     h.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the config's)")
 
@@ -144,11 +152,13 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
     chosen = [
         args.config is not None,
         args.calibration is not None,
+        args.profile is not None,
         args.recompute_us_per_token is not None,
     ]
     if sum(chosen) != 1:
         raise PlanError(
-            "give exactly one cost source: --config, --calibration or --recompute-us-per-token"
+            "give exactly one cost source: --config, --calibration, --profile or "
+            "--recompute-us-per-token"
         )
     if args.config is not None:
         shape = model_shape(load_model_config(args.config), args.kv_dtype)
@@ -156,8 +166,11 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
             gpus=args.tp,
             peak_tflops_per_gpu=args.peak_tflops,
             mfu=args.mfu,
-            network_gbits_per_s=args.network_gbps,
-            network_efficiency=args.network_efficiency,
+            rail_gbytes_per_s=args.rail_gbps,
+            rails_per_gpu=args.rails_per_gpu,
+            per_descriptor_us=args.per_descriptor_us,
+            block_size=args.target_block_size,
+            step_us=args.step_us,
             pull_overhead_us=(
                 args.pull_overhead_us
                 if args.pull_overhead_us is not None
@@ -165,12 +178,10 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
             ),
         )
         return CostModel.from_hardware(shape, hw)
-    if args.calibration is not None:
-        cost = calibrate(load_result(args.calibration), args.kv_bytes_per_token)
+    if args.calibration is not None or args.profile is not None:
+        cost = _measured_or_profile(args)
         if args.pull_overhead_us is not None:
-            cost = CostModel(
-                **{**cost.to_dict(), "pull_overhead_us": args.pull_overhead_us, "notes": cost.notes}
-            )
+            cost = replace(cost, pull_overhead_us=args.pull_overhead_us)
         return cost
     if args.xfer_us_per_token is None or args.kv_bytes_per_token is None:
         raise PlanError(
@@ -188,6 +199,15 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
         kv_bytes_per_token=args.kv_bytes_per_token,
         source="explicit",
     )
+
+
+def _measured_or_profile(args: argparse.Namespace) -> CostModel:
+    if args.calibration is not None:
+        return calibrate(load_result(args.calibration), args.kv_bytes_per_token)
+    cost = cost_from_profile(args.profile)
+    if cost is None:
+        raise PlanError(f"profile {args.profile!r} has no compute costs (or does not load)")
+    return cost
 
 
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -212,7 +232,11 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     )
     ttl = ttl_rows(cost, work, args.ttls, gpus=args.tp)
     best, ttl_why = recommend_ttl(ttl, args.miss_target, args.kv_budget_gib)
+    check = []
+    if args.calibration is not None:
+        check = [r.__dict__ for r in check_rows(load_result(args.calibration), cost)]
     return {
+        "calibration_check": check,
         "cost_model": cost.to_dict(),
         "break_even_tokens": break_even_tokens(cost),
         "recommended_threshold": threshold,
@@ -237,9 +261,23 @@ def render_text(plan: dict[str, Any]) -> str:
     lines += [f"  {n}" for n in c["notes"]]
     lines += [
         f"  recompute {c['recompute_us_per_token']:.3f} µs/token "
-        f"(+{c['recompute_us_per_token_ctx']:.4f} µs/token per 1k context); pull "
-        f"{c['pull_overhead_us']:.0f} µs + {c['xfer_us_per_token']:.4f} µs/token; "
-        f"KV {c['kv_bytes_per_token']:,.0f} B/token",
+        f"(+{c['recompute_us_per_token_ctx']:.4f} µs/token per 1k context)"
+        + (f" + {c['prefill_fixed_us']:.0f} µs per request" if c["prefill_fixed_us"] else ""),
+        f"  pull {c['pull_overhead_us']:.0f} µs fixed + {c['step_us'] / 2:.0f} µs (half a step)"
+        f" + {c['xfer_us_per_token']:.4f} µs/token of bytes + "
+        f"{c['descriptors_per_token']:.3f} descriptors/token × "
+        f"{c['xfer_us_per_descriptor']:.3f} µs"
+        + (
+            f" + {c['pull_after_us_per_token']:.3f} µs/token after the transfer"
+            if c["pull_after_us_per_token"]
+            else ""
+        )
+        + f"; KV {c['kv_bytes_per_token']:,.0f} B/token",
+    ]
+    if c.get("sources"):
+        lines.append("  sources:")
+        lines += [f"    - {src}" for src in c["sources"]]
+    lines += [
         "",
         "Break-even kv_recompute_threshold:",
     ]
@@ -274,7 +312,31 @@ def render_text(plan: dict[str, Any]) -> str:
         f"  recommended TTL: {plan['recommended_ttl_s']:g} s — {plan['ttl_reason']}",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _check_lines(plan["calibration_check"]))
+
+
+def _check_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The calibration next to its own run: router prefill per request, ms."""
+    if not rows:
+        return []
+
+    def cell(m: float | None, p: float | None) -> str:
+        err = CheckRow.error(m, p)
+        if m is None or p is None or err is None:
+            return f"{'-':>26}"
+        return f"{m:>9.1f} {p:>9.1f} {err:>+6.0%}"
+
+    lines = [
+        "Calibration against its own run (router prefill per request, ms):",
+        f"  {'point':>7}  {'OFF meas':>9} {'pred':>9} {'err':>6}  {'ON meas':>9} {'pred':>9} "
+        f"{'err':>6}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['point']:>7}  {cell(r['off_ms'], r['off_pred_ms'])}  "
+            f"{cell(r['on_ms'], r['on_pred_ms'])}"
+        )
+    return [*lines, ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -49,18 +49,22 @@ def cost_from_profile(name: str) -> CostModel | None:
         return None
     if p.prefill_us_per_token <= 0 and p.prefill_us_per_token_ctx <= 0:
         return None
-    xfer = (
-        p.kv_bytes_per_token_target / (p.transfer_gbytes_per_s * 1e3)
-        if p.transfer_gbytes_per_s > 0
-        else 0.0
-    )
+    pm = p.pull_model
+    bw = pm.rank_gbytes_per_s
+    byte_us = pm.rank_bytes_per_token / (bw * 1e3) if bw else 0.0
+    ts = p.time_scale
     return CostModel(
-        recompute_us_per_token=p.prefill_us_per_token * p.time_scale,
-        recompute_us_per_token_ctx=p.prefill_us_per_token_ctx * p.time_scale,
-        xfer_us_per_token=xfer * p.time_scale,
-        pull_overhead_us=p.transfer_overhead_us * p.time_scale,
+        recompute_us_per_token=p.prefill_us_per_token * ts,
+        recompute_us_per_token_ctx=p.prefill_us_per_token_ctx * ts,
+        xfer_us_per_token=byte_us * ts,
+        pull_overhead_us=pm.fixed_us * ts,
         kv_bytes_per_token=float(p.kv_bytes_per_token_target),
         source=f"profile {p.name}",
+        notes=(p.description,) if p.description else (),
+        xfer_us_per_descriptor=pm.per_descriptor_us * ts,
+        descriptors_per_token=pm.descriptors_per_block / pm.block_size,
+        step_us=pm.step_us * ts,
+        sources=p.sources,
     )
 
 

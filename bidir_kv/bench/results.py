@@ -33,6 +33,7 @@ __all__ = [
 
 XFER_TIME = "vllm:nixl_xfer_time_seconds"
 XFER_BYTES = "vllm:nixl_bytes_transferred"
+XFER_DESCRIPTORS = "vllm:nixl_num_descriptors"
 TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 FAILED = "vllm:nixl_num_failed_transfers_total"
@@ -69,6 +70,7 @@ class LegPoint:
     xfer_ms_per_transfer: float | None
     xfer_count: int
     mb_per_transfer: float | None
+    descriptors_per_transfer: float | None
     tokens_external: float
     tokens_local_compute: float
     tokens_local_cache_hit: float
@@ -189,6 +191,11 @@ def summarize_point(
         xfer_ms_per_transfer=xfer_s * 1e3 / xfer_n if xfer_n else None,
         xfer_count=xfer_n,
         mb_per_transfer=xfer_bytes / xfer_n / 2**20 if xfer_n else None,
+        descriptors_per_transfer=(
+            _sum(p_rows, f"{XFER_DESCRIPTORS}_sum") / xfer_n
+            if xfer_n and any(n == f"{XFER_DESCRIPTORS}_sum" for n, _, _ in p_rows)
+            else None
+        ),
         tokens_external=_sum(p_rows, TOKENS_BY_SOURCE, source="external_kv_transfer"),
         tokens_local_compute=_sum(p_rows, TOKENS_BY_SOURCE, source="local_compute"),
         tokens_local_cache_hit=_sum(p_rows, TOKENS_BY_SOURCE, source="local_cache_hit"),

@@ -4,8 +4,9 @@ A profile never changes what goes over the wire (design invariant 3); it only
 sets compute and transfer durations. Profiles are JSON files in
 ``fixtures/profiles/`` (derivations in ``docs/profiles.md``). Real KV bytes are
 still moved, scaled down to ``kv_bytes_per_token``; the emulated transfer time
-is computed from the *target's* bytes per token and bandwidth, so the ratio of
-per-token recompute time to per-token transfer time matches the target.
+is computed from the *target's* terms (``pull_model``: fixed, per descriptor, bytes
+per rank over the achieved rank bandwidth), so the ratio of recompute time to pull
+time matches the target. ``sources`` says where each term comes from.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from bidir_kv.engine.pull_model import PullModel
 
 __all__ = ["PROFILE_DIR", "CostProfile", "ProfileError", "available_profiles", "load_profile"]
 
@@ -38,9 +41,18 @@ class CostProfile:
     kv_bytes_per_token_target: int = 0  # what the real model holds per token (all layers)
     kv_bytes_per_token: int = 64  # what the emulator really stores and moves per token
     num_layers: int = 2  # emulated layers (KV content is derived per layer)
-    # transfer (target network)
-    transfer_overhead_us: float = 0.0  # fixed cost per pull (handshake amortised, post, notify)
-    transfer_gbytes_per_s: float = 0.0  # effective bandwidth; 0 = real transfer time only
+    # transfer (target network), see bidir_kv.engine.pull_model
+    transfer_overhead_us: float = 0.0  # fixed cost per pull (descriptor build, post, notify)
+    transfer_gbytes_per_s: float = 0.0  # whole TP group; used if rail_gbytes_per_s is 0
+    transfer_per_descriptor_us: float = 0.0  # submission cost of one RDMA descriptor
+    rail_gbytes_per_s: float = 0.0  # achieved bandwidth of one rank-level transfer per rail
+    rails_per_rank: int = 1  # network rails one rank's transfer uses
+    tp_size: int = 1  # target ranks pulling in parallel (kv_bytes_per_token_target / tp_size each)
+    target_block_size: int = 16  # the target's KV block size (descriptor granularity)
+    descriptors_per_block: int = 0  # per rank: layers × KV tensors
+    step_us: float = 0.0  # one idle engine step (the pull's completion is seen at a step)
+    handshake_us: float = 0.0  # first pull between a new P/D pair
+    sources: tuple[str, ...] = ()  # where each term comes from (docs/profiles.md)
     # global scale applied to every emulated duration (keeps ratios, shortens runs)
     time_scale: float = 1.0
 
@@ -58,6 +70,27 @@ class CostProfile:
             )
         if self.max_num_batched_tokens <= 0:
             raise ProfileError(f"profile {self.name!r}: max_num_batched_tokens must be > 0")
+        for name in ("rails_per_rank", "tp_size", "target_block_size"):
+            if getattr(self, name) <= 0:
+                raise ProfileError(f"profile {self.name!r}: {name} must be > 0")
+
+    @property
+    def pull_model(self) -> PullModel:
+        """The target's pull terms, unscaled (``time_scale`` applies to the seconds below)."""
+        if self.rail_gbytes_per_s > 0:
+            rank_bw = self.rail_gbytes_per_s * self.rails_per_rank
+        else:  # older profiles: one effective bandwidth for the whole group
+            rank_bw = self.transfer_gbytes_per_s / self.tp_size
+        return PullModel(
+            fixed_us=self.transfer_overhead_us,
+            per_descriptor_us=self.transfer_per_descriptor_us,
+            rank_bytes_per_token=self.kv_bytes_per_token_target / self.tp_size,
+            rank_gbytes_per_s=rank_bw,
+            block_size=self.target_block_size,
+            descriptors_per_block=self.descriptors_per_block,
+            step_us=self.step_us,
+            handshake_us=self.handshake_us,
+        )
 
     # ---- durations, seconds ---------------------------------------------------
 
@@ -78,16 +111,29 @@ class CostProfile:
         return us * 1e-6 * self.time_scale
 
     def transfer_seconds(self, tokens: int) -> float:
-        """Emulated duration of pulling ``tokens`` tokens of KV on the target network."""
-        if tokens <= 0:
-            return 0.0
-        us = self.transfer_overhead_us
-        if self.transfer_gbytes_per_s > 0:
-            us += tokens * self.kv_bytes_per_token_target / (self.transfer_gbytes_per_s * 1e3)
-        return us * 1e-6 * self.time_scale
+        """Emulated post-to-completion time of pulling ``tokens`` tokens (whole blocks).
+
+        Excludes the step granularity (``step_seconds``: the engine's step loop adds
+        it) and the first-pull handshake (``handshake_seconds``).
+        """
+        return self.pull_model.wire_us(tokens) * 1e-6 * self.time_scale
+
+    def descriptors(self, tokens: int) -> int:
+        """RDMA descriptors one target rank posts for a pull of ``tokens`` tokens."""
+        return self.pull_model.descriptors(tokens)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.step_us * 1e-6 * self.time_scale
+
+    @property
+    def handshake_seconds(self) -> float:
+        return self.handshake_us * 1e-6 * self.time_scale
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["sources"] = list(self.sources)
+        return d
 
 
 def available_profiles() -> list[str]:
@@ -115,6 +161,8 @@ def load_profile(name_or_path: str) -> CostProfile:
         raise ProfileError(f"profile file {path}: unknown keys {unknown}")
     data.pop("derivation", None)
     data.setdefault("name", path.stem)
+    if isinstance(data.get("sources"), list):
+        data["sources"] = tuple(str(x) for x in data["sources"])
     try:
         return CostProfile(**data)
     except TypeError as exc:

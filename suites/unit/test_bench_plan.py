@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bidir_kv.bench.derive import TARGETS, derive_profile, target_shape
 from bidir_kv.bench.distributions import Distribution
 from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
 from bidir_kv.bench.plan import (
@@ -18,7 +20,6 @@ from bidir_kv.bench.plan import (
     PlanError,
     Workload,
     break_even_tokens,
-    profile_fields,
     recommend_threshold,
     recommend_ttl,
     ttft_rows,
@@ -77,22 +78,63 @@ def test_mla_without_rope_dim_is_named() -> None:
 
 
 def test_profiles_match_the_planner_derivation() -> None:
-    """fixtures/profiles/*-p5en.json are what profile_fields derives (docs/profiles.md)."""
-    cases = [
-        ("qwen3-32b-p5en", "qwen3-32b", Hardware(), 2.0),
-        ("glm5-fp8-p5en", "glm-5-fp8", Hardware(peak_tflops_per_gpu=1979.0, mfu=0.20), 1.0),
-    ]
-    for prof_name, cfg, hw, wbytes in cases:
-        prof = load_profile(prof_name)
-        want = profile_fields(shape(cfg), hw, wbytes)
+    """fixtures/profiles/*-p5en.json are what bidir_kv.bench.derive derives (docs/profiles.md)."""
+    assert set(TARGETS) == {"qwen3-32b-p5en", "glm5-fp8-p5en"}
+    for name, target in TARGETS.items():
+        on_disk = json.loads((ROOT / "fixtures" / "profiles" / f"{name}.json").read_text())
+        want = derive_profile(target)
+        assert set(on_disk) == set(want), name
         for key, value in want.items():
-            assert getattr(prof, key) == pytest.approx(value, rel=1e-3), (prof_name, key)
-        # the emulator's transfer model equals the planner's pull model
-        cost = CostModel.from_hardware(shape(cfg), hw)
-        assert prof.transfer_seconds(10_000) * 1e6 == pytest.approx(cost.pull_us(10_000), rel=1e-3)
+            if isinstance(value, float):
+                assert on_disk[key] == pytest.approx(value, rel=1e-3), (name, key)
+            else:
+                assert on_disk[key] == value, (name, key)
+        prof = load_profile(name)
+        assert prof.sources == tuple(target.sources) and prof.sources
+        # the emulator's transfer model equals the planner's pull model (block-aligned pull;
+        # the planner adds half an idle step for the completion seen at step granularity)
+        cost = CostModel.from_hardware(target_shape(target.config), target.hardware)
+        n = 640 * target.hardware.block_size
+        wire_us = prof.transfer_seconds(n) * 1e6
+        assert wire_us + prof.step_us / 2 == pytest.approx(cost.pull_us(n), rel=1e-6)
+        assert prof.descriptors(n) == 640 * prof.descriptors_per_block
         assert prof.prefill_seconds(5_000, 1_000) * 1e6 == pytest.approx(
             cost.recompute_us(5_000, 1_000), rel=1e-3
         )
+
+
+def test_pull_terms_by_model() -> None:
+    """Descriptor counts from blocks x layers x KV tensors per rank; bytes per rank."""
+    qwen = load_profile("qwen3-32b-p5en").pull_model
+    assert qwen.descriptors_per_block == 64 * 2 and qwen.block_size == 16
+    assert qwen.rank_bytes_per_token == 32_768  # 1 KV head per rank at TP 8
+    assert qwen.descriptors(24_000) == 1500 * 128
+    glm = load_profile("glm5-fp8-p5en").pull_model
+    assert glm.descriptors_per_block == 78 * 2 and glm.block_size == 64
+    # a 24k pull: fixed + descriptors + bytes at the rank's achieved bandwidth
+    expect = 3000 + 192_000 * 0.54 + 24_000 * 32_768 / 4.4e3
+    assert qwen.wire_us(24_000) == pytest.approx(expect)
+
+
+def test_profile_sources_are_in_the_docs() -> None:
+    """Every upstream issue/PR a profile cites is cited in docs/profiles.md too."""
+    doc = (ROOT / "docs" / "profiles.md").read_text()
+    for name in TARGETS:
+        for src in load_profile(name).sources:
+            for ref in re.findall(r"#\d+", src):
+                assert ref in doc, (name, ref)
+
+
+def test_old_profile_files_still_load() -> None:
+    """A profile without the pull terms keeps its old meaning: fixed + bytes / bandwidth."""
+    from bidir_kv.engine.profiles import CostProfile
+
+    old = CostProfile(
+        name="old", kv_bytes_per_token_target=1000, transfer_overhead_us=2000.0,
+        transfer_gbytes_per_s=10.0,
+    )  # fmt: skip
+    assert old.transfer_seconds(1000) == pytest.approx((2000 + 1000 * 1000 / 10e3) * 1e-6)
+    assert old.descriptors(1000) == 0
 
 
 def cost(a=20.0, b=0.0, x=1.0, o=2000.0) -> CostModel:
