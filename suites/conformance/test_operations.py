@@ -316,10 +316,13 @@ def test_p_restarted_new_and_existing_conversations_served(ops: Ops,
         stalled("turn 1", t1, pair, timing)
     pair.restart("prefill")
     for i in range(2):
+        before = pair.decode.metrics()
         fresh = turn(pair, prompts.prompt(bs + 100), timing.window)
+        ev = evidence(pair.decode.metrics() - before)
         assert fresh.d is not None and fresh.d.ok, \
             stalled(f"new conversation {i} after P's restart", fresh, pair, timing)
         assert fresh.d.token_ids == reference(pair.prefill, fresh.prompt, GEN)
+        assert i == 0 or ev.pulled, f"D did not pull the new conversation from the new P: {ev}"
     before = pair.decode.metrics()
     t2 = turn(pair, [*t1.sequence, *prompts.tokens(50)], timing.window, t1.d.params)
     ev = evidence(pair.decode.metrics() - before)
