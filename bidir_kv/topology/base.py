@@ -102,6 +102,10 @@ class Topology(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def restart(self, node: Node) -> None:
+        """Stop ``node`` and start it again with the same identity and ports."""
+        raise BackendUnavailable(f"the {self.backend} topology cannot restart nodes")
+
     @property
     def router_url(self) -> str:
         if not self.routers:

@@ -162,6 +162,24 @@ class LocalTopology(Topology):
     def process(self, name: str) -> ManagedProcess:
         return self.procs[name]
 
+    def restart(self, node: Node) -> None:
+        """Stop an engine and start it again as a deploy would: same engine id, HTTP
+        and side-channel ports and flags; a new process, data port and KV blocks."""
+        self.procs[node.name].stop()
+        spec = self.spec.prefill if node.role == "prefill" else self.spec.decode
+        env = dict(os.environ)
+        env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=node.host,
+                   VLLM_NIXL_SIDE_CHANNEL_PORT=str(node.side_channel_port))  # fmt: skip
+        env.update(dict(spec.env))
+        runs = int(node.info.get("restarts", 0)) + 1
+        log = self.run_dir / f"{node.name}.restart{runs}.log"
+        proc = ManagedProcess(node.name, engine_argv(spec, node.port, node.info["engine_id"]),
+                              log, env=env)
+        self.procs[node.name] = proc
+        proc.start()
+        wait_http_ok(node.url + "/health", self.timeout, alive=proc)
+        node.log_path, node.info["restarts"], node.info["pid"] = str(log), runs, proc.pid
+
     def close(self) -> None:
         for proc in reversed(list(self.procs.values())):
             proc.stop()

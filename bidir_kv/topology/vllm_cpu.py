@@ -238,6 +238,25 @@ class VllmCpuTopology(Topology):
         finally:
             proc.send_signal(signal.SIGCONT)
 
+    def restart(self, node: Node) -> None:
+        """Stop ``node``'s server and start it again as a deploy would: same engine id,
+        HTTP and side-channel ports, core and flags; a new process, NIXL agent and KV."""
+        proc = next(p for p in self._procs if p.name == node.name)
+        proc.stop(self.options.stop_timeout)
+        self._procs.remove(proc)
+        espec = self.spec.prefill if node.role == "prefill" else self.spec.decode
+        runs = int(node.info.get("restarts", 0)) + 1
+        log = Path(str(node.log_path)).with_suffix(f".restart{runs}.log")
+        argv = self.argv(node.role, espec, node.port, node.info["engine_id"])
+        env = self.env(node.info["core"], int(node.side_channel_port or 0), espec)
+        new = ManagedProcess(node.name, argv, log, env=env).start()
+        self._procs.append(new)
+        t0 = time.monotonic()
+        wait_http_ok(f"{node.url}/health", self.options.startup_timeout, alive=new)
+        node.log_path, node.info["restarts"], node.info["pid"] = str(log), runs, new.pid
+        node.info["restart_seconds"] = round(time.monotonic() - t0, 1)
+        self._check_worker_cores(node, new)
+
     def describe(self) -> dict[str, Any]:
         """JSON-able summary for reports (ports, engine ids, logs, startup times)."""
         return {

@@ -1,0 +1,332 @@
+"""Operational events on a P/D pair (issue 16): memory pressure, bursts, bounded
+queues, restarts with the same engine id.
+
+Each scenario runs on a pair of its own (``PDBackend.pair_variant``), so restarts
+and full KV caches never reach the session's main pair: D gets ``D_BLOCKS`` KV
+blocks (``--num-gpu-blocks-override`` on vLLM, ``--kv-capacity-tokens`` on the
+emulator) and a short retention TTL. Every wait is bounded by ``WINDOW``: a request
+still unanswered then is reported as stalled (with D's queue gauges), never waited
+for. The emulator runs twice: with its defaults (the safe behaviour) and with the
+flags that reproduce vLLM 0.32 (``--peer-cache vllm --retained-blocks pin
+--max-waiting-seconds 0``, docs/engine.md "Operations"); the second must show what
+real vLLM shows. Findings and evidence: docs/conformance.md "Operational scenarios".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from bidir_kv.policy import cache_ttl_below_retention
+from bidir_kv.protocol import KVTransferParams
+from bidir_kv.testing.backends import PDBackend, PromptFactory, VariantPair
+from bidir_kv.testing.pd_client import Completion, EngineClient
+from bidir_kv.testing.poll import wait_for
+from bidir_kv.testing.router import start_router_process
+from bidir_kv.testing.scenario import complete_watching, evidence, queue_state
+
+# D: 12 blocks, 11 usable (block 0 is the null block). A turn of FILL new tokens and
+# GEN generated keeps 3 blocks retained; three of them leave 2 free, one short of
+# the next turn's 3.
+D_BLOCKS, MAX_MODEL_LEN, FILL_TURNS, GEN = 12, 1024, 3, 8
+VLLM_FLAGS = ("--peer-cache", "vllm", "--retained-blocks", "pin", "--max-waiting-seconds", "0")
+KV_USAGE = "vllm:kv_cache_usage_perc"
+TOKEN = 7  # the probe prompt (an ordinary token on both models)
+
+
+def _fill_tokens(bs: int) -> int:
+    return 2 * bs + 100
+
+
+@dataclass(frozen=True)
+class Timing:
+    """D's retention TTL and the bound on any one wait. The bound is well under the
+    TTL, so a request that waits for retained blocks to expire shows as stalled."""
+
+    ttl: float
+    window: float
+
+
+# vLLM answers a 400-token turn in about 1 s idle, under 10 s on a loaded 2-core box;
+# its TTL must outlive a restart (40-180 s on 2 busy cores) for a conversation to span
+# it; no scenario waits for it (turns are released)
+TIMING = {"vllm-cpu": Timing(ttl=300.0, window=10.0), "emulator": Timing(ttl=10.0, window=4.0)}
+
+
+@dataclass
+class Ops:
+    """The module's pairs: one per set of emulator flags (vllm-cpu: one in all)."""
+
+    pd: PDBackend
+    mode: str
+    timing: Timing
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    pairs: dict[tuple[str, ...], VariantPair] = field(default_factory=dict)
+
+    def pair(self, *emulator_flags: str) -> VariantPair:
+        """The pair for a scenario; ``emulator_flags`` only apply in the default mode
+        (the vLLM mode's flags are fixed), and never to real vLLM."""
+        flags = VLLM_FLAGS if self.mode == "vllm" else tuple(emulator_flags)
+        if self.pd.name != "emulator":
+            flags = ()
+        if flags not in self.pairs:
+            # recompute on both: a failed read is a miss, so restarts show as lost reuse
+            kv = {"decoder_kv_blocks_ttl": self.timing.ttl, "kv_load_failure_policy": "recompute"}
+            self.pairs[flags] = self.stack.enter_context(self.pd.pair_variant(
+                f"ops-{len(self.pairs)}", decode_blocks=D_BLOCKS, max_model_len=MAX_MODEL_LEN,
+                prefill_kv=kv, decode_kv=kv,
+                emulator_args=flags))
+        return self.pairs[flags]
+
+
+@pytest.fixture(scope="module", params=["default", "vllm"])
+def ops(request: pytest.FixtureRequest, pd: PDBackend) -> Iterator[Ops]:
+    """``default``: the backend as it is; ``vllm``: the emulator with the flags that
+    reproduce vLLM 0.32 (skipped on other backends: they are what they are)."""
+    mode = str(request.param)
+    if mode == "vllm" and pd.name != "emulator":
+        pytest.skip("the vLLM-reproducing flags are the emulator's")
+    if pd.name not in TIMING:
+        pytest.skip("needs a local backend that can start pairs of its own")
+    ops = Ops(pd, mode, TIMING[pd.name])
+    with ops.stack:
+        yield ops
+
+
+# ---- helpers ------------------------------------------------------------------------
+
+
+def reference(p: EngineClient, prompt: Sequence[int], gen: int) -> list[int]:
+    """Greedy output computed on the pair's P from nothing (a fresh ``cache_salt``)."""
+    salt = f"ref-{time.time_ns()}"
+    return p.complete(prompt, gen, extra={"cache_salt": salt}).require_ok().token_ids
+
+
+@dataclass
+class Turn:
+    prompt: list[int]
+    p: Completion
+    d: Completion | None
+    d_queue: dict[str, float] = field(default_factory=dict)  # D's gauge peaks meanwhile
+
+    @property
+    def answered(self) -> Completion:
+        """The response the client got (P's failure, or D's)."""
+        return self.d if self.d is not None else self.p
+
+    @property
+    def sequence(self) -> list[int]:
+        assert self.d is not None
+        return [*self.prompt, *self.d.token_ids]
+
+
+def turn(pair: VariantPair, prompt: list[int], timeout: float,
+         previous: KVTransferParams | None = None) -> Turn:
+    """P leg then D leg, each bounded by ``timeout`` (status 0: no answer in time);
+    D's queue gauges are sampled while its leg is pending."""
+    sent = KVTransferParams.miss() if previous is None else previous.for_prefill_hit()
+    p = pair.prefill.complete(prompt, 1, sent, timeout=timeout)
+    if not p.ok or p.params is None:
+        return Turn(prompt, p, None)
+    d, peak = complete_watching(pair.decode, prompt, GEN, p.params, timeout)
+    if d.params is not None:
+        HELD.setdefault(id(pair), []).append(d.params)
+    return Turn(prompt, p, d, peak)
+
+
+def stalled(what: str, t: Turn, pair: VariantPair, timing: Timing) -> str:
+    r = t.answered
+    if r.status == 0:
+        return (f"{what}: no answer within {timing.window:g} s (D's TTL {timing.ttl:g} s); "
+                f"D's queue peaks meanwhile: {t.d_queue}, KV usage then "
+                f"{pair.decode.metrics([KV_USAGE]).value(KV_USAGE):.2f}")
+    return f"{what}: HTTP {r.status} {r.error}"
+
+
+def blocks_in_use(pair: VariantPair) -> int:
+    """D's KV blocks in use, retained turns included. A one-token request first makes
+    D step, so the usage gauge is fresh (both engines set it at the end of a step,
+    not when a notification or the TTL frees blocks); its own block is freed by
+    then or counted as one."""
+    pair.decode.complete([TOKEN], 1, timeout=30)
+    return round(pair.decode.metrics([KV_USAGE]).value(KV_USAGE) * (D_BLOCKS - 1))
+
+
+# every dict D returned, per pair: a scenario's turns are dead once it ended
+HELD: dict[int, list[KVTransferParams]] = {}
+
+
+def release(pair: VariantPair, params: KVTransferParams) -> None:
+    """Free D's blocks of a turn nobody continues, as our router does: a one-token
+    request through P with D's dict and ``remote_num_tokens: 0`` (notify-only)."""
+    pair.prefill.complete([TOKEN], 1, params.with_fields(remote_num_tokens=0)
+                          .for_prefill_hit(), timeout=30)
+
+
+def drained(pair: VariantPair, timeout: float) -> None:
+    """Release earlier scenarios' turns and wait until D holds no retained KV."""
+    for params in HELD.pop(id(pair), []):
+        release(pair, params)
+    wait_for(lambda: blocks_in_use(pair) <= 1, timeout, "D's KV cache to drain", interval=0.5)
+
+
+@contextlib.contextmanager
+def filled(pair: VariantPair, prompts: PromptFactory, bs: int, timing: Timing) -> Iterator[None]:
+    """FILL_TURNS turns nobody continues, retained by D until its TTL (or released
+    when the next scenario starts)."""
+    drained(pair, timing.ttl + 30)
+    for i in range(FILL_TURNS):
+        t = turn(pair, prompts.prompt(_fill_tokens(bs)), timing.window)
+        assert t.d is not None and t.d.ok and t.d.params is not None, \
+            stalled(f"filling turn {i}", t, pair, timing)
+    yield
+
+
+# ---- memory pressure ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(900)
+def test_retained_blocks_do_not_starve_new_requests(ops: Ops, prompts: PromptFactory) -> None:
+    """D's KV full of retained turns: a new request is served within the window
+    (D gives up retained blocks) and its output is correct."""
+    pair, bs = ops.pair(), ops.pd.block_size
+    with filled(pair, prompts, bs, ops.timing):
+        t = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
+    assert t.d is not None and t.d.ok, stalled("the request after the fill", t, pair, ops.timing)
+    assert t.d.token_ids == reference(pair.prefill, t.prompt, GEN)
+
+
+@pytest.mark.timeout(900)
+def test_queued_request_has_a_bound_and_a_clear_error(ops: Ops, prompts: PromptFactory) -> None:
+    """Memory pinned by retained turns (the emulator: ``--retained-blocks pin``): a
+    request D cannot admit is answered within the window, served or with an error
+    that names why; it never waits unboundedly."""
+    bound = str(ops.timing.window / 2)
+    pair, bs = ops.pair("--retained-blocks", "pin", "--max-waiting-seconds", bound), \
+        ops.pd.block_size
+    with filled(pair, prompts, bs, ops.timing):
+        t = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
+    r = t.answered
+    assert r.status != 0, stalled("the queued request", t, pair, ops.timing)
+    if not r.ok:
+        assert r.status in (429, 503), f"a bounded wait ends in 429/503, got {r.status}"
+        assert r.error and "wait" in r.error.lower(), f"the error must say why: {r.error}"
+    else:
+        assert r.token_ids == reference(pair.prefill, t.prompt, GEN)
+
+
+def _ask(url: str, prompt: list[int], timeout: float) -> tuple[int, list[int], str]:
+    """One request through the router without a conversation id."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": GEN, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            out: dict[str, Any] = json.loads(resp.read())
+        return resp.status, [int(x) for x in out["choices"][0]["token_ids"]], ""
+    except urllib.error.HTTPError as exc:
+        return exc.code, [], exc.read().decode(errors="replace")[:300]
+    except OSError as exc:
+        return 0, [], f"no answer within {timeout:g} s: {exc!r}"
+
+
+@pytest.mark.timeout(900)
+def test_burst_without_conversation_ids_is_served(ops: Ops, prompts: PromptFactory) -> None:
+    """Through our router, turns without a conversation id (nothing is stored, so no
+    one will continue them): three times D's capacity in a row, each answered within
+    the window and correct, and D's KV is not left pinned until the TTL."""
+    pair, bs, timing = ops.pair(), ops.pd.block_size, ops.timing
+    drained(pair, timing.ttl + 30)
+    p, d = pair.prefill.node, pair.decode.node
+    extra = ["--cache-ttl", str(cache_ttl_below_retention(timing.ttl, margin=5.0)),
+             "--decoder-kv-blocks-ttl", str(timing.ttl), "--block-size", str(bs)]
+    if not ops.pd.streams_params:
+        extra += ["--decode-stream", "never"]
+    router = start_router_process(ops.pd.run_dir, [(p.host, p.port)], [(d.host, d.port)],
+                                  extra, name=f"router-ops-{ops.pd.name}", timeout=120,
+                                  ready_path="/health")
+    try:
+        done = []
+        for i in range(3 * FILL_TURNS):
+            prompt = prompts.prompt(_fill_tokens(bs))
+            status, ids, err = _ask(router.url, prompt, timing.window)
+            assert status == 200, (f"burst turn {i}: HTTP {status} {err}; D's queue "
+                                   f"{queue_state(pair.decode)}")
+            done.append((prompt, ids))
+        wait_for(lambda: blocks_in_use(pair) <= 1, timing.window,
+                 "D to free the burst's blocks (before its TTL)", interval=0.5)
+    finally:
+        router.proc.stop()
+    wrong = [i for i, (prompt, ids) in enumerate(done)
+             if ids != reference(pair.prefill, prompt, GEN)]
+    assert not wrong, f"burst turns {wrong} differ from recompute"
+
+
+# ---- restarts with the same engine id --------------------------------------------------
+
+
+@pytest.mark.timeout(900)
+def test_d_restarted_next_turn_misses_and_reuse_resumes(ops: Ops,
+                                                        prompts: PromptFactory) -> None:
+    """D restarts (same engine id and ports): the next turn of a conversation is a
+    clean miss with correct output (P's policy ``recompute``), and the turn after
+    pulls from the new D again, P not restarted."""
+    pair, bs, timing = ops.pair(), ops.pd.block_size, ops.timing
+    drained(pair, timing.ttl + 30)
+    t0 = turn(pair, prompts.prompt(bs + 100), timing.window)
+    assert t0.d is not None and t0.d.ok and t0.d.params is not None, \
+        stalled("turn 1", t0, pair, timing)
+    # turn 2 makes P read from D, so P knows D (handshake) before D restarts
+    t1 = turn(pair, [*t0.sequence, *prompts.tokens(bs)], timing.window, t0.d.params)
+    assert t1.d is not None and t1.d.ok and t1.d.params is not None, \
+        stalled("turn 2", t1, pair, timing)
+    pair.restart("decode")
+    t2 = turn(pair, [*t1.sequence, *prompts.tokens(bs)], timing.window, t1.d.params)
+    assert t2.d is not None and t2.d.ok and t2.d.params is not None, \
+        stalled("the turn after D's restart", t2, pair, timing)
+    assert t2.d.token_ids == reference(pair.prefill, t2.prompt, GEN)
+    before = pair.prefill.metrics()
+    t3 = turn(pair, [*t2.sequence, *prompts.tokens(50)], timing.window, t2.d.params)
+    ev = evidence(pair.prefill.metrics() - before)
+    assert t3.d is not None and t3.d.ok, stalled("the second turn after", t3, pair, timing)
+    assert ev.pulled, f"P did not pull from the restarted D: {ev}"
+    assert t3.d.token_ids == reference(pair.prefill, t3.prompt, GEN)
+
+
+@pytest.mark.timeout(900)
+def test_p_restarted_new_and_existing_conversations_served(ops: Ops,
+                                                           prompts: PromptFactory) -> None:
+    """P restarts (same engine id and ports, new process and NIXL agent): new
+    conversations and the next turn of an existing one are served correctly, and D
+    pulls from the new P again, D not restarted. One failed read per peer is
+    allowed (a 0.32 dict cannot say P restarted; policy ``recompute`` makes it a miss)."""
+    pair, bs, timing = ops.pair(), ops.pd.block_size, ops.timing
+    drained(pair, timing.ttl + 30)
+    t1 = turn(pair, prompts.prompt(bs + 100), timing.window)
+    assert t1.d is not None and t1.d.ok and t1.d.params is not None, \
+        stalled("turn 1", t1, pair, timing)
+    pair.restart("prefill")
+    for i in range(2):
+        before = pair.decode.metrics()
+        fresh = turn(pair, prompts.prompt(bs + 100), timing.window)
+        ev = evidence(pair.decode.metrics() - before)
+        assert fresh.d is not None and fresh.d.ok, \
+            stalled(f"new conversation {i} after P's restart", fresh, pair, timing)
+        assert fresh.d.token_ids == reference(pair.prefill, fresh.prompt, GEN)
+        assert i == 0 or ev.pulled, f"D did not pull the new conversation from the new P: {ev}"
+    before = pair.decode.metrics()
+    t2 = turn(pair, [*t1.sequence, *prompts.tokens(50)], timing.window, t1.d.params)
+    ev = evidence(pair.decode.metrics() - before)
+    assert t2.d is not None and t2.d.ok, \
+        stalled("the existing conversation after P's restart", t2, pair, timing)
+    assert t2.d.token_ids == reference(pair.prefill, t2.prompt, GEN)
+    assert ev.pulled, f"D did not pull from the restarted P: {ev}"
