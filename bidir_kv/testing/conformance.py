@@ -23,7 +23,8 @@ import pytest
 
 from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.testing import matrix
-from bidir_kv.testing.backends import PDBackend, PromptFactory, start_backend
+from bidir_kv.testing.backend_start import start_backend
+from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.exemptions import exemption_for
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import start_router_process

@@ -197,13 +197,14 @@ def _by_url(config: pytest.Config, p_url: str, d_url: str) -> HwDeployment:
 
 
 def _vllm_cpu(run_dir: Path) -> HwDeployment:
-    from bidir_kv.testing.backends import BACKEND_CONFIG, TOKEN_HI, TOKEN_LO, _specs
+    from bidir_kv.testing.backend_start import pd_spec
+    from bidir_kv.testing.backends import BACKEND_CONFIG, TOKEN_HI, TOKEN_LO
     from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology, unavailable_reason
 
     reason = unavailable_reason()
     if reason:
         raise BackendUnavailable(reason)
-    spec = _specs(BACKEND_CONFIG)
+    spec = pd_spec(BACKEND_CONFIG)
     spec = replace(spec, prefill=replace(spec.prefill, enable_prefix_caching=False))  # cold P
     opts = VllmCpuOptions(log_dir=run_dir / "vllm-cpu", dtype="float32")
     topo = VllmCpuTopology(spec, opts).start()

