@@ -12,11 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from bidir_kv.connector.wire import LEASE_CONFIG_KEY
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_KV_LEASE_DURATION,
     DEFAULT_RECOMPUTE_THRESHOLD,
     threshold_enabled,
+    valid_conversation_lease,
     valid_lease_duration,
     valid_retention_ttl,
 )
@@ -139,6 +141,12 @@ class KVTransferConfig:
                 f"kv_connector_extra_config.kv_lease_duration: must be >= 6 s "
                 f"(heartbeats every duration // 6), got {lease}"
             )
+        conv_lease = extra.get(LEASE_CONFIG_KEY)
+        if conv_lease is not None and not valid_conversation_lease(conv_lease):
+            raise ConfigError(
+                f"kv_connector_extra_config.{LEASE_CONFIG_KEY}: must be a positive number "
+                f"of seconds, got {conv_lease!r}"
+            )
         engine_id = obj.get("engine_id") or str(uuid.uuid4())
         if not isinstance(engine_id, str):
             raise ConfigError(f"engine_id: expected a string, got {engine_id!r}")
@@ -159,6 +167,12 @@ class KVTransferConfig:
             extra={k: v for k, v in extra.items() if k not in _TYPED_EXTRA},
             top_level={k: v for k, v in obj.items() if k not in _TYPED_TOP},
         )
+
+    @property
+    def conversation_lease(self) -> float | None:
+        """D's renewable idle lease (``bidir_kv_lease_seconds``), advertised in its dict."""
+        value = self.extra.get(LEASE_CONFIG_KEY)
+        return None if value is None else float(value)
 
     def to_dict(self) -> dict[str, Any]:
         extra = dict(self.extra)

@@ -22,7 +22,14 @@ from bidir_kv.connector.rules import (
     positional_remote_blocks,
 )
 from bidir_kv.connector.versions import check_vllm_version
-from bidir_kv.connector.wire import CHAIN_KEY, HeldTokens
+from bidir_kv.connector.wire import (
+    CHAIN_KEY,
+    LEASE_CONFIG_KEY,
+    LEASE_KEY,
+    HeldTokens,
+    lease_to_wire,
+)
+from bidir_kv.policy import valid_conversation_lease
 
 VLLM_RELEASE = check_vllm_version(vllm.__version__)
 
@@ -59,6 +66,11 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         kv = vllm_config.kv_transfer_config
         self._verify = bool(kv.get_from_extra_config(VERIFY_KEY, True))
+        lease = kv.get_from_extra_config(LEASE_CONFIG_KEY, None)
+        if lease is not None and not valid_conversation_lease(lease):
+            raise ValueError(f"kv_connector_extra_config.{LEASE_CONFIG_KEY} must be a "
+                             f"positive number of seconds, got {lease!r}")
+        self._lease: float | None = None if lease is None else float(lease)
         self._hits: dict[str, int] = {}  # request id -> P's local hit behind a claimed load
 
     def get_num_new_matched_tokens(
@@ -98,6 +110,8 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
             n = int(out.get("remote_num_tokens") or 0)
             held = HeldTokens.of(list(request.all_token_ids[:n]), self.block_size)
             out[CHAIN_KEY] = held.to_wire()
+            if self._lease is not None:  # the router frees these blocks once idle
+                out[LEASE_KEY] = lease_to_wire(self._lease)
         return delay, out
 
     @staticmethod

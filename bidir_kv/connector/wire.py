@@ -16,12 +16,46 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bidir_kv.policy import block_hashes, tail_hash
+from bidir_kv.policy import block_hashes, tail_hash, valid_conversation_lease
 
-__all__ = ["CHAIN_KEY", "CHAIN_VERSION", "HeldTokens"]
+__all__ = [
+    "CHAIN_KEY",
+    "CHAIN_VERSION",
+    "LEASE_CONFIG_KEY",
+    "LEASE_KEY",
+    "LEASE_VERSION",
+    "HeldTokens",
+    "lease_of",
+    "lease_to_wire",
+]
 
 CHAIN_KEY = "bidir_kv_chain"
 CHAIN_VERSION = 1  # bump when the value's shape or hash changes
+
+# The renewable lease (docs/connector.md §6): D configured with
+# ``kv_connector_extra_config.bidir_kv_lease_seconds`` advertises it in its dict as
+# ``"bidir_kv_lease": {"v": 1, "idle_seconds": N}``, so a router knows to keep the
+# conversation alive and free D's blocks (notify-only) once it goes idle. P ignores it.
+LEASE_CONFIG_KEY = "bidir_kv_lease_seconds"
+LEASE_KEY = "bidir_kv_lease"
+LEASE_VERSION = 1
+
+
+def lease_to_wire(idle_seconds: float) -> dict[str, Any]:
+    """The value D adds under :data:`LEASE_KEY`."""
+    return {"v": LEASE_VERSION, "idle_seconds": float(idle_seconds)}
+
+
+def lease_of(params: Mapping[str, Any]) -> float | None:
+    """The idle lease D advertised in a params dict; ``None`` when absent, of another
+    version or not a positive number (the router then keeps the fixed TTL)."""
+    obj = params.get(LEASE_KEY)
+    if not isinstance(obj, Mapping) or obj.get("v") != LEASE_VERSION:
+        return None
+    idle = obj.get("idle_seconds")
+    if isinstance(idle, int | float) and valid_conversation_lease(idle):
+        return float(idle)
+    return None
 
 
 @dataclass(frozen=True)

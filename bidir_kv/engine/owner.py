@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from bidir_kv.connector.wire import LEASE_KEY, lease_to_wire
 from bidir_kv.engine import notifications
 from bidir_kv.engine.connector import ConnectorWorker
 from bidir_kv.engine.faults import Faults
@@ -110,6 +111,8 @@ class HandleOwner:
         fields["transfer_mode"] = "pull"
         if prefill:
             fields["remote_prefill_cached_tokens"] = req.cached_tokens
+        elif self.kv.conversation_lease is not None:  # as our vLLM connector's D does
+            fields[LEASE_KEY] = lease_to_wire(self.kv.conversation_lease)
         return KVTransferParams.build(**fields)
 
     # ---- claims ------------------------------------------------------------------------

@@ -21,6 +21,11 @@ from bidir_kv.policy.cache_entry import (
     scaled_cache_ttl,
     stale_cutoff,
 )
+from bidir_kv.policy.conversation_lease import (
+    lease_deadline,
+    lease_expired,
+    valid_conversation_lease,
+)
 from bidir_kv.policy.guard import (
     ROOT_HASH,
     block_hashes,
@@ -88,6 +93,8 @@ __all__ = [
     "entry_is_stale",
     "heartbeat_extension",
     "heartbeat_interval",
+    "lease_deadline",
+    "lease_expired",
     "least_loaded",
     "local_deadline",
     "max_prefix_hit_blocks",
@@ -107,6 +114,7 @@ __all__ = [
     "tail_hash",
     "target_block_range",
     "threshold_enabled",
+    "valid_conversation_lease",
     "valid_lease_duration",
     "valid_retention_ttl",
     "verified_continuation",

@@ -7,6 +7,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from bidir_kv.router.conversations import ConversationRoutes, LeaseSweeper
 from bidir_kv.router.failures import error_response
 from bidir_kv.router.flow import RouterFlow
 from bidir_kv.router.metrics import RouterMetrics
@@ -34,6 +35,7 @@ def build_app(
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_route)
     app.router.add_get("/v1/models", router.models)
+    ConversationRoutes(router.store, router.metrics).add_to(app)
     return app
 
 
@@ -52,6 +54,7 @@ class _RouterApp:
         )
         self.metrics = RouterMetrics()
         self.checker: HealthChecker | None = None
+        self.sweeper = LeaseSweeper(self.store, self.metrics, settings.lease_sweep_interval)
 
     async def on_startup(self, app: web.Application) -> None:
         # Idle upstream connections are dropped before uvicorn's (and vLLM's) 5 s
@@ -67,6 +70,7 @@ class _RouterApp:
         self.checker = HealthChecker([self.prefill, self.decode], session,
                                      self.settings.health_interval)
         self.checker.start()
+        self.sweeper.start()
         log.info(
             "bidir-kv proxy: prefill %s, decode %s, store %s, cache TTL %.0fs, decode stream %s",
             [node.id for node in self.prefill.nodes], [node.id for node in self.decode.nodes],
@@ -74,6 +78,7 @@ class _RouterApp:
         )
 
     async def on_cleanup(self, app: web.Application) -> None:
+        await self.sweeper.stop()
         if self.checker is not None:
             await self.checker.stop()
         await app[FLOW_KEY].releaser.close()

@@ -9,7 +9,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from bidir_kv.policy import cache_ttl_within_retention
+from bidir_kv.policy import cache_ttl_within_retention, valid_conversation_lease
 from bidir_kv.router.settings import DECODE_STREAM_MODES, LOG_LEVELS, RouterSettings
 
 __all__ = ["build_parser", "main", "settings_from_args"]
@@ -84,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=d.workers,
                    help="router processes sharing the listen port (SO_REUSEPORT); above 1 "
                    f"needs a redis:// --store (default {d.workers})")
+    p.add_argument("--conversation-lease", type=float, default=d.conversation_lease,
+                   metavar="SECONDS",
+                   help="renewable lease: free a stored turn's blocks on D once its "
+                   "conversation saw no turn or keep-alive for this long (default: the "
+                   "lease D advertises, bidir_kv_lease_seconds; none: --cache-ttl only)")
+    p.add_argument("--lease-sweep-interval", type=float, default=d.lease_sweep_interval,
+                   help="seconds between checks for idle leases, 0: off "
+                   f"(default {d.lease_sweep_interval:g})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, type=str.lower,
                    help=f"log level (default {d.log_level})")
     return p
@@ -136,6 +144,14 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--workers {args.workers} needs a shared store: the memory store lives in one "
             "process, so a turn landing on another worker would find nothing; use "
             "--store redis://...")
+    if args.conversation_lease is not None and not valid_conversation_lease(
+            args.conversation_lease):
+        raise ValueError(
+            f"--conversation-lease must be a positive number of seconds, got "
+            f"{args.conversation_lease:g}")
+    if args.lease_sweep_interval < 0:
+        raise ValueError(
+            f"--lease-sweep-interval must be >= 0, got {args.lease_sweep_interval:g}")
     if not is_store_spec(args.store):
         raise ValueError(f"--store must be 'memory' or a redis:// URL, got {args.store!r}")
 
@@ -168,6 +184,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         release_concurrency=args.release_concurrency,
         max_pending_releases=args.max_pending_releases,
         workers=args.workers,
+        conversation_lease=args.conversation_lease,
+        lease_sweep_interval=args.lease_sweep_interval,
     )
 
 

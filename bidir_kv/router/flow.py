@@ -81,7 +81,8 @@ class RouterFlow:
         self.prefill_leg = PrefillLeg(prefill, session, settings, metrics)
         self.releaser = Releaser(prefill, decode, session, settings, metrics)
         store.on_evict = self._evicted  # evicted entries free D's blocks
-        self.memo = TurnMemo(store, metrics, settings.guard, self.releaser, decode.hold)
+        self.memo = TurnMemo(store, metrics, settings.guard, self.releaser, decode.hold,
+                             lease=settings.conversation_lease)
         self.decode_leg = DecodeLeg(decode, session, settings, metrics, self.memo.release)
         api_key = os.environ.get("OPENAI_API_KEY")
         self._api_auth = f"Bearer {api_key}" if api_key else None

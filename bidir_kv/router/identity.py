@@ -20,6 +20,7 @@ __all__ = [
     "cache_salt_for",
     "conversation_key",
     "log_safe",
+    "path_conversation_key",
     "tenant_digest",
 ]
 
@@ -107,3 +108,13 @@ def conversation_key(
         if value is not None:
             return ConversationKey(tenant=tenant, conversation_id=value, source=source)
     return None
+
+
+def path_conversation_key(conversation_id: str, headers: Mapping[str, str]) -> ConversationKey:
+    """The key of ``/v1/conversations/{id}`` for the caller's tenant (the same
+    ``Authorization`` that sent its turns); :class:`IdentityError` for a bad id."""
+    value = _check_id(conversation_id, "the conversation id in the path")
+    if value is None:
+        raise IdentityError("the conversation id in the path is empty")
+    return ConversationKey(tenant=tenant_digest(headers.get("Authorization")),
+                           conversation_id=value, source="path")

@@ -13,6 +13,7 @@ import logging
 from array import array
 from collections.abc import Callable
 
+from bidir_kv.connector.wire import lease_of
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.router.failures import UpstreamFailure
 from bidir_kv.router.metrics import RouterMetrics
@@ -32,9 +33,10 @@ class TurnMemo:
 
     def __init__(
         self, store: ConversationStore, metrics: RouterMetrics, guard: bool, releaser: Releaser,
-        hold: Callable[[str, str], None],
+        hold: Callable[[str, str], None], lease: float | None = None,
     ) -> None:
         self.store = store
+        self.lease = lease  # --conversation-lease; None: what D advertises
         self.hold = hold  # count the stored turn as work its D holds (placement)
         self.metrics = metrics
         self.guard = guard
@@ -88,6 +90,7 @@ class TurnMemo:
             created=self.store.now(),
             tokens=_packed(tokens),
             model=model if isinstance(model, str) else None,
+            lease=self.lease if self.lease is not None else lease_of(params.extra),
         )
         try:
             await self.store.put(turn.key.storage_key, entry)

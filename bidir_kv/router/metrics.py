@@ -88,6 +88,21 @@ class RouterMetrics:
             p + "release_failures", "Releases of D's blocks not sent or refused", ["cause"],
             registry=r,
         )
+        self.keepalives = Counter(
+            p + "conversation_keepalives",
+            "Keep-alive requests (POST /v1/conversations/{id}/keepalive)",
+            ["outcome"],  # renewed, no_lease, not_found
+            registry=r,
+        )
+        self.closes = Counter(
+            p + "conversation_closes",
+            "Close requests (DELETE /v1/conversations/{id})", ["outcome"],  # closed, not_found
+            registry=r,
+        )
+        self.lease_expiries = Counter(
+            p + "lease_expiries", "Stored turns dropped because their lease went idle",
+            registry=r,
+        )
         self.cached = Gauge(p + "cached_conversations", "Live store entries", registry=r)
 
     def render(self) -> bytes:

@@ -10,7 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from bidir_kv.router.store.base import ConversationStore, Entry, EvictionHook, StoreError, Taken
+from bidir_kv.router.store.base import (
+    ConversationStore,
+    Entry,
+    EvictionHook,
+    Renewal,
+    StoreError,
+    Taken,
+)
 from bidir_kv.router.store.memory import MemoryStore
 from bidir_kv.router.store.redis import RedisStore
 
@@ -21,6 +28,7 @@ __all__ = [
     "EvictionHook",
     "MemoryStore",
     "RedisStore",
+    "Renewal",
     "StoreError",
     "Taken",
     "is_store_spec",

@@ -21,7 +21,7 @@ import msgpack
 from bidir_kv.policy import entry_age, entry_is_stale
 from bidir_kv.protocol import KVTransferParams
 
-__all__ = ["ConversationStore", "Entry", "EvictionHook", "StoreError", "Taken"]
+__all__ = ["ConversationStore", "Entry", "EvictionHook", "Renewal", "StoreError", "Taken"]
 
 _FORMAT: Final = 1
 
@@ -47,6 +47,7 @@ class Entry:
     created: float
     tokens: Sequence[int] | None = None
     model: str | None = None  # the turn's ``model``, for a release of an evicted entry
+    lease: float | None = None  # idle seconds (renewable lease); None: fixed TTL only
 
     def to_bytes(self) -> bytes:
         toks = None
@@ -62,6 +63,7 @@ class Entry:
                 "t": self.created,
                 "tok": toks,
                 "m": self.model,
+                "l": self.lease,
             },
             use_bin_type=True,
         )
@@ -85,6 +87,7 @@ class Entry:
                 created=float(obj["t"]),
                 tokens=tokens,
                 model=obj["m"] if isinstance(obj.get("m"), str) else None,
+                lease=float(obj["l"]) if isinstance(obj.get("l"), int | float) else None,
             )
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
             raise StoreError(f"unreadable conversation entry: {exc}") from None
@@ -101,6 +104,15 @@ class Taken:
     entry: Entry | None
     stale: bool = False
     age: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    """A keep-alive's outcome for a known, fresh entry: its lease (``None``: the entry
+    has none, only the fixed TTL) and the new deadline (wall-clock seconds)."""
+
+    lease: float | None
+    deadline: float | None
 
 
 class ConversationStore(abc.ABC):
@@ -162,6 +174,26 @@ class ConversationStore(abc.ABC):
     @abc.abstractmethod
     async def sweep(self) -> int:
         """Drop stale entries; return how many."""
+
+    # ---- the renewable lease (policy.conversation_lease) ----------------------------
+
+    @abc.abstractmethod
+    async def renew(self, key: str) -> Renewal | None:
+        """Keep-alive: push a leased entry's deadline to now + its lease; ``None`` when
+        there is no fresh entry for ``key`` (unknown, taken, closed, expired, stale)."""
+
+    @abc.abstractmethod
+    async def expire_leases(self) -> int:
+        """Drop entries whose lease has passed (reported as ``lease_expired``); how many."""
+
+    async def end(self, key: str) -> bool:
+        """Close a conversation: drop its entry now (reported as ``closed``, so D's
+        blocks are freed); False when there was none."""
+        entry = await self._pop(key)
+        if entry is None:
+            return False
+        self._evicted([entry], "closed")
+        return True
 
     async def ping(self) -> None:  # noqa: B027 - optional hook, nothing to check in memory
         """Raise :class:`StoreError` when the store is unreachable."""

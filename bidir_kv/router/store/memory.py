@@ -6,31 +6,56 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from bidir_kv.policy import entry_is_stale
-from bidir_kv.router.store.base import ConversationStore, Entry
+from bidir_kv.policy import entry_is_stale, lease_deadline, lease_expired
+from bidir_kv.router.store.base import ConversationStore, Entry, Renewal
 
 __all__ = ["MemoryStore"]
 
 
 class MemoryStore(ConversationStore):
-    """A dict in creation order (entries are single use, so that is LRU order)."""
+    """A dict in creation order (entries are single use, so that is LRU order), plus
+    the lease deadlines of leased entries."""
 
     kind = "memory"
 
     def __init__(self, ttl: float, max_entries: int, now: Callable[[], float] = time.time):
         super().__init__(ttl, max_entries, now)
         self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._deadlines: dict[str, float] = {}
 
-    async def _pop(self, key: str) -> Entry | None:
+    def _remove(self, key: str) -> Entry | None:
+        self._deadlines.pop(key, None)
         return self._entries.pop(key, None)
 
+    async def _pop(self, key: str) -> Entry | None:
+        return self._remove(key)
+
     async def put(self, key: str, entry: Entry) -> None:
-        self._evicted([self._entries.pop(key, None)], "replaced")
+        self._evicted([self._remove(key)], "replaced")
         self._entries[key] = entry
+        if entry.lease is not None:
+            self._deadlines[key] = lease_deadline(entry.created, entry.lease)
         while len(self._entries) > self.max_entries:
-            _, old = self._entries.popitem(last=False)
+            old_key = next(iter(self._entries))
+            old = self._remove(old_key)
             self.evicted_lru += 1
             self._evicted([old], "evicted")
+
+    async def renew(self, key: str) -> Renewal | None:
+        entry = self._entries.get(key)
+        now = self.now()
+        if entry is None or entry_is_stale(entry.created, now, self.ttl):
+            return None
+        if entry.lease is None:
+            return Renewal(None, None)
+        deadline = self._deadlines[key] = lease_deadline(now, entry.lease)
+        return Renewal(entry.lease, deadline)
+
+    async def expire_leases(self) -> int:
+        now = self.now()
+        gone = [key for key, deadline in self._deadlines.items() if lease_expired(deadline, now)]
+        self._evicted([self._remove(key) for key in gone], "lease_expired")
+        return len(gone)
 
     async def size(self) -> int:
         now = self.now()
@@ -47,6 +72,6 @@ class MemoryStore(ConversationStore):
             for key, entry in self._entries.items()
             if entry_is_stale(entry.created, now, self.ttl)
         ]
-        self._evicted([self._entries.pop(key) for key in stale], "stale")
+        self._evicted([self._remove(key) for key in stale], "stale")
         self.evicted_stale += len(stale)
         return len(stale)

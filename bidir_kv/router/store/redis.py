@@ -9,10 +9,36 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-from bidir_kv.policy import stale_cutoff
-from bidir_kv.router.store.base import ConversationStore, Entry, StoreError
+from bidir_kv.policy import lease_deadline, stale_cutoff
+from bidir_kv.router.store.base import ConversationStore, Entry, Renewal, StoreError
 
 __all__ = ["RedisStore"]
+
+# Keep-alive, atomic: a fresh entry (index score = creation time >= cutoff) with a
+# lease gets deadline = now + idle (policy.lease_deadline; ZADD XX never re-adds a
+# taken entry). Returns false: no fresh entry; "": no lease; else the idle seconds.
+_RENEW = """
+local created = redis.call('ZSCORE', KEYS[2], KEYS[1])
+if (not created) or tonumber(created) < tonumber(ARGV[2]) then return false end
+local idle = redis.call('HGET', KEYS[4], KEYS[1])
+if not idle then return '' end
+redis.call('ZADD', KEYS[3], 'XX', tonumber(ARGV[1]) + tonumber(idle), KEYS[1])
+return idle
+"""
+# Lease expiry, atomic against keep-alives and takes: every entry whose deadline is
+# <= now (policy.lease_expired) is removed and its record returned.
+_EXPIRE = """
+local names = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local out = {}
+for _, name in ipairs(names) do
+  local raw = redis.call('GETDEL', name)
+  redis.call('ZREM', KEYS[1], name)
+  redis.call('ZREM', KEYS[2], name)
+  redis.call('HDEL', KEYS[3], name)
+  if raw then table.insert(out, raw) end
+end
+return out
+"""
 
 
 class RedisStore(ConversationStore):
@@ -43,6 +69,8 @@ class RedisStore(ConversationStore):
         self.url = url
         self.prefix = prefix
         self._index = f"{prefix}index"
+        self._leases = f"{prefix}lease"  # sorted set: entry name -> lease deadline
+        self._idle = f"{prefix}leaseidle"  # hash: entry name -> idle seconds
         # Bounded and blocking: a request beyond ``max_connections`` waits (up to
         # ``wait_timeout``) for a free connection; redis-py's default pool raises
         # "Too many connections" past 100 instead.
@@ -70,9 +98,15 @@ class RedisStore(ConversationStore):
         name = self._key(key)
         pipe = self._redis.pipeline(transaction=True)
         pipe.getdel(name)
-        pipe.zrem(self._index, name)
-        raw, _ = await self._run("GETDEL", pipe.execute())
+        self._forget(pipe, [name])
+        raw, *_ = await self._run("GETDEL", pipe.execute())
         return None if raw is None else Entry.from_bytes(raw)
+
+    def _forget(self, pipe: Any, names: list[Any]) -> None:
+        """Queue removal of ``names`` from the creation index and the lease tables."""
+        pipe.zrem(self._index, *names)
+        pipe.zrem(self._leases, *names)
+        pipe.hdel(self._idle, *names)
 
     async def put(self, key: str, entry: Entry) -> None:
         name = self._key(key)
@@ -81,8 +115,14 @@ class RedisStore(ConversationStore):
         # reported, so its blocks on D are released
         pipe.set(name, entry.to_bytes(), px=int((self.ttl + self.GRACE) * 1000), get=True)
         pipe.zadd(self._index, {name: entry.created})
+        if entry.lease is not None:
+            pipe.zadd(self._leases, {name: lease_deadline(entry.created, entry.lease)})
+            pipe.hset(self._idle, name, repr(entry.lease))
+        else:
+            pipe.zrem(self._leases, name)
+            pipe.hdel(self._idle, name)
         pipe.zcard(self._index)
-        old, _, count = await self._run("SET", pipe.execute())
+        old, *_, count = await self._run("SET", pipe.execute())
         self._evicted(self._decode([old]), "replaced")
         excess = int(count) - self.max_entries
         if excess > 0:
@@ -97,7 +137,8 @@ class RedisStore(ConversationStore):
         pipe = self._redis.pipeline(transaction=True)
         for name in names:
             pipe.getdel(name)
-        return list(await self._run("GETDEL", pipe.execute()))
+        self._forget(pipe, names)
+        return list(await self._run("GETDEL", pipe.execute()))[: len(names)]
 
     @staticmethod
     def _decode(raws: list[Any]) -> list[Entry | None]:
@@ -127,11 +168,29 @@ class RedisStore(ConversationStore):
         pipe = self._redis.pipeline(transaction=True)
         for name in names:
             pipe.getdel(name)
-        pipe.zrem(self._index, *names)
-        *raws, _ = await self._run("sweep", pipe.execute())
+        self._forget(pipe, names)
+        raws = (await self._run("sweep", pipe.execute()))[: len(names)]
         self.evicted_stale += len(names)
         self._evicted(self._decode(raws), "stale")
         return len(names)
+
+    async def renew(self, key: str) -> Renewal | None:
+        now = self.now()
+        idle = await self._run("keep-alive", self._redis.eval(
+            _RENEW, 4, self._key(key), self._index, self._leases, self._idle,
+            repr(now), repr(stale_cutoff(now, self.ttl))))
+        if idle is None:
+            return None
+        if idle in (b"", ""):
+            return Renewal(None, None)
+        lease = float(idle)
+        return Renewal(lease, lease_deadline(now, lease))
+
+    async def expire_leases(self) -> int:
+        raws = await self._run("lease expiry", self._redis.eval(
+            _EXPIRE, 3, self._leases, self._index, self._idle, repr(self.now())))
+        self._evicted(self._decode(list(raws or [])), "lease_expired")
+        return len(raws or [])
 
     async def close(self) -> None:
         await self._redis.aclose()
