@@ -217,6 +217,11 @@ def _output_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lease"]:  # the renewable lease against the fixed TTL (docs/connector.md)
+        from bidir_kv.bench.lease import main as lease_main
+
+        return lease_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.check_client:
         cap = measure_capacity(clients=max(2, args.num_clients))
