@@ -39,7 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
     NixlPullConnectorScheduler,
 )
 
-__all__ = ["VERIFY_KEY", "VLLM_RELEASE", "BidirKVConnector", "BidirKVScheduler"]
+__all__ = ["VERIFY_KEY", "VLLM_RELEASE", "BidirKVConnector", "BidirKVScheduler",
+           "lease_from_config"]
 
 VERIFY_KEY = "bidir_kv_verify_continuation"  # kv_connector_extra_config; default True
 # A child of vLLM's "vllm" logger, so our lines get vLLM's handler, format and level
@@ -58,6 +59,15 @@ _WHY = {
 }
 
 
+def lease_from_config(kv: Any) -> float | None:
+    """D's renewable lease from vLLM's ``KVTransferConfig`` (``None``: not configured)."""
+    lease = kv.get_from_extra_config(LEASE_CONFIG_KEY, None)
+    if lease is not None and not valid_conversation_lease(lease):
+        raise ValueError(f"kv_connector_extra_config.{LEASE_CONFIG_KEY} must be a "
+                         f"positive number of seconds, got {lease!r}")
+    return None if lease is None else float(lease)
+
+
 class BidirKVScheduler(NixlPullConnectorScheduler):
     """P's D->P read decided by :func:`bidir_kv.connector.rules.plan_pull`; D's
     params carry its token chain."""
@@ -66,11 +76,7 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         kv = vllm_config.kv_transfer_config
         self._verify = bool(kv.get_from_extra_config(VERIFY_KEY, True))
-        lease = kv.get_from_extra_config(LEASE_CONFIG_KEY, None)
-        if lease is not None and not valid_conversation_lease(lease):
-            raise ValueError(f"kv_connector_extra_config.{LEASE_CONFIG_KEY} must be a "
-                             f"positive number of seconds, got {lease!r}")
-        self._lease: float | None = None if lease is None else float(lease)
+        self._lease = lease_from_config(kv)
         self._hits: dict[str, int] = {}  # request id -> P's local hit behind a claimed load
 
     def get_num_new_matched_tokens(

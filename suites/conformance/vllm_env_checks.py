@@ -132,6 +132,42 @@ def vllm_suffix_trim_pairs_cut_lists_by_position() -> None:
     assert list(ours_pair[0]) == [102, 103], ours_pair
 
 
+@check
+def d_advertises_the_renewable_lease() -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorScheduler
+
+    from bidir_kv.connector.nixl import lease_from_config
+    from bidir_kv.connector.wire import CHAIN_KEY, LEASE_KEY, lease_of
+
+    def cfg(**extra: Any) -> Any:
+        return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer",
+                                kv_connector_extra_config=extra)
+
+    assert lease_from_config(cfg(bidir_kv_lease_seconds=30)) == 30.0
+    assert lease_from_config(cfg()) is None
+    try:
+        lease_from_config(cfg(bidir_kv_lease_seconds=-1))
+        raise AssertionError("a negative lease was accepted")
+    except ValueError:
+        pass
+    # D's request_finished: vLLM's dict plus our chain and lease (vLLM's own method stubbed
+    # to D's answer: it needs a running engine)
+    stock = NixlPullConnectorScheduler.request_finished
+    d_dict = {"do_remote_decode": True, "remote_num_tokens": len(HELD)}
+    NixlPullConnectorScheduler.request_finished = lambda self, r, b: (True, dict(d_dict))
+    try:
+        _, ours = _schedulers(_lease=30.0)
+        req = _request(HELD, {})
+        _, out = ours.request_finished(req, [[1]])
+        assert out is not None and lease_of(out) == 30.0 and CHAIN_KEY in out, out
+        _, ours_off = _schedulers(_lease=None)
+        _, out = ours_off.request_finished(req, [[1]])
+        assert out is not None and LEASE_KEY not in out, out
+    finally:
+        NixlPullConnectorScheduler.request_finished = stock
+
+
 def main() -> int:
     results: dict[str, str] = {}
     for name, fn in CHECKS.items():

@@ -40,6 +40,9 @@ def test_upstream_flags_and_defaults() -> None:
         (["--held-weight", "-1"], "--held-weight must be >= 0"),
         (["--release-concurrency", "0"], "--release-concurrency must be positive"),
         (["--max-pending-releases", "-1"], "--max-pending-releases must be >= 0"),
+        (["--conversation-lease", "0"], "--conversation-lease must be a positive number"),
+        (["--conversation-lease", "inf"], "--conversation-lease must be a positive number"),
+        (["--lease-sweep-interval", "-1"], "--lease-sweep-interval must be >= 0"),
     ],
 )
 def test_bad_combinations_are_refused_with_a_clear_message(argv: list[str], message: str,
@@ -63,3 +66,11 @@ def test_placement_and_release_bounds_are_flags_defaulting_to_the_settings() -> 
                  "--max-pending-releases", "16", "--workers", "3", "--store", "redis://h:1/0")
     assert (s.held_weight, s.release_concurrency, s.max_pending_releases, s.workers) == \
         (0.5, 8, 16, 3)
+
+
+def test_lease_flags_default_to_the_settings() -> None:
+    d, r = settings(), RouterSettings()
+    assert (d.conversation_lease, d.lease_sweep_interval) == \
+        (r.conversation_lease, r.lease_sweep_interval) == (None, 0.5)
+    s = settings("--conversation-lease", "30", "--lease-sweep-interval", "0")
+    assert (s.conversation_lease, s.lease_sweep_interval) == (30.0, 0.0)
