@@ -33,7 +33,7 @@ from typing import Any
 
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.connector.wire import LEASE_CONFIG_KEY
-from bidir_kv.policy import scaled_cache_ttl
+from bidir_kv.policy import scaled_cache_ttl, valid_conversation_lease
 from bidir_kv.router.settings import UPSTREAM_CACHE_TTL
 
 __all__ = ["LeaseWorkload", "LegResult", "main", "plan_conversations", "run_leg"]
@@ -280,9 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     w = LeaseWorkload(**{k: v for k, v in vars(args).items() if k != "out"})
-    if w.turns < 2 or w.conversations < 1 or w.lease <= 0 or w.ttl <= w.lease:
-        print("bidir-kv bench lease: need --turns >= 2, --conversations >= 1 and "
-              "0 < --lease < --ttl", flush=True)
+    if w.turns < 2 or w.conversations < 1 or not valid_conversation_lease(w.lease):
+        print("bidir-kv bench lease: need --turns >= 2, --conversations >= 1 and a "
+              "positive --lease", flush=True)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     fixed = run_leg(w, False, args.out)

@@ -88,6 +88,11 @@ class RouterMetrics:
             p + "release_failures", "Releases of D's blocks not sent or refused", ["cause"],
             registry=r,
         )
+        self._add_conversation_metrics(p, r)
+        self.cached = Gauge(p + "cached_conversations", "Live store entries", registry=r)
+
+    def _add_conversation_metrics(self, p: str, r: CollectorRegistry) -> None:
+        """The renewable lease's routes and sweep (docs/router.md "Conversation lease")."""
         self.keepalives = Counter(
             p + "conversation_keepalives",
             "Keep-alive requests (POST /v1/conversations/{id}/keepalive)",
@@ -103,7 +108,6 @@ class RouterMetrics:
             p + "lease_expiries", "Stored turns dropped because their lease went idle",
             registry=r,
         )
-        self.cached = Gauge(p + "cached_conversations", "Live store entries", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

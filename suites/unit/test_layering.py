@@ -34,6 +34,8 @@ RULE_EXEMPTIONS: dict[str, str] = {
     "staleness is judged by policy, the key only outlives it by a grace",
     "1.1 * args.decoder_kv_blocks_ttl + 1.0": "bench workload: a think time chosen "
     "beyond D's TTL to generate expired turns; traffic, not a decision",
+    "w.ttl + 10": "bench lease: how long D is still sampled after the clients end "
+    "(D's TTL and a margin); a measurement window, not a decision",
     "work.held_tokens(work.turns) * ttl": "planner: token-seconds of memory a "
     "conversation occupies; a quantity, not a decision",
 }
