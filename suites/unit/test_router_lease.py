@@ -163,3 +163,19 @@ def test_keepalive_without_a_lease_is_409() -> None:
             assert st == 409 and "--conversation-lease" in ans["error"]["message"]
             assert counter(s.flow, "conversation_keepalives", outcome="no_lease") == 1
     run(go)
+
+
+def test_engine_config_key() -> None:
+    """The emulated engine takes our connector's key (and refuses a bad value)."""
+    from bidir_kv.config import ConfigError, KVTransferConfig
+
+    def cfg(**extra: Any) -> KVTransferConfig:
+        return KVTransferConfig.from_dict({"kv_connector_extra_config": extra})
+
+    assert cfg(bidir_kv_lease_seconds=30).conversation_lease == 30.0
+    assert cfg().conversation_lease is None
+    assert cfg(bidir_kv_lease_seconds=2).to_dict()["kv_connector_extra_config"][
+        "bidir_kv_lease_seconds"] == 2  # passed on verbatim to a vLLM launched with it
+    for bad in (0, -1, "30", True):
+        with pytest.raises(ConfigError, match="bidir_kv_lease_seconds"):
+            cfg(bidir_kv_lease_seconds=bad)
