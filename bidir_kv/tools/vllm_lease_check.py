@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.scrape import scrape
 from bidir_kv.testing.backends import _REPO, CONNECTOR_MODULE, BackendConfig
 from bidir_kv.topology.base import EngineSpec, TopologySpec
@@ -29,6 +30,7 @@ from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
 
 LEASE = 5.0
 D_TTL = 600.0  # the hard cap; the router's --cache-ttl is below it
+KEEP_FOR = 6.0  # seconds C is kept alive after its turn: longer than the lease
 
 
 class Check:
@@ -103,7 +105,7 @@ def scenario(c: Check) -> None:
         return c.counter("lease_expiries") >= 1
 
     took = wait(keep_c, "B's lease to expire")
-    while time.monotonic() - start <= LEASE + 1:
+    while time.monotonic() - start <= KEEP_FOR:
         keep_c()
         time.sleep(0.5)
     age = time.monotonic() - start
@@ -131,7 +133,7 @@ def main() -> int:
                 "--port", str(port), "--prefiller-hosts", p.host, "--prefiller-ports",
                 str(p.port), "--decoder-hosts", d.host, "--decoder-ports", str(d.port),
                 "--decode-stream", "never", "--decoder-kv-blocks-ttl", str(D_TTL),
-                "--cache-ttl", str(D_TTL - 40), "--block-size", "128",
+                "--cache-ttl", str(cache_ttl_below_retention(D_TTL, 40)), "--block-size", "128",
                 "--lease-sweep-interval", "0.2"]
         log_dir.mkdir(parents=True, exist_ok=True)
         with Path(log_dir / "router.log").open("wb") as log:
