@@ -38,6 +38,7 @@ __all__ = [
     "KVContent",
     "Tokenizer",
     "content_text",
+    "fingerprints",
     "next_token",
     "render_chat",
 ]
@@ -74,6 +75,19 @@ _SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIALS))
 _PIECE_RE = re.compile(r" [a-z]+|[^ ]+| ")
 
 
+_PIECE_CACHE_SIZE = 1 << 16  # distinct pieces remembered (bounded memory)
+_PIECE_CACHE_MAX_LEN = 64  # longer pieces (rare runs of bytes) are not remembered
+_PIECE_IDS: dict[str, tuple[int, ...]] = {}
+
+
+def _piece_ids(piece: str) -> tuple[int, ...]:
+    """Ids of one regex piece: a known pseudo-word, else its UTF-8 bytes."""
+    wid = _WORD_ID.get(piece[1:]) if piece[0] == " " and len(piece) > 1 else None
+    if wid is not None:
+        return (wid,)
+    return tuple(BYTE_BASE + b for b in piece.encode("utf-8"))
+
+
 class ChatTemplateError(ValueError):
     """A ``messages`` list the template cannot render; the message names the problem."""
 
@@ -98,12 +112,15 @@ class Tokenizer:
 
     @staticmethod
     def _encode_plain(text: str, out: list[int]) -> None:
+        # memoized per piece: prompts repeat their words, a 24k-token history many times
+        cache = _PIECE_IDS
         for piece in _PIECE_RE.findall(text):
-            wid = _WORD_ID.get(piece[1:]) if piece[0] == " " and len(piece) > 1 else None
-            if wid is not None:
-                out.append(wid)
-            else:
-                out.extend(BYTE_BASE + b for b in piece.encode("utf-8"))
+            ids = cache.get(piece)
+            if ids is None:
+                ids = _piece_ids(piece)
+                if len(piece) <= _PIECE_CACHE_MAX_LEN and len(cache) < _PIECE_CACHE_SIZE:
+                    cache[piece] = ids
+            out.extend(ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         buf = bytearray()
@@ -205,7 +222,8 @@ class KVContent:
         self._pow = np.ones(1, dtype=np.uint64)
         self._inv = np.ones(1, dtype=np.uint64)
         self._layer_salt = _mix64(np.arange(1, num_layers + 1, dtype=np.uint64) * _GOLD)
-        self._word_salt = np.arange(1, self._words + 1, dtype=np.uint64) * _GOLD
+        # odd multipliers: word w of a slot is seed * m_w, a bijection of the seed
+        self._word_mult = _mix64(np.arange(1, self._words + 1, dtype=np.uint64) * _GOLD) | 1
 
     def _powers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         if len(self._pow) < n + 1:
@@ -231,9 +249,34 @@ class KVContent:
     def slots(self, hashes: np.ndarray) -> np.ndarray:
         """Slot bytes, shape ``(n, num_layers, bytes_per_layer_slot)`` uint8."""
         seeds = _mix64(hashes[:, None] ^ self._layer_salt[None, :])
-        words = _mix64(seeds[:, :, None] + self._word_salt[None, None, :])
+        words = seeds[:, :, None] * self._word_mult[None, None, :]
         raw = words.view(np.uint8).reshape(len(hashes), self.num_layers, self._words * 8)
         return raw[:, :, : self.bytes_per_layer_slot]
+
+
+_FP_WEIGHTS: dict[int, np.ndarray] = {}
+
+
+def fingerprints(rows: np.ndarray) -> np.ndarray:
+    """One uint64 per row of KV bytes (shape ``(k, nbytes)`` uint8): ``sum_i w_i * x_i``.
+
+    Why this primitive: the next token must depend on every byte a pull delivered,
+    but a cryptographic hash over a 24k-token history costs more CPU than the
+    prefill it stands for. The rows are read as 8-byte words ``x_i`` (zero-padded)
+    and weighted by fixed odd ``w_i``, so a change in any one word always changes
+    the sum (mod 2**64) and a row of other tokens' KV collides with chance 2**-64:
+    one vectorised pass, as sensitive to a wrong pull as the hash was.
+    """
+    k, nbytes = rows.shape
+    pad = -nbytes % 8
+    if pad:
+        rows = np.concatenate([rows, np.zeros((k, pad), dtype=np.uint8)], axis=1)
+    words = np.ascontiguousarray(rows).view(np.uint64)
+    n = words.shape[1]
+    w = _FP_WEIGHTS.get(n)
+    if w is None:
+        w = _FP_WEIGHTS[n] = _mix64(np.arange(1, n + 1, dtype=np.uint64) * _GOLD) | np.uint64(1)
+    return np.asarray(words @ w, dtype=np.uint64)
 
 
 def next_token(seq_digest: bytes, last_token: int, allow_eos: bool) -> int:
