@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,8 @@ _PIECE_RE = re.compile(r" [a-z]+|[^ ]+| ")
 _PIECE_CACHE_SIZE = 1 << 16  # distinct pieces remembered (bounded memory)
 _PIECE_CACHE_MAX_LEN = 64  # longer pieces (rare runs of bytes) are not remembered
 _PIECE_IDS: dict[str, tuple[int, ...]] = {}
+_RECENT_TEXTS_SIZE = 4  # whole texts remembered (insertion order; the oldest goes first)
+_RECENT_TEXTS: dict[tuple[str, bool], tuple[int, ...]] = {}
 
 
 def _piece_ids(piece: str) -> tuple[int, ...]:
@@ -100,7 +103,14 @@ class Tokenizer:
     eos_token_id = EOS
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; special-token strings map to their ids."""
+        """Token ids of ``text``; special-token strings map to their ids.
+
+        The last few texts are remembered: a router's ``/tokenize`` of a prompt is
+        followed by the same prompt's completion request."""
+        key = (text, add_special_tokens)
+        known = _RECENT_TEXTS.get(key)
+        if known is not None:
+            return list(known)
         out: list[int] = [BOS] if add_special_tokens else []
         pos = 0
         for m in _SPECIAL_RE.finditer(text):
@@ -108,19 +118,27 @@ class Tokenizer:
             out.append(SPECIALS.index(m.group()))
             pos = m.end()
         self._encode_plain(text[pos:], out)
+        _RECENT_TEXTS[key] = tuple(out)
+        while len(_RECENT_TEXTS) > _RECENT_TEXTS_SIZE:
+            del _RECENT_TEXTS[next(iter(_RECENT_TEXTS))]
         return out
 
     @staticmethod
     def _encode_plain(text: str, out: list[int]) -> None:
         # memoized per piece: prompts repeat their words, a 24k-token history many times
-        cache = _PIECE_IDS
-        for piece in _PIECE_RE.findall(text):
-            ids = cache.get(piece)
-            if ids is None:
-                ids = _piece_ids(piece)
-                if len(piece) <= _PIECE_CACHE_MAX_LEN and len(cache) < _PIECE_CACHE_SIZE:
-                    cache[piece] = ids
-            out.extend(ids)
+        pieces = _PIECE_RE.findall(text)
+        found = list(map(_PIECE_IDS.get, pieces))  # one C-level pass; None: not seen yet
+        at = 0
+        while True:
+            try:
+                at = found.index(None, at)
+            except ValueError:
+                break
+            piece = pieces[at]
+            found[at] = ids = _piece_ids(piece)
+            if len(piece) <= _PIECE_CACHE_MAX_LEN and len(_PIECE_IDS) < _PIECE_CACHE_SIZE:
+                _PIECE_IDS[piece] = ids
+        out.extend(chain.from_iterable(found))  # type: ignore[arg-type]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         buf = bytearray()

@@ -1,4 +1,5 @@
-"""The emulated model's sampling digest sees every KV byte, however the slots were filled.
+"""The emulated model's sampling digest sees every KV byte, however the slots were filled;
+the chain memo reuses earlier turns' block hashes without changing one.
 
 Why: a wrong pull (KV of other tokens or positions) must change the output. The digest
 streams one fingerprint per block (``model.fingerprints``) instead of hashing every byte,
@@ -12,11 +13,13 @@ import random
 
 import numpy as np
 
+from bidir_kv.engine.chains import ChainMemo
 from bidir_kv.engine.compute import ModelRunner
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.model import fingerprints
 from bidir_kv.engine.request import Request
 from bidir_kv.engine.transport.base import KVPool
+from bidir_kv.policy import ROOT_HASH, block_hashes
 
 BS, LAYERS, SLOT_BYTES = 4, 2, 16
 
@@ -87,3 +90,21 @@ def test_one_wrong_byte_anywhere_changes_the_token() -> None:
         changed += runner.sample(req) != want
     # a token is one of ~760 words: a changed digest keeps the same word ~1/760 of the time
     assert changed >= 38
+
+
+def test_chain_memo_gives_exactly_block_hashes() -> None:
+    rng = random.Random(9)
+    memo = ChainMemo(BS, size=4)
+    history = [rng.randrange(1024) for _ in range(50)]
+    memo.remember(history, block_hashes(history, BS), ROOT_HASH)
+    cases = [
+        history + [rng.randrange(1024) for _ in range(30)],  # the next turn
+        [*history[:22], 7, *history[23:]],  # differs inside block 5
+        history[:13],  # shorter than what is remembered
+        [history[0] ^ 1, *history[1:]],  # differs in the first token
+        [rng.randrange(1024) for _ in range(40)],  # unrelated
+    ]
+    for tokens in cases:
+        assert memo.chain(tokens, ROOT_HASH) == block_hashes(tokens, BS)
+        salted = b"s" * 16
+        assert memo.chain(tokens, salted) == block_hashes(tokens, BS, salted)
