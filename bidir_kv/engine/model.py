@@ -20,7 +20,7 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -79,8 +79,16 @@ _PIECE_RE = re.compile(r" [a-z]+|[^ ]+| ")
 _PIECE_CACHE_SIZE = 1 << 16  # distinct pieces remembered (bounded memory)
 _PIECE_CACHE_MAX_LEN = 64  # longer pieces (rare runs of bytes) are not remembered
 _PIECE_IDS: dict[str, tuple[int, ...]] = {}
-_RECENT_TEXTS_SIZE = 4  # whole texts remembered (insertion order; the oldest goes first)
-_RECENT_TEXTS: dict[tuple[str, bool], tuple[int, ...]] = {}
+_RECENT_TEXTS_SIZE = 16  # whole texts remembered (insertion order; the oldest goes first)
+
+
+class _Encoded(NamedTuple):
+    ids: tuple[int, ...]
+    head: str  # the text up to the end of its last special token ("" if none)
+    head_ids: int  # how many of ids encode head
+
+
+_RECENT_TEXTS: dict[tuple[str, bool], _Encoded] = {}
 
 
 def _piece_ids(piece: str) -> tuple[int, ...]:
@@ -105,23 +113,38 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings map to their ids.
 
-        The last few texts are remembered: a router's ``/tokenize`` of a prompt is
-        followed by the same prompt's completion request."""
-        key = (text, add_special_tokens)
-        known = _RECENT_TEXTS.get(key)
+        Recent texts are remembered: a router's ``/tokenize`` of a prompt is followed
+        by the same prompt's request, and a next turn repeats the previous prompt up
+        to a special token, where plain text is split anyway (only the rest is
+        encoded)."""
+        known = _RECENT_TEXTS.get((text, add_special_tokens))
         if known is not None:
-            return list(known)
-        out: list[int] = [BOS] if add_special_tokens else []
-        pos = 0
-        for m in _SPECIAL_RE.finditer(text):
+            return list(known.ids)
+        head = self._known_head(text, add_special_tokens)
+        out = list(head.ids[: head.head_ids]) if head else [BOS] if add_special_tokens else []
+        pos = len(head.head) if head else 0
+        cut, cut_ids = pos, len(out)
+        for m in _SPECIAL_RE.finditer(text, pos):
             self._encode_plain(text[pos : m.start()], out)
             out.append(SPECIALS.index(m.group()))
-            pos = m.end()
+            pos = cut = m.end()
+            cut_ids = len(out)
         self._encode_plain(text[pos:], out)
-        _RECENT_TEXTS[key] = tuple(out)
+        _RECENT_TEXTS[(text, add_special_tokens)] = _Encoded(tuple(out), text[:cut], cut_ids)
         while len(_RECENT_TEXTS) > _RECENT_TEXTS_SIZE:
             del _RECENT_TEXTS[next(iter(_RECENT_TEXTS))]
         return out
+
+    @staticmethod
+    def _known_head(text: str, add_special_tokens: bool) -> _Encoded | None:
+        """The remembered text whose head (up to its last special token) is longest
+        among those ``text`` starts with."""
+        best = None
+        for (_, special), enc in _RECENT_TEXTS.items():
+            longer = best is None or len(enc.head) > len(best.head)
+            if special == add_special_tokens and enc.head and longer and text.startswith(enc.head):
+                best = enc
+        return best
 
     @staticmethod
     def _encode_plain(text: str, out: list[int]) -> None:

@@ -234,3 +234,25 @@ def test_memoized_encoding_matches_a_fresh_one() -> None:
     assert Tokenizer().encode(text) == fresh
     assert Tokenizer().encode(text) == fresh  # from the text memo
     assert Tokenizer().encode(text, add_special_tokens=False) == fresh[1:]
+
+
+def test_next_turn_encoded_from_the_previous_head_matches_a_fresh_encoding() -> None:
+    rng = random.Random(6)
+    words = [" " + w for w in WORDS[:50]] + [" suri", "é", "<|im", "|>", "  "]
+    msgs: list[dict[str, str]] = []
+    texts = []
+    for turn in range(5):
+        content = "x" + "".join(rng.choice(words) for _ in range(60))  # "x" joins the header
+        msgs.append({"role": "user" if turn % 2 == 0 else "assistant", "content": content})
+        texts.append(render_chat(msgs))
+    texts.append(texts[-1] + " " + WORDS[0])  # ends inside a word ...
+    texts.append(texts[-1] + WORDS[1])  # ... that the next text continues
+    texts.append(texts[-1][:40] + "x" + texts[-1][41:])  # differs inside the remembered head
+    model._RECENT_TEXTS.clear()
+    incremental = [Tokenizer().encode(t, special) for t in texts for special in (False, True)]
+    fresh = []
+    for t in texts:
+        for special in (False, True):
+            model._RECENT_TEXTS.clear()
+            fresh.append(Tokenizer().encode(t, special))
+    assert incremental == fresh
