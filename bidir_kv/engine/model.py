@@ -235,6 +235,7 @@ _M64 = (1 << 64) - 1
 _P = 0x9E3779B97F4A7C15  # odd, hence invertible mod 2**64
 _PINV = pow(_P, -1, 1 << 64)
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
+_SHORT_RUN = 8  # slots hashed in plain Python (cheaper than numpy below this)
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -280,8 +281,13 @@ class KVContent:
     def prefix_hashes(self, tokens: Sequence[int], prev_hash: int) -> np.ndarray:
         """Hashes of the slots holding ``tokens``, given the hash of the slot before."""
         n = len(tokens)
-        if n == 0:
-            return np.zeros(0, dtype=np.uint64)
+        if n <= _SHORT_RUN:  # a decode step: h_i = h_(i-1) * P + t_i + 1, no numpy set-up
+            out = np.empty(n, dtype=np.uint64)
+            h = prev_hash & _M64
+            for i, t in enumerate(tokens):
+                h = (h * _P + t + 1) & _M64
+                out[i] = h
+            return out
         pw, inv = self._powers(n)
         u = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
         acc = np.cumsum(u * inv[:n], dtype=np.uint64)

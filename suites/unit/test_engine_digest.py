@@ -16,7 +16,7 @@ import numpy as np
 from bidir_kv.engine.chains import ChainMemo
 from bidir_kv.engine.compute import ModelRunner
 from bidir_kv.engine.kvcache import BlockManager
-from bidir_kv.engine.model import fingerprints
+from bidir_kv.engine.model import KVContent, fingerprints
 from bidir_kv.engine.request import Request
 from bidir_kv.engine.transport.base import KVPool
 from bidir_kv.policy import ROOT_HASH, block_hashes
@@ -108,3 +108,17 @@ def test_chain_memo_gives_exactly_block_hashes() -> None:
         assert memo.chain(tokens, ROOT_HASH) == block_hashes(tokens, BS)
         salted = b"s" * 16
         assert memo.chain(tokens, salted) == block_hashes(tokens, BS, salted)
+
+
+def test_short_runs_hash_like_long_ones() -> None:
+    """Decode steps hash one slot in plain Python; the result is the vectorised one."""
+    kv = KVContent(num_layers=2, bytes_per_layer_slot=16)
+    rng = random.Random(2)
+    toks = [rng.randrange(1024) for _ in range(100)]
+    whole = kv.prefix_hashes(toks, 12345)
+    h, parts = 12345, []
+    for i in range(0, 100, 3):
+        part = kv.prefix_hashes(toks[i : i + 3], h)
+        parts.append(part)
+        h = int(part[-1])
+    assert np.array_equal(np.concatenate(parts), whole)
