@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
 from typing import Any, NamedTuple
@@ -289,7 +290,8 @@ class KVContent:
                 out[i] = h
             return out
         pw, inv = self._powers(n)
-        u = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
+        # array("Q") converts a list of ints about 4x faster than np.asarray
+        u = np.frombuffer(array("Q", tokens), dtype=np.uint64) + np.uint64(1)
         acc = np.cumsum(u * inv[:n], dtype=np.uint64)
         return pw[:n] * acc + np.uint64(prev_hash & _M64) * pw[1 : n + 1]
 
