@@ -8,8 +8,6 @@ up in the output. Shared by the step loop (compute, sample) and the reader
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
 from bidir_kv.engine.kvcache import BlockManager
@@ -66,21 +64,25 @@ class ModelRunner:
             req.num_cached_blocks += 1
 
     def sample(self, req: Request) -> int:
-        """Next token from the KV bytes of slots ``[0, num_computed)``."""
+        """Next token from the KV bytes of slots ``[0, num_computed)``.
+
+        The digest streams one fingerprint per full block (``model.fingerprints``) in
+        block-table order, then the partial last block's, so it is the same however
+        the slots were reached (one prefill, chunks, a pull, decode steps)."""
         bs = self.block_size
         n = req.num_computed
         full = n // bs
         if req.num_digested_blocks > full:
-            req.kv_digest, req.num_digested_blocks = b"", 0
-        while req.num_digested_blocks < full:
-            d = hashlib.blake2b(req.kv_digest, digest_size=16)
-            d.update(self.blocks.block_bytes(req.blocks[req.num_digested_blocks]))
-            req.kv_digest = d.digest()
-            req.num_digested_blocks += 1
+            req.reset_kv_digest()
+        if req.num_digested_blocks < full:
+            blocks = req.blocks[req.num_digested_blocks : full]
+            req.kv_digest.update(self.blocks.fingerprints(blocks).astype("<u8").tobytes())
+            req.num_digested_blocks = full
+        d = req.kv_digest.copy()
         tail = n - full * bs
-        d = hashlib.blake2b(req.kv_digest, digest_size=16)
         if tail:
-            d.update(self.blocks.block_bytes(req.blocks[full], tail))
+            fp = self.blocks.tail_fingerprint(req.blocks[full], tail)
+            d.update(tail.to_bytes(4, "little") + fp.to_bytes(8, "little"))
         return next_token(d.digest(), req.tokens[n - 1], allow_eos=not req.ignore_eos)
 
     def mismatched_blocks(self, req: Request, start: int, end: int) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from bidir_kv.engine.model import fingerprints
 from bidir_kv.engine.transport.base import KVPool
 
 __all__ = ["BlockManager", "NoFreeBlocks"]
@@ -165,3 +166,22 @@ class BlockManager:
         if valid_slots is None or valid_slots >= self.block_size:
             return self.pool.data[block].tobytes()
         return np.ascontiguousarray(self.view[block, :, :valid_slots, :]).tobytes()
+
+    def fingerprints(self, blocks: Sequence[int]) -> np.ndarray:
+        """``model.fingerprints`` of whole blocks, one uint64 each, in ``blocks`` order.
+
+        Runs of consecutive ids (the usual block table) are read in place; a
+        scattered table is gathered into one copy first."""
+        ids = np.asarray(blocks, dtype=np.intp)
+        cuts = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
+        if len(cuts) * 16 > len(ids):
+            return fingerprints(self.pool.data[ids])
+        bounds = zip([0, *cuts], [*cuts, len(ids)], strict=True)
+        data = self.pool.data
+        parts = [fingerprints(data[ids[a] : ids[a] + b - a]) for a, b in bounds]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+
+    def tail_fingerprint(self, block: int, valid_slots: int) -> int:
+        """``model.fingerprints`` of the first ``valid_slots`` slots (all layers) of ``block``."""
+        rows = np.ascontiguousarray(self.view[block, :, :valid_slots, :]).reshape(1, -1)
+        return int(fingerprints(rows)[0])

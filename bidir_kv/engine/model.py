@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from itertools import chain
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,6 +40,7 @@ __all__ = [
     "KVContent",
     "Tokenizer",
     "content_text",
+    "fingerprints",
     "next_token",
     "render_chat",
 ]
@@ -74,6 +77,29 @@ _SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIALS))
 _PIECE_RE = re.compile(r" [a-z]+|[^ ]+| ")
 
 
+_PIECE_CACHE_SIZE = 1 << 16  # distinct pieces remembered (bounded memory)
+_PIECE_CACHE_MAX_LEN = 64  # longer pieces (rare runs of bytes) are not remembered
+_PIECE_IDS: dict[str, tuple[int, ...]] = {}
+_RECENT_TEXTS_SIZE = 16  # whole texts remembered (insertion order; the oldest goes first)
+
+
+class _Encoded(NamedTuple):
+    ids: tuple[int, ...]
+    head: str  # the text up to the end of its last special token ("" if none)
+    head_ids: int  # how many of ids encode head
+
+
+_RECENT_TEXTS: dict[tuple[str, bool], _Encoded] = {}
+
+
+def _piece_ids(piece: str) -> tuple[int, ...]:
+    """Ids of one regex piece: a known pseudo-word, else its UTF-8 bytes."""
+    wid = _WORD_ID.get(piece[1:]) if piece[0] == " " and len(piece) > 1 else None
+    if wid is not None:
+        return (wid,)
+    return tuple(BYTE_BASE + b for b in piece.encode("utf-8"))
+
+
 class ChatTemplateError(ValueError):
     """A ``messages`` list the template cannot render; the message names the problem."""
 
@@ -86,24 +112,57 @@ class Tokenizer:
     eos_token_id = EOS
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; special-token strings map to their ids."""
-        out: list[int] = [BOS] if add_special_tokens else []
-        pos = 0
-        for m in _SPECIAL_RE.finditer(text):
+        """Token ids of ``text``; special-token strings map to their ids.
+
+        Recent texts are remembered: a router's ``/tokenize`` of a prompt is followed
+        by the same prompt's request, and a next turn repeats the previous prompt up
+        to a special token, where plain text is split anyway (only the rest is
+        encoded)."""
+        known = _RECENT_TEXTS.get((text, add_special_tokens))
+        if known is not None:
+            return list(known.ids)
+        head = self._known_head(text, add_special_tokens)
+        out = list(head.ids[: head.head_ids]) if head else [BOS] if add_special_tokens else []
+        pos = len(head.head) if head else 0
+        cut, cut_ids = pos, len(out)
+        for m in _SPECIAL_RE.finditer(text, pos):
             self._encode_plain(text[pos : m.start()], out)
             out.append(SPECIALS.index(m.group()))
-            pos = m.end()
+            pos = cut = m.end()
+            cut_ids = len(out)
         self._encode_plain(text[pos:], out)
+        _RECENT_TEXTS[(text, add_special_tokens)] = _Encoded(tuple(out), text[:cut], cut_ids)
+        while len(_RECENT_TEXTS) > _RECENT_TEXTS_SIZE:
+            del _RECENT_TEXTS[next(iter(_RECENT_TEXTS))]
         return out
 
     @staticmethod
+    def _known_head(text: str, add_special_tokens: bool) -> _Encoded | None:
+        """The remembered text whose head (up to its last special token) is longest
+        among those ``text`` starts with."""
+        best = None
+        for (_, special), enc in _RECENT_TEXTS.items():
+            longer = best is None or len(enc.head) > len(best.head)
+            if special == add_special_tokens and enc.head and longer and text.startswith(enc.head):
+                best = enc
+        return best
+
+    @staticmethod
     def _encode_plain(text: str, out: list[int]) -> None:
-        for piece in _PIECE_RE.findall(text):
-            wid = _WORD_ID.get(piece[1:]) if piece[0] == " " and len(piece) > 1 else None
-            if wid is not None:
-                out.append(wid)
-            else:
-                out.extend(BYTE_BASE + b for b in piece.encode("utf-8"))
+        # memoized per piece: prompts repeat their words, a 24k-token history many times
+        pieces = _PIECE_RE.findall(text)
+        found = list(map(_PIECE_IDS.get, pieces))  # one C-level pass; None: not seen yet
+        at = 0
+        while True:
+            try:
+                at = found.index(None, at)
+            except ValueError:
+                break
+            piece = pieces[at]
+            found[at] = ids = _piece_ids(piece)
+            if len(piece) <= _PIECE_CACHE_MAX_LEN and len(_PIECE_IDS) < _PIECE_CACHE_SIZE:
+                _PIECE_IDS[piece] = ids
+        out.extend(chain.from_iterable(found))  # type: ignore[arg-type]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         buf = bytearray()
@@ -177,6 +236,7 @@ _M64 = (1 << 64) - 1
 _P = 0x9E3779B97F4A7C15  # odd, hence invertible mod 2**64
 _PINV = pow(_P, -1, 1 << 64)
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
+_SHORT_RUN = 8  # slots hashed in plain Python (cheaper than numpy below this)
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -205,7 +265,8 @@ class KVContent:
         self._pow = np.ones(1, dtype=np.uint64)
         self._inv = np.ones(1, dtype=np.uint64)
         self._layer_salt = _mix64(np.arange(1, num_layers + 1, dtype=np.uint64) * _GOLD)
-        self._word_salt = np.arange(1, self._words + 1, dtype=np.uint64) * _GOLD
+        # odd multipliers: word w of a slot is seed * m_w, a bijection of the seed
+        self._word_mult = _mix64(np.arange(1, self._words + 1, dtype=np.uint64) * _GOLD) | 1
 
     def _powers(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         if len(self._pow) < n + 1:
@@ -221,19 +282,50 @@ class KVContent:
     def prefix_hashes(self, tokens: Sequence[int], prev_hash: int) -> np.ndarray:
         """Hashes of the slots holding ``tokens``, given the hash of the slot before."""
         n = len(tokens)
-        if n == 0:
-            return np.zeros(0, dtype=np.uint64)
+        if n <= _SHORT_RUN:  # a decode step: h_i = h_(i-1) * P + t_i + 1, no numpy set-up
+            out = np.empty(n, dtype=np.uint64)
+            h = prev_hash & _M64
+            for i, t in enumerate(tokens):
+                h = (h * _P + t + 1) & _M64
+                out[i] = h
+            return out
         pw, inv = self._powers(n)
-        u = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
+        # array("Q") converts a list of ints about 4x faster than np.asarray
+        u = np.frombuffer(array("Q", tokens), dtype=np.uint64) + np.uint64(1)
         acc = np.cumsum(u * inv[:n], dtype=np.uint64)
         return pw[:n] * acc + np.uint64(prev_hash & _M64) * pw[1 : n + 1]
 
     def slots(self, hashes: np.ndarray) -> np.ndarray:
         """Slot bytes, shape ``(n, num_layers, bytes_per_layer_slot)`` uint8."""
         seeds = _mix64(hashes[:, None] ^ self._layer_salt[None, :])
-        words = _mix64(seeds[:, :, None] + self._word_salt[None, None, :])
+        words = seeds[:, :, None] * self._word_mult[None, None, :]
         raw = words.view(np.uint8).reshape(len(hashes), self.num_layers, self._words * 8)
         return raw[:, :, : self.bytes_per_layer_slot]
+
+
+_FP_WEIGHTS: dict[int, np.ndarray] = {}
+
+
+def fingerprints(rows: np.ndarray) -> np.ndarray:
+    """One uint64 per row of KV bytes (shape ``(k, nbytes)`` uint8): ``sum_i w_i * x_i``.
+
+    Why this primitive: the next token must depend on every byte a pull delivered,
+    but a cryptographic hash over a 24k-token history costs more CPU than the
+    prefill it stands for. The rows are read as 8-byte words ``x_i`` (zero-padded)
+    and weighted by fixed odd ``w_i``, so a change in any one word always changes
+    the sum (mod 2**64) and a row of other tokens' KV collides with chance 2**-64:
+    one vectorised pass, as sensitive to a wrong pull as the hash was.
+    """
+    k, nbytes = rows.shape
+    pad = -nbytes % 8
+    if pad:
+        rows = np.concatenate([rows, np.zeros((k, pad), dtype=np.uint8)], axis=1)
+    words = np.ascontiguousarray(rows).view(np.uint64)
+    n = words.shape[1]
+    w = _FP_WEIGHTS.get(n)
+    if w is None:
+        w = _FP_WEIGHTS[n] = _mix64(np.arange(1, n + 1, dtype=np.uint64) * _GOLD) | np.uint64(1)
+    return np.asarray(words @ w, dtype=np.uint64)
 
 
 def next_token(seq_digest: bytes, last_token: int, allow_eos: bool) -> int:

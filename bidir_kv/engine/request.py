@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +56,8 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
     slot_hash_pos: int = 0  # slots [0, pos) are folded into slot_hash
     slot_hash: int = 0
-    kv_digest: bytes = b""  # digest of the KV bytes of the first num_digested_blocks
+    # blake2b over the fingerprints of the first num_digested_blocks (compute.sample)
+    kv_digest: Any = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
     num_digested_blocks: int = 0
     events: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -76,6 +78,10 @@ class Request:
     def reset_slot_hashes(self) -> None:
         """Forget the running slot hash (recomputed lazily from the start)."""
         self.slot_hash_pos, self.slot_hash = 0, 0
+
+    def reset_kv_digest(self) -> None:
+        """Forget the digest of the KV bytes (recomputed lazily from the first block)."""
+        self.kv_digest, self.num_digested_blocks = hashlib.blake2b(digest_size=16), 0
 
     def usage_cached_tokens(self) -> int:
         """``usage.prompt_tokens_details.cached_tokens``: on D, P's own count."""

@@ -128,14 +128,10 @@ class Routes:
         except ChatTemplateError as exc:
             return _json_error(400, str(exc), "BadRequestError")
         strs = self.tok.token_strs(tokens) if body.get("return_token_strs") is True else None
-        return web.json_response(
-            {
-                "count": len(tokens),
-                "max_model_len": self.core.settings.max_model_len,
-                "tokens": tokens,
-                "token_strs": strs,
-            }
-        )
+        # compact, as vLLM's JSON responses: a 24k-token prompt is ~5 % less to write
+        body = {"count": len(tokens), "max_model_len": self.core.settings.max_model_len,
+                "tokens": tokens, "token_strs": strs}  # fmt: skip
+        return web.json_response(body, dumps=_compact_json)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -244,7 +240,7 @@ class Routes:
         await req.done.wait()
         if req.error is not None:
             return _request_failed(req.error)
-        return web.json_response(self._final_body(req, pr, public_id))
+        return web.json_response(self._final_body(req, pr, public_id), dumps=_compact_json)
 
     def _final_body(self, req: Request, pr: ParsedRequest, public_id: str) -> dict[str, Any]:
         text = req.text.final
@@ -381,6 +377,10 @@ def _token_choice(
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _compact_json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 def build_app(routes: Routes) -> web.Application:

@@ -22,6 +22,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 
+from bidir_kv.engine.chains import ChainMemo
 from bidir_kv.engine.compute import ModelRunner
 from bidir_kv.engine.kvcache import BlockManager, NoFreeBlocks
 from bidir_kv.engine.metrics import EngineMetrics
@@ -31,7 +32,7 @@ from bidir_kv.engine.reader import PullReader
 from bidir_kv.engine.request import Request, RequestError
 from bidir_kv.engine.sampling import Vocab
 from bidir_kv.engine.settings import EngineSettings
-from bidir_kv.policy import block_hashes, blocks_for_tokens, max_prefix_hit_blocks
+from bidir_kv.policy import blocks_for_tokens, max_prefix_hit_blocks
 
 __all__ = ["StepLoop"]
 
@@ -66,6 +67,7 @@ class StepLoop:
         self.num_steps = 0  # steps that computed tokens (vllm:iteration_tokens_total count)
         self._received: list[Callable[[], None]] = []  # pulls over, taken at the next step
         self.heartbeat = time.perf_counter()  # last time the loop made progress
+        self.chains = ChainMemo(settings.block_size)  # prompt chains reuse earlier turns'
 
     # ---- submission ----------------------------------------------------------------
 
@@ -98,7 +100,7 @@ class StepLoop:
                 f"{self.blocks.num_usable_blocks} (--kv-capacity-tokens)",
             )
         req.tokens = list(req.prompt)
-        req.block_chain = block_hashes(req.prompt, self.settings.block_size, req.chain_root)
+        req.block_chain = self.chains.chain(req.prompt, req.chain_root)
         self.waiting.append(req)
         self.metrics.waiting.labels(**self.metrics.labels).set(len(self.waiting))
         self.wake.set()
@@ -340,6 +342,7 @@ class StepLoop:
             req.text.finish()
         self.metrics.inc(self.metrics.request_success, finished_reason=reason)
         self.metrics.e2e.labels(**self.metrics.labels).observe(time.perf_counter() - req.arrival)
+        self.chains.remember(req.tokens, req.block_chain, req.chain_root)
         if state_before == "waiting" or not req.blocks:
             req.blocks = []
         else:

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from bidir_kv.engine import model
 from bidir_kv.engine.faults import FaultError, Faults
 from bidir_kv.engine.kvcache import BlockManager, NoFreeBlocks
 from bidir_kv.engine.metrics import TransferWindow
@@ -216,3 +217,42 @@ def test_budget_below_max_model_len_without_chunked_prefill_is_refused(capsys) -
     assert unset.effective_max_num_batched_tokens == unset.max_model_len
     chunked = _settings(parser, parser.parse_args(["tiny"]))
     assert chunked.effective_max_num_batched_tokens == chunked.profile.max_num_batched_tokens
+
+
+def test_memoized_encoding_matches_a_fresh_one() -> None:
+    """The piece and text memos never change ids: a text with pieces seen and unseen
+    (the fallback path), then the same text again (the text memo)."""
+    rng = random.Random(4)
+    parts = ["kalo", "su", "é", "<|im_end|>", "  ", "x!", "mi" * 40]
+    text = " ".join("".join(rng.choice(parts) for _ in range(3)) for _ in range(400))
+    model._PIECE_IDS.clear()
+    model._RECENT_TEXTS.clear()
+    fresh = Tokenizer().encode(text)
+    model._RECENT_TEXTS.clear()
+    Tokenizer().encode(text[: len(text) // 2])  # half the pieces become known
+    model._RECENT_TEXTS.clear()
+    assert Tokenizer().encode(text) == fresh
+    assert Tokenizer().encode(text) == fresh  # from the text memo
+    assert Tokenizer().encode(text, add_special_tokens=False) == fresh[1:]
+
+
+def test_next_turn_encoded_from_the_previous_head_matches_a_fresh_encoding() -> None:
+    rng = random.Random(6)
+    words = [" " + w for w in WORDS[:50]] + [" suri", "é", "<|im", "|>", "  "]
+    msgs: list[dict[str, str]] = []
+    texts = []
+    for turn in range(5):
+        content = "x" + "".join(rng.choice(words) for _ in range(60))  # "x" joins the header
+        msgs.append({"role": "user" if turn % 2 == 0 else "assistant", "content": content})
+        texts.append(render_chat(msgs))
+    texts.append(texts[-1] + " " + WORDS[0])  # ends inside a word ...
+    texts.append(texts[-1] + WORDS[1])  # ... that the next text continues
+    texts.append(texts[-1][:40] + "x" + texts[-1][41:])  # differs inside the remembered head
+    model._RECENT_TEXTS.clear()
+    incremental = [Tokenizer().encode(t, special) for t in texts for special in (False, True)]
+    fresh = []
+    for t in texts:
+        for special in (False, True):
+            model._RECENT_TEXTS.clear()
+            fresh.append(Tokenizer().encode(t, special))
+    assert incremental == fresh
