@@ -316,25 +316,29 @@ def render_text(plan: dict[str, Any]) -> str:
 
 
 def _check_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The calibration next to its own run: router prefill per request, ms."""
+    """The calibration next to its own run: router prefill per request, ms.
+
+    ``wait``: the part of the prediction that is contention (clients waiting for
+    each other's compute on P, replayed from the run's arrivals).
+    """
     if not rows:
         return []
 
-    def cell(m: float | None, p: float | None) -> str:
+    def cell(m: float | None, p: float | None, wait: float) -> str:
         err = CheckRow.error(m, p)
         if m is None or p is None or err is None:
-            return f"{'-':>26}"
-        return f"{m:>9.1f} {p:>9.1f} {err:>+6.0%}"
+            return f"{'-':>33}"
+        return f"{m:>9.1f} {p:>9.1f} {wait:>6.1f} {err:>+6.0%}"
 
+    head = f"{'meas':>9} {'pred':>9} {'wait':>6} {'err':>6}"
     lines = [
         "Calibration against its own run (router prefill per request, ms):",
-        f"  {'point':>7}  {'OFF meas':>9} {'pred':>9} {'err':>6}  {'ON meas':>9} {'pred':>9} "
-        f"{'err':>6}",
+        f"  {'point':>7}  {'OFF ' + head.lstrip():>33}  {'ON ' + head.lstrip():>33}",
     ]
     for r in rows:
         lines.append(
-            f"  {r['point']:>7}  {cell(r['off_ms'], r['off_pred_ms'])}  "
-            f"{cell(r['on_ms'], r['on_pred_ms'])}"
+            f"  {r['point']:>7}  {cell(r['off_ms'], r['off_pred_ms'], r['off_wait_ms'])}  "
+            f"{cell(r['on_ms'], r['on_pred_ms'], r['on_wait_ms'])}"
         )
     return [*lines, ""]
 
