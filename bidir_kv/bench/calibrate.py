@@ -29,6 +29,7 @@ from bidir_kv.bench.fit import PullFit, fit_pull, linear_fit
 from bidir_kv.bench.plan import DEFAULT_BLOCK_SIZE, CostModel, PlanError
 from bidir_kv.bench.results import LegPoint, ResultDir
 from bidir_kv.bench.summary import summarize_result
+from bidir_kv.bench.tail import Tail, prefill_tail
 
 __all__ = ["CheckRow", "calibrate", "check_rows", "linear_fit"]
 
@@ -55,6 +56,8 @@ class CheckRow:
     on_pred_ms: float | None
     off_wait_ms: float = 0.0  # of the prediction: contention (waiting for others' compute)
     on_wait_ms: float = 0.0
+    off_tail: Tail | None = None  # the few requests far beyond the median (bench.tail)
+    on_tail: Tail | None = None
 
     @staticmethod
     def error(measured: float | None, predicted: float | None) -> float | None:
@@ -299,6 +302,13 @@ def check_rows(result: ResultDir, cost: CostModel) -> list[CheckRow]:
                 on_pred,
                 off_wait,
                 on_wait,
+                _tail(result, "off", point),
+                _tail(result, "on", point),
             )
         )
     return out
+
+
+def _tail(result: ResultDir, leg: str, point: int) -> Tail | None:
+    found = result.points.get((leg, point))
+    return prefill_tail(found[1]) if found else None

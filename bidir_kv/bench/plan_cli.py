@@ -12,7 +12,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from bidir_kv.bench.plan import (
 )
 from bidir_kv.bench.predict import cost_from_profile
 from bidir_kv.bench.results import ResultError, load_result
+from bidir_kv.bench.tail import Tail, tail_text
 
 __all__ = ["build_parser", "main", "run_plan"]
 
@@ -234,7 +235,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     best, ttl_why = recommend_ttl(ttl, args.miss_target, args.kv_budget_gib)
     check = []
     if args.calibration is not None:
-        check = [r.__dict__ for r in check_rows(load_result(args.calibration), cost)]
+        check = [asdict(r) for r in check_rows(load_result(args.calibration), cost)]
     return {
         "calibration_check": check,
         "cost_model": cost.to_dict(),
@@ -335,12 +336,20 @@ def _check_lines(rows: list[dict[str, Any]]) -> list[str]:
         "Calibration against its own run (router prefill per request, ms):",
         f"  {'point':>7}  {'OFF ' + head.lstrip():>33}  {'ON ' + head.lstrip():>33}",
     ]
+    notes = []
     for r in rows:
         lines.append(
             f"  {r['point']:>7}  {cell(r['off_ms'], r['off_pred_ms'], r['off_wait_ms'])}  "
             f"{cell(r['on_ms'], r['on_pred_ms'], r['on_wait_ms'])}"
         )
-    return [*lines, ""]
+        notes += [
+            f"  {r['point']} {leg.upper()}: {tail_text(Tail(**t))}"
+            for leg in ("off", "on")
+            if (t := r[f"{leg}_tail"]) is not None
+        ]
+    if notes:
+        lines += ["  tails (the router's histogram; a miss there is a few requests, not a term):"]
+    return [*lines, *notes, ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

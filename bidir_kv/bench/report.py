@@ -16,6 +16,7 @@ from bidir_kv.bench.headline import headline, headline_text, point_overhead_of
 from bidir_kv.bench.predict import Prediction
 from bidir_kv.bench.split import on_prefill_split
 from bidir_kv.bench.summary import Summary, ratio_rows
+from bidir_kv.bench.tail import tail_text
 
 __all__ = ["render_markdown"]
 
@@ -194,4 +195,16 @@ def _check_lines(pred: Prediction) -> list[str]:
                 else "- | - | -"
             )
         lines.append(f"| {r.point} | {cells[0]} | {cells[1]} |")
+    tails = [
+        f"- {r.point} {leg}: {tail_text(t)}"
+        for r in pred.check
+        for leg, t in (("OFF", r.off_tail), ("ON", r.on_tail))
+        if t is not None
+    ]
+    if tails:
+        lines += [
+            "",
+            "Tails of the router's prefill histogram (a miss there is a few requests):",
+            *tails,
+        ]
     return lines
