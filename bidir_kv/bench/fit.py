@@ -48,15 +48,24 @@ def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[
     return x
 
 
-def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """(intercept, slope) by least squares; one distinct x gives a line through the origin."""
+def linear_fit(
+    xs: Sequence[float], ys: Sequence[float], weights: Sequence[float] | None = None
+) -> tuple[float, float]:
+    """(intercept, slope) by least squares; one distinct x gives a line through the origin.
+
+    ``weights`` scale each point's residual (``1/y`` fits relative errors).
+    """
     if not xs or len(xs) != len(ys):
         raise FitError("a fit needs at least one (x, y) pair")
     if len(set(xs)) == 1:
         x = sum(xs) / len(xs)
         y = sum(ys) / len(ys)
         return 0.0, (y / x if x else 0.0)
-    coef = least_squares([[1.0, x] for x in xs], ys)
+    w = list(weights) if weights is not None else [1.0] * len(xs)
+    coef = least_squares(
+        [[wi, wi * x] for x, wi in zip(xs, w, strict=True)],
+        [wi * y for y, wi in zip(ys, w, strict=True)],
+    )
     assert coef is not None  # two distinct xs: the 2×2 normal matrix is regular
     return coef[0], coef[1]
 

@@ -12,7 +12,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from bidir_kv.bench.plan import (
 )
 from bidir_kv.bench.predict import cost_from_profile
 from bidir_kv.bench.results import ResultError, load_result
+from bidir_kv.bench.tail import Tail, tail_text
 
 __all__ = ["build_parser", "main", "run_plan"]
 
@@ -234,7 +235,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     best, ttl_why = recommend_ttl(ttl, args.miss_target, args.kv_budget_gib)
     check = []
     if args.calibration is not None:
-        check = [r.__dict__ for r in check_rows(load_result(args.calibration), cost)]
+        check = [asdict(r) for r in check_rows(load_result(args.calibration), cost)]
     return {
         "calibration_check": check,
         "cost_model": cost.to_dict(),
@@ -316,27 +317,39 @@ def render_text(plan: dict[str, Any]) -> str:
 
 
 def _check_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The calibration next to its own run: router prefill per request, ms."""
+    """The calibration next to its own run: router prefill per request, ms.
+
+    ``wait``: the part of the prediction that is contention (clients waiting for
+    each other's compute on P, replayed from the run's arrivals).
+    """
     if not rows:
         return []
 
-    def cell(m: float | None, p: float | None) -> str:
+    def cell(m: float | None, p: float | None, wait: float) -> str:
         err = CheckRow.error(m, p)
         if m is None or p is None or err is None:
-            return f"{'-':>26}"
-        return f"{m:>9.1f} {p:>9.1f} {err:>+6.0%}"
+            return f"{'-':>33}"
+        return f"{m:>9.1f} {p:>9.1f} {wait:>6.1f} {err:>+6.0%}"
 
+    head = f"{'meas':>9} {'pred':>9} {'wait':>6} {'err':>6}"
     lines = [
         "Calibration against its own run (router prefill per request, ms):",
-        f"  {'point':>7}  {'OFF meas':>9} {'pred':>9} {'err':>6}  {'ON meas':>9} {'pred':>9} "
-        f"{'err':>6}",
+        f"  {'point':>7}  {'OFF ' + head.lstrip():>33}  {'ON ' + head.lstrip():>33}",
     ]
+    notes = []
     for r in rows:
         lines.append(
-            f"  {r['point']:>7}  {cell(r['off_ms'], r['off_pred_ms'])}  "
-            f"{cell(r['on_ms'], r['on_pred_ms'])}"
+            f"  {r['point']:>7}  {cell(r['off_ms'], r['off_pred_ms'], r['off_wait_ms'])}  "
+            f"{cell(r['on_ms'], r['on_pred_ms'], r['on_wait_ms'])}"
         )
-    return [*lines, ""]
+        notes += [
+            f"  {r['point']} {leg.upper()}: {tail_text(Tail(**t))}"
+            for leg in ("off", "on")
+            if (t := r[f"{leg}_tail"]) is not None
+        ]
+    if notes:
+        lines += ["  tails (the router's histogram; a miss there is a few requests, not a term):"]
+    return [*lines, *notes, ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

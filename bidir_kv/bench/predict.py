@@ -13,7 +13,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from bidir_kv.bench.calibrate import calibrate
+from bidir_kv.bench.calibrate import CheckRow, calibrate, check_rows
 from bidir_kv.bench.plan import CostModel, PlanError, break_even_tokens
 from bidir_kv.bench.stats import RequestRecord
 from bidir_kv.bench.summary import Summary, ratio_rows
@@ -39,6 +39,7 @@ class Prediction:
     break_even_tokens: float
     points: list[PointPrediction]
     measured_crossover: tuple[float, float] | None  # (history below, history above)
+    check: tuple[CheckRow, ...] = ()  # a calibration next to its own run, per point
 
 
 def cost_from_profile(name: str) -> CostModel | None:
@@ -110,7 +111,8 @@ def predict(summary: Summary) -> Prediction | str:
                 row["prefill_ratio"],
             )
         )
-    return Prediction(cost.source, break_even_tokens(cost), points, _crossover(points))
+    check = tuple(check_rows(summary.result, cost)) if cost.source == "calibration" else ()
+    return Prediction(cost.source, break_even_tokens(cost), points, _crossover(points), check)
 
 
 def _prompt_len(rec: RequestRecord) -> int:

@@ -11,10 +11,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.bench.calibrate import CheckRow
 from bidir_kv.bench.headline import headline, headline_text, point_overhead_of
 from bidir_kv.bench.predict import Prediction
 from bidir_kv.bench.split import on_prefill_split
 from bidir_kv.bench.summary import Summary, ratio_rows
+from bidir_kv.bench.tail import tail_text
 
 __all__ = ["render_markdown"]
 
@@ -164,4 +166,45 @@ def _prediction_lines(pred: Prediction | str) -> list[str]:
         "\nThe prediction covers P's prefill only; measured TTFT adds D's work, HTTP and "
         "queueing, and measured prefill averages in turn 1 (a miss in both legs)."
     )
+    return lines + _check_lines(pred)
+
+
+def _check_lines(pred: Prediction) -> list[str]:
+    """The calibration next to its own run (docs/profiles.md §6), router prefill in ms."""
+    if not pred.check:
+        return []
+    lines = [
+        "",
+        "Calibration against its own run (router prefill per request, ms; wait: the "
+        "contention inside the prediction):",
+        "",
+        "| prefix tokens | OFF measured | predicted (wait) | error "
+        "| ON measured | predicted (wait) | error |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in pred.check:
+        cells = []
+        for m, p, w in (
+            (r.off_ms, r.off_pred_ms, r.off_wait_ms),
+            (r.on_ms, r.on_pred_ms, r.on_wait_ms),
+        ):
+            err = CheckRow.error(m, p)
+            cells.append(
+                f"{m:.1f} | {p:.1f} ({w:.1f}) | {err:+.0%}"
+                if m is not None and p is not None and err is not None
+                else "- | - | -"
+            )
+        lines.append(f"| {r.point} | {cells[0]} | {cells[1]} |")
+    tails = [
+        f"- {r.point} {leg}: {tail_text(t)}"
+        for r in pred.check
+        for leg, t in (("OFF", r.off_tail), ("ON", r.on_tail))
+        if t is not None
+    ]
+    if tails:
+        lines += [
+            "",
+            "Tails of the router's prefill histogram (a miss there is a few requests):",
+            *tails,
+        ]
     return lines

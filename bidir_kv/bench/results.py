@@ -132,10 +132,8 @@ def _sum(rows: Iterable[tuple[str, dict[str, str], float]], name: str, **labels:
     )
 
 
-def prefill_duration_from_rows(
-    rows: Sequence[tuple[str, dict[str, str], float]],
-) -> tuple[float, int] | None:
-    """(sum seconds, count) of the router's prefill histogram, if the router exports one."""
+def prefill_histogram_base(rows: Sequence[tuple[str, dict[str, str], float]]) -> str | None:
+    """The router's prefill histogram name (without ``_sum``), if the router exports one."""
     names = {n for n, _, _ in rows}
     base = next((h for h in PREFILL_HISTOGRAMS if f"{h}_sum" in names), None)
     if base is None:
@@ -147,6 +145,14 @@ def prefill_duration_from_rows(
             ),
             None,
         )
+    return base
+
+
+def prefill_duration_from_rows(
+    rows: Sequence[tuple[str, dict[str, str], float]],
+) -> tuple[float, int] | None:
+    """(sum seconds, count) of the router's prefill histogram, if the router exports one."""
+    base = prefill_histogram_base(rows)
     if base is None:
         return None
     # failed P legs (timeouts) would distort the mean: only the router's ok outcomes

@@ -9,7 +9,7 @@ import pytest
 
 from bidir_kv.bench.calibrate import CheckRow, calibrate, check_rows
 from bidir_kv.bench.calprofile import write_profile
-from bidir_kv.bench.fit import fit_pull, least_squares
+from bidir_kv.bench.fit import fit_pull, least_squares, linear_fit
 from bidir_kv.bench.plan import break_even_tokens
 from bidir_kv.bench.plan_cli import main as plan_main
 from bidir_kv.bench.results import load_result
@@ -31,6 +31,12 @@ def test_least_squares_solves_and_refuses_singular() -> None:
     coef = least_squares([[1, 0], [1, 1], [1, 2]], [1, 3, 5])
     assert coef == pytest.approx([1.0, 2.0])
     assert least_squares([[1, 2], [2, 4], [3, 6]], [1, 2, 3]) is None
+
+
+def test_a_weighted_line_follows_the_heavier_points() -> None:
+    xs, ys = [1.0, 2.0, 3.0], [10.0, 20.0, 60.0]
+    assert linear_fit(xs, ys, [1.0, 1.0, 0.0]) == pytest.approx((0.0, 10.0), abs=1e-9)
+    assert linear_fit(xs, ys) != pytest.approx((0.0, 10.0), abs=1e-3)
 
 
 def test_pull_fit_separates_descriptors_from_bytes_when_the_run_allows() -> None:
@@ -55,30 +61,37 @@ def test_pull_fit_folds_descriptors_when_bytes_per_descriptor_are_constant() -> 
     assert "not separable" in fit.note and "constant" in fit.note
 
 
-def _rec(leg: str, point: int, turn: int, conv: int) -> RequestRecord:
+def _rec(leg: str, point: int, turn: int, conv: int, clients: int = 1) -> RequestRecord:
+    # one client: every request alone (1 s apart, far longer than any prefill here);
+    # two: each conversation on its own client, both turns arriving together
+    start_s = turn if clients == 2 else conv * 3 + turn
     return RequestRecord(
-        ttft_ms=10.0, tpot_ms=2.5, latency_ms=50.0, start_time_ms=turn * 100.0,
+        ttft_ms=10.0, tpot_ms=2.5, latency_ms=50.0, start_time_ms=start_s * 1000.0,
         input_num_turns=2 * turn - 1, input_num_tokens=point + NEW, output_num_tokens=8,
         output_num_chunks=8, output_num_first_chunk_tokens=1, approx_cached_percent=90.0,
-        conversation_id=f"c{conv}", client_id=0, leg=leg, point=point, turn=turn,
+        conversation_id=f"c{conv}", client_id=conv if clients == 2 else 0, leg=leg,
+        point=point, turn=turn,
     )  # fmt: skip
 
 
-def make_run(root: Path, step_us: float = STEP_US) -> Path:
+def make_run(root: Path, step_us: float = STEP_US, clients: int = 1) -> Path:
     """OFF recomputes every prompt; ON pulls `point` tokens on every request and computes NEW.
 
     Bytes per descriptor differ between points (NIXL merges contiguous descriptors),
-    so all three pull terms are identifiable.
+    so all three pull terms are identifiable. Two clients: the two requests of a
+    turn arrive together and one of them waits for the other's compute on P.
     """
     out = root / "run"
     for leg in ("off", "on"):
         (out / leg).mkdir(parents=True)
         for i, point in enumerate(POINTS):
-            recs = [_rec(leg, point, t, c) for c in range(2) for t in (1, 2, 3)]
+            recs = [_rec(leg, point, t, c, clients) for c in range(2) for t in (1, 2, 3)]
             write_records(out / leg / f"{point_name(point)}.stats.json", recs)
             prompt = point + NEW
             computed = prompt if leg == "off" else NEW
             per_req = REQ_FIXED_US + RECOMPUTE_US * computed
+            if clients == 2:  # one request of each pair waits for the other's compute
+                per_req += RECOMPUTE_US * computed / 2
             rows: dict[str, list] = {"prefill0": [
                 ["vllm:prompt_tokens_by_source_total", {"source": "local_compute"},
                  REQUESTS * computed],
@@ -104,7 +117,10 @@ def make_run(root: Path, step_us: float = STEP_US) -> Path:
             ]  # fmt: skip
             info = {"duration_s": 1.0, "metrics_delta": rows}
             (out / leg / f"{point_name(point)}.metrics.json").write_text(json.dumps(info))
-    manifest = {"topology": "emulator", "profile": "tiny", "engines": {"block_size": 16}}
+    manifest = {
+        "topology": "emulator", "profile": "tiny", "num_clients": clients,
+        "engines": {"block_size": 16},
+    }  # fmt: skip
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 
@@ -124,6 +140,20 @@ def test_calibration_recovers_every_term(tmp_path: Path) -> None:
         assert CheckRow.error(row.off_ms, row.off_pred_ms) == pytest.approx(0, abs=1e-9)
         assert CheckRow.error(row.on_ms, row.on_pred_ms) == pytest.approx(0, abs=0.02)
     assert break_even_tokens(cost) > 0
+
+
+def test_two_clients_on_one_p_are_a_contention_wait_not_a_dearer_token(tmp_path: Path) -> None:
+    """Pairs arriving together: the fit takes the wait out and recovers the per-request terms."""
+    result = load_result(make_run(tmp_path, clients=2))
+    cost = calibrate(result)
+    assert cost.recompute_us_per_token == pytest.approx(RECOMPUTE_US, rel=1e-4)
+    assert cost.prefill_fixed_us == pytest.approx(REQ_FIXED_US, rel=1e-3)
+    assert cost.step_us == pytest.approx(STEP_US, rel=1e-3)
+    assert any("contention (2 client(s)" in n for n in cost.notes)
+    for row, point in zip(check_rows(result, cost), POINTS, strict=True):
+        assert row.off_wait_ms * 1e3 == pytest.approx(RECOMPUTE_US * (point + NEW) / 2, rel=1e-3)
+        assert CheckRow.error(row.off_ms, row.off_pred_ms) == pytest.approx(0, abs=1e-3)
+        assert CheckRow.error(row.on_ms, row.on_pred_ms) == pytest.approx(0, abs=0.02)
 
 
 def test_calibration_becomes_a_loadable_profile(tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ def rec(leg: str, point: int, turn: int, ttft: float, conv: str) -> RequestRecor
         ttft_ms=ttft,
         tpot_ms=2.0,
         latency_ms=ttft + 60,
-        start_time_ms=turn * 100.0,
+        # one client: its requests one after the other, never two at P at once
+        start_time_ms=(int(conv[1:]) * 10 + turn) * 1000.0,
         input_num_turns=2 * turn - 1,
         input_num_tokens=point + 150 * turn,
         output_num_tokens=31,
@@ -130,6 +131,7 @@ def test_report_cli_writes_markdown_and_plots(tmp_path: Path, capsys) -> None:
     assert "| 4000 |" in md and "![ttft](ttft.png)" in md and "![prefill](prefill.png)" in md
     # no profile costs ("tiny" is all zeros): the prediction comes from a calibration
     assert "## Planner prediction (calibration)" in md
+    assert "Calibration against its own run" in md and "| 4000 |" in md.split("own run")[1]
     assert "pulling pays from 10 history tokens" in md  # 1000 µs / (100 − 2) µs per token
     for png in ("ttft.png", "prefill.png"):
         assert (res / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
