@@ -30,6 +30,7 @@ Status = Literal["PASS", "WARN", "FAIL"]
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 FAILED = "vllm:nixl_num_failed_transfers_total"
 DECLINE_LINE = "Declining expired remote read"
+LAPSE_LINE = "Releasing expired KV blocks for request"  # a lease reaped on this node
 RAIL_LINES = (re.compile(r"Created rail \d+ \(device="), re.compile(r"mapped to rail"))
 TCP_FALLBACK = re.compile(
     r"(fall(ing)?\s*back.{0,40}\b(tcp|sockets)\b|provider[=: ]+(tcp|sockets)\b)", re.IGNORECASE)
@@ -149,19 +150,48 @@ def _counter(ctx: Context, url: str, name: str) -> float:
 
 
 def check_expired(ctx: Context) -> Result:
+    """P's expired-request counter mixes two events: reads P declined because D's
+    deadline was near (each logs DECLINE_LINE) and P's own blocks freed because D never
+    read them within ``kv_lease_duration`` (each logs LAPSE_LINE). Only the first is a
+    TTL problem; the second is :func:`check_lapsed_leases`'s."""
     name = "expired reads"
     fix = ("D's blocks lapsed between turns: raise decoder_kv_blocks_ttl on D and keep the "
            "router's --cache-ttl below it")
     on_p = _counter(ctx, ctx.prefill_url, EXPIRED)
-    declines = (ctx.log_text("prefill") or "").count(DECLINE_LINE)
-    if on_p or declines:
-        return Result(name, "FAIL", f"P: {on_p:.0f} expired reads ({EXPIRED}), "
-                      f"{declines} '{DECLINE_LINE}' log lines", fix)
+    p_log = ctx.log_text("prefill")
+    if p_log is None:
+        if on_p:
+            return Result(name, "FAIL", f"P: {on_p:.0f} expired requests ({EXPIRED}): declined "
+                          "reads or P's own lapsed leases; pass --prefill-log to tell them "
+                          "apart", fix)
+    else:
+        declines = p_log.count(DECLINE_LINE)
+        if declines:
+            return Result(name, "FAIL", f"P declined {declines} reads of D's blocks as expired "
+                          f"('{DECLINE_LINE}' in P's log; {EXPIRED} = {on_p:.0f})", fix)
     on_d = _counter(ctx, ctx.decode_url, EXPIRED)
     if on_d:
         return Result(name, "WARN", f"D freed {on_d:.0f} requests' blocks unread at the TTL "
                       "(turns that never came back, or came back too late)", fix)
-    return Result(name, "PASS", "no expired reads on P or D")
+    return Result(name, "PASS", "P declined no read as expired; D freed no blocks unread")
+
+
+def check_lapsed_leases(ctx: Context) -> Result:
+    """P holds a finished prefill's blocks until D reads them, for ``kv_lease_duration``
+    plus D's heartbeats. A lapse frees them unread: the turn was abandoned after P's leg
+    (a cancelled request), or D could not start its read in time (overloaded, stalled).
+    Neither loses KV a later turn needs, so it is a WARN; many of them are worth a look."""
+    name = "P leases lapsed"
+    fix = ("check that D keeps up (queue, CPU) and that every P answer gets its D leg; "
+           "raise kv_lease_duration on P if D is slow to start reads")
+    p_log = ctx.log_text("prefill")
+    if p_log is None:
+        return Result(name, "PASS", "not checked: no P log given (--prefill-log)")
+    lapsed = p_log.count(LAPSE_LINE)
+    if lapsed:
+        return Result(name, "WARN", f"P freed {lapsed} prefills' blocks that D never read "
+                      f"('{LAPSE_LINE}' in P's log)", fix)
+    return Result(name, "PASS", "D read every prefill P held for it")
 
 
 def check_failed(ctx: Context) -> Result:
@@ -197,7 +227,8 @@ def check_clock(ctx: Context) -> Result:
 
 
 def node_checks() -> list[Callable[[Context], Result]]:
-    return [check_nodes, check_versions, check_expired, check_failed, check_clock]
+    return [check_nodes, check_versions, check_expired, check_lapsed_leases, check_failed,
+            check_clock]
 
 
 # ---- router -----------------------------------------------------------------------

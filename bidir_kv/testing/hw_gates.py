@@ -7,7 +7,7 @@ dict) rounds are made side by side on the same prompts. Three gates:
   ``--hw-min-speedup LEN=X``, else from this run's own calibration, :func:`calibrated_bounds`);
 * **mechanism**: every ON round pulled tokens from D, the bytes moved equal the blocks
   those tokens fill × block size × KV bytes per token within 1 %, and no transfer
-  failed or expired;
+  failed (a read P declined as expired pulls nothing, so the first point catches it);
 * **efficiency**: bytes / NIXL transfer time >= a share of ``--hw-line-rate-gbps``.
 
 A failing gate raises :class:`GateFailure` whose message names the length, the bound and
@@ -117,11 +117,15 @@ def _slots(tokens: int, block_size: int) -> int:
 def gate_mechanism(
     result: LengthResult, block_size: int, kv_bytes_per_token: float | None
 ) -> None:
-    """Every ON round pulled, moved the bytes those tokens take, and nothing failed."""
+    """Every ON round pulled, moved the bytes those tokens take, and nothing failed.
+
+    P's expired counter is reported, not gated: a read P declined as expired pulls 0
+    tokens (gated below), and the counter also counts P's own leases that lapsed
+    unread, which may belong to any earlier turn (docs/hardware.md §5)."""
     n = result.history_tokens
-    if result.failed or result.expired:
-        raise GateFailure(f"length {n}: {result.failed} failed and {result.expired} expired "
-                          "KV transfers on P during ON rounds (bound: 0)")
+    if result.failed:
+        raise GateFailure(f"length {n}: {result.failed} failed KV transfers on P during ON "
+                          "rounds (bound: 0)")
     if not result.pulled_tokens or min(result.pulled_tokens) <= 0:
         raise GateFailure(f"length {n}: an ON round pulled {min(result.pulled_tokens or [0])} "
                           "tokens from D (bound: > 0); D->P readback did not engage")

@@ -4,6 +4,7 @@ fault (the emulator's fault flags and settings) is named by the check that owns 
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import pytest
 
 from bidir_kv.doctor.checks import Context, Result
 from bidir_kv.doctor.cli import run
-from bidir_kv.testing.engines import EnginePair
+from bidir_kv.testing.engines import EnginePair, random_prompt
+from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import start_router_process
 
 TTL = 480.0
@@ -77,6 +79,21 @@ def test_expired_reads(engine_pair: Callable[..., EnginePair]) -> None:
     fails = _fails(run(_ctx(pair, ttl=3.0)))
     assert "expired reads" in fails
     assert "decoder_kv_blocks_ttl" in fails["expired reads"].fix
+
+
+def test_lapsed_p_lease_is_not_an_expired_read(engine_pair: Callable[..., EnginePair]) -> None:
+    """A prefill whose D leg never comes: P frees its blocks at kv_lease_duration and
+    counts it in the same counter as declined reads. That is a WARN naming the lease, not
+    the "expired reads" FAIL that sends the operator to D's TTL."""
+    pair = engine_pair(prefill=V33, decode=V33, prefill_kv={"kv_lease_duration": 6})
+    pr = pair.prefill(random_prompt(random.Random("lapse"), 64), None)
+    assert pr.ok and pr.params is not None
+    wait_for(lambda: pair.state("p")["leased"] == 0, timeout=15)
+    by_name = _by_name(run(_ctx(pair)))
+    assert by_name["expired reads"].status != "FAIL", by_name["expired reads"]
+    lapsed = by_name["P leases lapsed"]
+    assert lapsed.status == "WARN" and "1 prefill" in lapsed.detail
+    assert "kv_lease_duration" in lapsed.fix
 
 
 def test_clock_skew(engine_pair: Callable[..., EnginePair]) -> None:

@@ -54,8 +54,11 @@ def test_mechanism_gate() -> None:
         gate_mechanism(_result(1000, 10, 5), BLOCK, PER_TOKEN * 1.02)
     failed = _result(1000, 10, 5)
     failed.failed = 1
-    with pytest.raises(GateFailure, match="1 failed and 0 expired"):
+    with pytest.raises(GateFailure, match="length 1000: 1 failed KV transfers"):
         gate_mechanism(failed, BLOCK, PER_TOKEN)
+    lapsed = _result(1000, 10, 5)
+    lapsed.expired = 1  # an earlier turn's P lease lapsed during an ON round that pulled
+    assert gate_mechanism(lapsed, BLOCK, PER_TOKEN) is None
 
 
 def test_efficiency_gate() -> None:
