@@ -7,6 +7,7 @@ kills by recorded PID (never by name) and reaps its whole process group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -20,6 +21,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 __all__ = ["ManagedProcess", "ProcessFailed", "free_port", "wait_http_ok"]
+
+
+def _child_setup(cpus: frozenset[int] | None) -> None:
+    """In the child, before exec: die with the parent, and keep to ``cpus`` if given.
+    Affinity set here is inherited by every process and thread the child starts, so a
+    server's helper processes stay on its cores too (docs/vllm-cpu.md)."""
+    _die_with_parent()
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
 
 
 def _die_with_parent() -> None:
@@ -150,12 +160,14 @@ class ManagedProcess:
         log_path: str | Path,
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.env = dict(os.environ if env is None else env)
         self.cwd = cwd
+        self.cpus = cpus  # the CPUs the child and everything it starts may use; None: any
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -178,7 +190,7 @@ class ManagedProcess:
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(_child_setup, self.cpus),
             )
         finally:
             log.close()

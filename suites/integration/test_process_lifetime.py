@@ -67,3 +67,40 @@ def test_a_stopped_process_ends_on_sigterm_not_after_the_timeout(tmp_path: Path)
         assert proc.stop(timeout=60) == -signal.SIGTERM
     finally:
         proc.stop(1)
+
+
+GRANDCHILD = """
+import os, subprocess, sys
+mine = sorted(os.sched_getaffinity(0))
+theirs = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+print(mine, theirs, flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_cpus_pin_the_child_and_what_it_starts(tmp_path: Path) -> None:
+    """``cpus`` keeps the whole process tree on those CPUs (a vLLM server's API server,
+    EngineCore and worker), not only the process we start."""
+    from bidir_kv.topology.process import ManagedProcess
+
+    allowed = sorted(os.sched_getaffinity(0))
+    one = allowed[-1]
+    log = tmp_path / "pinned.log"
+    proc = ManagedProcess("pinned", [sys.executable, "-c", GRANDCHILD], log,
+                          cpus=frozenset({one})).start()
+    try:
+        wait_for(lambda: proc.returncode is not None, 30, "the pinned child to finish",
+                 interval=0.05)
+    finally:
+        proc.stop(5)
+    assert proc.returncode == 0, log.read_text()
+    assert log.read_text().strip() == f"[{one}] [{one}]"
+    free = ManagedProcess("free", [sys.executable, "-c", GRANDCHILD], tmp_path / "free.log")
+    free.start()
+    try:
+        wait_for(lambda: free.returncode is not None, 30, "the unpinned child to finish",
+                 interval=0.05)
+    finally:
+        free.stop(5)
+    assert (tmp_path / "free.log").read_text().strip() == f"{allowed} {allowed}"
