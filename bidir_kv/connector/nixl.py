@@ -27,9 +27,9 @@ from bidir_kv.connector.wire import (
     LEASE_CONFIG_KEY,
     LEASE_KEY,
     HeldTokens,
+    configured_lease,
     lease_to_wire,
 )
-from bidir_kv.policy import valid_conversation_lease
 
 VLLM_RELEASE = check_vllm_version(vllm.__version__)
 
@@ -61,11 +61,7 @@ _WHY = {
 
 def lease_from_config(kv: Any) -> float | None:
     """D's renewable lease from vLLM's ``KVTransferConfig`` (``None``: not configured)."""
-    lease = kv.get_from_extra_config(LEASE_CONFIG_KEY, None)
-    if lease is not None and not valid_conversation_lease(lease):
-        raise ValueError(f"kv_connector_extra_config.{LEASE_CONFIG_KEY} must be a "
-                         f"positive number of seconds, got {lease!r}")
-    return None if lease is None else float(lease)
+    return configured_lease(kv.get_from_extra_config(LEASE_CONFIG_KEY, None))
 
 
 class BidirKVScheduler(NixlPullConnectorScheduler):
