@@ -12,13 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bidir_kv.connector.wire import LEASE_CONFIG_KEY
+from bidir_kv.connector.wire import LEASE_CONFIG_KEY, configured_lease
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_KV_LEASE_DURATION,
     DEFAULT_RECOMPUTE_THRESHOLD,
     threshold_enabled,
-    valid_conversation_lease,
     valid_lease_duration,
     valid_retention_ttl,
 )
@@ -141,12 +140,10 @@ class KVTransferConfig:
                 f"kv_connector_extra_config.kv_lease_duration: must be >= 6 s "
                 f"(heartbeats every duration // 6), got {lease}"
             )
-        conv_lease = extra.get(LEASE_CONFIG_KEY)
-        if conv_lease is not None and not valid_conversation_lease(conv_lease):
-            raise ConfigError(
-                f"kv_connector_extra_config.{LEASE_CONFIG_KEY}: must be a positive number "
-                f"of seconds, got {conv_lease!r}"
-            )
+        try:
+            configured_lease(extra.get(LEASE_CONFIG_KEY))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         engine_id = obj.get("engine_id") or str(uuid.uuid4())
         if not isinstance(engine_id, str):
             raise ConfigError(f"engine_id: expected a string, got {engine_id!r}")

@@ -2,9 +2,10 @@
 
 Imported only by vLLM (through ``kv_connector_module_path``) or by tests in the
 vLLM environment; importing it checks the vLLM release first
-(:mod:`bidir_kv.connector.versions`). Only the scheduler side changes; the worker,
-the NIXL side channel, READs and notifications are vLLM's own, so the wire is
-unchanged apart from the one key D adds to its params (:mod:`bidir_kv.connector.wire`).
+(:mod:`bidir_kv.connector.versions`). The scheduler side decides P's read here; the
+worker side (:mod:`bidir_kv.connector.worker`) only re-handshakes a peer whose read
+failed. The NIXL side channel, READs and notifications are vLLM's own, so the wire is
+unchanged apart from the keys D adds to its params (:mod:`bidir_kv.connector.wire`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from bidir_kv.connector.wire import (
     LEASE_CONFIG_KEY,
     LEASE_KEY,
     HeldTokens,
+    configured_lease,
     lease_to_wire,
 )
-from bidir_kv.policy import valid_conversation_lease
 
 VLLM_RELEASE = check_vllm_version(vllm.__version__)
 
@@ -38,6 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
     NixlPullConnector,
     NixlPullConnectorScheduler,
 )
+
+from bidir_kv.connector.worker import BidirKVWorker  # noqa: E402
 
 __all__ = ["VERIFY_KEY", "VLLM_RELEASE", "BidirKVConnector", "BidirKVScheduler",
            "lease_from_config"]
@@ -61,11 +64,7 @@ _WHY = {
 
 def lease_from_config(kv: Any) -> float | None:
     """D's renewable lease from vLLM's ``KVTransferConfig`` (``None``: not configured)."""
-    lease = kv.get_from_extra_config(LEASE_CONFIG_KEY, None)
-    if lease is not None and not valid_conversation_lease(lease):
-        raise ValueError(f"kv_connector_extra_config.{LEASE_CONFIG_KEY} must be a "
-                         f"positive number of seconds, got {lease!r}")
-    return None if lease is None else float(lease)
+    return configured_lease(kv.get_from_extra_config(LEASE_CONFIG_KEY, None))
 
 
 class BidirKVScheduler(NixlPullConnectorScheduler):
@@ -134,10 +133,9 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
 
 
 class BidirKVConnector(NixlPullConnector):
-    """vLLM's ``NixlConnector`` (pull mode) with :class:`BidirKVScheduler`.
-
-    Same constructor and config keys as vLLM's; the worker side is vLLM's own.
-    """
+    """vLLM's ``NixlConnector`` (pull mode) with :class:`BidirKVScheduler` and
+    :class:`~bidir_kv.connector.worker.BidirKVWorker`. Same constructor and config keys
+    as vLLM's."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -146,3 +144,6 @@ class BidirKVConnector(NixlPullConnector):
             # listener starts with set_xfer_handshake_metadata), so replacing it is safe.
             self.connector_scheduler = BidirKVScheduler(
                 vllm_config, self.engine_id, kv_cache_config)
+        elif self.connector_worker is not None:
+            # the worker holds a NIXL agent already: change its class, not the object
+            self.connector_worker.__class__ = BidirKVWorker

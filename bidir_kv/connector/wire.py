@@ -25,6 +25,7 @@ __all__ = [
     "LEASE_KEY",
     "LEASE_VERSION",
     "HeldTokens",
+    "configured_lease",
     "lease_of",
     "lease_to_wire",
 ]
@@ -39,6 +40,17 @@ CHAIN_VERSION = 1  # bump when the value's shape or hash changes
 LEASE_CONFIG_KEY = "bidir_kv_lease_seconds"
 LEASE_KEY = "bidir_kv_lease"
 LEASE_VERSION = 1
+
+
+def configured_lease(value: object) -> float | None:
+    """D's lease as configured under :data:`LEASE_CONFIG_KEY` (``None``: not set); one
+    check for our config parser and for the connector reading vLLM's config."""
+    if value is None:
+        return None
+    if isinstance(value, int | float) and valid_conversation_lease(value):
+        return float(value)
+    raise ValueError(f"kv_connector_extra_config.{LEASE_CONFIG_KEY}: must be a positive "
+                     f"number of seconds, got {value!r}")
 
 
 def lease_to_wire(idle_seconds: float) -> dict[str, Any]:
