@@ -300,7 +300,7 @@ class Routes:
             }
             if not v032 and (pr.chat or terminal):
                 c["kv_transfer_params"] = params
-            return b"data: " + dumps(c) + b"\n\n"
+            return _sse(c)
 
         try:
             await resp.prepare(request)
@@ -331,10 +331,7 @@ class Routes:
                 tok = nxt
             if req.error is not None:
                 await resp.write(
-                    b"data: "
-                    + dumps(error_body(500, "Internal server error", "InternalServerError"))
-                    + b"\n\n"
-                )
+                    _sse(error_body(500, "Internal server error", "InternalServerError")))
             if pr.include_usage:
                 u = usage(req.prompt_len, len(req.output), self.core.usage_cached_tokens(req))
                 c: dict[str, Any] = {
