@@ -25,9 +25,8 @@ class BidirKVWorker(NixlPullConnectorWorker):
     re-classes the worker vLLM built rather than build a second NIXL agent."""
 
     def _cleanup_remote_engines(self) -> None:
-        if self._TRANSFER_MODE == "pull":
-            now = time.perf_counter()
-            for engine_id in self._failed_remote_engines - self._invalid_remote_engines:
-                if engine_id in self._remote_agents:
-                    self._mark_remote_engine_invalid(engine_id, now)
+        now = time.perf_counter()
+        for engine_id in self._failed_remote_engines - self._invalid_remote_engines:
+            if engine_id in self._remote_agents:
+                self._mark_remote_engine_invalid(engine_id, now)
         super()._cleanup_remote_engines()
