@@ -78,29 +78,26 @@ print(mine, theirs, flush=True)
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
-def test_cpus_pin_the_child_and_what_it_starts(tmp_path: Path) -> None:
-    """``cpus`` keeps the whole process tree on those CPUs (a vLLM server's API server,
-    EngineCore and worker), not only the process we start."""
+def _affinities(tmp_path: Path, name: str, cpus: frozenset[int] | None) -> str:
+    """What GRANDCHILD prints, run as a ManagedProcess with ``cpus``."""
     from bidir_kv.topology.process import ManagedProcess
 
-    allowed = sorted(os.sched_getaffinity(0))
-    one = allowed[-1]
-    log = tmp_path / "pinned.log"
-    proc = ManagedProcess("pinned", [sys.executable, "-c", GRANDCHILD], log,
-                          cpus=frozenset({one})).start()
+    log = tmp_path / f"{name}.log"
+    proc = ManagedProcess(name, [sys.executable, "-c", GRANDCHILD], log, cpus=cpus).start()
     try:
-        wait_for(lambda: proc.returncode is not None, 30, "the pinned child to finish",
+        wait_for(lambda: proc.returncode is not None, 30, f"the {name} child to finish",
                  interval=0.05)
     finally:
         proc.stop(5)
     assert proc.returncode == 0, log.read_text()
-    assert log.read_text().strip() == f"[{one}] [{one}]"
-    free = ManagedProcess("free", [sys.executable, "-c", GRANDCHILD], tmp_path / "free.log")
-    free.start()
-    try:
-        wait_for(lambda: free.returncode is not None, 30, "the unpinned child to finish",
-                 interval=0.05)
-    finally:
-        free.stop(5)
-    assert (tmp_path / "free.log").read_text().strip() == f"{allowed} {allowed}"
+    return log.read_text().strip()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_cpus_pin_the_child_and_what_it_starts(tmp_path: Path) -> None:
+    """``cpus`` keeps the whole process tree on those CPUs (a vLLM server's API server,
+    EngineCore and worker), not only the process we start."""
+    allowed = sorted(os.sched_getaffinity(0))
+    one = allowed[-1]
+    assert _affinities(tmp_path, "pinned", frozenset({one})) == f"[{one}] [{one}]"
+    assert _affinities(tmp_path, "free", None) == f"{allowed} {allowed}"
