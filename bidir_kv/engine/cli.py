@@ -25,6 +25,7 @@ from bidir_kv.engine.settings import (
     TransportChoice,
     VllmVersion,
 )
+from bidir_kv.errors import EngineError
 
 __all__ = ["build_parser", "main"]
 
@@ -237,7 +238,7 @@ def _ops(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict[str, A
         parser.error(str(exc))
 
 
-class StartupError(RuntimeError):
+class StartupError(EngineError, RuntimeError):
     pass
 
 
