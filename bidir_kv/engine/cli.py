@@ -239,7 +239,7 @@ def _ops(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict[str, A
 
 
 class StartupError(EngineError, RuntimeError):
-    pass
+    """The engine could not start (transport, port or tokenizer); the message says why."""
 
 
 async def _serve(settings: EngineSettings) -> None:
