@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from bidir_kv.connector.wire import LEASE_CONFIG_KEY, configured_lease
+from bidir_kv.errors import ConfigError
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_KV_LEASE_DURATION,
@@ -47,10 +48,6 @@ _TYPED_TOP = (
     "kv_load_failure_policy",
     "kv_connector_extra_config",
 )
-
-
-class ConfigError(ValueError):
-    """A bad ``--kv-transfer-config``; the message names the key."""
 
 
 def _get(extra: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:

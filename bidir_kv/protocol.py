@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Final
 
+from bidir_kv.errors import KVTransferError
+
 __all__ = [
     "KNOWN_FIELDS", "REQUIRED_REMOTE_FIELDS", "KVTransferParams", "ParamsKind", "ProtocolError",
     "TerminalChunk", "iter_sse_data", "might_be_terminal", "params_from_request",
@@ -26,7 +28,7 @@ __all__ = [
 _MISSING: Final = object()
 
 
-class ProtocolError(ValueError):
+class ProtocolError(KVTransferError, ValueError):
     """Invalid ``kv_transfer_params``; ``field`` names the offending key."""
 
     def __init__(self, field_name: str, problem: str) -> None:

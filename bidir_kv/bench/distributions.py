@@ -11,6 +11,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from bidir_kv.errors import ConfigError
+
 __all__ = ["Distribution", "DistributionError"]
 
 _KINDS = {
@@ -21,7 +23,7 @@ _KINDS = {
 }
 
 
-class DistributionError(ValueError):
+class DistributionError(ConfigError):
     """A distribution spec that cannot be parsed; the message says why."""
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.errors import ConfigError
+
 __all__ = ["ModelConfigError", "ModelShape", "load_model_config", "model_shape"]
 
 _DTYPE_BYTES = {
@@ -34,7 +36,7 @@ _DTYPE_BYTES = {
 }
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """A config.json that lacks what the planner needs; the message names the key."""
 
 

@@ -25,6 +25,7 @@ from bidir_kv.bench.distributions import Distribution
 from bidir_kv.bench.modelcfg import ModelShape
 from bidir_kv.engine.pull_model import PullModel
 from bidir_kv.engine.settings import EngineSettings
+from bidir_kv.errors import PlanError
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_RECOMPUTE_THRESHOLD,
@@ -52,10 +53,6 @@ __all__ = [
 
 DEFAULT_BLOCK_SIZE: int = EngineSettings.default("block_size")  # vLLM's --block-size
 ROUTER_CACHE_TTL_S = RouterSettings.cache_ttl  # the router's (and upstream proxy's) default
-
-
-class PlanError(ValueError):
-    """Inputs that cannot give a plan; the message says which."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.bench.stats import RequestRecord, load_records, percentile
+from bidir_kv.errors import ConfigError
 
 __all__ = [
     "LegPoint",
@@ -46,7 +47,7 @@ PREFILL_HISTOGRAMS = (
 _PREFILL_RE = re.compile(r"prefill.*(duration|latency|time).*seconds$")
 
 
-class ResultError(ValueError):
+class ResultError(ConfigError):
     """A result directory that is missing or malformed."""
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bidir_kv.bench.distributions import Distribution
+from bidir_kv.errors import ConfigError
 
 __all__ = [
     "Conversation",
@@ -37,7 +38,7 @@ _SYLLABLES = (
 )  # fmt: skip
 
 
-class WorkloadError(ValueError):
+class WorkloadError(ConfigError):
     """Bad workload parameters; the message names the parameter."""
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from bidir_kv.errors import KVTransferError
+
 __all__ = ["SUPPORTED_VLLM", "UnsupportedVllm", "check_vllm_version", "release_of"]
 
 SUPPORTED_VLLM: tuple[str, ...] = ("0.32", "0.33")  # major.minor; any patch level
@@ -18,7 +20,7 @@ SUPPORTED_VLLM: tuple[str, ...] = ("0.32", "0.33")  # major.minor; any patch lev
 _RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.|$|[^0-9])")
 
 
-class UnsupportedVllm(RuntimeError):
+class UnsupportedVllm(KVTransferError, RuntimeError):
     """Raised when the installed vLLM is not one the connector was written for."""
 
 

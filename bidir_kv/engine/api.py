@@ -15,6 +15,7 @@ from typing import Any
 from bidir_kv.engine.fields import refused_field
 from bidir_kv.engine.model import ChatTemplateError, render_chat
 from bidir_kv.engine.sampling import emulated_logprobs
+from bidir_kv.errors import IntakeError
 from bidir_kv.intake import InputError, check_request
 from bidir_kv.intake.fields import effective_max_tokens
 from bidir_kv.policy import ROOT_HASH
@@ -26,12 +27,14 @@ __all__ = [
 ]  # fmt: skip
 
 
-class ApiError(Exception):
+class ApiError(IntakeError):
+    """A request the OpenAI routes refuse; the status and type vLLM answers it with."""
+
     def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
         super().__init__(message)
-        self.status = status
+        self.http_status = status
+        self.error_type = kind
         self.message = message
-        self.kind = kind
 
 
 def error_body(status: int, message: str, kind: str) -> dict[str, Any]:

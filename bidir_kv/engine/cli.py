@@ -25,6 +25,7 @@ from bidir_kv.engine.settings import (
     TransportChoice,
     VllmVersion,
 )
+from bidir_kv.errors import EngineError
 
 __all__ = ["build_parser", "main"]
 
@@ -237,8 +238,8 @@ def _ops(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict[str, A
         parser.error(str(exc))
 
 
-class StartupError(RuntimeError):
-    pass
+class StartupError(EngineError, RuntimeError):
+    """The engine could not start (transport, port or tokenizer); the message says why."""
 
 
 async def _serve(settings: EngineSettings) -> None:

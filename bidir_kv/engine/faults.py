@@ -13,10 +13,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from bidir_kv.errors import ConfigError
+
 __all__ = ["FaultError", "Faults", "add_fault_flags", "faults_from_args"]
 
 
-class FaultError(ValueError):
+class FaultError(ConfigError):
     """A bad fault setting; the message names the field."""
 
 

@@ -28,6 +28,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as _RustTokenizer
 
 from bidir_kv.engine.model import ChatTemplateError, content_text
+from bidir_kv.errors import ConfigError
 
 __all__ = ["HFTokenizer", "IncrementalDetokenizer", "TokenizerLoadError"]
 
@@ -37,7 +38,7 @@ _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_tok
 _REPLACEMENT = "\ufffd"
 
 
-class TokenizerLoadError(ValueError):
+class TokenizerLoadError(ConfigError):
     """A tokenizer directory that cannot be loaded; the message names the path."""
 
 

@@ -16,11 +16,12 @@ import numpy as np
 
 from bidir_kv.engine.model import fingerprints
 from bidir_kv.engine.transport.base import KVPool
+from bidir_kv.errors import EngineError
 
 __all__ = ["BlockManager", "NoFreeBlocks"]
 
 
-class NoFreeBlocks(RuntimeError):
+class NoFreeBlocks(EngineError, RuntimeError):
     """Not enough free or evictable blocks right now."""
 
 

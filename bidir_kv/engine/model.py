@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from bidir_kv.errors import IntakeError
+
 __all__ = [
     "BOS",
     "BYTE_BASE",
@@ -100,7 +102,7 @@ def _piece_ids(piece: str) -> tuple[int, ...]:
     return tuple(BYTE_BASE + b for b in piece.encode("utf-8"))
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(IntakeError, ValueError):
     """A ``messages`` list the template cannot render; the message names the problem."""
 
 

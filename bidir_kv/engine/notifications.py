@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from bidir_kv.errors import KVTransferError
+
 __all__ = [
     "HEARTBEAT_PREFIX",
     "NOTIFICATION_VERSION",
@@ -34,7 +36,7 @@ _ID_SEPARATOR = ","
 _COUNT_SEPARATOR = ":"
 
 
-class MalformedNotification(ValueError):
+class MalformedNotification(KVTransferError, ValueError):
     """A completion notification without a parsable consumer count."""
 
 

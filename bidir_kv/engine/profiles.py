@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.engine.pull_model import PullModel
+from bidir_kv.errors import ConfigError
 
 __all__ = ["PROFILE_DIR", "CostProfile", "ProfileError", "available_profiles", "load_profile"]
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "profiles"
 
 
-class ProfileError(ValueError):
+class ProfileError(ConfigError):
     """Unknown profile name or a malformed profile file."""
 
 

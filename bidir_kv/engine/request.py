@@ -8,18 +8,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from bidir_kv.errors import EngineError
 from bidir_kv.policy import ROOT_HASH
 from bidir_kv.protocol import KVTransferParams
 
 __all__ = ["Request", "RequestError"]
 
 
-class RequestError(Exception):
-    """A request the engine refuses (HTTP 400) or fails (HTTP 500)."""
+# The OpenAI-style error type vLLM uses for a status other than 400.
+_TYPES = {500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class RequestError(EngineError):
+    """A request the engine refuses (HTTP 400) or fails (HTTP 500, or 503: retry later)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
-        self.status = status
+        self.http_status = status
+        self.error_type = _TYPES.get(status, "BadRequestError")
         self.message = message
 
 

@@ -32,9 +32,10 @@ from bidir_kv.engine.jsonenc import dumps, json_response
 from bidir_kv.engine.model import ChatTemplateError, Tokenizer
 from bidir_kv.engine.sampling import TextState, Vocab
 from bidir_kv.engine.scheduler import EngineCore, Request, RequestError
+from bidir_kv.errors import BidirKVError
 from bidir_kv.intake import InputError, decode_json, read_capped
 
-__all__ = ["Routes", "build_app"]
+__all__ = ["Routes", "build_app", "error_response_for"]
 
 logger = logging.getLogger("bidir_kv.engine")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -44,15 +45,12 @@ def _json_error(status: int, message: str, kind: str) -> web.Response:
     return json_response(error_body(status, message, kind), status=status)
 
 
-def _internal_error() -> web.Response:
-    return _json_error(500, "Internal server error", "InternalServerError")
-
-
-def _request_failed(err: RequestError) -> web.Response:
-    """A request the engine gave up: 500 as vLLM's, or the status it names (503)."""
-    if err.status == 500:
-        return _internal_error()
-    return _json_error(err.status, err.message, "ServiceUnavailableError")
+def error_response_for(exc: BidirKVError) -> web.Response:
+    """The engine's one translation of our errors into HTTP answers (docs/architecture.md,
+    Errors): the status and type the error carries, and its message, except that a 500
+    says no more than vLLM's "Internal server error"."""
+    message = "Internal server error" if exc.http_status == 500 else str(exc)
+    return _json_error(exc.http_status, message, exc.error_type)
 
 
 class Routes:
@@ -126,7 +124,7 @@ class Routes:
                 return _json_error(400, "/tokenize needs 'prompt' (string) or 'messages'",
                                    "BadRequestError")  # fmt: skip
         except ChatTemplateError as exc:
-            return _json_error(400, str(exc), "BadRequestError")
+            return error_response_for(exc)
         strs = self.tok.token_strs(tokens) if body.get("return_token_strs") is True else None
         body = {"count": len(tokens), "max_model_len": self.core.settings.max_model_len,
                 "tokens": tokens, "token_strs": strs}  # fmt: skip
@@ -162,7 +160,7 @@ class Routes:
         try:
             self.faults.update(body)
         except FaultError as exc:
-            return _json_error(400, str(exc), "BadRequestError")
+            return error_response_for(exc)
         logger.info("faults set: %s", self.faults.to_dict())
         return json_response(self.faults.to_dict())
 
@@ -188,7 +186,7 @@ class Routes:
         try:
             return decode_json(await read_capped(request, self._max_body, "--max-body-bytes"))
         except InputError as exc:
-            return _json_error(exc.status, exc.message, exc.kind)
+            return error_response_for(exc)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -203,7 +201,7 @@ class Routes:
         try:
             pr = parse_request(body, chat=chat, tokenizer=self.tok, served_names=self.names)
         except ApiError as exc:
-            return _json_error(exc.status, exc.message, exc.kind)
+            return error_response_for(exc)
         base = request.headers.get("X-Request-Id")
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.core.new_request_id(prefix, base)
@@ -233,12 +231,12 @@ class Routes:
         try:
             self.core.submit(req)
         except RequestError as exc:
-            return _json_error(exc.status, exc.message, "BadRequestError")
+            return error_response_for(exc)
         if pr.stream:
             return await self._stream(request, req, pr, public_id)
         await req.done.wait()
         if req.error is not None:
-            return _request_failed(req.error)
+            return error_response_for(req.error)
         return json_response(self._final_body(req, pr, public_id))
 
     def _final_body(self, req: Request, pr: ParsedRequest, public_id: str) -> dict[str, Any]:
@@ -280,7 +278,7 @@ class Routes:
     ) -> web.StreamResponse:
         first = await req.events.get()
         if first is None and req.error is not None:
-            return _request_failed(req.error)
+            return error_response_for(req.error)
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         streamed = 0
         offset = 0

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+from bidir_kv.errors import IntakeError
+
 __all__ = ["InputError"]
 
+# The OpenAI-style error type vLLM uses for a status other than 400.
+_TYPES = {413: "RequestEntityTooLarge", 415: "UnsupportedMediaType"}
 
-class InputError(Exception):
+
+class InputError(IntakeError):
     """A request answered with a 4xx; ``message`` names the problem, ``param`` the field."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.http_status = status
+        self.error_type = _TYPES.get(status, "BadRequestError")
         self.message = message
         self.param = param
-
-    @property
-    def kind(self) -> str:
-        """The OpenAI-style error type vLLM uses for this status."""
-        return {413: "RequestEntityTooLarge", 415: "UnsupportedMediaType"}.get(
-            self.status, "BadRequestError")

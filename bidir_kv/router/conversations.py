@@ -18,7 +18,7 @@ import logging
 
 from aiohttp import web
 
-from bidir_kv.router.failures import error_response
+from bidir_kv.router.failures import error_response, error_response_for
 from bidir_kv.router.identity import IdentityError, log_safe, path_conversation_key
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.store import ConversationStore, StoreError
@@ -45,7 +45,7 @@ class ConversationRoutes:
             closed = await self.store.end(key.storage_key)
         except IdentityError as exc:
             self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, str(exc), "BadRequestError")
+            return error_response_for(exc)
         except StoreError as exc:
             return self._store_failed(exc)
         if not closed:
@@ -63,7 +63,7 @@ class ConversationRoutes:
             renewal = await self.store.renew(key.storage_key)
         except IdentityError as exc:
             self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, str(exc), "BadRequestError")
+            return error_response_for(exc)
         except StoreError as exc:
             return self._store_failed(exc)
         if renewal is None:
@@ -85,7 +85,7 @@ class ConversationRoutes:
     def _store_failed(self, exc: StoreError) -> web.Response:
         self.metrics.errors.labels("store").inc()
         log.error("%s", exc)
-        return error_response(503, str(exc), "ServiceUnavailable")
+        return error_response_for(exc)
 
 
 def _not_found(conversation_id: str) -> web.Response:

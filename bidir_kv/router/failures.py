@@ -11,6 +11,7 @@ import enum
 
 from aiohttp import web
 
+from bidir_kv.errors import BidirKVError, RouterError
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.upstreams import UpstreamPool
 
@@ -20,6 +21,7 @@ __all__ = [
     "Leg",
     "UpstreamFailure",
     "error_response",
+    "error_response_for",
     "failure_label",
     "unavailable_response",
 ]
@@ -51,8 +53,11 @@ def failure_label(leg: Leg, cause: Cause) -> str:
     return f"{leg.value}_{cause.value}"
 
 
-class UpstreamFailure(Exception):
-    """A call to an engine failed; ``status``/``body`` are what the node said, if anything."""
+class UpstreamFailure(RouterError):
+    """A call to an engine failed; ``status``/``body`` are what the node said, if anything.
+
+    The client is answered 502, or 504 when the node was too slow (``Cause.TIMEOUT``).
+    """
 
     def __init__(
         self, cause: Cause, message: str, status: int | None = None, body: bytes | None = None
@@ -61,6 +66,8 @@ class UpstreamFailure(Exception):
         self.cause = cause
         self.status = status
         self.body = body
+        if cause is Cause.TIMEOUT:
+            self.http_status, self.error_type = 504, "GatewayTimeout"
 
     @property
     def unreachable(self) -> bool:
@@ -72,6 +79,12 @@ def error_response(status: int, message: str, kind: str) -> web.Response:
     """An OpenAI-style error body."""
     body = {"error": {"message": message, "type": kind, "code": status}}
     return web.json_response(body, status=status)
+
+
+def error_response_for(exc: BidirKVError) -> web.Response:
+    """The router's one translation of our errors into HTTP answers (docs/architecture.md,
+    Errors): the status and type the error carries, and its message."""
+    return error_response(exc.http_status, str(exc), exc.error_type)
 
 
 def unavailable_response(metrics: RouterMetrics, *down: UpstreamPool) -> web.Response:

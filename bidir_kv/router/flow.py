@@ -27,7 +27,7 @@ from bidir_kv.router.failures import (
     Cause,
     Leg,
     UpstreamFailure,
-    error_response,
+    error_response_for,
     failure_label,
     unavailable_response,
 )
@@ -96,7 +96,7 @@ class RouterFlow:
             body = await read_request(request, self.settings.max_body_bytes, endpoint)
         except InputError as exc:
             m.errors.labels("bad_request").inc()
-            return error_response(exc.status, exc.message, exc.kind)
+            return error_response_for(exc)
         rid = str(uuid.uuid4())
         if "kv_transfer_params" in body:
             body.pop("kv_transfer_params")
@@ -106,7 +106,7 @@ class RouterFlow:
             key = conversation_key(body, request.headers)
         except IdentityError as exc:
             m.errors.labels("bad_request").inc()
-            return error_response(400, str(exc), "BadRequestError")
+            return error_response_for(exc)
         salt = cache_salt_for(tenant_digest(request.headers.get("Authorization")))
         if salt is not None and "cache_salt" not in body:
             body["cache_salt"] = salt  # both legs; a client's own salt is kept
@@ -281,10 +281,7 @@ class RouterFlow:
             if self.decode.pick() is None:
                 return unavailable_response(self.metrics, self.prefill, self.decode)
             return unavailable_response(self.metrics, self.prefill)
-        if exc.cause is Cause.TIMEOUT:
-            return error_response(504, str(exc), "GatewayTimeout")
-        if exc.unreachable:
-            return error_response(502, str(exc), "BadGateway")
-        if exc.status is not None and exc.body is not None:
+        answered = exc.cause is not Cause.TIMEOUT and not exc.unreachable
+        if answered and exc.status is not None and exc.body is not None:  # the node's answer
             return web.Response(status=exc.status, body=exc.body, content_type=JSON)
-        return error_response(502, str(exc), "BadGateway")
+        return error_response_for(exc)

@@ -13,6 +13,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from bidir_kv.errors import IntakeError
+
 __all__ = [
     "ANONYMOUS_TENANT",
     "ConversationKey",
@@ -50,7 +52,7 @@ def cache_salt_for(tenant: str) -> str | None:
     return f"tenant-{tenant}"
 
 
-class IdentityError(ValueError):
+class IdentityError(IntakeError, ValueError):
     """A malformed conversation id (wrong type, too long); the message says which."""
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from bidir_kv.bench.calibrate import linear_fit
 from bidir_kv.bench.plan import CostModel, PlanError, ttft_rows
+from bidir_kv.errors import CheckFailure
 from bidir_kv.policy import blocks_for_tokens
 
 __all__ = [
@@ -39,7 +40,7 @@ __all__ = [
 MECHANISM_TOLERANCE = 0.01  # bytes moved vs blocks × block bytes
 
 
-class GateFailure(AssertionError):
+class GateFailure(CheckFailure):
     """A gate did not hold; the message names length, bound and measurement."""
 
 

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from bidir_kv.errors import CheckFailure
+
 __all__ = ["DEFAULT_INTERVAL", "DEFAULT_TIMEOUT", "WaitTimeout", "wait_for", "wait_for_async"]
 
 T = TypeVar("T")
@@ -25,7 +27,7 @@ DEFAULT_TIMEOUT = 10.0  # seconds; an emulated engine's effects land in millisec
 DEFAULT_INTERVAL = 0.02  # seconds between two evaluations of the condition
 
 
-class WaitTimeout(AssertionError):
+class WaitTimeout(CheckFailure):
     """A polled condition did not hold in time (an assertion failure of the test)."""
 
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.engine.settings import DEFAULT_PROFILE, EngineSettings
+from bidir_kv.errors import TopologyError
 from bidir_kv.router.settings import RouterSettings
 
 __all__ = ["BackendUnavailable", "EngineSpec", "Node", "RouterSpec", "Topology", "TopologySpec"]
@@ -15,7 +16,7 @@ __all__ = ["BackendUnavailable", "EngineSpec", "Node", "RouterSpec", "Topology",
 Role = Literal["prefill", "decode", "router", "store"]
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(TopologyError):
     """The backend cannot run here (missing venv, no Docker, no URL); the message says what."""
 
 

@@ -20,6 +20,8 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from bidir_kv.errors import TopologyError
+
 __all__ = ["ManagedProcess", "ProcessFailed", "free_port", "wait_http_ok"]
 
 
@@ -49,7 +51,7 @@ def _die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
-class ProcessFailed(RuntimeError):
+class ProcessFailed(TopologyError):
     """A child died or never became healthy; the message includes its log tail."""
 
 

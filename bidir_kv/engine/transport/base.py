@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bidir_kv.errors import KVTransferError
+
 __all__ = ["KVAgent", "KVPool", "NotificationHandler", "ReadResult", "TransportError"]
 
 
-class TransportError(RuntimeError):
+class TransportError(KVTransferError, RuntimeError):
     """A handshake, read or notification failed; counted as a failed transfer."""
 
 

@@ -33,6 +33,7 @@ from bidir_kv.engine.transport.framing import (
 )
 from bidir_kv.engine.transport.tcp_io import block_runs, check_ids, pool_rows, tune
 from bidir_kv.engine.transport.tcp_owner import TcpOwner
+from bidir_kv.errors import KVTransferError
 
 __all__ = ["TcpAgent"]
 
@@ -280,9 +281,9 @@ class TcpAgent(KVAgent):
         await self._request(p, work)
 
 
-class _Refused(Exception):
+class _Refused(KVTransferError):
     """The owner answered with an error before any bulk bytes (connection still clean)."""
 
 
-class _Stale(Exception):
+class _Stale(KVTransferError):
     """The connection died before the owner answered: the request had no effect."""

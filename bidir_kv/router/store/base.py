@@ -18,6 +18,7 @@ from typing import Final
 
 import msgpack
 
+from bidir_kv.errors import RouterError
 from bidir_kv.policy import entry_age, entry_is_stale
 from bidir_kv.protocol import KVTransferParams
 
@@ -26,8 +27,11 @@ __all__ = ["ConversationStore", "Entry", "EvictionHook", "Renewal", "StoreError"
 _FORMAT: Final = 1
 
 
-class StoreError(RuntimeError):
+class StoreError(RouterError, RuntimeError):
     """The store is unreachable or holds something we cannot read."""
+
+    http_status = 503
+    error_type = "ServiceUnavailable"
 
 
 @dataclass(frozen=True, slots=True)
