@@ -5,7 +5,7 @@ vLLM environment; importing it checks the vLLM release first
 (:mod:`bidir_kv.connector.versions`). The scheduler side decides P's read here; the
 worker side (:mod:`bidir_kv.connector.worker`) only re-handshakes a peer whose read
 failed. The NIXL side channel, READs and notifications are vLLM's own, so the wire is
-unchanged apart from the keys D adds to its params (:mod:`bidir_kv.connector.wire`).
+unchanged apart from the keys D adds to its params (:mod:`bidir_kv.wire.params`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from bidir_kv.connector.rules import (
     positional_remote_blocks,
 )
 from bidir_kv.connector.versions import check_vllm_version
-from bidir_kv.connector.wire import (
+from bidir_kv.wire.params import (
     CHAIN_KEY,
     LEASE_CONFIG_KEY,
     LEASE_KEY,

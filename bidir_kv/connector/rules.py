@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from bidir_kv.connector.wire import HeldTokens
 from bidir_kv.policy import (
     blocks_for_tokens,
     pull_decision,
     target_block_range,
     verified_continuation,
 )
+from bidir_kv.wire.params import HeldTokens
 
 __all__ = ["PullPlan", "Refusal", "is_d_params", "plan_pull", "positional_remote_blocks"]
 

@@ -27,7 +27,6 @@ import msgpack
 
 from bidir_kv.engine import notifications
 from bidir_kv.engine.faults import Faults
-from bidir_kv.engine.guard import HandleTokens
 from bidir_kv.engine.transport.base import KVAgent, NotificationHandler, ReadResult, TransportError
 from bidir_kv.engine.transport.sidechannel import (
     EngineMetadata,
@@ -35,6 +34,7 @@ from bidir_kv.engine.transport.sidechannel import (
     SideChannelServer,
     handshake,
 )
+from bidir_kv.wire.params import HeldTokens
 
 __all__ = ["ClaimRefused", "ConnectorWorker", "Peer", "StaleParams"]
 
@@ -246,7 +246,7 @@ class ConnectorWorker:
 
     async def claim(
         self, peer: Peer, request_id: str, blocks: Sequence[int]
-    ) -> HandleTokens | None:
+    ) -> HeldTokens | None:
         """Ask the owner for single-use access to ``blocks`` of ``request_id``; returns
         what the handle holds (hashes of its tokens) when the owner says."""
         import aiohttp
@@ -270,7 +270,7 @@ class ConnectorWorker:
         if held is None:
             return None
         try:
-            return HandleTokens.from_wire(held)
+            return HeldTokens.from_wire(held)
         except ValueError as exc:
             raise TransportError(str(exc)) from None
 

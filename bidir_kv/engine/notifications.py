@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 __all__ = [
     "HEARTBEAT_PREFIX",
-    "NOTIFICATION_VERSION",
     "Completion",
     "Heartbeat",
     "MalformedNotification",
@@ -27,8 +26,8 @@ __all__ = [
     "parse",
 ]
 
-# Our revision of this wire format (vLLM 0.33's); bump it with any change below.
-NOTIFICATION_VERSION = 1
+# This format's version is ``bidir_kv.wire.versions.NOTIFICATIONS`` (vLLM 0.33's format);
+# an incompatible change below adds a line to its history there.
 HEARTBEAT_PREFIX = "HB:"
 _ID_SEPARATOR = ","
 _COUNT_SEPARATOR = ":"
