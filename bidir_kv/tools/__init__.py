@@ -8,6 +8,5 @@ They start processes and measure; the runtime packages (``engine``, ``router``,
   against a raw NIXL READ (cases from ``transport_peer`` and ``engine_d2p``);
 * ``startup_bench``: launch-to-``/health`` time of ``bidir-kv engine`` per transport;
 * ``router_bench``: added latency and throughput of ``bidir-kv proxy`` over stub engines;
-* ``stub_engine``: a minimal P/D engine (HTTP surface only) for router tests and benches;
 * ``transport_peer``: a block owner in its own process, for benches and two-process tests.
 """
