@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Final
 
+from bidir_kv.wire.ids import BlockIds, EngineId, RequestId
+
 __all__ = [
     "KNOWN_FIELDS", "REQUIRED_REMOTE_FIELDS", "KVTransferParams", "ParamsKind", "ProtocolError",
     "TerminalChunk", "iter_sse_data", "might_be_terminal", "params_from_request",
@@ -112,9 +114,9 @@ class KVTransferParams:
 
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
-    remote_block_ids: list[list[int]] | None = None
-    remote_engine_id: str | None = None
-    remote_request_id: str | None = None
+    remote_block_ids: BlockIds | None = None
+    remote_engine_id: EngineId | None = None
+    remote_request_id: RequestId | None = None
     remote_host: str | None = None
     remote_port: int | None = None
     tp_size: int = 1

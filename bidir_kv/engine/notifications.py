@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from bidir_kv.wire.ids import RequestId
+
 __all__ = [
     "HEARTBEAT_PREFIX",
     "Completion",
@@ -41,7 +43,7 @@ class MalformedNotification(ValueError):
 class Completion:
     """``"<request_id>:<consumers>"``: a reader finished with the owner's blocks."""
 
-    request_id: str
+    request_id: RequestId
     consumers: int
 
 
@@ -52,7 +54,7 @@ class Heartbeat:
     request_ids: tuple[str, ...]
 
 
-def completion(request_id: str, consumers: int = 1) -> str:
+def completion(request_id: RequestId, consumers: int = 1) -> str:
     """The completion message for ``request_id``."""
     return f"{request_id}{_COUNT_SEPARATOR}{consumers}"
 

@@ -30,6 +30,7 @@ from bidir_kv.policy import (
     retained_eviction_order,
 )
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.wire.ids import RequestId
 from bidir_kv.wire.params import LEASE_KEY, HeldTokens, lease_to_wire
 
 __all__ = ["HandleOwner"]
@@ -61,7 +62,7 @@ class HandleOwner:
         self.leases = LeaseTable(duration=self.kv.kv_lease_duration)
         self._lease_blocks: dict[str, list[int]] = {}
         self._claimed: set[str] = set()
-        self._handle_tokens: dict[str, HeldTokens] = {}
+        self._handle_tokens: dict[RequestId, HeldTokens] = {}
 
     # ---- holding -----------------------------------------------------------------------
 
@@ -116,7 +117,7 @@ class HandleOwner:
 
     # ---- claims ------------------------------------------------------------------------
 
-    def claim(self, request_id: str, blocks: list[int]) -> str | None:
+    def claim(self, request_id: RequestId, blocks: list[int]) -> str | None:
         """Grant single-use access to a held handle; return a refusal reason or None.
 
         After a grant, :meth:`handle_tokens` tells the reader what the handle holds."""
@@ -137,10 +138,10 @@ class HandleOwner:
         self._claimed.add(request_id)
         return None
 
-    def handle_tokens(self, request_id: str) -> HeldTokens | None:
+    def handle_tokens(self, request_id: RequestId) -> HeldTokens | None:
         return self._handle_tokens.get(request_id)
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: RequestId) -> None:
         self._claimed.discard(request_id)
         self._handle_tokens.pop(request_id, None)
 
@@ -199,7 +200,7 @@ class HandleOwner:
         for rid in self.leases.reap(now):
             self._expire(rid, self._lease_blocks.pop(rid), 0)
 
-    def _expire(self, rid: str, blocks: list[int], reads: int) -> None:
+    def _expire(self, rid: RequestId, blocks: list[int], reads: int) -> None:
         logger.warning(
             "Releasing expired KV blocks for request %s which were retrieved by %d remote "
             "worker(s) before lease expired.",

@@ -28,6 +28,7 @@ from bidir_kv.engine.transport.base import TransportError
 from bidir_kv.engine.transport.framing import checked_map, read_frame, write_frame
 from bidir_kv.policy import HandshakeSample, clock_offset
 from bidir_kv.wire import versions
+from bidir_kv.wire.ids import EngineId
 from bidir_kv.wire.ports import DEFAULT_SIDE_CHANNEL_PORT
 
 __all__ = [
@@ -79,7 +80,7 @@ def compatibility_hash(
 class EngineMetadata:
     """What an engine tells a reader about itself."""
 
-    engine_id: str
+    engine_id: EngineId
     compat_hash: str
     backend: str  # the transport: wire.TCP or wire.NIXL (KVAgent.backend)
     agent_metadata: bytes  # KVAgent.metadata()
@@ -129,7 +130,7 @@ class PeerInfo:
     offset: float  # peer clock - our clock (seconds), from the lowest-RTT sample
 
     @property
-    def engine_id(self) -> str:
+    def engine_id(self) -> EngineId:
         return self.meta.engine_id
 
     @property
