@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bidir_kv.connector.wire import LEASE_CONFIG_KEY, configured_lease
 from bidir_kv.errors import ConfigError
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
@@ -22,6 +21,7 @@ from bidir_kv.policy import (
     valid_lease_duration,
     valid_retention_ttl,
 )
+from bidir_kv.wire.params import LEASE_CONFIG_KEY, configured_lease
 
 __all__ = ["ConfigError", "KVTransferConfig", "LoadFailurePolicy"]
 

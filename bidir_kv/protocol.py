@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import Any, Final
 
 from bidir_kv.errors import KVTransferError
+from bidir_kv.wire.ids import BlockIds, EngineId, RequestId
 
 __all__ = [
     "KNOWN_FIELDS", "REQUIRED_REMOTE_FIELDS", "KVTransferParams", "ParamsKind", "ProtocolError",
@@ -114,9 +115,9 @@ class KVTransferParams:
 
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
-    remote_block_ids: list[list[int]] | None = None
-    remote_engine_id: str | None = None
-    remote_request_id: str | None = None
+    remote_block_ids: BlockIds | None = None
+    remote_engine_id: EngineId | None = None
+    remote_request_id: RequestId | None = None
     remote_host: str | None = None
     remote_port: int | None = None
     tp_size: int = 1

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from bidir_kv.bench.client import build_chat_body, stream_chat
-from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
+from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 
 __all__ = ["Capacity", "client_capacity", "measure_capacity", "serve_trivial"]
 

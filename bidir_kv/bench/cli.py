@@ -26,8 +26,8 @@ from bidir_kv.bench.sweep import run_bench
 from bidir_kv.bench.topo import TOPOLOGIES, LegSetup
 from bidir_kv.bench.workload import WorkloadError, WorkloadSpec
 from bidir_kv.engine.profiles import ProfileError
+from bidir_kv.launch.process import ProcessFailed
 from bidir_kv.topology import BackendUnavailable
-from bidir_kv.topology.process import ProcessFailed
 
 __all__ = ["BLOG_POINTS", "build_parser", "main"]
 

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.config import KVTransferConfig
-from bidir_kv.connector.wire import LEASE_CONFIG_KEY
 from bidir_kv.policy import scaled_cache_ttl, valid_conversation_lease
 from bidir_kv.router.settings import UPSTREAM_CACHE_TTL
+from bidir_kv.wire.params import LEASE_CONFIG_KEY
 
 __all__ = ["LeaseWorkload", "LegResult", "main", "plan_conversations", "run_leg"]
 

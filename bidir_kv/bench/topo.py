@@ -16,13 +16,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_RECOMPUTE_THRESHOLD,
     scaled_cache_ttl,
 )
 from bidir_kv.topology import BackendUnavailable, EngineSpec, RouterSpec, Topology, TopologySpec
-from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 
 __all__ = ["LegSetup", "leg_spec", "node_urls", "router_cache_ttl", "start_leg"]
 

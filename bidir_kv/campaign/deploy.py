@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.launch.process import ManagedProcess, wait_http_ok
 from bidir_kv.topology.base import EngineSpec, Node, RouterSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology, engine_argv
-from bidir_kv.topology.process import ManagedProcess, wait_http_ok
 
 __all__ = ["Deployment", "EmulatedOptions", "read_rss_bytes", "start_emulated"]
 

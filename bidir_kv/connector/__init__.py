@@ -1,5 +1,9 @@
 """bidir-kv's connector for real vLLM: NixlConnector with the defects our suite found fixed.
 
+Reading path: ``rules`` (the decisions, pure and unit-tested without vLLM), then
+``nixl`` (the vLLM subclasses that call them) and ``worker``; ``versions`` names the vLLM
+releases it supports. The keys D adds to its params are in ``bidir_kv.wire.params``.
+
 Load it in vLLM with (docs/connector.md)::
 
     --kv-transfer-config '{"kv_connector": "NixlConnector",

@@ -5,7 +5,7 @@ vLLM environment; importing it checks the vLLM release first
 (:mod:`bidir_kv.connector.versions`). The scheduler side decides P's read here; the
 worker side (:mod:`bidir_kv.connector.worker`) only re-handshakes a peer whose read
 failed. The NIXL side channel, READs and notifications are vLLM's own, so the wire is
-unchanged apart from the keys D adds to its params (:mod:`bidir_kv.connector.wire`).
+unchanged apart from the keys D adds to its params (:mod:`bidir_kv.wire.params`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from bidir_kv.connector.rules import (
     positional_remote_blocks,
 )
 from bidir_kv.connector.versions import check_vllm_version
-from bidir_kv.connector.wire import (
+from bidir_kv.wire.ids import EngineId, RequestId
+from bidir_kv.wire.params import (
     CHAIN_KEY,
     LEASE_CONFIG_KEY,
     LEASE_KEY,
@@ -71,12 +72,12 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
     """P's D->P read decided by :func:`bidir_kv.connector.rules.plan_pull`; D's
     params carry its token chain."""
 
-    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+    def __init__(self, vllm_config: Any, engine_id: EngineId, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         kv = vllm_config.kv_transfer_config
         self._verify = bool(kv.get_from_extra_config(VERIFY_KEY, True))
         self._lease = lease_from_config(kv)
-        self._hits: dict[str, int] = {}  # request id -> P's local hit behind a claimed load
+        self._hits: dict[RequestId, int] = {}  # request id -> P's local hit behind a claimed load
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -120,7 +121,7 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         return delay, out
 
     @staticmethod
-    def _log_plan(req_id: str, plan: PullPlan) -> None:
+    def _log_plan(req_id: RequestId, plan: PullPlan) -> None:
         if plan.reason in _WHY:
             level = logging.WARNING if plan.reason == Refusal.FEATURE_OFF else logging.INFO
             log.log(level, "bidir-kv: request %s: %s.", req_id, _WHY[Refusal(plan.reason)])

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from bidir_kv.connector.wire import HeldTokens
 from bidir_kv.policy import (
     blocks_for_tokens,
     pull_decision,
     target_block_range,
     verified_continuation,
 )
+from bidir_kv.wire.ids import BlockIds
+from bidir_kv.wire.params import HeldTokens
 
 __all__ = ["PullPlan", "Refusal", "is_d_params", "plan_pull", "positional_remote_blocks"]
 
@@ -124,7 +125,7 @@ def plan_pull(
 
 def positional_remote_blocks(
     remote_block_ids: Sequence[Sequence[int]], local_hit: int, tokens: int, block_size: int
-) -> list[list[int]]:
+) -> BlockIds:
     """D's lists cut to end at the last block P reads, so vLLM's suffix trim pairs by
     position (docs/protocol.md §6.3, defect 3).
 

@@ -27,7 +27,6 @@ import msgpack
 
 from bidir_kv.engine import notifications
 from bidir_kv.engine.faults import Faults
-from bidir_kv.engine.guard import HandleTokens
 from bidir_kv.engine.transport.base import KVAgent, NotificationHandler, ReadResult, TransportError
 from bidir_kv.engine.transport.sidechannel import (
     EngineMetadata,
@@ -35,6 +34,8 @@ from bidir_kv.engine.transport.sidechannel import (
     SideChannelServer,
     handshake,
 )
+from bidir_kv.wire.ids import EngineId, RequestId
+from bidir_kv.wire.params import HeldTokens
 
 __all__ = ["ClaimRefused", "ConnectorWorker", "Peer", "StaleParams"]
 
@@ -65,7 +66,7 @@ class Peer:
     http_port: int
 
     @property
-    def engine_id(self) -> str:
+    def engine_id(self) -> EngineId:
         return self.info.engine_id
 
     @property
@@ -79,7 +80,7 @@ class ConnectorWorker:
     def __init__(
         self,
         *,
-        engine_id: str,
+        engine_id: EngineId,
         agent: KVAgent,
         side_host: str,
         side_port: int,
@@ -157,7 +158,7 @@ class ConnectorWorker:
         self,
         host: str,
         port: int,
-        engine_id: str | None,
+        engine_id: EngineId | None,
         *,
         generation: int | None = None,
         by_engine_id: bool = False,
@@ -209,7 +210,7 @@ class ConnectorWorker:
                 logger.info("Dropping cached peer %s; the next request handshakes again",
                             peer.engine_id)  # fmt: skip
 
-    async def _handshake(self, host: str, port: int, engine_id: str | None) -> Peer:
+    async def _handshake(self, host: str, port: int, engine_id: EngineId | None) -> Peer:
         info = await handshake(
             host,
             port,
@@ -245,8 +246,8 @@ class ConnectorWorker:
     # ---- claims --------------------------------------------------------------------
 
     async def claim(
-        self, peer: Peer, request_id: str, blocks: Sequence[int]
-    ) -> HandleTokens | None:
+        self, peer: Peer, request_id: RequestId, blocks: Sequence[int]
+    ) -> HeldTokens | None:
         """Ask the owner for single-use access to ``blocks`` of ``request_id``; returns
         what the handle holds (hashes of its tokens) when the owner says."""
         import aiohttp
@@ -270,7 +271,7 @@ class ConnectorWorker:
         if held is None:
             return None
         try:
-            return HandleTokens.from_wire(held)
+            return HeldTokens.from_wire(held)
         except ValueError as exc:
             raise TransportError(str(exc)) from None
 
@@ -315,7 +316,9 @@ class ConnectorWorker:
     async def notify(self, peer: Peer, message: str) -> None:
         await self.agent.notify(peer.agent_name, message.encode())
 
-    async def heartbeat_loop(self, peer: Peer, request_ids: Sequence[str], interval: float) -> None:
+    async def heartbeat_loop(
+        self, peer: Peer, request_ids: Sequence[RequestId], interval: float
+    ) -> None:
         """Send ``HB:<ids>`` every ``interval`` s until cancelled (D keeping P's lease)."""
         msg = notifications.heartbeat(request_ids)
         while True:

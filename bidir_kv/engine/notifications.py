@@ -17,10 +17,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bidir_kv.errors import KVTransferError
+from bidir_kv.wire.ids import RequestId
 
 __all__ = [
     "HEARTBEAT_PREFIX",
-    "NOTIFICATION_VERSION",
     "Completion",
     "Heartbeat",
     "MalformedNotification",
@@ -29,8 +29,8 @@ __all__ = [
     "parse",
 ]
 
-# Our revision of this wire format (vLLM 0.33's); bump it with any change below.
-NOTIFICATION_VERSION = 1
+# This format's version is ``bidir_kv.wire.versions.NOTIFICATIONS`` (vLLM 0.33's format);
+# an incompatible change below adds a line to its history there.
 HEARTBEAT_PREFIX = "HB:"
 _ID_SEPARATOR = ","
 _COUNT_SEPARATOR = ":"
@@ -44,7 +44,7 @@ class MalformedNotification(KVTransferError, ValueError):
 class Completion:
     """``"<request_id>:<consumers>"``: a reader finished with the owner's blocks."""
 
-    request_id: str
+    request_id: RequestId
     consumers: int
 
 
@@ -55,7 +55,7 @@ class Heartbeat:
     request_ids: tuple[str, ...]
 
 
-def completion(request_id: str, consumers: int = 1) -> str:
+def completion(request_id: RequestId, consumers: int = 1) -> str:
     """The completion message for ``request_id``."""
     return f"{request_id}{_COUNT_SEPARATOR}{consumers}"
 

@@ -14,11 +14,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from bidir_kv.connector.wire import LEASE_KEY, lease_to_wire
 from bidir_kv.engine import notifications
 from bidir_kv.engine.connector import ConnectorWorker
 from bidir_kv.engine.faults import Faults
-from bidir_kv.engine.guard import HandleTokens
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.request import Request
@@ -32,6 +30,8 @@ from bidir_kv.policy import (
     retained_eviction_order,
 )
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.wire.ids import RequestId
+from bidir_kv.wire.params import LEASE_KEY, HeldTokens, lease_to_wire
 
 __all__ = ["HandleOwner"]
 
@@ -62,7 +62,7 @@ class HandleOwner:
         self.leases = LeaseTable(duration=self.kv.kv_lease_duration)
         self._lease_blocks: dict[str, list[int]] = {}
         self._claimed: set[str] = set()
-        self._handle_tokens: dict[str, HandleTokens] = {}
+        self._handle_tokens: dict[RequestId, HeldTokens] = {}
 
     # ---- holding -----------------------------------------------------------------------
 
@@ -75,8 +75,8 @@ class HandleOwner:
         p = req.params
         ok = reason in ("stop", "length") and keep_n > 0 and p is not None
         if ok and (req.is_p_node or self.kv.bidirectional_kv_xfer):
-            self._handle_tokens[req.request_id] = HandleTokens.of(
-                req.tokens[: req.num_computed], req.block_chain, bs
+            self._handle_tokens[req.request_id] = HeldTokens.of(
+                req.tokens[: req.num_computed], bs, req.block_chain
             )
         if ok and req.is_p_node:
             self.leases.hold(req.request_id, self.clock())
@@ -117,7 +117,7 @@ class HandleOwner:
 
     # ---- claims ------------------------------------------------------------------------
 
-    def claim(self, request_id: str, blocks: list[int]) -> str | None:
+    def claim(self, request_id: RequestId, blocks: list[int]) -> str | None:
         """Grant single-use access to a held handle; return a refusal reason or None.
 
         After a grant, :meth:`handle_tokens` tells the reader what the handle holds."""
@@ -138,10 +138,10 @@ class HandleOwner:
         self._claimed.add(request_id)
         return None
 
-    def handle_tokens(self, request_id: str) -> HandleTokens | None:
+    def handle_tokens(self, request_id: RequestId) -> HeldTokens | None:
         return self._handle_tokens.get(request_id)
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: RequestId) -> None:
         self._claimed.discard(request_id)
         self._handle_tokens.pop(request_id, None)
 
@@ -200,7 +200,7 @@ class HandleOwner:
         for rid in self.leases.reap(now):
             self._expire(rid, self._lease_blocks.pop(rid), 0)
 
-    def _expire(self, rid: str, blocks: list[int], reads: int) -> None:
+    def _expire(self, rid: RequestId, blocks: list[int], reads: int) -> None:
         logger.warning(
             "Releasing expired KV blocks for request %s which were retrieved by %d remote "
             "worker(s) before lease expired.",

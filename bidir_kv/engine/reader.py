@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from bidir_kv.engine import notifications
 from bidir_kv.engine.compute import ModelRunner
 from bidir_kv.engine.connector import ConnectorWorker, Peer, StaleParams
-from bidir_kv.engine.guard import HandleTokens, verified_tokens
+from bidir_kv.engine.guard import verified_tokens
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.request import Request, RequestError
 from bidir_kv.engine.settings import EngineSettings
@@ -35,6 +35,7 @@ from bidir_kv.policy import (
     target_block_range,
 )
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.wire.params import HeldTokens
 
 __all__ = ["PullHost", "PullReader"]
 
@@ -240,7 +241,7 @@ class PullReader:
         self._pull_resolved(req, hit, count, failed=False)
 
     def _guarded_count(
-        self, req: Request, hit: int, count: int, owner: HandleTokens, params: KVTransferParams
+        self, req: Request, hit: int, count: int, owner: HeldTokens, params: KVTransferParams
     ) -> int:
         """Cap a pull at the prefix the owner provably holds for our prompt (guard.py)."""
         bs = self.settings.block_size

@@ -11,6 +11,7 @@ from typing import Any
 from bidir_kv.errors import EngineError
 from bidir_kv.policy import ROOT_HASH
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.wire.ids import RequestId
 
 __all__ = ["Request", "RequestError"]
 
@@ -31,7 +32,7 @@ class RequestError(EngineError):
 
 @dataclass(eq=False)
 class Request:
-    request_id: str
+    request_id: RequestId
     prompt: list[int]
     max_tokens: int
     ignore_eos: bool = False

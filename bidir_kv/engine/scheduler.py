@@ -24,7 +24,6 @@ from typing import Any
 
 from bidir_kv.engine.compute import ModelRunner
 from bidir_kv.engine.connector import ConnectorWorker
-from bidir_kv.engine.guard import HandleTokens
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.owner import HandleOwner
@@ -32,6 +31,8 @@ from bidir_kv.engine.reader import PullReader
 from bidir_kv.engine.request import Request, RequestError
 from bidir_kv.engine.settings import EngineSettings, Pairing
 from bidir_kv.engine.steps import StepLoop
+from bidir_kv.wire.ids import RequestId
+from bidir_kv.wire.params import HeldTokens
 
 __all__ = ["EngineCore", "Pairing", "Request", "RequestError"]
 
@@ -126,11 +127,11 @@ class EngineCore:
     async def on_notification(self, peer: str, message: bytes) -> None:
         await self.owner.on_notification(peer, message)
 
-    def claim(self, request_id: str, blocks: list[int]) -> str | None:
+    def claim(self, request_id: RequestId, blocks: list[int]) -> str | None:
         """Grant single-use access to a held handle; return a refusal reason or None."""
         return self.owner.claim(request_id, blocks)
 
-    def handle_tokens(self, request_id: str) -> HandleTokens | None:
+    def handle_tokens(self, request_id: RequestId) -> HeldTokens | None:
         return self.owner.handle_tokens(request_id)
 
     def usage_cached_tokens(self, req: Request) -> int:

@@ -1,6 +1,11 @@
 """Pure rules of bidirectional KV transfer, shared by engine, router, planner and tests.
 
 Nothing here does I/O or reads a clock: time comes in as ``now`` arguments.
+
+Reading path: ``threshold`` (P's pull-or-recompute decision), ``blocks`` (block
+arithmetic and pairing), ``retention`` (how long blocks are held, when a reader
+declines), ``guard`` (what a prompt provably shares with D), then ``cache_entry``,
+``conversation_lease`` and ``placement`` (the router's rules).
 """
 
 from bidir_kv.policy.blocks import (

@@ -13,7 +13,6 @@ import logging
 from array import array
 from collections.abc import Callable
 
-from bidir_kv.connector.wire import lease_of
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.router.failures import UpstreamFailure
 from bidir_kv.router.metrics import RouterMetrics
@@ -22,6 +21,7 @@ from bidir_kv.router.release import Releaser
 from bidir_kv.router.store import ConversationStore, Entry, StoreError
 from bidir_kv.router.turn import Turn
 from bidir_kv.router.upstreams import Upstream
+from bidir_kv.wire.params import lease_of
 
 __all__ = ["TurnMemo"]
 

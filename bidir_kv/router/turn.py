@@ -10,6 +10,7 @@ from typing import Any
 
 from bidir_kv.router.identity import ConversationKey, log_safe
 from bidir_kv.router.metrics import RouterMetrics
+from bidir_kv.wire.ids import RequestId
 
 __all__ = ["Turn", "record_client_gone", "record_first_byte"]
 
@@ -20,7 +21,7 @@ log = logging.getLogger("bidir_kv.router")
 class Turn:
     """State of one request; ``upstream`` sums the seconds spent waiting on engines."""
 
-    rid: str
+    rid: RequestId
     endpoint: str
     body: dict[str, Any]
     headers: dict[str, str]

@@ -22,6 +22,7 @@ from typing import Literal
 import aiohttp
 
 from bidir_kv.policy import least_loaded, node_load, stale_cutoff
+from bidir_kv.wire.ids import RequestId
 
 __all__ = ["HealthChecker", "Role", "Upstream", "UpstreamPool"]
 
@@ -114,13 +115,13 @@ class UpstreamPool:
 
     # ---- held work: turns in the store whose KV the node keeps pinned ------------
 
-    def hold(self, node_id: str, request_id: str) -> None:
+    def hold(self, node_id: str, request_id: RequestId) -> None:
         node = self.get(node_id)
         if node is not None:
             node.held.pop(request_id, None)  # keep the dict in time order
             node.held[request_id] = time.monotonic()
 
-    def unhold(self, node_id: str | None, request_id: str) -> None:
+    def unhold(self, node_id: str | None, request_id: RequestId) -> None:
         node = self.get(node_id)
         if node is not None:
             node.held.pop(request_id, None)

@@ -120,7 +120,7 @@ def _router_hint(spec: ServeSpec, peer: str | None) -> str | None:
 
 
 def _stop_main(argv: Sequence[str]) -> int:
-    from bidir_kv.serve.launcher import stop, stop_all
+    from bidir_kv.launch.pidfile import stop, stop_all
 
     p = argparse.ArgumentParser(prog="bidir-kv serve stop",
                                 description="stop nodes that `bidir-kv serve` started")
@@ -151,8 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hint:
             print(f"# {hint}")
         return 0
-    from bidir_kv.serve.launcher import launch
-    from bidir_kv.topology.process import ProcessFailed
+    from bidir_kv.launch.pidfile import launch
+    from bidir_kv.launch.process import ProcessFailed
 
     port = spec.http_port
     log = ns.log_file or ns.run_dir / f"{spec.role}-{port}.log"

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bidir_kv.engine.transport.sidechannel import DEFAULT_SIDE_CHANNEL_PORT
 from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
+from bidir_kv.wire.ports import DEFAULT_SIDE_CHANNEL_PORT
 
 __all__ = [
     "DEFAULT_PORTS",

@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bidir_kv.connector.wire import CHAIN_KEY
 from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL
 from bidir_kv.testing.backends import (
     _REPO,
@@ -23,6 +22,7 @@ from bidir_kv.testing.backends import (
 )
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
+from bidir_kv.wire.params import CHAIN_KEY
 
 __all__ = ["pd_spec", "start_backend"]
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.launch.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.testing import matrix
 from bidir_kv.testing.backend_start import start_backend
@@ -30,7 +31,6 @@ from bidir_kv.testing.exemptions import exemption_for
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import start_router_process
 from bidir_kv.topology.base import BackendUnavailable
-from bidir_kv.topology.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 
 __all__ = ["prompt_seed", "selected_backends", "selected_proxies"]
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.launch.process import ProcessFailed
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import MetricsSnapshot
 from bidir_kv.testing.gating import skip_or_fail
@@ -36,7 +37,6 @@ from bidir_kv.testing.pd_client import (
     run_pd_turn,
 )
 from bidir_kv.topology.base import BackendUnavailable, Node
-from bidir_kv.topology.process import ProcessFailed
 
 __all__ = ["HwDeployment", "hw_deployment", "hw_results", "measure_length", "run_round"]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.launch.pidfile import launch, stop
 from bidir_kv.serve.command import ServeSpec, build
-from bidir_kv.serve.launcher import launch, stop
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import Node
 
@@ -57,7 +57,7 @@ def launch_pair(
                           log_path=run_dir / f"{s.role}-{s.http_port}.log", pidfile=pf,
                           health_timeout=1800, wait=False) for s, pf in zip(specs, pidfiles,
                                                                             strict=True)]
-        from bidir_kv.topology.process import wait_http_ok
+        from bidir_kv.launch.process import wait_http_ok
 
         for rec in records:
             wait_http_ok(rec.url + "/health", 1800)

@@ -22,15 +22,15 @@ import pytest
 from aiohttp import web
 
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.router.app import FLOW_KEY, build_app
 from bidir_kv.router.flow import RouterFlow
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore
+from bidir_kv.testing.doubles.stub_engine import StubEngine
 from bidir_kv.testing.engines import kv_config
 from bidir_kv.testing.gating import skip_or_fail
-from bidir_kv.tools.stub_engine import StubEngine
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, RouterSpec, TopologySpec
-from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.topology.redis_server import RedisServer
 
 _conversations = itertools.count()

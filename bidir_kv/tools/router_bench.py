@@ -1,7 +1,7 @@
 """Router benchmark: added latency and throughput of ``bidir-kv proxy``.
 
 ``python -m bidir_kv.tools.router_bench`` starts two stub engines (P and D,
-:mod:`bidir_kv.tools.stub_engine`, separate processes), our router, and a
+:mod:`bidir_kv.testing.doubles.stub_engine`, separate processes), our router, and a
 minimal FastAPI + httpx relay of the same flow (the upstream example proxy's
 stack), then drives multi-turn streaming conversations at each concurrency
 against: the engines directly (the client does the P and D legs itself), the
@@ -26,10 +26,10 @@ from typing import Any
 
 import aiohttp
 
+from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.testing.doubles.relay import HOST, serve_relay
 from bidir_kv.tools.cpu_account import cpu_seconds
-from bidir_kv.tools.router_relay import HOST, serve_relay
-from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 
 __all__ = ["main", "run_cell"]
 TURNS_PER_CONVERSATION = 5
@@ -248,9 +248,9 @@ def _start_all(modes: Sequence[str], log_dir: Path, procs: list[ManagedProcess],
     """
     py = sys.executable
     p_port, d_port = free_port(), free_port()
-    procs.append(_start("stub-p", [py, "-m", "bidir_kv.tools.stub_engine", "--port",
+    procs.append(_start("stub-p", [py, "-m", "bidir_kv.testing.doubles.stub_engine", "--port",
                                    str(p_port), "--name", "p"], log_dir, p_port))
-    procs.append(_start("stub-d", [py, "-m", "bidir_kv.tools.stub_engine", "--port",
+    procs.append(_start("stub-d", [py, "-m", "bidir_kv.testing.doubles.stub_engine", "--port",
                                    str(d_port), "--name", "d", "--side-port", "5700"],
                         log_dir, d_port))
     targets: dict[str, Any] = {"direct": (f"http://{HOST}:{p_port}", f"http://{HOST}:{d_port}")}
@@ -372,8 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         pids: dict[str, int | None] = {}
         targets = _start_all(args.modes, log_dir, procs, pids, args.workers)
-        print(f"router benchmark: upstream = stub engines ({__package__}.stub_engine, aiohttp, "
-              f"8-token streamed answers), {TURNS_PER_CONVERSATION}-turn conversations, "
+        print("router benchmark: upstream = stub engines (bidir_kv.testing.doubles.stub_engine, "
+              f"aiohttp, 8-token streamed answers), {TURNS_PER_CONVERSATION}-turn conversations, "
               f"client loop {loop_name}, {args.duration:g}s per cell in {args.rounds} "
               f"interleaved rounds; logs in {log_dir}")
         results: list[Cell] = []

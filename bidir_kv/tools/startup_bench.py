@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bidir_kv.engine.transport import TRANSPORT_CHOICES
-from bidir_kv.topology.process import ManagedProcess, free_port
+from bidir_kv.launch.process import ManagedProcess, free_port
 
 __all__ = ["main", "measure_once"]
 

@@ -32,7 +32,7 @@ import msgpack
 import numpy as np
 
 from bidir_kv.engine.transport import wire
-from bidir_kv.topology.process import ManagedProcess, ProcessFailed
+from bidir_kv.launch.process import ManagedProcess, ProcessFailed
 
 __all__ = ["READY", "PeerProcess", "main", "seeded_pool_bytes", "spawn", "write_atomic"]
 

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.launch.process import ProcessFailed, wait_http_ok
 from bidir_kv.topology.base import (
     BackendUnavailable,
     EngineSpec,
@@ -42,7 +43,6 @@ from bidir_kv.topology.base import (
 from bidir_kv.topology.container_image import ImageBuild, ensure_image
 from bidir_kv.topology.container_manifest import IMAGE_PYTHON
 from bidir_kv.topology.local import engine_argv
-from bidir_kv.topology.process import ProcessFailed, wait_http_ok
 
 __all__ = ["HTTP_PORT", "LABEL", "SIDE_CHANNEL_PORT", "ContainerTopology", "testcontainers_env"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Sequence
 
+from bidir_kv.launch.process import ProcessFailed, wait_http_ok
 from bidir_kv.topology.base import BackendUnavailable, Node, Role, Topology, TopologySpec
-from bidir_kv.topology.process import ProcessFailed, wait_http_ok
 
 __all__ = ["ExternalTopology", "parse_node_url"]
 

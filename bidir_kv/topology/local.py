@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.topology.base import (
     BackendUnavailable,
     EngineSpec,
@@ -23,7 +24,6 @@ from bidir_kv.topology.base import (
     Topology,
     TopologySpec,
 )
-from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.topology.redis_server import RedisServer
 
 __all__ = ["LocalTopology", "engine_argv"]

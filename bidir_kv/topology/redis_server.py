@@ -11,8 +11,8 @@ import socket
 import time
 from pathlib import Path
 
+from bidir_kv.launch.process import ManagedProcess, ProcessFailed, free_port
 from bidir_kv.topology.base import BackendUnavailable
-from bidir_kv.topology.process import ManagedProcess, ProcessFailed, free_port
 
 __all__ = ["RedisServer", "redis_binary"]
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.launch.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 from bidir_kv.serve.command import ServeSpec, build, kv_transfer_config
 from bidir_kv.topology.base import (
     BackendUnavailable,
@@ -37,7 +38,6 @@ from bidir_kv.topology.base import (
     Topology,
     TopologySpec,
 )
-from bidir_kv.topology.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 
 __all__ = [
     "CPU_BLOCK_SIZE",

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from bidir_kv.connector.wire import CHAIN_KEY, HeldTokens
 from bidir_kv.policy import cdiv
 from bidir_kv.protocol import KVTransferParams, ParamsKind
 from bidir_kv.testing.backends import PDBackend, PromptFactory, first_params
+from bidir_kv.wire.params import CHAIN_KEY, HeldTokens
 
 COMMON = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
           "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",

@@ -36,7 +36,7 @@ def _request(prompt: list[int], params: dict[str, Any]) -> Any:
 
 
 def _d_params(held: list[int], **extra: Any) -> dict[str, Any]:
-    from bidir_kv.connector.wire import CHAIN_KEY, HeldTokens
+    from bidir_kv.wire.params import CHAIN_KEY, HeldTokens
 
     n_blocks = -(-len(held) // BS)
     return {"do_remote_prefill": False, "do_remote_decode": True,
@@ -138,7 +138,7 @@ def d_advertises_the_renewable_lease() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorScheduler
 
     from bidir_kv.connector.nixl import lease_from_config
-    from bidir_kv.connector.wire import CHAIN_KEY, LEASE_KEY, lease_of
+    from bidir_kv.wire.params import CHAIN_KEY, LEASE_KEY, lease_of
 
     def cfg(**extra: Any) -> Any:
         return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
+from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 
 ENGINE = [sys.executable, "-m", "bidir_kv", "engine"]
 

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from bidir_kv.engine.fields import REFUSED
+from bidir_kv.launch.process import free_port
 from bidir_kv.protocol import iter_sse_data
 from bidir_kv.testing.engines import EnginePair, random_prompt
-from bidir_kv.topology.process import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

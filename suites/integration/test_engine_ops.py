@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.launch.process import ManagedProcess, wait_http_ok
 from bidir_kv.testing.engines import EnginePair, random_prompt
 from bidir_kv.testing.pd_client import Completion, EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.topology.local import engine_argv
-from bidir_kv.topology.process import ManagedProcess, wait_http_ok
 
 Factory = Callable[..., EnginePair]
 EVICTED = "vllm:nixl_num_kv_evicted_reqs_total"

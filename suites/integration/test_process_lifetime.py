@@ -14,7 +14,7 @@ from bidir_kv.testing.poll import wait_for
 
 SCRIPT = """
 import sys, time
-from bidir_kv.topology.process import ManagedProcess
+from bidir_kv.launch.process import ManagedProcess
 p = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"],
                    sys.argv[1]).start()
 print(p.pid, flush=True)
@@ -57,7 +57,7 @@ def test_child_dies_when_the_starter_is_sigkilled(tmp_path: Path) -> None:
 
 def test_a_stopped_process_ends_on_sigterm_not_after_the_timeout(tmp_path: Path) -> None:
     """A paused (SIGSTOPped) node still gets a graceful SIGTERM from ``stop``."""
-    from bidir_kv.topology.process import ManagedProcess
+    from bidir_kv.launch.process import ManagedProcess
 
     proc = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"],
                           tmp_path / "sleeper.log").start()
@@ -80,7 +80,7 @@ print(mine, theirs, flush=True)
 
 def _affinities(tmp_path: Path, name: str, cpus: frozenset[int] | None) -> str:
     """What GRANDCHILD prints, run as a ManagedProcess with ``cpus``."""
-    from bidir_kv.topology.process import ManagedProcess
+    from bidir_kv.launch.process import ManagedProcess
 
     log = tmp_path / f"{name}.log"
     proc = ManagedProcess(name, [sys.executable, "-c", GRANDCHILD], log, cpus=cpus).start()

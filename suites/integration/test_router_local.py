@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.launch.process import free_port
 from bidir_kv.scrape import MetricsSnapshot, scrape
 from bidir_kv.testing.router import (
     ChatResult,
@@ -26,7 +27,6 @@ from bidir_kv.testing.router import (
     long_opening,
     router_counter,
 )
-from bidir_kv.topology.process import free_port
 
 TOKENS = "vllm:prompt_tokens_by_source_total"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"

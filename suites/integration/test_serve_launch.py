@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.serve.launcher import read_record
-from bidir_kv.topology.process import free_port
+from bidir_kv.launch.pidfile import read_record
+from bidir_kv.launch.process import free_port
 
 
 def _shim(tmp_path: Path) -> Path:

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from bidir_kv.connector import SUPPORTED_VLLM, UnsupportedVllm, check_vllm_version
 from bidir_kv.connector.rules import Refusal, is_d_params, plan_pull, positional_remote_blocks
-from bidir_kv.connector.wire import CHAIN_KEY, HeldTokens
 from bidir_kv.policy import cdiv, position_pairing, suffix_trim_pairing
+from bidir_kv.wire.params import CHAIN_KEY, HeldTokens
 
 BS = 16
 PROPS = settings(max_examples=80, deadline=None, database=None)

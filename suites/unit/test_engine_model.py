@@ -149,12 +149,14 @@ def test_kv_transfer_metrics_line_zero_without_transfers() -> None:
 
 
 def test_guard_verifies_chain_prefix_and_partial_tail() -> None:
-    from bidir_kv.engine.guard import HandleTokens, verified_tokens
+    from bidir_kv.engine.guard import verified_tokens
+    from bidir_kv.wire.params import HeldTokens
 
     bs = 4
     owner_tokens = list(range(100, 114))  # 3 full blocks + 2 tail tokens
-    owner = HandleTokens.of(owner_tokens, block_hashes(owner_tokens, bs), bs)
-    assert HandleTokens.from_wire(owner.to_wire()) == owner
+    owner = HeldTokens.of(owner_tokens, bs, block_hashes(owner_tokens, bs))
+    assert owner == HeldTokens.of(owner_tokens, bs)  # the chain given or computed
+    assert HeldTokens.from_wire(owner.to_wire()) == owner
 
     def check(prompt: list[int]) -> int:
         return verified_tokens(prompt, block_hashes(prompt, bs), owner, bs)
@@ -166,7 +168,7 @@ def test_guard_verifies_chain_prefix_and_partial_tail() -> None:
     assert check([*owner_tokens[:12], 0, 0, 5]) == 12  # tail differs
     assert check([0, *owner_tokens]) == 0
     with pytest.raises(ValueError, match="malformed"):
-        HandleTokens.from_wire({"chain": ["zz"], "tail": "", "num_tokens": 1})
+        HeldTokens.from_wire({**owner.to_wire(), "chain": ["zz"]})
 
 
 def test_notifications_round_trip_in_vllms_format() -> None:

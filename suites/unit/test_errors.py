@@ -147,10 +147,10 @@ def test_the_ast_check_on_a_planted_module(tmp_path: Path) -> None:
 def test_builtin_bases_stay_for_callers_that_catch_them() -> None:
     from bidir_kv.bench.distributions import DistributionError
     from bidir_kv.config import ConfigError
+    from bidir_kv.launch.process import ProcessFailed
     from bidir_kv.protocol import ProtocolError
     from bidir_kv.router.store import StoreError
     from bidir_kv.testing.poll import WaitTimeout
-    from bidir_kv.topology.process import ProcessFailed
 
     assert ConfigError is errors.ConfigError
     for cls, builtin in [(ConfigError, ValueError), (DistributionError, ValueError),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bidir_kv.topology.process import _ephemeral_range, free_port
+from bidir_kv.launch.process import _ephemeral_range, free_port
 
 
 def test_picks_never_repeat_and_lie_apart() -> None:

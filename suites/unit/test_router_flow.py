@@ -16,8 +16,8 @@ import pytest
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import MemoryStore
+from bidir_kv.testing.doubles.stub_engine import StubEngine
 from bidir_kv.testing.router import StubStack, counter
-from bidir_kv.tools.stub_engine import StubEngine
 
 CHAT = "/v1/chat/completions"
 

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.connector.wire import LEASE_KEY, lease_of, lease_to_wire
 from bidir_kv.policy import lease_deadline, lease_expired, valid_conversation_lease
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.router.conversations import LeaseSweeper
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import Entry, MemoryStore, Renewal
+from bidir_kv.testing.doubles.stub_engine import StubEngine
 from bidir_kv.testing.router import StubStack, counter
-from bidir_kv.tools.stub_engine import StubEngine
+from bidir_kv.wire.params import LEASE_KEY, lease_of, lease_to_wire
 
 pytestmark = pytest.mark.unit
 

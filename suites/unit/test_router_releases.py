@@ -12,8 +12,8 @@ from bidir_kv.protocol import KVTransferParams
 from bidir_kv.router.release import RELEASE_PROMPT
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import Entry, MemoryStore
+from bidir_kv.testing.doubles.stub_engine import StubEngine
 from bidir_kv.testing.router import StubStack, counter
-from bidir_kv.tools.stub_engine import StubEngine
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from bidir_kv.topology.process import ProcessFailed, free_port, wait_http_ok
+from bidir_kv.launch.process import ProcessFailed, free_port, wait_http_ok
 
 
 def test_a_server_that_is_gone_ends_the_wait_at_once_naming_why() -> None:

@@ -128,7 +128,7 @@ def test_generation_seen_per_handshake() -> None:
 
 
 def test_nobody_listening_is_transport_error() -> None:
-    from bidir_kv.topology.process import free_port
+    from bidir_kv.launch.process import free_port
 
     port = free_port()
     with pytest.raises(TransportError, match=f"127.0.0.1:{port}"):

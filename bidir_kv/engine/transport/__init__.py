@@ -1,5 +1,10 @@
 """Worker-side KV movement: a registered block pool, one-sided READs, notifications.
 
+Reading path: ``base`` (the contract the engine sees: ``KVAgent``, ``KVPool``), then
+``wire`` (every name of our engine-to-engine wire; its version is in
+``bidir_kv.wire.versions``), ``sidechannel`` (how a reader learns a peer), and one
+transport: ``tcp`` (with ``tcp_owner``, ``tcp_io``) or ``nixl``.
+
 Two transports: ``nixl`` (UCX over DRAM, when ``nixl`` imports) and ``tcp`` (always
 available). :func:`create_agent` picks one; the engine only sees :class:`KVAgent`.
 Heavy imports (``nixl``) happen only when a NIXL agent is asked for, so a TCP engine

@@ -16,6 +16,7 @@ import msgpack
 
 from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import TransportError
+from bidir_kv.wire import versions
 
 __all__ = [
     "checked_map",
@@ -66,7 +67,8 @@ def checked_map(obj: Any, kinds: dict[str, type], what: str) -> dict[str, Any]:
 def encode_agent_metadata(transport: str, fields: dict[str, Any]) -> bytes:
     """An agent's ``metadata()`` blob: its transport tag, the wire version, ``fields``."""
     return msgpack.packb(
-        {wire.TRANSPORT: transport, wire.VERSION: wire.WIRE_VERSION, **fields}, use_bin_type=True
+        {wire.TRANSPORT: transport, wire.VERSION: versions.TRANSPORT.version, **fields},
+        use_bin_type=True,
     )
 
 
@@ -83,7 +85,7 @@ def decode_agent_metadata(
     if not isinstance(raw, dict) or raw.get(wire.TRANSPORT) != transport:
         raise TransportError(f"peer metadata is not from a {label} agent")
     version = raw.get(wire.VERSION)
-    if version != wire.WIRE_VERSION:
+    if version != versions.TRANSPORT.version:
         raise TransportError(f"{label} agent metadata version {version!r} unsupported")
     md = checked_map(raw, kinds, f"{label} agent metadata")
     if md["block_nbytes"] != block_nbytes:

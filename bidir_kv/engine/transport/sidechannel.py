@@ -27,10 +27,12 @@ from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import TransportError
 from bidir_kv.engine.transport.framing import checked_map, read_frame, write_frame
 from bidir_kv.policy import HandshakeSample, clock_offset
+from bidir_kv.wire import versions
+from bidir_kv.wire.ids import EngineId
+from bidir_kv.wire.ports import DEFAULT_SIDE_CHANNEL_PORT
 
 __all__ = [
     "DEFAULT_SIDE_CHANNEL_HOST",
-    "DEFAULT_SIDE_CHANNEL_PORT",
     "EngineMetadata",
     "PeerInfo",
     "SideChannelServer",
@@ -42,7 +44,6 @@ __all__ = [
 logger = logging.getLogger("bidir_kv.engine.transport")
 
 DEFAULT_SIDE_CHANNEL_HOST = "localhost"
-DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_SAMPLES = 3
 
 
@@ -63,7 +64,7 @@ def compatibility_hash(
     extra: Mapping[str, Any] | None = None,
     *,
     version: str = bidir_kv.__version__,
-    connector_version: int = wire.WIRE_VERSION,
+    connector_version: int = versions.TRANSPORT.version,
 ) -> str:
     """SHA-256 over our version, the wire version and engine facts (``extra``).
 
@@ -79,7 +80,7 @@ def compatibility_hash(
 class EngineMetadata:
     """What an engine tells a reader about itself."""
 
-    engine_id: str
+    engine_id: EngineId
     compat_hash: str
     backend: str  # the transport: wire.TCP or wire.NIXL (KVAgent.backend)
     agent_metadata: bytes  # KVAgent.metadata()
@@ -129,7 +130,7 @@ class PeerInfo:
     offset: float  # peer clock - our clock (seconds), from the lowest-RTT sample
 
     @property
-    def engine_id(self) -> str:
+    def engine_id(self) -> EngineId:
         return self.meta.engine_id
 
     @property
@@ -206,7 +207,7 @@ class SideChannelServer:
     def _answer(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get(wire.OP)
         version = req.get(wire.VERSION)
-        if version != wire.WIRE_VERSION:
+        if version != versions.TRANSPORT.version:
             return wire.refuse(f"unsupported side-channel version {version!r}")
         if op == wire.OP_GET_META:
             try:
@@ -226,7 +227,7 @@ async def _exchange(
     clock: Callable[[], float],
 ) -> tuple[dict[str, Any], HandshakeSample]:
     send = clock()
-    await write_frame(writer, {wire.OP: op, wire.VERSION: wire.WIRE_VERSION})
+    await write_frame(writer, {wire.OP: op, wire.VERSION: versions.TRANSPORT.version})
     resp = await read_frame(reader)
     recv = clock()
     if resp is None:

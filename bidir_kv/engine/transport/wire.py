@@ -1,9 +1,10 @@
-"""Our engine-to-engine wire, with its version: the side channel and the TCP data port.
+"""Our engine-to-engine wire: the side channel and the TCP data port.
 
-Both ends of every exchange take their names from here: the side-channel server and
-``handshake()``; the TCP owner and reader; each agent's ``metadata()`` and the
-``add_peer()`` that checks it. The formats are drawn in ``docs/transports.md``. This is
-our own wire, not vLLM's (vLLM's side channel is ZMQ), so only our engines speak it.
+Both ends of every exchange take their names from here (its version from
+:mod:`bidir_kv.wire.versions`): the side-channel server and ``handshake()``; the TCP
+owner and reader; each agent's ``metadata()`` and the ``add_peer()`` that checks it.
+The formats are drawn in ``docs/transports.md``. This is our own wire, not vLLM's
+(vLLM's side channel is ZMQ), so only our engines speak it.
 """
 
 from __future__ import annotations
@@ -36,18 +37,17 @@ __all__ = [
     "TCP_METADATA",
     "TRANSPORT",
     "VERSION",
-    "WIRE_VERSION",
     "accept",
     "refusal",
     "refuse",
 ]
 
-# Bump on any incompatible change to what this module describes. It is the ``v`` of every
-# side-channel request and of every agent metadata blob, and the connector version in
-# the compatibility hash, so engines of two wire versions refuse each other at the
+# The version of what this module describes is ``bidir_kv.wire.versions.TRANSPORT``: add
+# a line to its history on any incompatible change. It is the ``v`` of every side-channel
+# request and of every agent metadata blob, and the connector version in the
+# compatibility hash, so engines of two wire versions refuse each other at the
 # handshake. vLLM's own connector version (15 in 0.33.0, docs/protocol.md §3.6) is
 # independent of it.
-WIRE_VERSION = 1
 
 # -- frames: a 4-byte big-endian length, then that many bytes of one msgpack map ----------
 FRAME_HEADER = struct.Struct(">I")
@@ -55,7 +55,7 @@ MAX_FRAME = 16 * 1024 * 1024  # control frames only; agent metadata blobs are KB
 
 # -- keys every control map may carry ------------------------------------------------------
 OP = "op"  # a request's operation
-VERSION = "v"  # WIRE_VERSION, in side-channel requests and agent metadata
+VERSION = "v"  # versions.TRANSPORT.version, in side-channel requests and agent metadata
 OK = "ok"  # every answer: True, or False with ERROR
 ERROR = "error"
 

@@ -1,5 +1,8 @@
 """Conversation stores behind one interface (:class:`ConversationStore`).
 
+Reading path: ``base`` (the interface and its single-use ``take``), then ``memory``;
+``redis`` is the shared one.
+
 ``memory`` keeps entries in the router process; ``redis`` shares them between
 replicas and across restarts. A new store subclasses :class:`ConversationStore`
 in a module here and gets a spec in :func:`open_store`.

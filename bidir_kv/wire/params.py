@@ -1,4 +1,4 @@
-"""The one key our connector adds to D's ``kv_transfer_params``: D's token chain.
+"""The keys our D adds to vLLM's ``kv_transfer_params``: its token chain and its lease.
 
 vLLM's D-node dict says how many tokens D holds (``remote_num_tokens``) but not
 which, so P cannot tell whether its prompt continues D's sequence (vLLM issue
@@ -7,7 +7,9 @@ which, so P cannot tell whether its prompt continues D's sequence (vLLM issue
 partial last block (``policy.tail_hash``) and the block size. Every other key, and
 every byte below HTTP (NIXL side channel, READs, notifications), is vLLM's.
 Routers pass the dict through verbatim; a stock vLLM P ignores the key (it reads
-params with ``.get``), so a mixed pair behaves as stock vLLM does.
+params with ``.get``), so a mixed pair behaves as stock vLLM does. Our emulated engine
+answers a claim with the same :class:`HeldTokens` value. Both values carry their
+version from :mod:`bidir_kv.wire.versions`.
 """
 
 from __future__ import annotations
@@ -17,13 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from bidir_kv.policy import block_hashes, tail_hash, valid_conversation_lease
+from bidir_kv.wire.versions import LEASE, TOKEN_CHAIN
 
 __all__ = [
     "CHAIN_KEY",
-    "CHAIN_VERSION",
     "LEASE_CONFIG_KEY",
     "LEASE_KEY",
-    "LEASE_VERSION",
     "HeldTokens",
     "configured_lease",
     "lease_of",
@@ -31,7 +32,6 @@ __all__ = [
 ]
 
 CHAIN_KEY = "bidir_kv_chain"
-CHAIN_VERSION = 1  # bump when the value's shape or hash changes
 
 # The renewable lease (docs/connector.md §6): D configured with
 # ``kv_connector_extra_config.bidir_kv_lease_seconds`` advertises it in its dict as
@@ -39,7 +39,6 @@ CHAIN_VERSION = 1  # bump when the value's shape or hash changes
 # conversation alive and free D's blocks (notify-only) once it goes idle. P ignores it.
 LEASE_CONFIG_KEY = "bidir_kv_lease_seconds"
 LEASE_KEY = "bidir_kv_lease"
-LEASE_VERSION = 1
 
 
 def configured_lease(value: object) -> float | None:
@@ -55,14 +54,14 @@ def configured_lease(value: object) -> float | None:
 
 def lease_to_wire(idle_seconds: float) -> dict[str, Any]:
     """The value D adds under :data:`LEASE_KEY`."""
-    return {"v": LEASE_VERSION, "idle_seconds": float(idle_seconds)}
+    return {"v": LEASE.version, "idle_seconds": float(idle_seconds)}
 
 
 def lease_of(params: Mapping[str, Any]) -> float | None:
     """The idle lease D advertised in a params dict; ``None`` when absent, of another
     version or not a positive number (the router then keeps the fixed TTL)."""
     obj = params.get(LEASE_KEY)
-    if not isinstance(obj, Mapping) or obj.get("v") != LEASE_VERSION:
+    if not isinstance(obj, Mapping) or obj.get("v") != LEASE.version:
         return None
     idle = obj.get("idle_seconds")
     if isinstance(idle, int | float) and valid_conversation_lease(idle):
@@ -72,7 +71,9 @@ def lease_of(params: Mapping[str, Any]) -> float | None:
 
 @dataclass(frozen=True)
 class HeldTokens:
-    """What D holds, in hashes: full-block chain, partial tail, count, block size."""
+    """What the holder of a request's KV holds, in hashes: full-block chain, partial tail,
+    count, block size. D's connector puts it in its params; an emulated owner sends it in
+    its claim answer; the reader verifies its prompt against it (``policy``)."""
 
     chain: tuple[bytes, ...]
     tail: bytes
@@ -80,28 +81,44 @@ class HeldTokens:
     block_size: int
 
     @classmethod
-    def of(cls, tokens: Sequence[int], block_size: int) -> HeldTokens:
-        full = len(tokens) - len(tokens) % block_size
-        return cls(tuple(block_hashes(tokens, block_size)), tail_hash(tokens[full:]),
-                   len(tokens), block_size)
+    def of(
+        cls, tokens: Sequence[int], block_size: int, chain: Sequence[bytes] | None = None
+    ) -> HeldTokens:
+        """``chain``: ``policy.block_hashes`` of ``tokens`` (or longer) when the caller
+        keeps it already; computed otherwise."""
+        full = len(tokens) // block_size
+        if chain is None:
+            chain = block_hashes(tokens, block_size)
+        elif len(chain) < full:
+            raise ValueError(f"chain covers {len(chain)} blocks, {len(tokens)} tokens need {full}")
+        return cls(tuple(chain[:full]), tail_hash(tokens[full * block_size :]), len(tokens),
+                   block_size)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": CHAIN_VERSION, "block_size": self.block_size,
+        return {"v": TOKEN_CHAIN.version, "block_size": self.block_size,
                 "num_tokens": self.num_tokens, "tail": self.tail.hex(),
                 "chain": [h.hex() for h in self.chain]}  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> HeldTokens:
+        """Parse :meth:`to_wire`'s value; ``ValueError`` when it is of another version,
+        malformed or inconsistent."""
+        if not isinstance(obj, Mapping) or obj.get("v") != TOKEN_CHAIN.version:
+            raise ValueError(f"malformed held tokens: not version {TOKEN_CHAIN.version}")
+        try:
+            held = cls(tuple(bytes.fromhex(h) for h in obj["chain"]), bytes.fromhex(obj["tail"]),
+                       int(obj["num_tokens"]), int(obj["block_size"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed held tokens: {exc}") from None
+        if held.block_size <= 0 or len(held.chain) != held.num_tokens // held.block_size:
+            raise ValueError("malformed held tokens: the chain does not cover num_tokens")
+        return held
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> HeldTokens | None:
         """D's chain from a params dict; ``None`` when absent, of another version or
         malformed (P then treats D's KV as unverified)."""
-        obj = params.get(CHAIN_KEY)
-        if not isinstance(obj, Mapping) or obj.get("v") != CHAIN_VERSION:
-            return None
         try:
-            held = cls(tuple(bytes.fromhex(h) for h in obj["chain"]), bytes.fromhex(obj["tail"]),
-                       int(obj["num_tokens"]), int(obj["block_size"]))
-        except (KeyError, TypeError, ValueError):
+            return cls.from_wire(params.get(CHAIN_KEY))
+        except ValueError:
             return None
-        if held.block_size <= 0 or len(held.chain) != held.num_tokens // held.block_size:
-            return None
-        return held

@@ -1,4 +1,4 @@
-"""The comparison relay of ``router_bench``: the upstream example proxy's flow on its stack.
+"""The comparison relay of the router benchmark: the upstream example proxy's flow on its stack.
 
 FastAPI + httpx + uvicorn, as the upstream proxy runs, reduced to the flow itself: a
 dict cache of D's params per conversation, the P leg, the streamed D leg. The router

@@ -1,7 +1,8 @@
-"""Start a built ``vllm serve`` command in the background, wait for ``/health``, and stop
-it later by its pidfile.
+"""Start a node's command in the background, wait for ``/health``, and stop it later by
+its pidfile.
 
-A node started by ``bidir-kv serve`` outlives the command (a release job starts P and
+A node started by ``bidir-kv serve`` (which builds the command in
+:mod:`bidir_kv.serve.command`) outlives the command (a release job starts P and
 D, then runs the tier), so its identity is kept in a pidfile: the PID, the process
 group and the kernel's start time of the process, so ``serve stop`` never signals a
 recycled PID that now belongs to someone else.
@@ -18,11 +19,22 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
-from bidir_kv.serve.command import ServeCommand
-from bidir_kv.topology.process import ProcessFailed, wait_http_ok
+from bidir_kv.launch.process import ProcessFailed, wait_http_ok
 
-__all__ = ["NodeRecord", "launch", "read_record", "stop", "stop_all"]
+__all__ = ["Command", "NodeRecord", "launch", "read_record", "stop", "stop_all"]
+
+
+class Command(Protocol):
+    """What :func:`launch` runs: ``argv`` with ``env`` added to the environment
+    (``serve.command.ServeCommand`` is one)."""
+
+    @property
+    def argv(self) -> tuple[str, ...]: ...
+
+    @property
+    def env(self) -> Mapping[str, str]: ...
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,7 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 
 
 def launch(
-    cmd: ServeCommand,
+    cmd: Command,
     *,
     role: str,
     url: str,

@@ -231,10 +231,11 @@ class StubEngine:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bidir_kv.tools.stub_engine --port N [--name p0]`` (benchmark upstream)."""
+    """``python -m bidir_kv.testing.doubles.stub_engine --port N [--name p0]`` (the
+    benchmark's upstream)."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m bidir_kv.tools.stub_engine")
+    ap = argparse.ArgumentParser(prog="python -m bidir_kv.testing.doubles.stub_engine")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--name", default="stub")
