@@ -44,7 +44,7 @@ def scaled_profile(name: str, scale: float, out_dir: Path) -> Path:
     scaled = replace(prof, name=f"{prof.name}-x{scale:g}", time_scale=prof.time_scale * scale)
     data = scaled.to_dict()
     data["derivation"] = (
-        f"{prof.name} (fixtures/profiles, derivation in docs/profiles.md) with every emulated "
+        f"{prof.name} (bidir_kv/data/profiles, derivation in docs/profiles.md) with every emulated "
         f"duration multiplied by {scale:g} for this machine; ratios are unchanged."
     )
     out_dir.mkdir(parents=True, exist_ok=True)

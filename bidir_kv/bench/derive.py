@@ -1,7 +1,8 @@
 """Emulator profiles derived from a model shape and target figures, with their sources.
 
-``fixtures/profiles/<name>-p5en.json`` are *outputs* of this module, never edited by
-hand: ``python -m bidir_kv.bench.derive --write`` regenerates them and
+``bidir_kv/data/profiles/<name>-p5en.json`` are *outputs* of this module, never edited
+by hand: ``python -m bidir_kv.bench.derive --write`` regenerates them (in the checkout)
+from the model configs in ``bidir_kv/data/model_configs/``, and
 ``suites/unit/test_bench_plan.py::test_profiles_match_the_planner_derivation`` fails
 when a file and the derivation drift apart. The planner (``CostModel.from_hardware``)
 and the emulator (``CostProfile.pull_model``) evaluate the same terms, so the
@@ -15,6 +16,7 @@ import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from importlib.resources import as_file, files
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,8 @@ from bidir_kv.engine.profiles import PROFILE_DIR
 
 __all__ = ["TARGETS", "Target", "derive_profile", "profile_fields", "target_shape"]
 
-CONFIG_DIR = PROFILE_DIR.parent / "model_configs"
+# package data beside the profiles (pyproject.toml [tool.setuptools.package-data])
+CONFIG_DIR = files("bidir_kv") / "data" / "model_configs"
 ALLREDUCE_US = 10.0  # one small tensor-parallel all-reduce inside a node (NVLink), assumption
 HBM_EFFICIENCY = 0.7  # achieved fraction of HBM bandwidth when streaming weights, assumption
 # llm-d's GLM-5.2 on H200: recompute ~130-144 µs/token; the low end is the short-context rate
@@ -51,7 +54,7 @@ class Target:
     """One shipped profile: which model, on what, and why each number."""
 
     profile: str
-    config: str  # fixtures/model_configs/<config>.json
+    config: str  # bidir_kv/data/model_configs/<config>.json
     description: str
     hardware: Hardware
     weight_bytes_per_param: float
@@ -81,8 +84,8 @@ def _targets() -> dict[str, Target]:
         weight_bytes_per_param=2.0,
         decode_us_per_seq=60.0,
         sources=(
-            "shape: fixtures/model_configs/qwen3-32b.json (Qwen/Qwen3-32B config.json: 64 "
-            "layers, 8 KV heads, head_dim 128, bf16)",
+            "shape: bidir_kv/data/model_configs/qwen3-32b.json (Qwen/Qwen3-32B config.json: "
+            "64 layers, 8 KV heads, head_dim 128, bf16)",
             "H200 dense BF16 989 TFLOP/s, HBM 4.8 TB/s: NVIDIA H200 datasheet",
             "prefill MFU 0.40: assumption",
             "descriptors: 64 layers x 2 (K, V) per 16-token block per rank; 1 KV head per rank "
@@ -99,8 +102,8 @@ def _targets() -> dict[str, Target]:
         weight_bytes_per_param=1.0,
         decode_us_per_seq=100.0,
         sources=(
-            "shape: fixtures/model_configs/glm-5-fp8.json (MLA latent 512 + rope 64, indexer "
-            "keys 128 FP8, 78 layers; checked against the model card's 744B / 40B)",
+            "shape: bidir_kv/data/model_configs/glm-5-fp8.json (MLA latent 512 + rope 64, "
+            "indexer keys 128 FP8, 78 layers; checked against the model card's 744B / 40B)",
             "H200 dense FP8 1979 TFLOP/s: NVIDIA H200 datasheet",
             "prefill 130 µs/token at short context (MFU derived from it): llm-d's GLM-5.2 H200 "
             "results, recompute ~130-144 µs/token; assumption: GLM-5.2 costs what GLM-5 does",
@@ -150,7 +153,7 @@ def profile_fields(
 
 
 def derive_profile(target: Target) -> dict[str, Any]:
-    """The whole JSON object of ``fixtures/profiles/<target.profile>.json``."""
+    """The whole JSON object of ``bidir_kv/data/profiles/<target.profile>.json``."""
     shape = target_shape(target.config)
     fields = profile_fields(shape, target.hardware, target.weight_bytes_per_param)
     return {
@@ -170,12 +173,15 @@ def derive_profile(target: Target) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bidir_kv.bench.derive")
-    ap.add_argument("--write", action="store_true", help="rewrite fixtures/profiles/*-p5en.json")
+    ap.add_argument(
+        "--write", action="store_true", help="rewrite bidir_kv/data/profiles/*-p5en.json"
+    )
     args = ap.parse_args(argv)
     for target in TARGETS.values():
         text = json.dumps(derive_profile(target), indent=2, ensure_ascii=False) + "\n"
         if args.write:
-            Path(PROFILE_DIR / f"{target.profile}.json").write_text(text)
+            with as_file(PROFILE_DIR / f"{target.profile}.json") as path:
+                Path(path).write_text(text)
         else:
             print(text)
     return 0
