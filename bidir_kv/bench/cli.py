@@ -17,15 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bidir_kv.bench.args import distribution, int_list
-from bidir_kv.bench.calprofile import write_profile
 from bidir_kv.bench.capacity import measure_capacity
 from bidir_kv.bench.distributions import DistributionError
-from bidir_kv.bench.plan import PlanError
 from bidir_kv.bench.runner import RunOptions
 from bidir_kv.bench.sweep import run_bench
 from bidir_kv.bench.topo import TOPOLOGIES, LegSetup
 from bidir_kv.bench.workload import WorkloadError, WorkloadSpec
 from bidir_kv.engine.profiles import ProfileError
+from bidir_kv.plan.calprofile import write_profile
+from bidir_kv.plan.planner import PlanError
 from bidir_kv.topology import BackendUnavailable
 from bidir_kv.topology.process import ProcessFailed
 
