@@ -62,7 +62,7 @@ def _target_args(ap: argparse.ArgumentParser) -> None:
     tgt.add_argument(
         "--profile",
         default=_LEG.profile,
-        help="emulator cost profile: a shipped name (bidir_kv/data/profiles) or a JSON path",
+        help="emulator cost profile: a shipped name or a JSON path",
     )
     tgt.add_argument(
         "-u",
