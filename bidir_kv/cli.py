@@ -19,10 +19,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "proxy": ("bidir_kv.router.cli", "KV-cache-aware multi-turn router"),
     "bench": ("bidir_kv.bench.cli", "multi-turn TTFT sweep, OFF vs ON"),
-    "report": ("bidir_kv.bench.report_cli", "Markdown summary and plots from bench results"),
-    "demo": ("bidir_kv.bench.demo", "emulated 1P1D + router, OFF/ON sweep, report"),
+    "report": ("bidir_kv.report.cli", "Markdown summary and plots from bench results"),
+    "demo": ("bidir_kv.report.demo", "emulated 1P1D + router, OFF/ON sweep, report"),
     "campaign": ("bidir_kv.campaign.cli", "load, fault and bad-input campaigns, one table"),
-    "plan": ("bidir_kv.bench.plan_cli", "break-even threshold, TTFT saving and TTL memory planner"),
+    "plan": ("bidir_kv.plan.cli", "break-even threshold, TTFT saving and TTL memory planner"),
     "serve": ("bidir_kv.serve.cli", "start one vLLM P or D node as the published recipe does"),
     "doctor": ("bidir_kv.doctor.cli", "troubleshooting checks for a P/D pair, PASS/WARN/FAIL"),
 }

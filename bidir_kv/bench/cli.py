@@ -17,16 +17,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bidir_kv.bench.args import distribution, int_list
-from bidir_kv.bench.calprofile import write_profile
 from bidir_kv.bench.capacity import measure_capacity
 from bidir_kv.bench.distributions import DistributionError
-from bidir_kv.bench.plan import PlanError
 from bidir_kv.bench.runner import RunOptions
 from bidir_kv.bench.sweep import run_bench
 from bidir_kv.bench.topo import TOPOLOGIES, LegSetup
 from bidir_kv.bench.workload import WorkloadError, WorkloadSpec
 from bidir_kv.engine.profiles import ProfileError
+from bidir_kv.errors import PlanError
 from bidir_kv.launch.process import ProcessFailed
+from bidir_kv.plan.calprofile import write_profile
 from bidir_kv.topology import BackendUnavailable
 
 __all__ = ["BLOG_POINTS", "build_parser", "main"]
@@ -62,7 +62,7 @@ def _target_args(ap: argparse.ArgumentParser) -> None:
     tgt.add_argument(
         "--profile",
         default=_LEG.profile,
-        help="emulator cost profile: a name in fixtures/profiles or a JSON path",
+        help="emulator cost profile: a shipped name or a JSON path",
     )
     tgt.add_argument(
         "-u",

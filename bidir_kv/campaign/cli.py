@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("emulated topology (the default)")
     g.add_argument("--store", choices=("memory", "redis"), default="memory")
     g.add_argument("--profile", default=DEFAULT_PROFILE,
-                   help="emulator cost profile (name in fixtures/profiles or a JSON path)")
+                   help="emulator cost profile (a shipped name or a JSON path)")
     g.add_argument("--transport", default="tcp", help="emulator KV transport (tcp | nixl)")
     g.add_argument("--run-dir", type=Path, default=None,
                    help="logs of every node (default: a fresh temporary directory)")

@@ -1,8 +1,9 @@
 """Cost-model profiles: how long the emulated engine *pretends* work takes.
 
 A profile never changes what goes over the wire (design invariant 3); it only
-sets compute and transfer durations. Profiles are JSON files in
-``fixtures/profiles/`` (derivations in ``docs/profiles.md``). Real KV bytes are
+sets compute and transfer durations. Profiles are JSON files shipped in the package,
+``bidir_kv/data/profiles/`` (derivations in ``docs/profiles.md``), read through
+``importlib.resources`` so an installed wheel finds them. Real KV bytes are
 still moved, scaled down to ``kv_bytes_per_token``; the emulated transfer time
 is computed from the *target's* terms (``pull_model``: fixed, per descriptor, bytes
 per rank over the achieved rank bandwidth), so the ratio of recompute time to pull
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,8 @@ from bidir_kv.errors import ConfigError
 
 __all__ = ["PROFILE_DIR", "CostProfile", "ProfileError", "available_profiles", "load_profile"]
 
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "profiles"
+# the shipped profiles: package data (pyproject.toml [tool.setuptools.package-data])
+PROFILE_DIR: Traversable = files("bidir_kv") / "data" / "profiles"
 
 
 class ProfileError(ConfigError):
@@ -138,14 +142,14 @@ class CostProfile:
 
 
 def available_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+    return sorted(Path(p.name).stem for p in PROFILE_DIR.iterdir() if p.name.endswith(".json"))
 
 
 def load_profile(name_or_path: str) -> CostProfile:
-    """Load ``fixtures/profiles/<name>.json`` or a JSON file path."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = PROFILE_DIR / f"{name_or_path}.json"
+    """Load a shipped profile by name (``bidir_kv/data/profiles/<name>.json``) or a
+    JSON file path."""
+    given = Path(name_or_path)
+    path = given if given.suffix else PROFILE_DIR / f"{name_or_path}.json"
     if not path.is_file():
         raise ProfileError(
             f"unknown profile {name_or_path!r}; available: {', '.join(available_profiles())}"
@@ -161,7 +165,7 @@ def load_profile(name_or_path: str) -> CostProfile:
     if unknown:
         raise ProfileError(f"profile file {path}: unknown keys {unknown}")
     data.pop("derivation", None)
-    data.setdefault("name", path.stem)
+    data.setdefault("name", Path(path.name).stem)
     if isinstance(data.get("sources"), list):
         data["sources"] = tuple(str(x) for x in data["sources"])
     try:

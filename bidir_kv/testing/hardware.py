@@ -208,7 +208,7 @@ def _vllm_cpu(run_dir: Path) -> HwDeployment:
     spec = replace(spec, prefill=replace(spec.prefill, enable_prefix_caching=False))  # cold P
     opts = VllmCpuOptions(log_dir=run_dir / "vllm-cpu", dtype="float32")
     topo = VllmCpuTopology(spec, opts).start()
-    from bidir_kv.bench.modelcfg import load_model_config, model_shape
+    from bidir_kv.plan.modelcfg import load_model_config, model_shape
 
     shape = model_shape(load_model_config(opts.model / "config.json"), kv_dtype="float32")
     return HwDeployment(

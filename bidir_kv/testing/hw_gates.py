@@ -21,9 +21,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bidir_kv.bench.calibrate import linear_fit
-from bidir_kv.bench.plan import CostModel, PlanError, ttft_rows
 from bidir_kv.errors import CheckFailure
+from bidir_kv.plan.calibrate import linear_fit
+from bidir_kv.plan.planner import CostModel, PlanError, ttft_rows
 from bidir_kv.policy import blocks_for_tokens
 
 __all__ = [
@@ -187,7 +187,7 @@ def calibrated_bounds(
 
     The recompute line (fixed + µs/token) is fit over the OFF rounds of *all* lengths and
     the pull line over the ON rounds (:func:`_cost_model`); the planner's
-    :func:`bidir_kv.bench.plan.ttft_rows` predicts each length's speedup, and the bound is
+    :func:`bidir_kv.plan.planner.ttft_rows` predicts each length's speedup, and the bound is
     ``predicted × (1 - tolerance)``. A consistency gate: with three or more lengths, a
     length whose readback falls short of the run's own straight lines fails (with two,
     the lines pass through both points and only round-to-round noise is gated). An

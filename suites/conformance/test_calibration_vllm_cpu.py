@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.bench.calibrate import calibrate, check_rows
 from bidir_kv.bench.results import load_result
 from bidir_kv.bench.summary import summarize_result
 from bidir_kv.engine.profiles import load_profile
+from bidir_kv.plan.calibrate import calibrate, check_rows
 from bidir_kv.testing.gating import skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]

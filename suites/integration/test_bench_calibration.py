@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.bench.calibrate import CheckRow, calibrate, check_rows
 from bidir_kv.bench.results import load_result
 from bidir_kv.bench.summary import summarize_result
 from bidir_kv.engine.profiles import load_profile
+from bidir_kv.plan.calibrate import CheckRow, calibrate, check_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 KNOWN = {
@@ -58,7 +58,7 @@ def test_bench_calibration_profile_loop(tmp_path: Path) -> None:
     result = load_result(first)
     cost = calibrate(result)
     # two clients share one P: the fit takes their wait for each other's compute out
-    # (bidir_kv.bench.contention), so the per-token cost is the profile's, not inflated
+    # (bidir_kv.plan.contention), so the per-token cost is the profile's, not inflated
     assert cost.recompute_us_per_token == pytest.approx(known.prefill_us_per_token, rel=0.25)
     # the pull terms come back: the emulated transfer time is the profile's
     assert cost.pull_overhead_us == pytest.approx(known.transfer_overhead_us, rel=0.25)

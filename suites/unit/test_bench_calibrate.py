@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.bench.calibrate import CheckRow, calibrate, check_rows
-from bidir_kv.bench.calprofile import write_profile
-from bidir_kv.bench.fit import fit_pull, least_squares, linear_fit
-from bidir_kv.bench.plan import break_even_tokens
-from bidir_kv.bench.plan_cli import main as plan_main
 from bidir_kv.bench.results import load_result
 from bidir_kv.bench.runner import point_name
 from bidir_kv.bench.stats import RequestRecord, write_records
+from bidir_kv.plan.calibrate import CheckRow, calibrate, check_rows
+from bidir_kv.plan.calprofile import write_profile
+from bidir_kv.plan.cli import main as plan_main
+from bidir_kv.plan.fit import fit_pull, least_squares, linear_fit
+from bidir_kv.plan.planner import break_even_tokens
 
 # the terms a synthetic run is generated from
 RECOMPUTE_US, REQ_FIXED_US = 50.0, 3000.0

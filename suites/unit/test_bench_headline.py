@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.bench.headline import headline, headline_text
 from bidir_kv.bench.overhead import Load, cpu_seconds, point_overhead
 from bidir_kv.bench.results import load_result
 from bidir_kv.bench.split import on_prefill_split, reuse_prefill_ms
 from bidir_kv.bench.summary import summarize_result
+from bidir_kv.report.headline import headline, headline_text
 from suites.unit.test_bench_report import POINTS, make_result
 
 ROUTER_LOG = """\

@@ -11,10 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bidir_kv.bench.derive import TARGETS, derive_profile, target_shape
 from bidir_kv.bench.distributions import Distribution
-from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
-from bidir_kv.bench.plan import (
+from bidir_kv.engine.profiles import load_profile
+from bidir_kv.plan.cli import main as plan_main
+from bidir_kv.plan.derive import TARGETS, derive_profile, target_shape
+from bidir_kv.plan.modelcfg import ModelConfigError, load_model_config, model_shape
+from bidir_kv.plan.planner import (
     CostModel,
     Hardware,
     PlanError,
@@ -25,12 +27,10 @@ from bidir_kv.bench.plan import (
     ttft_rows,
     ttl_rows,
 )
-from bidir_kv.bench.plan_cli import main as plan_main
-from bidir_kv.engine.profiles import load_profile
 from bidir_kv.policy import should_decline
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "fixtures" / "model_configs"
+CONFIGS = ROOT / "bidir_kv" / "data" / "model_configs"
 
 
 def shape(name: str):
@@ -78,10 +78,11 @@ def test_mla_without_rope_dim_is_named() -> None:
 
 
 def test_profiles_match_the_planner_derivation() -> None:
-    """fixtures/profiles/*-p5en.json are what bidir_kv.bench.derive derives (docs/profiles.md)."""
+    """bidir_kv/data/profiles/*-p5en.json are what bidir_kv.plan.derive derives
+    (docs/profiles.md)."""
     assert set(TARGETS) == {"qwen3-32b-p5en", "glm5-fp8-p5en"}
     for name, target in TARGETS.items():
-        on_disk = json.loads((ROOT / "fixtures" / "profiles" / f"{name}.json").read_text())
+        on_disk = json.loads((ROOT / "bidir_kv" / "data" / "profiles" / f"{name}.json").read_text())
         want = derive_profile(target)
         assert set(on_disk) == set(want), name
         for key, value in want.items():

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.bench.calibrate import calibrate, linear_fit
-from bidir_kv.bench.report_cli import main as report_main
 from bidir_kv.bench.results import ResultError, load_result
 from bidir_kv.bench.runner import point_name
 from bidir_kv.bench.stats import RequestRecord, write_records
 from bidir_kv.bench.summary import ratio_rows, summarize_result
+from bidir_kv.plan.calibrate import calibrate, linear_fit
+from bidir_kv.report.cli import main as report_main
 
 POINTS = (1000, 4000)
 

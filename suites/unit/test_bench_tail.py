@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bidir_kv.bench.tail import prefill_tail, tail_text
+from bidir_kv.plan.tail import prefill_tail, tail_text
 
 BASE = "bidir_kv_router_prefill_duration_seconds"
 

@@ -87,6 +87,8 @@ def serve_relay(argv: Sequence[str]) -> int:
 
     p_host, d_host = args.prefill.split(":")[0], args.decode.split(":")[0]
     app = relay_app(f"http://{args.prefill}", f"http://{args.decode}", p_host, d_host)
+    # httptools, uvicorn's fast parser (what "auto" picks when installed; the upstream
+    # proxy's environment has it): a baseline on the slower h11 would flatter our router
     uvicorn.run(app, host=HOST, port=args.port, log_level="warning", access_log=False,
-                loop="auto", http="auto")
+                loop="auto", http="httptools")
     return 0

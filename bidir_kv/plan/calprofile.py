@@ -14,10 +14,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bidir_kv.bench.calibrate import calibrate
-from bidir_kv.bench.plan import DEFAULT_BLOCK_SIZE, CostModel
 from bidir_kv.bench.results import ResultDir, load_result
 from bidir_kv.engine.profiles import CostProfile, load_profile
+from bidir_kv.plan.calibrate import calibrate
+from bidir_kv.plan.planner import DEFAULT_BLOCK_SIZE, CostModel
 
 __all__ = ["calibrated_profile", "write_profile"]
 

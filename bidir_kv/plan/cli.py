@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.bench.args import distribution, float_list, int_list
-from bidir_kv.bench.calibrate import CheckRow, calibrate, check_rows
 from bidir_kv.bench.distributions import Distribution, DistributionError
-from bidir_kv.bench.modelcfg import ModelConfigError, load_model_config, model_shape
-from bidir_kv.bench.plan import (
+from bidir_kv.bench.results import ResultError, load_result
+from bidir_kv.plan.calibrate import CheckRow, calibrate, check_rows
+from bidir_kv.plan.modelcfg import ModelConfigError, load_model_config, model_shape
+from bidir_kv.plan.planner import (
     DEFAULT_BLOCK_SIZE,
     CostModel,
     Hardware,
@@ -32,9 +33,8 @@ from bidir_kv.bench.plan import (
     ttft_rows,
     ttl_rows,
 )
-from bidir_kv.bench.predict import cost_from_profile
-from bidir_kv.bench.results import ResultError, load_result
-from bidir_kv.bench.tail import Tail, tail_text
+from bidir_kv.plan.predict import cost_from_profile
+from bidir_kv.plan.tail import Tail, tail_text
 
 __all__ = ["build_parser", "main", "run_plan"]
 
@@ -55,7 +55,7 @@ def _cost_source_args(ap: argparse.ArgumentParser) -> None:
     src = ap.add_argument_group("cost model (one of)")
     src.add_argument("--config", type=Path, help="Hugging Face config.json of the model")
     src.add_argument(
-        "--profile", help="an emulator profile (name in fixtures/profiles or a JSON path)"
+        "--profile", help="an emulator profile (a shipped name or a JSON path)"
     )
     src.add_argument("--calibration", type=Path, metavar="DIR", help="a bench result directory")
     src.add_argument("--recompute-us-per-token", type=float, help="explicit recompute cost")

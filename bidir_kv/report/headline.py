@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bidir_kv.bench.overhead import LOAD_LIMIT, OVERHEAD_LIMIT
-from bidir_kv.bench.predict import predict, prediction_cost
 from bidir_kv.bench.summary import Summary, ratio_rows
+from bidir_kv.plan.predict import predict, prediction_cost
 
 __all__ = ["Headline", "emulated_on_prefill_ms", "headline", "headline_text", "point_overhead_of"]
 

@@ -7,11 +7,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bidir_kv.bench.plots import write_plots
-from bidir_kv.bench.predict import predict
-from bidir_kv.bench.report import render_markdown
 from bidir_kv.bench.results import ResultError, load_result
 from bidir_kv.bench.summary import Summary, ratio_rows, summarize_result
+from bidir_kv.plan.predict import predict
+from bidir_kv.report.markdown import render_markdown
+from bidir_kv.report.plots import write_plots
 
 __all__ = ["main", "ratio_table", "render_dir"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bidir_kv.bench.plan import PlanError
+from bidir_kv.plan.planner import PlanError
 
 __all__ = ["FitError", "PullFit", "fit_pull", "least_squares", "linear_fit"]
 

@@ -7,12 +7,12 @@ deltas ``bench`` records per point:
   histogram (mean per request) against the tokens P computed per request;
 * pull fixed, per descriptor and per byte: ON leg, P's ``vllm:nixl_xfer_time_seconds``
   against ``vllm:nixl_num_descriptors`` and ``vllm:nixl_bytes_transferred`` (means per
-  rank-level transfer, bidir_kv.bench.fit);
+  rank-level transfer, bidir_kv.plan.fit);
 * step granularity: what the ON leg's router prefill holds beyond the per-request
   part, the uncached tail and the transfers, per pull against tokens per pull: the
   intercept is half a step (``step_us``), the slope P's own work per pulled token
   (``pull_after_us_per_token``);
-* contention (bidir_kv.bench.contention): with several clients on one P, the wait
+* contention (bidir_kv.plan.contention): with several clients on one P, the wait
   for each other's compute, replayed from the run's own arrivals; both fits above
   are made on the prefill less that wait, so the per-request terms stay per request.
 
@@ -24,12 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from bidir_kv.bench.contention import Arrival, arrivals, mean_wait_us
-from bidir_kv.bench.fit import PullFit, fit_pull, linear_fit
-from bidir_kv.bench.plan import DEFAULT_BLOCK_SIZE, CostModel, PlanError
 from bidir_kv.bench.results import LegPoint, ResultDir
 from bidir_kv.bench.summary import summarize_result
-from bidir_kv.bench.tail import Tail, prefill_tail
+from bidir_kv.plan.contention import Arrival, arrivals, mean_wait_us
+from bidir_kv.plan.fit import PullFit, fit_pull, linear_fit
+from bidir_kv.plan.planner import DEFAULT_BLOCK_SIZE, CostModel, PlanError
+from bidir_kv.plan.tail import Tail, prefill_tail
 
 __all__ = ["CheckRow", "calibrate", "check_rows", "linear_fit"]
 
@@ -56,7 +56,7 @@ class CheckRow:
     on_pred_ms: float | None
     off_wait_ms: float = 0.0  # of the prediction: contention (waiting for others' compute)
     on_wait_ms: float = 0.0
-    off_tail: Tail | None = None  # the few requests far beyond the median (bench.tail)
+    off_tail: Tail | None = None  # the few requests far beyond the median (plan.tail)
     on_tail: Tail | None = None
 
     @staticmethod

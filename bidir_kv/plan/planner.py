@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bidir_kv.bench.distributions import Distribution
-from bidir_kv.bench.modelcfg import ModelShape
 from bidir_kv.engine.pull_model import PullModel
 from bidir_kv.engine.settings import EngineSettings
 from bidir_kv.errors import PlanError
+from bidir_kv.plan.modelcfg import ModelShape
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_RECOMPUTE_THRESHOLD,

@@ -13,12 +13,12 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from bidir_kv.bench.calibrate import CheckRow, calibrate, check_rows
-from bidir_kv.bench.plan import CostModel, PlanError, break_even_tokens
 from bidir_kv.bench.stats import RequestRecord
 from bidir_kv.bench.summary import Summary, ratio_rows
 from bidir_kv.bench.topo import LegSetup
 from bidir_kv.engine.profiles import ProfileError, load_profile
+from bidir_kv.plan.calibrate import CheckRow, calibrate, check_rows
+from bidir_kv.plan.planner import CostModel, PlanError, break_even_tokens
 from bidir_kv.policy import pull_decision
 
 __all__ = ["PointPrediction", "Prediction", "cost_from_profile", "predict", "prediction_cost"]

@@ -1,6 +1,6 @@
 """Clients sharing one P: the wait for each other's prefill compute, replayed from the run.
 
-The per-request cost model (calibrate.py) prices one request alone. With two or
+The per-request cost model (``calibrate``) prices one request alone. With two or
 more clients on one P a request also waits while P computes another's prefill.
 This term is derived, not fitted: the arrivals are the run's own request start
 times (the client records), the work of each request is the fitted recompute of

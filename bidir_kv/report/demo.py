@@ -12,7 +12,7 @@ Durations are the target's, in absolute milliseconds (``--time-scale 1``), so th
 can stand next to a published chart; ``--time-scale`` > 1 stretches them (ratios
 kept) when this machine's own per-request overhead is too large against them. The
 run measures that overhead and the machine's load and says when they make the
-headline unreliable (``bidir_kv.bench.headline``).
+headline unreliable (``bidir_kv.report.headline``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from bidir_kv.bench import cli as bench_cli
-from bidir_kv.bench.headline import headline, headline_text
-from bidir_kv.bench.predict import Prediction, predict
-from bidir_kv.bench.report_cli import render_dir
 from bidir_kv.bench.results import load_result
 from bidir_kv.bench.split import on_prefill_split
 from bidir_kv.bench.summary import Summary, ratio_rows, summarize_result
 from bidir_kv.engine.profiles import PROFILE_DIR, ProfileError, load_profile
+from bidir_kv.plan.predict import Prediction, predict
+from bidir_kv.report.cli import render_dir
+from bidir_kv.report.headline import headline, headline_text
 
 __all__ = ["main", "scaled_profile"]
 
@@ -44,7 +44,7 @@ def scaled_profile(name: str, scale: float, out_dir: Path) -> Path:
     scaled = replace(prof, name=f"{prof.name}-x{scale:g}", time_scale=prof.time_scale * scale)
     data = scaled.to_dict()
     data["derivation"] = (
-        f"{prof.name} (fixtures/profiles, derivation in docs/profiles.md) with every emulated "
+        f"{prof.name} (bidir_kv/data/profiles, derivation in docs/profiles.md) with every emulated "
         f"duration multiplied by {scale:g} for this machine; ratios are unchanged."
     )
     out_dir.mkdir(parents=True, exist_ok=True)

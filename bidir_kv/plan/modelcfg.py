@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -104,14 +105,18 @@ class ModelShape:
         return self.attention_flops_per_context_token()
 
 
-def load_model_config(path: Path) -> dict[str, Any]:
+def load_model_config(path: Path | Traversable) -> dict[str, Any]:
+    """A ``config.json`` (a file path, or a shipped config under ``bidir_kv/data``) as a
+    dict; ``_name`` is its directory's name for a ``config.json``, else the file's stem."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelConfigError(f"{path}: cannot read a JSON config: {exc}") from None
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path}: config.json must hold a JSON object")
-    data.setdefault("_name", path.parent.name if path.name == "config.json" else path.stem)
+    if isinstance(path, Path) and path.name == "config.json":
+        data.setdefault("_name", path.parent.name)
+    data.setdefault("_name", Path(path.name).stem)
     return data
 
 

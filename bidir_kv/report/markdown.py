@@ -1,7 +1,7 @@
 """``report.md`` from a summarized ``bench`` result and its planner prediction.
 
 Formatting only: every number comes from :mod:`bidir_kv.bench.summary` or
-:mod:`bidir_kv.bench.predict`; the plots are :mod:`bidir_kv.bench.plots`.
+:mod:`bidir_kv.plan.predict`; the plots are :mod:`bidir_kv.report.plots`.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bidir_kv.bench.calibrate import CheckRow
-from bidir_kv.bench.headline import headline, headline_text, point_overhead_of
-from bidir_kv.bench.predict import Prediction
 from bidir_kv.bench.split import on_prefill_split
 from bidir_kv.bench.summary import Summary, ratio_rows
-from bidir_kv.bench.tail import tail_text
+from bidir_kv.plan.calibrate import CheckRow
+from bidir_kv.plan.predict import Prediction
+from bidir_kv.plan.tail import tail_text
+from bidir_kv.report.headline import headline, headline_text, point_overhead_of
 
 __all__ = ["render_markdown"]
 
