@@ -206,7 +206,7 @@ def _topology_spec(w: LeaseWorkload, lease_leg: bool) -> Any:
 def run_leg(w: LeaseWorkload, lease_leg: bool, run_dir: Path) -> LegResult:
     """One leg on a fresh emulated 1P1D + router; sampling ends once D holds nothing
     (the fixed leg: D's TTL after the last turn)."""
-    from bidir_kv.scrape import scrape
+    from bidir_kv.client import scrape
     from bidir_kv.topology.local import LocalTopology
 
     result = LegResult("lease" if lease_leg else "fixed TTL")

@@ -28,7 +28,8 @@ import aiohttp
 from bidir_kv.bench.client import build_chat_body, stream_chat
 from bidir_kv.bench.stats import RequestRecord, write_records
 from bidir_kv.bench.workload import Conversation
-from bidir_kv.scrape import MetricsSnapshot, scrape
+from bidir_kv.client import scrape
+from bidir_kv.scrape import MetricsSnapshot
 
 __all__ = [
     "HttpTokenCounter",

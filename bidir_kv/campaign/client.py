@@ -15,8 +15,9 @@ from typing import Any
 
 import aiohttp
 
+from bidir_kv.client import Completion
 from bidir_kv.engine.model import BYTE_BASE, VOCAB_SIZE
-from bidir_kv.testing.pd_client import Completion, completion_from_bytes
+from bidir_kv.testing.pd_client import completion_from_bytes
 
 __all__ = ["Conversation", "Turn", "body", "post", "random_tokens", "reference_ok"]
 

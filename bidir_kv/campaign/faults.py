@@ -21,7 +21,7 @@ import aiohttp
 
 from bidir_kv.campaign.client import Conversation, body, random_tokens
 from bidir_kv.campaign.deploy import Deployment
-from bidir_kv.scrape import scrape
+from bidir_kv.client import scrape
 
 __all__ = ["FAULTS", "FaultResult", "run_faults"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bidir_kv.campaign.deploy import Deployment
-from bidir_kv.scrape import scrape
+from bidir_kv.client import scrape
 
 __all__ = ["INPUTS", "BadInput", "InputResult", "run_inputs"]
 

@@ -15,7 +15,7 @@ import aiohttp
 
 from bidir_kv.campaign.client import Conversation, Turn
 from bidir_kv.campaign.deploy import Deployment
-from bidir_kv.scrape import scrape
+from bidir_kv.client import scrape
 
 __all__ = ["LoadPlan", "LoadResult", "run_load"]
 

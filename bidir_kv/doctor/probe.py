@@ -8,9 +8,11 @@ import random
 import time
 from urllib.parse import urlsplit
 
+from bidir_kv.client import run_pd_turn
 from bidir_kv.doctor.checks import Context, Result, fetch_json
 from bidir_kv.policy import deadline_offset
-from bidir_kv.testing.pd_client import NIXL_BYTES, EngineClient, run_pd_turn
+from bidir_kv.scrape import NIXL_BYTES
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import Node
 
 __all__ = ["probe"]

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.client import Completion
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.policy import (
     DEFAULT_KV_LEASE_DURATION,
     DEFAULT_RECOMPUTE_THRESHOLD,
 )
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.testing.pd_client import Completion, EngineClient
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import (
     BackendUnavailable,
     EngineSpec,

@@ -18,11 +18,12 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.client import Completion
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.scrape import MetricsSnapshot
-from bidir_kv.testing.pd_client import Completion, EngineClient, tokens_by_source
+from bidir_kv.scrape import MetricsSnapshot, tokens_by_source
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import EngineSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology
 

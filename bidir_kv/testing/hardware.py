@@ -22,19 +22,19 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.client import run_pd_turn
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.scrape import MetricsSnapshot
-from bidir_kv.testing.gating import skip_or_fail
-from bidir_kv.testing.hw_gates import LengthResult
-from bidir_kv.testing.pd_client import (
+from bidir_kv.scrape import (
     NIXL_BYTES,
     NIXL_EXPIRED,
     NIXL_FAILED,
     NIXL_XFERS,
     WATCHED,
-    EngineClient,
-    run_pd_turn,
+    MetricsSnapshot,
 )
+from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.hw_gates import LengthResult
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import BackendUnavailable, Node
 from bidir_kv.topology.process import ProcessFailed
 

@@ -307,7 +307,7 @@ def bidirectional_config(role: str, **extra: Any) -> KVTransferConfig:
 
 def router_counter(url: str, name: str, **labels: str) -> float:
     """A ``bidir_kv_router_*_total`` counter scraped from a running router."""
-    from bidir_kv.scrape import scrape
+    from bidir_kv.client import scrape
 
     return scrape(url).value(f"bidir_kv_router_{name}_total", **labels)
 

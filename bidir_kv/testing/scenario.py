@@ -12,20 +12,18 @@ import threading
 import time
 from dataclasses import dataclass
 
+from bidir_kv.client import Completion, PDTurn, run_pd_turn
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.scrape import MetricsSnapshot
-from bidir_kv.testing.backends import PDBackend, PromptFactory
-from bidir_kv.testing.pd_client import (
+from bidir_kv.scrape import (
     CACHED_BY_SOURCE,
     NIXL_BYTES,
     NIXL_FAILED,
     NIXL_XFERS,
-    Completion,
-    EngineClient,
-    PDTurn,
-    run_pd_turn,
+    MetricsSnapshot,
     tokens_by_source,
 )
+from bidir_kv.testing.backends import PDBackend, PromptFactory
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 
 __all__ = [

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.scrape import MetricsSnapshot
-from bidir_kv.testing.pd_client import EngineClient, tokens_by_source
+from bidir_kv.scrape import MetricsSnapshot, tokens_by_source
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import EngineSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology
 

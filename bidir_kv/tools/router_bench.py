@@ -183,7 +183,7 @@ _HIST = "bidir_kv_router_added_latency_seconds_bucket"
 
 
 def _buckets(url: str) -> dict[float, float]:
-    from bidir_kv.scrape import scrape
+    from bidir_kv.client import scrape
 
     snap = scrape(url)
     out: dict[float, float] = {}

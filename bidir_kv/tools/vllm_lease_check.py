@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.client import scrape
 from bidir_kv.policy import cache_ttl_below_retention
-from bidir_kv.scrape import scrape
 from bidir_kv.testing.backends import _REPO, CONNECTOR_MODULE, BackendConfig
 from bidir_kv.topology.base import EngineSpec, TopologySpec
 from bidir_kv.topology.process import free_port, wait_http_ok

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from bidir_kv.client import run_pd_turn
+from bidir_kv.scrape import NIXL_BYTES, TOKENS_BY_SOURCE
 from bidir_kv.testing.backends import PDBackend, PromptFactory
-from bidir_kv.testing.pd_client import NIXL_BYTES, TOKENS_BY_SOURCE, run_pd_turn
 from bidir_kv.testing.scenario import ANSWER_WITHIN, complete_watching
 
 GEN = 16

@@ -25,10 +25,11 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.client import Completion
 from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.backends import PDBackend, PromptFactory, VariantPair
-from bidir_kv.testing.pd_client import Completion, EngineClient
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import start_router_process
 from bidir_kv.testing.scenario import complete_watching, evidence, queue_state

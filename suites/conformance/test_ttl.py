@@ -18,8 +18,9 @@ import time
 
 import pytest
 
+from bidir_kv.client import run_pd_turn
+from bidir_kv.scrape import NIXL_BYTES, NIXL_EXPIRED
 from bidir_kv.testing.backends import PDBackend, PromptFactory
-from bidir_kv.testing.pd_client import NIXL_BYTES, NIXL_EXPIRED, run_pd_turn
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.scenario import (
     ANSWER_WITHIN,

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.client import Completion
 from bidir_kv.testing.engines import EnginePair, random_prompt
-from bidir_kv.testing.pd_client import Completion, EngineClient
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.topology.local import engine_argv
 from bidir_kv.topology.process import ManagedProcess, wait_http_ok

@@ -14,8 +14,9 @@ import random
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from bidir_kv.client import Completion
 from bidir_kv.testing.engines import EnginePair, random_prompt
-from bidir_kv.testing.pd_client import Completion, EngineClient
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 
 Factory = Callable[..., EnginePair]

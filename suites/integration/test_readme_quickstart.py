@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.scrape import scrape
+from bidir_kv.client import scrape
 from bidir_kv.topology.process import free_port
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.scrape import MetricsSnapshot, scrape
+from bidir_kv.client import scrape
+from bidir_kv.scrape import MetricsSnapshot
 from bidir_kv.testing.router import (
     ChatResult,
     RouterProcess,

@@ -119,7 +119,7 @@ def test_redis_store_survives_200_concurrent_turns(
 
 
 def _decode_inflight(url: str) -> float:
-    from bidir_kv.scrape import scrape
+    from bidir_kv.client import scrape
 
     return scrape(url).value("bidir_kv_router_backend_inflight", role="decode")
 
