@@ -13,11 +13,12 @@ A client is given URLs, never topology nodes: it sits below ``topology``, ``benc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -251,6 +252,24 @@ class AsyncNodeClient(_NodeBase):
                       timeout: float | None = None) -> MetricsSnapshot:
         reply = (await self.get("/metrics", timeout=timeout)).raise_for_status()
         return _metrics(reply.text, names)
+
+    @contextlib.asynccontextmanager
+    async def open_stream(self, path: str, body: Mapping[str, Any], *,
+                          timeout: float | None = None) -> AsyncIterator[AsyncIterator[bytes]]:
+        """POST ``body`` and yield its ``data:`` payloads as they come; leaving the block
+        closes the connection, read to the end or not (a client that goes away).
+        A non-2xx answer raises :class:`HTTPStatusError`."""
+        url = self._target(path)
+        with translated(url):
+            req = self._build(self._http, "POST", path, body, None, None, timeout)
+            resp = await self._http.send(req, stream=True)
+            try:
+                if not resp.is_success:
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise HTTPStatusError(resp.status_code, text, url=url)
+                yield aiter_data(resp.aiter_bytes())
+            finally:
+                await resp.aclose()
 
     async def complete(self, body: Mapping[str, Any], *, path: str = COMPLETIONS_PATH,
                        headers: Mapping[str, str] | None = None,

@@ -21,8 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bidir_kv.client.errors import BODY_EXCERPT, HTTPStatusError, MalformedResponse
-from bidir_kv.protocol import KVTransferParams, ProtocolError, params_from_response, \
-    scan_terminal_chunk
+from bidir_kv.protocol import (
+    KVTransferParams,
+    ProtocolError,
+    params_from_response,
+    scan_terminal_chunk,
+)
 
 __all__ = ["Completion", "StreamReader", "read_body", "read_error"]
 
