@@ -41,6 +41,7 @@ from bidir_kv.client.node import (
     Reply,
     fetch,
     get_json,
+    read_reply,
     scrape,
 )
 from bidir_kv.client.result import Completion
@@ -70,6 +71,7 @@ __all__ = [
     "TransportError",
     "fetch",
     "get_json",
+    "read_reply",
     "run_pd_turn",
     "scrape",
     "settled_metrics",

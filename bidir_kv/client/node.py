@@ -39,6 +39,7 @@ __all__ = [
     "Reply",
     "fetch",
     "get_json",
+    "read_reply",
     "scrape",
 ]
 
@@ -91,6 +92,20 @@ class Reply:
             raise MalformedResponse(f"answer is not a JSON object: {self.content[:80]!r}",
                                     url=self.url)
         return obj
+
+
+def read_reply(reply: Reply, stream: bool) -> Completion:
+    """A :class:`Completion` from an answer already read whole (a test that also needs
+    the raw bytes); a stream's body goes through the same reader as a live one."""
+    out = Completion(status=reply.status, url=reply.url, stream=stream)
+    if not reply.ok:
+        return read_error(out, reply.content)
+    if not stream:
+        return read_body(out, reply.content)
+    reader = StreamReader(out)
+    for data in iter_data([reply.content]):
+        reader.feed(data, 0.0)
+    return reader.finish(0.0)
 
 
 def _metrics(text: str, names: Sequence[str] | None) -> MetricsSnapshot:

@@ -168,11 +168,9 @@ def _node(role: str, url: str) -> Node:
 
 def _served_model(url: str) -> str:
     """The first model id ``/v1/models`` lists (what requests must name)."""
-    import json
-    import urllib.request
+    from bidir_kv.client import get_json
 
-    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as resp:
-        models = json.loads(resp.read()).get("data") or []
+    models = get_json(url.rstrip("/") + "/v1/models", timeout=30).get("data") or []
     if not models:
         raise pytest.UsageError(f"{url}/v1/models lists no model; pass --hw-model")
     return str(models[0]["id"])

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from bidir_kv.client import run_pd_turn
+from bidir_kv.client import TransportError, run_pd_turn
 from bidir_kv.scrape import NIXL_BYTES, NIXL_EXPIRED
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.poll import wait_for
@@ -107,7 +107,7 @@ def test_decline_outcome_per_failure_policy(pd: PDBackend, prompts: PromptFactor
         resp, peak = complete_watching(p, prompt2, GEN, late.for_prefill_hit(),
                                       ANSWER_WITHIN)
         delta = p.metrics() - before
-    if resp.status == 0:
+    if isinstance(resp, TransportError):
         raise AssertionError(
             f"P did not answer within {ANSWER_WITHIN:g} s after declining ({resp.error}); "
             f"queue peaks while waiting: {peak}"
