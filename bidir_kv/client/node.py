@@ -156,12 +156,14 @@ class _NodeBase:
 
 
 class NodeClient(_NodeBase):
-    """Blocking client of one node; thread-safe, one connection pool."""
+    """Blocking client of one node; thread-safe, one connection pool. ``transport``
+    replaces the network (a unit test's ``httpx.MockTransport``)."""
 
     def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
         super().__init__(url, timeout=timeout, headers=headers)
-        self._http = httpx.Client(**self._options())
+        self._http = httpx.Client(transport=transport, **self._options())
 
     def close(self) -> None:
         self._http.close()
@@ -230,10 +232,11 @@ class AsyncNodeClient(_NodeBase):
     """The same client for asyncio callers (bench, campaign); one pool, no connection cap."""
 
     def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         super().__init__(url, timeout=timeout, headers=headers)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self._http = httpx.AsyncClient(limits=limits, **self._options())
+        self._http = httpx.AsyncClient(limits=limits, transport=transport, **self._options())
 
     async def aclose(self) -> None:
         await self._http.aclose()
