@@ -125,6 +125,7 @@ class _NodeBase:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.headers = dict(headers or {})
+        self._parsed: dict[str, httpx.URL] = {}  # path -> URL, parsed once (per-request cost)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url})"
@@ -143,7 +144,10 @@ class _NodeBase:
         if body is not None:
             content = json.dumps(body).encode()
             hdrs = {**_JSON, **hdrs}
-        return http.build_request(method, self._target(path), content=content, headers=hdrs,
+        url = self._parsed.get(path)
+        if url is None:
+            url = self._parsed[path] = httpx.URL(self._target(path))
+        return http.build_request(method, url, content=content, headers=hdrs,
                                   timeout=self.timeout if timeout is None else timeout)
 
     @staticmethod
