@@ -30,7 +30,7 @@ def test_feature_off_p_ignores_d_params(pd: PDBackend, prompts: PromptFactory) -
         delta = p_off.metrics() - before
     if isinstance(resp, TransportError):
         raise AssertionError(
-            f"P (feature off) did not answer within {ANSWER_WITHIN:g} s ({resp.error}); "
+            f"P (feature off) did not answer within {ANSWER_WITHIN:g} s ({resp}); "
             f"queue peaks while waiting: {peak}; bytes moved: {delta.value(NIXL_BYTES)}"
         )
     assert resp.ok, f"P (feature off) failed: {resp.status} {resp.error}"

@@ -109,7 +109,7 @@ def test_decline_outcome_per_failure_policy(pd: PDBackend, prompts: PromptFactor
         delta = p.metrics() - before
     if isinstance(resp, TransportError):
         raise AssertionError(
-            f"P did not answer within {ANSWER_WITHIN:g} s after declining ({resp.error}); "
+            f"P did not answer within {ANSWER_WITHIN:g} s after declining ({resp}); "
             f"queue peaks while waiting: {peak}"
         )
     assert delta.value(NIXL_EXPIRED) == 1, "the decline is counted as an expiry"
