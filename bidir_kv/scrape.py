@@ -1,19 +1,45 @@
-"""Reading Prometheus ``/metrics`` from engines and routers: snapshots and deltas.
+"""Reading Prometheus ``/metrics`` of engines and routers: snapshots, deltas, vLLM's names.
 
-Tests, conformance scenarios and ``bench`` all prove "who computed what" the
-same way: scrape before, scrape after, compare. Absolute values are never
-asserted (nodes are shared between tests; docs/vllm-cpu.md §7.7).
+Tests, conformance scenarios, ``bench`` and ``doctor`` all prove "who computed what"
+the same way: scrape before, scrape after, compare. Absolute values are never
+asserted (nodes are shared between tests; docs/vllm-cpu.md §7.7). This module parses
+the exposition format; fetching it is :func:`bidir_kv.client.scrape`'s.
 """
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["MetricsSnapshot", "parse_metrics", "scrape"]
+__all__ = [
+    "CACHED_BY_SOURCE",
+    "NIXL_BYTES",
+    "NIXL_EXPIRED",
+    "NIXL_FAILED",
+    "NIXL_XFERS",
+    "NOTIFS_AFTER_EXPIRY",
+    "SOURCES",
+    "TOKENS_BY_SOURCE",
+    "WATCHED",
+    "MetricsSnapshot",
+    "parse_metrics",
+    "tokens_by_source",
+]
+
+# vLLM's counters that show who computed what and what moved (engines export the same)
+TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+NIXL_XFERS = "vllm:nixl_xfer_time_seconds_count"
+NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
+NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+NOTIFS_AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+# the counters a P/D turn is judged by (scraped cheaply: only these lines are parsed)
+WATCHED = (TOKENS_BY_SOURCE, NIXL_BYTES, NIXL_XFERS, NIXL_FAILED, NIXL_EXPIRED,
+           NOTIFS_AFTER_EXPIRY, CACHED_BY_SOURCE)
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -51,9 +77,6 @@ class MetricsSnapshot:
         )
 
 
-def scrape(base_url: str, timeout: float = 10.0) -> MetricsSnapshot:
-    """GET ``{base_url}/metrics`` and parse it."""
-    url = base_url.rstrip("/") + "/metrics"
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        text = resp.read().decode()
-    return MetricsSnapshot(parse_metrics(text))
+def tokens_by_source(delta: MetricsSnapshot) -> dict[str, int]:
+    """``{source: tokens}`` from a metrics delta (vLLM's per-source prompt counter)."""
+    return {s: int(delta.value(TOKENS_BY_SOURCE, source=s)) for s in SOURCES}

@@ -18,9 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from bidir_kv.bench.client import build_chat_body, stream_chat
+from bidir_kv.client import AsyncNodeClient
 from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 
 __all__ = ["Capacity", "client_capacity", "measure_capacity", "serve_trivial"]
@@ -75,20 +74,16 @@ async def _drive(url: str, clients: int, requests: int, chunks: int) -> Capacity
     body = build_chat_body("tiny", [{"role": "user", "content": "hello"}], chunks, "cap-0")
     done = 0
     got_chunks = 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with AsyncNodeClient(url) as session:
 
         async def worker() -> None:
             nonlocal done, got_chunks
             while done < requests:
                 done += 1
-                res = await stream_chat(session, url, body, headers={"X-Session-ID": "cap-0"})
-                if not res.ok:
-                    raise RuntimeError(f"trivial server failed: {res.error}")
-                got_chunks += res.num_chunks
+                res = await stream_chat(session, body, headers={"X-Session-ID": "cap-0"})
+                got_chunks += res.content_chunks
 
-        warm = await stream_chat(session, url, body)  # opens the first connection
-        if not warm.ok:
-            raise RuntimeError(f"trivial server failed: {warm.error}")
+        await stream_chat(session, body)  # opens the first connection
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
         dt = time.perf_counter() - t0

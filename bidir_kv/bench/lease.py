@@ -24,13 +24,12 @@ import json
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.client import fetch, get_json, scrape
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.policy import scaled_cache_ttl, valid_conversation_lease
 from bidir_kv.router.settings import UPSTREAM_CACHE_TTL
@@ -104,14 +103,9 @@ class LegResult:
 
 
 def _post(url: str, body: dict[str, Any] | None, method: str = "POST") -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else b""
-    req = urllib.request.Request(url, data=data if method == "POST" else None, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, None
+    """(status, decoded body of a 2xx answer or ``None``)."""
+    reply = fetch(url, method=method, json=body, timeout=120)
+    return reply.status, reply.json() if reply.ok else None
 
 
 class _Client(threading.Thread):
@@ -157,8 +151,7 @@ class _Client(threading.Thread):
 
 def _d_state(d_url: str) -> tuple[int, int]:
     """(used blocks, retained turns) on D right now."""
-    with urllib.request.urlopen(d_url + "/_emulator/state", timeout=10) as resp:
-        st = json.loads(resp.read())
+    st = get_json(d_url + "/_emulator/state")
     return int(st["usable_blocks"]) - int(st["free_blocks"]), int(st["retained"])
 
 
@@ -206,7 +199,6 @@ def _topology_spec(w: LeaseWorkload, lease_leg: bool) -> Any:
 def run_leg(w: LeaseWorkload, lease_leg: bool, run_dir: Path) -> LegResult:
     """One leg on a fresh emulated 1P1D + router; sampling ends once D holds nothing
     (the fixed leg: D's TTL after the last turn)."""
-    from bidir_kv.scrape import scrape
     from bidir_kv.topology.local import LocalTopology
 
     result = LegResult("lease" if lease_leg else "fixed TTL")

@@ -16,19 +16,16 @@ import heapq
 import itertools
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from bidir_kv.bench.client import build_chat_body, stream_chat
 from bidir_kv.bench.stats import RequestRecord, write_records
 from bidir_kv.bench.workload import Conversation
-from bidir_kv.scrape import MetricsSnapshot, scrape
+from bidir_kv.client import AsyncNodeClient, ClientError, Completion, NodeClient, scrape
+from bidir_kv.scrape import MetricsSnapshot
 
 __all__ = [
     "HttpTokenCounter",
@@ -72,19 +69,16 @@ class HttpTokenCounter:
     """Counts content tokens with a server's ``/tokenize`` (cached; synchronous)."""
 
     def __init__(self, url: str, model: str, timeout: float = 30.0) -> None:
-        self.url = url.rstrip("/") + "/tokenize"
+        self.client = NodeClient(url, timeout=timeout)
+        self.url = self.client.url + "/tokenize"
         self.model = model
         self.timeout = timeout
         self.calls = 0
 
     def __call__(self, text: str) -> int:
         self.calls += 1
-        body = json.dumps({"model": self.model, "prompt": text, "add_special_tokens": False})
-        req = urllib.request.Request(
-            self.url, data=body.encode(), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            obj = json.loads(resp.read())
+        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        obj = self.client.post("/tokenize", body).raise_for_status().json_object()
         if isinstance(obj.get("count"), int):
             return int(obj["count"])
         tokens = obj.get("tokens")
@@ -95,7 +89,7 @@ class HttpTokenCounter:
     def available(self) -> bool:
         try:
             self("probe")
-        except (OSError, urllib.error.URLError, ValueError, RuntimeError):
+        except (ClientError, RuntimeError):
             return False
         return True
 
@@ -139,8 +133,7 @@ async def run_point(
             heapq.heappush(heap, _Ready(time.perf_counter(), next(seq), _ConvState(conv)))
 
     activate()
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with AsyncNodeClient(opts.url, timeout=opts.request_timeout_s) as session:
 
         async def client(client_id: int) -> None:
             nonlocal in_flight
@@ -194,7 +187,7 @@ async def run_point(
 
 
 async def _one_turn(
-    session: aiohttp.ClientSession,
+    session: AsyncNodeClient,
     opts: RunOptions,
     state: _ConvState,
     client_id: int,
@@ -215,14 +208,18 @@ async def _one_turn(
     headers = dict(opts.headers)
     if opts.send_conversation_id:
         headers["X-Session-ID"] = cid
-    res = await stream_chat(
-        session, opts.url, body, headers=headers, timeout_s=opts.request_timeout_s
-    )
+    start = time.perf_counter()
+    error: str | None = None
+    try:
+        res = await stream_chat(session, body, headers=headers)
+    except ClientError as exc:  # recorded as this request's failure, typed by name
+        error = f"{type(exc).__name__}: {exc}"
+        res = Completion(status=0, start=start, elapsed=time.perf_counter() - start)
     input_tokens = sum(state.tokens)
     history = input_tokens - turn.content_tokens
-    out_tokens = res.output_tokens
-    latency_ms = (res.latency_s or 0.0) * 1e3
-    ttft_ms = (res.ttft_s or 0.0) * 1e3
+    out_tokens = res.output_tokens if error is None else 0
+    latency_ms = res.elapsed * 1e3
+    ttft_ms = (res.ttft or 0.0) * 1e3
     tpot_ms = (latency_ms - ttft_ms) / (out_tokens - 1) if out_tokens > 1 else 0.0
     rec = RequestRecord(
         ttft_ms=ttft_ms,
@@ -232,7 +229,7 @@ async def _one_turn(
         input_num_turns=len(state.messages),
         input_num_tokens=input_tokens,
         output_num_tokens=out_tokens,
-        output_num_chunks=res.num_chunks,
+        output_num_chunks=res.content_chunks,
         output_num_first_chunk_tokens=res.first_chunk_tokens,
         approx_cached_percent=100.0 * history / input_tokens if input_tokens else 0.0,
         conversation_id=cid,
@@ -243,10 +240,10 @@ async def _one_turn(
         prompt_tokens=res.prompt_tokens,
         think_time_s=turn.think_time_s,
         beyond_ttl=turn.beyond_ttl,
-        ok=res.ok,
-        error=res.error,
+        ok=error is None,
+        error=error,
     )
-    if res.ok:
+    if error is None:
         state.messages.append({"role": "assistant", "content": res.text})
         state.tokens.append(out_tokens)
     return rec
@@ -258,7 +255,7 @@ def snapshot_nodes(urls: Mapping[str, str]) -> dict[str, MetricsSnapshot | None]
     for name, url in urls.items():
         try:
             out[name] = scrape(url)
-        except (OSError, urllib.error.URLError, ValueError):
+        except ClientError:
             out[name] = None
     return out
 

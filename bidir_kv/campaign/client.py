@@ -11,14 +11,13 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
-import aiohttp
-
+from bidir_kv.client import AsyncNodeClient, ClientError, Completion, MalformedResponse, token_body
 from bidir_kv.engine.model import BYTE_BASE, VOCAB_SIZE
-from bidir_kv.testing.pd_client import Completion, completion_from_bytes
 
-__all__ = ["Conversation", "Turn", "body", "post", "random_tokens", "reference_ok"]
+__all__ = ["Clients", "Conversation", "Turn", "body", "post", "random_tokens", "reference_ok"]
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:
@@ -28,53 +27,71 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
 
 def body(prompt: list[int], max_tokens: int, conv: str | None, *, stream: bool = True,
          model: str = "tiny") -> dict[str, Any]:
-    out: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-                           "stream": stream}
-    if stream:
-        out["stream_options"] = {"include_usage": True}
-    if conv is not None:
-        out["conversation_id"] = conv
-    return out
+    return token_body(model, prompt, max_tokens, stream=stream, conversation_id=conv,
+                      include_usage=True)
 
 
-async def post(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
+class Clients:
+    """One async client per node URL for a campaign run (router, reference, engines)."""
+
+    def __init__(self, timeout: float = 120.0) -> None:
+        self.timeout = timeout
+        self._by_url: dict[str, AsyncNodeClient] = {}
+
+    def __call__(self, url: str) -> AsyncNodeClient:
+        client = self._by_url.get(url)
+        if client is None:
+            client = self._by_url[url] = AsyncNodeClient(url, timeout=self.timeout)
+        return client
+
+    async def __aenter__(self) -> Clients:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        for client in self._by_url.values():
+            await client.aclose()
+
+
+async def post(clients: Clients, url: str, payload: dict[str, Any],
                timeout: float = 120.0) -> Completion:
-    """POST to ``{url}/v1/completions``; transport errors become ``status 0``."""
-    t0 = time.perf_counter()
-    try:
-        async with session.post(url + "/v1/completions", json=payload,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            raw = await resp.read()
-            out = completion_from_bytes(resp.status, raw, bool(payload.get("stream")))
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        out = Completion(status=0, error=f"{type(exc).__name__}: {exc}")
-    out.elapsed = time.perf_counter() - t0
-    if out.ok and payload.get("stream") and out.finish_reason is None:
-        out.error = "stream ended without a finish_reason"
+    """POST to ``{url}/v1/completions``; a non-2xx answer is returned, no answer (or a
+    stream that ends without a ``finish_reason``) raises :class:`ClientError`."""
+    out = await clients(url).complete(payload, timeout=timeout)
+    if out.ok and out.stream and out.finish_reason is None:
+        raise MalformedResponse("stream ended without a finish_reason", url=out.url)
     return out
 
 
-async def reference_ok(session: aiohttp.ClientSession, ref_url: str | None, prompt: list[int],
+async def reference_ok(clients: Clients, ref_url: str | None, prompt: list[int],
                        max_tokens: int, got: list[int]) -> bool | None:
     """Whether ``got`` equals the reference engine's answer; ``None`` without a reference."""
     if ref_url is None:
         return None
-    want = await post(session, ref_url, body(prompt, max_tokens, None, stream=False))
-    if not want.ok:
-        raise RuntimeError(f"reference engine failed: HTTP {want.status}: {want.error}")
+    want = await post(clients, ref_url, body(prompt, max_tokens, None, stream=False))
+    want.raise_for_status()
     return want.token_ids == got
 
 
 @dataclass
 class Turn:
-    """What the client saw for one turn."""
+    """What the client saw for one turn: ``status`` is ``None`` when no answer came
+    (``error`` then names the :class:`ClientError`)."""
 
     index: int
-    status: int
+    status: int | None
     elapsed: float
     correct: bool | None
     error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300 and self.error is None
+
+    @property
+    def seen(self) -> str:
+        """``HTTP <status>``, or the failure when no answer came."""
+        return f"HTTP {self.status}" if self.status is not None else f"no answer ({self.error})"
 
 
 @dataclass
@@ -89,13 +106,20 @@ class Conversation:
     def next_prompt(self, new: int) -> list[int]:
         return [*self.history, *random_tokens(self.rng, new)]
 
-    async def turn(self, session: aiohttp.ClientSession, url: str, ref_url: str | None,
+    async def turn(self, clients: Clients, url: str, ref_url: str | None,
                    new: int, gen: int, *, stream: bool = True) -> Turn:
         prompt = self.next_prompt(new)
-        res = await post(session, url, body(prompt, gen, self.cid, stream=stream))
+        t0 = time.perf_counter()
+        try:
+            res = await post(clients, url, body(prompt, gen, self.cid, stream=stream))
+        except ClientError as exc:
+            t = Turn(len(self.turns), None, time.perf_counter() - t0, None,
+                     f"{type(exc).__name__}: {exc}")
+            self.turns.append(t)
+            return t
         correct = None
         if res.ok:
-            correct = await reference_ok(session, ref_url, prompt, gen, res.token_ids)
+            correct = await reference_ok(clients, ref_url, prompt, gen, res.token_ids)
             self.history = [*prompt, *res.token_ids]
         t = Turn(len(self.turns), res.status, res.elapsed, correct, res.error)
         self.turns.append(t)

@@ -10,14 +10,12 @@ reported as not tried.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.client import TransportError, fetch
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.launch.process import ManagedProcess, wait_http_ok
 from bidir_kv.topology.base import EngineSpec, Node, RouterSpec, TopologySpec
@@ -70,12 +68,9 @@ class Deployment:
 
     def set_faults(self, url: str, **faults: Any) -> bool:
         """Set emulator faults on one engine; ``False`` when it has no fault endpoint."""
-        req = urllib.request.Request(url + "/_emulator/faults", json.dumps(faults).encode(),
-                                     {"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
+            return fetch(url + "/_emulator/faults", method="POST", json=faults).status == 200
+        except TransportError:
             return False
 
     def restart(self, role: str, index: int = 0) -> None:

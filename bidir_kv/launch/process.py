@@ -15,11 +15,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from bidir_kv.client import NodeClient, TransportError
 from bidir_kv.errors import TopologyError
 
 __all__ = ["ManagedProcess", "ProcessFailed", "free_port", "wait_http_ok"]
@@ -126,28 +125,26 @@ def wait_http_ok(
     deadline = time.monotonic() + timeout
     delay = 0.01
     last: object = None
-    while time.monotonic() < deadline:
-        if alive is not None and alive.returncode is not None:
-            raise ProcessFailed(
-                f"{alive.name} exited with code {alive.returncode} before {url} was ready\n"
-                f"{alive.log_tail()}"
-            )
-        why = gone() if gone is not None else None
-        if why is not None:
-            raise ProcessFailed(f"{why} before {url} was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
+    with NodeClient(url, timeout=2) as client:
+        while time.monotonic() < deadline:
+            if alive is not None and alive.returncode is not None:
+                raise ProcessFailed(
+                    f"{alive.name} exited with code {alive.returncode} before {url} was ready\n"
+                    f"{alive.log_tail()}"
+                )
+            why = gone() if gone is not None else None
+            if why is not None:
+                raise ProcessFailed(f"{why} before {url} was ready")
+            try:
+                status = client.get("").status
+            except TransportError as exc:
+                last = exc
+            else:
+                if status == 200 or any_status:
                     return
-                last = resp.status
-        except urllib.error.HTTPError as exc:
-            if any_status:
-                return
-            last = exc
-        except (urllib.error.URLError, ConnectionError, OSError) as exc:
-            last = exc
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.25)
+                last = status
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
     tail = alive.log_tail() if alive is not None else ""
     raise ProcessFailed(f"{url} not ready after {timeout:.0f} s (last: {last!r})\n{tail}")
 

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.client import Completion
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.policy import (
     DEFAULT_KV_LEASE_DURATION,
     DEFAULT_RECOMPUTE_THRESHOLD,
 )
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.testing.pd_client import Completion, EngineClient
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import (
     BackendUnavailable,
     EngineSpec,
@@ -182,11 +183,11 @@ class PDBackend:
         dedicated reference server is configured.
         """
         if self._reference is not None:
-            return self._reference.complete(prompt, max_tokens).require_ok()
+            return self._reference.complete(prompt, max_tokens).raise_for_status()
         salt = f"ref-{time.time_ns()}-{random.random()}"
         return self.prefill.complete(
             prompt, max_tokens, extra={"cache_salt": salt}
-        ).require_ok()
+        ).raise_for_status()
 
     # ---- variants -----------------------------------------------------------------
 
@@ -256,7 +257,7 @@ class PDBackend:
 
 def first_params(resp: Completion) -> KVTransferParams:
     """The params of a successful response, or an assertion naming what came back."""
-    resp.require_ok()
+    resp.raise_for_status()
     if resp.params is None:
         raise AssertionError(f"response carried no kv_transfer_params (key present: "
                              f"{resp.params_present})")

@@ -18,11 +18,12 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.client import Completion
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.scrape import MetricsSnapshot
-from bidir_kv.testing.pd_client import Completion, EngineClient, tokens_by_source
+from bidir_kv.scrape import MetricsSnapshot, tokens_by_source
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import EngineSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology
 
@@ -98,27 +99,14 @@ class EnginePair:
         return pr, self.d.complete(prompt, max_tokens, pr.params, stream=stream)
 
     def state(self, which: str) -> dict[str, int]:
-        import json
-        import urllib.request
-
         client = self.p if which == "p" else self.d
-        with urllib.request.urlopen(client.url + "/_emulator/state", timeout=10) as r:
-            out: dict[str, int] = json.loads(r.read())
+        out: dict[str, int] = client.http.get_json("/_emulator/state", timeout=10)
         return out
 
     def set_faults(self, which: str, **faults: Any) -> dict[str, Any]:
-        import json
-        import urllib.request
-
         client = self.p if which == "p" else self.d
-        req = urllib.request.Request(
-            client.url + "/_emulator/faults",
-            json.dumps(faults).encode(),
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=10) as r:
-            out: dict[str, Any] = json.loads(r.read())
-        return out
+        reply = client.http.post("/_emulator/faults", faults, timeout=10)
+        return reply.raise_for_status().json_object()
 
 
 def sources(delta: MetricsSnapshot) -> dict[str, int]:

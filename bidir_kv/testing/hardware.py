@@ -22,20 +22,20 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.client import run_pd_turn
 from bidir_kv.launch.process import ProcessFailed
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.scrape import MetricsSnapshot
-from bidir_kv.testing.gating import skip_or_fail
-from bidir_kv.testing.hw_gates import LengthResult
-from bidir_kv.testing.pd_client import (
+from bidir_kv.scrape import (
     NIXL_BYTES,
     NIXL_EXPIRED,
     NIXL_FAILED,
     NIXL_XFERS,
     WATCHED,
-    EngineClient,
-    run_pd_turn,
+    MetricsSnapshot,
 )
+from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.hw_gates import LengthResult
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import BackendUnavailable, Node
 
 __all__ = ["HwDeployment", "hw_deployment", "hw_results", "measure_length", "run_round"]
@@ -168,11 +168,9 @@ def _node(role: str, url: str) -> Node:
 
 def _served_model(url: str) -> str:
     """The first model id ``/v1/models`` lists (what requests must name)."""
-    import json
-    import urllib.request
+    from bidir_kv.client import get_json
 
-    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as resp:
-        models = json.loads(resp.read()).get("data") or []
+    models = get_json(url.rstrip("/") + "/v1/models", timeout=30).get("data") or []
     if not models:
         raise pytest.UsageError(f"{url}/v1/models lists no model; pass --hw-model")
     return str(models[0]["id"])

@@ -10,8 +10,6 @@ import contextlib
 import itertools
 import json
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,6 +19,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from bidir_kv.client import CHAT_PATH, AsyncNodeClient, NodeClient, read_reply, scrape
+from bidir_kv.client.sse import iter_data
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.router.app import FLOW_KEY, build_app
@@ -75,7 +75,8 @@ class StubStack:
     decode_ports: list[int] = field(default_factory=list)
     url: str = ""
     app: web.Application | None = None
-    session: aiohttp.ClientSession | None = None
+    client: AsyncNodeClient | None = None  # to the router
+    session: aiohttp.ClientSession | None = None  # for the router's own pieces under test
     _runners: list[web.AppRunner] = field(default_factory=list)
 
     @property
@@ -115,6 +116,7 @@ class StubStack:
             runner, port = await _serve(self.app)
             self._runners.append(runner)
             self.url = f"http://127.0.0.1:{port}"
+            self.client = AsyncNodeClient(self.url)
             self.session = aiohttp.ClientSession()
         except BaseException:
             await self.close()
@@ -122,6 +124,8 @@ class StubStack:
         return self
 
     async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
         if self.session is not None:
             await self.session.close()
         for runner in reversed(self._runners):
@@ -136,14 +140,11 @@ class StubStack:
         self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
     ) -> tuple[int, Any, list[bytes]]:
         """POST through the router: (status, JSON body or None, raw SSE data payloads)."""
-        assert self.session is not None
-        async with self.session.post(self.url + path, json=body, headers=headers) as resp:
-            raw = await resp.read()
-            if resp.content_type == "text/event-stream":
-                lines = raw.split(b"\n")
-                events = [ln[5:].strip() for ln in lines if ln.startswith(b"data:")]
-                return resp.status, None, events
-            return resp.status, await resp.json(content_type=None), []
+        assert self.client is not None
+        reply = await self.client.request("POST", path, json=body, headers=headers)
+        if reply.headers.get("content-type", "").startswith("text/event-stream"):
+            return reply.status, None, [d.strip() for d in iter_data([reply.content])]
+        return reply.status, reply.json(), []
 
 
 def counter(flow: RouterFlow, name: str, **labels: str) -> float:
@@ -243,7 +244,8 @@ def router_process(run_dir: Path) -> Iterator[Callable[..., RouterProcess]]:
 
 @dataclass
 class ChatResult:
-    """One chat turn as a client saw it."""
+    """One chat turn as a router test sees it: the raw bytes (what the router let
+    through) next to the text the client's one reader found in them."""
 
     status: int
     text: str
@@ -254,9 +256,9 @@ class ChatResult:
     def error(self) -> Any:
         if isinstance(self.body, dict) and "error" in self.body:
             return self.body["error"]
-        for line in self.raw.split(b"\n"):
-            if line.startswith(b"data: {") and b'"error"' in line:
-                obj = json.loads(line[6:])
+        for data in iter_data([self.raw]):
+            if data.startswith(b"{") and b'"error"' in data:
+                obj = json.loads(data)
                 if "error" in obj:
                     return obj["error"]
         return None
@@ -278,26 +280,13 @@ def chat(
                             "temperature": 0, "stream": stream, **extra}
     if conv is not None:
         body["conversation_id"] = conv
-    req = urllib.request.Request(
-        url.rstrip("/") + "/v1/chat/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        return ChatResult(exc.code, "", raw, json.loads(raw) if raw else None)
-    if not stream:
-        obj = json.loads(raw)
-        return ChatResult(status, obj["choices"][0]["message"]["content"] or "", raw, obj)
-    parts = []
-    for line in raw.split(b"\n"):
-        if line.startswith(b"data: {"):
-            obj = json.loads(line[6:])
-            for c in obj.get("choices") or []:
-                parts.append((c.get("delta") or {}).get("content") or "")
-    return ChatResult(status, "".join(parts), raw)
+    with NodeClient(url, timeout=timeout) as client:
+        reply = client.request("POST", CHAT_PATH, json=body, headers=headers)
+    if not reply.ok:
+        return ChatResult(reply.status, "", reply.content,
+                          reply.json() if reply.content else None)
+    res = read_reply(reply, stream)
+    return ChatResult(reply.status, res.text, reply.content, res.body)
 
 
 def bidirectional_config(role: str, **extra: Any) -> KVTransferConfig:
@@ -307,8 +296,6 @@ def bidirectional_config(role: str, **extra: Any) -> KVTransferConfig:
 
 def router_counter(url: str, name: str, **labels: str) -> float:
     """A ``bidir_kv_router_*_total`` counter scraped from a running router."""
-    from bidir_kv.scrape import scrape
-
     return scrape(url).value(f"bidir_kv_router_{name}_total", **labels)
 
 

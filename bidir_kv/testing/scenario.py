@@ -12,20 +12,18 @@ import threading
 import time
 from dataclasses import dataclass
 
+from bidir_kv.client import ClientError, Completion, PDTurn, TransportError, run_pd_turn
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.scrape import MetricsSnapshot
-from bidir_kv.testing.backends import PDBackend, PromptFactory
-from bidir_kv.testing.pd_client import (
+from bidir_kv.scrape import (
     CACHED_BY_SOURCE,
     NIXL_BYTES,
     NIXL_FAILED,
     NIXL_XFERS,
-    Completion,
-    EngineClient,
-    PDTurn,
-    run_pd_turn,
+    MetricsSnapshot,
     tokens_by_source,
 )
+from bidir_kv.testing.backends import PDBackend, PromptFactory
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 
 __all__ = [
@@ -125,23 +123,27 @@ ANSWER_WITHIN = 45.0
 def complete_watching(
     client: EngineClient, prompt: list[int], max_tokens: int, params: KVTransferParams,
     timeout: float, interval: float = 1.0,
-) -> tuple[Completion, dict[str, float]]:
+) -> tuple[Completion | TransportError, dict[str, float]]:
     """Send a request and sample the node's queue while it is pending.
 
-    Returns the response and the maxima of running / waiting / deferred seen during
-    the wait: a request that never runs but sits deferred until the client gives up
-    is a stall, however loaded the machine is.
+    Returns the response (or the :class:`TransportError` when none came within
+    ``timeout``) and the maxima of running / waiting / deferred seen during the wait:
+    a request that never runs but sits deferred until the client gives up is a stall,
+    however loaded the machine is.
     """
-    box: dict[str, Completion] = {}
-    th = threading.Thread(
-        target=lambda: box.setdefault(
-            "r", client.complete(prompt, max_tokens, params, timeout=timeout)),
-        daemon=True,
-    )
+    box: dict[str, Completion | TransportError] = {}
+
+    def send() -> None:
+        try:
+            box["r"] = client.complete(prompt, max_tokens, params, timeout=timeout)
+        except TransportError as exc:
+            box["r"] = exc
+
+    th = threading.Thread(target=send, daemon=True)
     peak = {"running": 0.0, "waiting": 0.0, "deferred": 0.0, "samples": 0.0}
     th.start()
     while th.is_alive():
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(ClientError):
             for key, value in queue_state(client).items():
                 peak[key] = max(peak[key], value)
             peak["samples"] += 1

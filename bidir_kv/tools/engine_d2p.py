@@ -18,8 +18,8 @@ from pathlib import Path
 
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.scrape import MetricsSnapshot
-from bidir_kv.testing.pd_client import EngineClient, tokens_by_source
+from bidir_kv.scrape import MetricsSnapshot, tokens_by_source
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import EngineSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology
 
@@ -98,16 +98,16 @@ class EngineD2P:
 
     def once(self, i: int) -> float:
         prompt1 = self._prompt(HISTORY_TOKENS - GENERATED + 1)
-        p1 = self.p.complete(prompt1, 1, KVTransferParams.miss()).require_ok()
+        p1 = self.p.complete(prompt1, 1, KVTransferParams.miss()).raise_for_status()
         if p1.params is None:
             raise RuntimeError("P returned no kv_transfer_params on turn 1")
-        d1 = self.d.complete(prompt1, GENERATED, p1.params).require_ok()
+        d1 = self.d.complete(prompt1, GENERATED, p1.params).raise_for_status()
         if d1.params is None or d1.params.num_remote_tokens != HISTORY_TOKENS:
             got = None if d1.params is None else d1.params.num_remote_tokens
             raise RuntimeError(f"D retained {got} tokens, expected {HISTORY_TOKENS}")
         prompt2 = [*prompt1, *d1.token_ids, *self._prompt(NEW_TOKENS)]
         before = _settled(self.p)
-        p2 = self.p.complete(prompt2, 1, d1.params.for_prefill_hit()).require_ok()
+        p2 = self.p.complete(prompt2, 1, d1.params.for_prefill_hit()).raise_for_status()
         delta = _settled(self.p) - before
         if delta.value(XFER_COUNT) != 1:
             raise RuntimeError(f"P made {delta.value(XFER_COUNT):.0f} reads on turn 2, not 1")

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
+from bidir_kv.client import CHAT_PATH, AsyncNodeClient, ClientError, Reply, read_reply, scrape
 from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.doubles.relay import HOST, serve_relay
@@ -92,48 +91,36 @@ class Conversation:
                          {"role": "user", "content": f"more, part {self.turn}"}]
 
 
-def _text(raw: bytes) -> str:
-    out = []
-    for line in raw.split(b"\n"):
-        if line.startswith(b"data: {"):
-            obj = json.loads(line[6:])
-            for c in obj.get("choices") or []:
-                out.append((c.get("delta") or {}).get("content") or "")
-    return "".join(out)
+def _text(reply: Reply) -> str:
+    """The streamed answer's text; a stream that did not end with ``[DONE]`` fails."""
+    if reply.status != 200 or not reply.content.rstrip().endswith(b"data: [DONE]"):
+        raise RuntimeError(f"HTTP {reply.status}: {reply.content[-200:]!r}")
+    return read_reply(reply, stream=True).text
 
 
-async def _read_stream(resp: aiohttp.ClientResponse) -> bytes:
-    raw = await resp.read()
-    if resp.status != 200 or not raw.rstrip().endswith(b"data: [DONE]"):
-        raise RuntimeError(f"HTTP {resp.status}: {raw[-200:]!r}")
-    return raw
+async def _via_proxy(clients: dict[str, AsyncNodeClient], url: str, conv: Conversation) -> str:
+    return _text(await clients[url].post(CHAT_PATH, conv.body()))
 
 
-async def _via_proxy(session: aiohttp.ClientSession, url: str, conv: Conversation) -> bytes:
-    async with session.post(url + "/v1/chat/completions", json=conv.body()) as resp:
-        return await _read_stream(resp)
-
-
-async def _direct(session: aiohttp.ClientSession, p_url: str, d_url: str,
-                  conv: Conversation) -> bytes:
+async def _direct(clients: dict[str, AsyncNodeClient], p_url: str, d_url: str,
+                  conv: Conversation) -> str:
     body = conv.body()
     body.pop("conversation_id")
     p_body = dict(body, stream=False, max_tokens=1,
                   kv_transfer_params=KVTransferParams.miss().to_dict())
-    async with session.post(p_url + "/v1/chat/completions", json=p_body) as resp:
-        params = (await resp.json())["kv_transfer_params"]
+    reply = (await clients[p_url].post(CHAT_PATH, p_body)).raise_for_status()
+    params = reply.json_object()["kv_transfer_params"]
     params["remote_host"] = HOST
-    async with session.post(d_url + "/v1/chat/completions",
-                            json=dict(body, kv_transfer_params=params)) as resp:
-        return await _read_stream(resp)
+    return _text(await clients[d_url].post(CHAT_PATH, dict(body, kv_transfer_params=params)))
 
 
 async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
                    warmup: float, cell: Cell | None = None) -> Cell:
     """Drive ``concurrency`` closed-loop clients for ``duration`` s (adds to ``cell``)."""
     cell = cell or Cell(mode, concurrency)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    urls = list(target) if mode == "direct" else [target]
+    session = {url: AsyncNodeClient(url) for url in urls}
+    try:
         stop_at = [0.0]
         measuring = [False]
 
@@ -143,17 +130,17 @@ async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
                 t = time.perf_counter()
                 try:
                     if mode == "direct":
-                        raw = await _direct(session, target[0], target[1], conv)
+                        text = await _direct(session, target[0], target[1], conv)
                     else:
-                        raw = await _via_proxy(session, target, conv)
-                except (aiohttp.ClientError, RuntimeError, KeyError, ValueError):
+                        text = await _via_proxy(session, target, conv)
+                except (ClientError, RuntimeError, KeyError, TypeError):
                     if measuring[0]:
                         cell.errors += 1
                     continue
                 cell.completed += 1
                 if measuring[0]:
                     cell.latencies.append(time.perf_counter() - t)
-                conv.answered(_text(raw))
+                conv.answered(text)
 
         stop_at[0] = time.perf_counter() + warmup
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
@@ -162,6 +149,9 @@ async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
         stop_at[0] = start + duration
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         cell.elapsed += time.perf_counter() - start
+    finally:
+        for client in session.values():
+            await client.aclose()
     return cell
 
 
@@ -183,8 +173,6 @@ _HIST = "bidir_kv_router_added_latency_seconds_bucket"
 
 
 def _buckets(url: str) -> dict[float, float]:
-    from bidir_kv.scrape import scrape
-
     snap = scrape(url)
     out: dict[float, float] = {}
     for le in ("0.0001", "0.00025", "0.0005", "0.001", "0.002", "0.005", "0.01", "0.025",

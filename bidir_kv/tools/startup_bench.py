@@ -15,11 +15,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from bidir_kv.client import NodeClient, TransportError
 from bidir_kv.engine.transport import TRANSPORT_CHOICES
 from bidir_kv.launch.process import ManagedProcess, free_port
 
@@ -28,16 +27,16 @@ __all__ = ["main", "measure_once"]
 
 def _poll(url: str, proc: ManagedProcess, timeout: float) -> None:
     deadline = time.perf_counter() + timeout
-    while time.perf_counter() < deadline:
-        if proc.returncode is not None:
-            raise RuntimeError(f"engine exited with {proc.returncode}\n{proc.log_tail()}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
+    with NodeClient(url, timeout=1) as client:
+        while time.perf_counter() < deadline:
+            if proc.returncode is not None:
+                raise RuntimeError(f"engine exited with {proc.returncode}\n{proc.log_tail()}")
+            try:
+                if client.get("").status == 200:
                     return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.005)
+            except TransportError:
+                pass
+            time.sleep(0.005)
     raise RuntimeError(f"{url} not healthy after {timeout} s\n{proc.log_tail()}")
 
 

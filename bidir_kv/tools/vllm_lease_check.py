@@ -11,19 +11,16 @@ non-zero on the first expectation that fails. docs/connector.md §6 has a run's 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.client import fetch, scrape
 from bidir_kv.launch.process import free_port, wait_http_ok
 from bidir_kv.policy import cache_ttl_below_retention
-from bidir_kv.scrape import scrape
 from bidir_kv.testing.backends import _REPO, CONNECTOR_MODULE, BackendConfig
 from bidir_kv.topology.base import EngineSpec, TopologySpec
 from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
@@ -40,15 +37,8 @@ class Check:
         self.url, self.d_url = url, d_url
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else b""
-        req = urllib.request.Request(self.url + path, method=method,
-                                     data=data if method == "POST" else None,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
+        reply = fetch(self.url + path, method=method, json=body, timeout=120)
+        return reply.status, reply.json() if reply.content else None
 
     def turn(self, conv: str, messages: list[dict[str, str]]) -> str:
         status, obj = self.call("POST", "/v1/chat/completions", {

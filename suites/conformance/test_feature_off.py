@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from bidir_kv.client import TransportError, run_pd_turn
+from bidir_kv.scrape import NIXL_BYTES, TOKENS_BY_SOURCE
 from bidir_kv.testing.backends import PDBackend, PromptFactory
-from bidir_kv.testing.pd_client import NIXL_BYTES, TOKENS_BY_SOURCE, run_pd_turn
 from bidir_kv.testing.scenario import ANSWER_WITHIN, complete_watching
 
 GEN = 16
@@ -27,9 +28,9 @@ def test_feature_off_p_ignores_d_params(pd: PDBackend, prompts: PromptFactory) -
         resp, peak = complete_watching(p_off, prompt2, GEN, t1.d.params.for_prefill_hit(),
                                       ANSWER_WITHIN)
         delta = p_off.metrics() - before
-    if resp.status == 0:
+    if isinstance(resp, TransportError):
         raise AssertionError(
-            f"P (feature off) did not answer within {ANSWER_WITHIN:g} s ({resp.error}); "
+            f"P (feature off) did not answer within {ANSWER_WITHIN:g} s ({resp}); "
             f"queue peaks while waiting: {peak}; bytes moved: {delta.value(NIXL_BYTES)}"
         )
     assert resp.ok, f"P (feature off) failed: {resp.status} {resp.error}"

@@ -25,10 +25,11 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.client import Completion, TransportError
 from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.backends import PDBackend, PromptFactory, VariantPair
-from bidir_kv.testing.pd_client import Completion, EngineClient
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import start_router_process
 from bidir_kv.testing.scenario import complete_watching, evidence, queue_state
@@ -128,20 +129,23 @@ def ops(request: pytest.FixtureRequest, pd: PDBackend) -> Iterator[Ops]:
 def reference(p: EngineClient, prompt: Sequence[int], gen: int) -> list[int]:
     """Greedy output computed on the pair's P from nothing (a fresh ``cache_salt``)."""
     salt = f"ref-{time.time_ns()}"
-    return p.complete(prompt, gen, extra={"cache_salt": salt}).require_ok().token_ids
+    return p.complete(prompt, gen, extra={"cache_salt": salt}).raise_for_status().token_ids
 
 
 @dataclass
 class Turn:
     prompt: list[int]
-    p: Completion
+    p: Completion | None  # None: P did not answer in time (``no_answer``)
     d: Completion | None
     d_queue: dict[str, float] = field(default_factory=dict)  # D's gauge peaks meanwhile
+    no_answer: TransportError | None = None  # the leg that did not answer in time
 
     @property
     def answered(self) -> Completion:
         """The response the client got (P's failure, or D's)."""
-        return self.d if self.d is not None else self.p
+        got = self.d if self.d is not None else self.p
+        assert got is not None, f"no answer: {self.no_answer}"
+        return got
 
     @property
     def sequence(self) -> list[int]:
@@ -151,24 +155,29 @@ class Turn:
 
 def turn(pair: VariantPair, prompt: list[int], timeout: float,
          previous: KVTransferParams | None = None) -> Turn:
-    """P leg then D leg, each bounded by ``timeout`` (status 0: no answer in time);
+    """P leg then D leg, each bounded by ``timeout`` (``no_answer``: none in time);
     D's queue gauges are sampled while its leg is pending."""
     sent = KVTransferParams.miss() if previous is None else previous.for_prefill_hit()
-    p = pair.prefill.complete(prompt, 1, sent, timeout=timeout)
+    try:
+        p = pair.prefill.complete(prompt, 1, sent, timeout=timeout)
+    except TransportError as exc:
+        return Turn(prompt, None, None, no_answer=exc)
     if not p.ok or p.params is None:
         return Turn(prompt, p, None)
     d, peak = complete_watching(pair.decode, prompt, GEN, p.params, timeout)
+    if isinstance(d, TransportError):
+        return Turn(prompt, p, None, peak, no_answer=d)
     if d.params is not None:
         HELD.setdefault(id(pair), []).append(d.params)
     return Turn(prompt, p, d, peak)
 
 
 def stalled(what: str, t: Turn, pair: VariantPair, timing: Timing) -> str:
-    r = t.answered
-    if r.status == 0:
+    if t.no_answer is not None:
         return (f"{what}: no answer within {timing.window:g} s (D's TTL {timing.ttl:g} s); "
                 f"D's queue peaks meanwhile: {t.d_queue}, KV usage then "
                 f"{pair.decode.metrics([KV_USAGE]).value(KV_USAGE):.2f}")
+    r = t.answered
     return f"{what}: HTTP {r.status} {r.error}"
 
 
@@ -235,8 +244,8 @@ def test_queued_request_has_a_bound_and_a_clear_error(ops: Ops, prompts: PromptF
         ops.pd.block_size
     with filled(pair, prompts, bs, ops.timing):
         t = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
+    assert t.no_answer is None, stalled("the queued request", t, pair, ops.timing)
     r = t.answered
-    assert r.status != 0, stalled("the queued request", t, pair, ops.timing)
     if not r.ok:
         assert r.status in (429, 503), f"a bounded wait ends in 429/503, got {r.status}"
         assert r.error and "wait" in r.error.lower(), f"the error must say why: {r.error}"

@@ -22,9 +22,9 @@ import urllib.request
 
 import pytest
 
+from bidir_kv.client import run_pd_turn
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.backends import PDBackend, PromptFactory
-from bidir_kv.testing.pd_client import run_pd_turn
 from bidir_kv.testing.scenario import evidence
 
 CONVERSATIONS = int(os.environ.get("BIDIR_KV_ORACLE_CONVERSATIONS", "4"))

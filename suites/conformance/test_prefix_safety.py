@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 
+from bidir_kv.client import PDTurn, run_pd_turn
 from bidir_kv.testing.backends import PDBackend, PromptFactory
-from bidir_kv.testing.pd_client import PDTurn, run_pd_turn
 from bidir_kv.testing.scenario import evidence
 
 GEN = 16

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from bidir_kv.scrape import NIXL_FAILED, NOTIFS_AFTER_EXPIRY
 from bidir_kv.testing.backends import PDBackend, PromptFactory
-from bidir_kv.testing.pd_client import NIXL_FAILED, NOTIFS_AFTER_EXPIRY
 from bidir_kv.testing.scenario import evidence, two_turns, wait_metric_increase
 
 GEN = 16

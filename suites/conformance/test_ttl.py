@@ -18,8 +18,9 @@ import time
 
 import pytest
 
+from bidir_kv.client import TransportError, run_pd_turn
+from bidir_kv.scrape import NIXL_BYTES, NIXL_EXPIRED
 from bidir_kv.testing.backends import PDBackend, PromptFactory
-from bidir_kv.testing.pd_client import NIXL_BYTES, NIXL_EXPIRED, run_pd_turn
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.scenario import (
     ANSWER_WITHIN,
@@ -106,9 +107,9 @@ def test_decline_outcome_per_failure_policy(pd: PDBackend, prompts: PromptFactor
         resp, peak = complete_watching(p, prompt2, GEN, late.for_prefill_hit(),
                                       ANSWER_WITHIN)
         delta = p.metrics() - before
-    if resp.status == 0:
+    if isinstance(resp, TransportError):
         raise AssertionError(
-            f"P did not answer within {ANSWER_WITHIN:g} s after declining ({resp.error}); "
+            f"P did not answer within {ANSWER_WITHIN:g} s after declining ({resp}); "
             f"queue peaks while waiting: {peak}"
         )
     assert delta.value(NIXL_EXPIRED) == 1, "the decline is counted as an expiry"

@@ -59,7 +59,7 @@ def test_p_node_params(pd: PDBackend, prompts: PromptFactory, length: int) -> No
         assert params.remote_engine_id == engine_id
     assert params.is_valid_remote
     # release P's blocks now rather than after the lease: D reads them
-    d = pd.decode.complete(prompt, 2, params).require_ok()
+    d = pd.decode.complete(prompt, 2, params).raise_for_status()
     assert d.params is not None
 
 
@@ -69,7 +69,7 @@ def test_d_node_params(pd: PDBackend, prompts: PromptFactory, stream: bool) -> N
     prompt = prompts.prompt(length)
     p_params = first_params(pd.prefill.complete(prompt, 1, KVTransferParams.miss()))
     before = time.perf_counter()
-    d = pd.decode.complete(prompt, gen, p_params, stream=stream).require_ok()
+    d = pd.decode.complete(prompt, gen, p_params, stream=stream).raise_for_status()
     assert len(d.token_ids) == gen
     if stream and not pd.streams_params:
         # vLLM 0.32: no params anywhere in the stream (PR #40186 is 0.33)

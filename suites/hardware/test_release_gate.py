@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.bench.args import int_list
+from bidir_kv.client import run_pd_turn
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.hardware import NEW_TOKENS, HwDeployment, hw_results, run_round
 from bidir_kv.testing.hw_gates import (
@@ -30,7 +31,6 @@ from bidir_kv.testing.hw_gates import (
     parse_bounds,
 )
 from bidir_kv.testing.hw_report import record_benchmark, record_gate
-from bidir_kv.testing.pd_client import run_pd_turn
 
 GPU_LENGTHS = "4096,16384"
 CPU_LENGTHS = "1000,2000,3000"  # the tiny model's context is 4096

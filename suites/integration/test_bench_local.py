@@ -13,8 +13,8 @@ from pathlib import Path
 from bidir_kv.bench.results import load_result
 from bidir_kv.bench.stats import VLLM_FIELDS
 from bidir_kv.bench.summary import ratio_rows, summarize_result
+from bidir_kv.client import scrape
 from bidir_kv.report.cli import main as report_main
-from bidir_kv.scrape import scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 

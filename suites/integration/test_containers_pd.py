@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.scrape import MetricsSnapshot, scrape
+from bidir_kv.client import scrape, settled_metrics
+from bidir_kv.scrape import MetricsSnapshot
 from bidir_kv.testing.gating import skip_or_fail
-from bidir_kv.testing.pd_client import EngineClient, settled_metrics
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import bidirectional_config, chat
 from bidir_kv.topology.base import EngineSpec, Node, RouterSpec, TopologySpec

@@ -7,7 +7,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from bidir_kv.scrape import scrape
+from bidir_kv.client import scrape
 from bidir_kv.topology.base import TopologySpec
 from bidir_kv.topology.container import HTTP_PORT, LABEL, ContainerTopology
 from bidir_kv.topology.container_image import ImageBuild

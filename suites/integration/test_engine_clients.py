@@ -343,7 +343,7 @@ def test_hf_tokenizer_counts_agree_with_usage_through_the_router(
             assert turn == 0 or cached >= (previous + 24 - 1) // 16 * 16, (turn, cached)
             previous = usage["prompt_tokens"]
             messages.append({"role": "assistant", "content": text})
-        from bidir_kv.scrape import scrape
+        from bidir_kv.client import scrape
 
         assert scrape(topo.router_url).value("bidir_kv_router_cache_hits_total") >= 3
         p2p = scrape(topo.prefill[0].url).value(

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.client import Completion
 from bidir_kv.launch.process import ManagedProcess, wait_http_ok
 from bidir_kv.testing.engines import EnginePair, random_prompt
-from bidir_kv.testing.pd_client import Completion, EngineClient
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.topology.local import engine_argv
 
@@ -41,14 +42,14 @@ def _fill_with_retained(pair: EnginePair, seed: str, turns: int = 4) -> None:
     for _ in range(turns):
         _, d = pair.turn(random_prompt(rng, PROMPT), GEN)
         assert d is not None, "P leg failed"
-        d.require_ok()
+        d.raise_for_status()
         assert d.params is not None  # D retains the turn for P's next read
     assert pair.state("d")["retained"] == turns
 
 
 def _next_turn(pair: EnginePair, seed: str, timeout: float) -> Completion:
     prompt = random_prompt(random.Random(seed), PROMPT)
-    pr = pair.prefill(prompt, None).require_ok()
+    pr = pair.prefill(prompt, None).raise_for_status()
     return pair.d.complete(prompt, GEN, pr.params, timeout=timeout)
 
 
@@ -70,7 +71,7 @@ def test_retained_turns_are_evicted_before_new_work_waits(engine_pair: Factory) 
     _fill_with_retained(pair, "evict")
     before = pair.d.metrics([EVICTED])
     d = _next_turn(pair, "evict-next", timeout=20)
-    d.require_ok()
+    d.raise_for_status()
     assert d.elapsed < 5, f"the request waited {d.elapsed:.1f} s"
     assert (pair.d.metrics([EVICTED]) - before).value(EVICTED) >= 1
     state = pair.state("d")
@@ -89,7 +90,7 @@ def test_evicted_turn_read_by_p_is_a_miss_not_an_error(engine_pair: Factory) -> 
         assert d is not None and d.ok
     assert pair.state("d")["retained"] == 4  # the first turn was evicted
     pr = pair.p.complete([*first, *d1.token_ids, 300], 1, d1.params.for_prefill_hit())
-    pr.require_ok()
+    pr.raise_for_status()
 
 
 def test_pinned_retention_reproduces_vllm_and_the_wait_is_bounded(
@@ -115,7 +116,7 @@ def test_bounded_wait_answers_a_stream_with_503_before_any_byte(engine_pair: Fac
     )
     _fill_with_retained(pair, "pin-stream")
     prompt = random_prompt(random.Random("pin-stream-next"), PROMPT)
-    pr = pair.prefill(prompt, None).require_ok()
+    pr = pair.prefill(prompt, None).raise_for_status()
     d = pair.d.complete(prompt, GEN, pr.params, stream=True, timeout=20)
     assert d.status == 503 and "waited" in (d.error or ""), (d.status, d.error)
 
@@ -191,11 +192,11 @@ def test_p_restarted_with_the_same_engine_id_serves_every_later_request(
         prompt = random_prompt(rng, PROMPT)
         h0 = _hits(pair.d)
         pr, d = pair.turn(prompt, GEN)
-        pr.require_ok()
+        pr.raise_for_status()
         assert pr.params is not None
         assert pr.params.remote_registration_generation > old_gen.remote_registration_generation
         assert d is not None, "no D leg"
-        d.require_ok()
+        d.raise_for_status()
         assert _hits(pair.d) - h0 == PROMPT  # the whole prompt was pulled from the new P
 
 
@@ -228,7 +229,7 @@ def test_d_restarted_reads_of_old_params_miss_and_reuse_returns(engine_pair: Fac
         prompt = [*prompt, *d.token_ids, *random_prompt(rng, 30)]
         h0 = _hits(pair.p)
         pr, nd = pair.turn(prompt, GEN, previous=d.params)
-        pr.require_ok()
+        pr.raise_for_status()
         pulled = _hits(pair.p) - h0
         if step == 1:
             assert pulled == 0  # the old D's blocks are gone: a miss, not a hit

@@ -14,8 +14,9 @@ import random
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from bidir_kv.client import Completion
 from bidir_kv.testing.engines import EnginePair, random_prompt
-from bidir_kv.testing.pd_client import Completion, EngineClient
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 
 Factory = Callable[..., EnginePair]
@@ -44,7 +45,7 @@ def _two_requests_behind_a_stall(
     pair.set_faults(which, stall=False)
     answers = [f.result(timeout=60) for f in (first, second)]
     for a in answers:
-        a.require_ok()
+        a.raise_for_status()
     after, _ = _steps(client)
     return after - before, answers
 
@@ -77,7 +78,7 @@ def test_long_prefill_is_chunked_by_the_token_budget(engine_pair: Factory) -> No
     rng = random.Random("chunked")
     for client, n, want in ((pair.p, 1000, math.ceil(1000 / budget)), (pair.d, 10000, 1)):
         steps0, tokens0 = _steps(client)
-        client.complete(random_prompt(rng, n), 1).require_ok()
+        client.complete(random_prompt(rng, n), 1).raise_for_status()
         steps1, tokens1 = _steps(client)
         assert steps1 - steps0 == want, f"{client}: {steps1 - steps0} steps, want {want}"
         assert tokens1 - tokens0 == n
@@ -94,7 +95,7 @@ def test_pull_completion_is_taken_at_the_next_step(engine_pair: Factory) -> None
         decoding: Future[Completion] = pool.submit(pair.d.complete, random_prompt(rng, 40), 200)
         wait_for(lambda: pair.state("d")["running"] == 1, 20, "D decoding")
         prompt = random_prompt(rng, 300)
-        pr = pair.prefill(prompt, None).require_ok()
+        pr = pair.prefill(prompt, None).raise_for_status()
         pulled = pool.submit(pair.d.complete, prompt, 4, pr.params)
         wait_for(lambda: pair.state("d")["pulling"] == 1, 20, "D's READ started")
         pair.set_faults("d", stall=True)
@@ -104,8 +105,8 @@ def test_pull_completion_is_taken_at_the_next_step(engine_pair: Factory) -> None
         assert held["running"] == 1 and held["pulling"] == 1, held  # not yet in the batch
         assert pair.state("p")["leased"] == 0  # P got the READ's notification
         pair.set_faults("d", stall=False, stall_seconds=0.0)
-        done = pulled.result(timeout=60).require_ok()
-        decoding.result(timeout=60).require_ok()
+        done = pulled.result(timeout=60).raise_for_status()
+        decoding.result(timeout=60).raise_for_status()
     assert len(done.token_ids or []) == 4
     st = pair.state("d")
     assert st["received"] == 0 and st["pulling"] == 0

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.client import scrape
 from bidir_kv.engine.model import WORDS
 from bidir_kv.engine.profiles import available_profiles
-from bidir_kv.scrape import scrape
 from bidir_kv.testing.engines import EnginePair, kv_config, random_prompt
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from bidir_kv.client import scrape
 from bidir_kv.launch.process import free_port
-from bidir_kv.scrape import scrape
 
 pytestmark = pytest.mark.integration
 

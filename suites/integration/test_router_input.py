@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.scrape import scrape
+from bidir_kv.client import scrape
 from bidir_kv.testing.router import RouterProcess, chat, emulated_router_topology
 
 PROMPT_TOKENS = "vllm:prompt_tokens_total"

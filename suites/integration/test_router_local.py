@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.client import scrape
 from bidir_kv.launch.process import free_port
-from bidir_kv.scrape import MetricsSnapshot, scrape
+from bidir_kv.scrape import MetricsSnapshot
 from bidir_kv.testing.router import (
     ChatResult,
     RouterProcess,

@@ -119,7 +119,7 @@ def test_redis_store_survives_200_concurrent_turns(
 
 
 def _decode_inflight(url: str) -> float:
-    from bidir_kv.scrape import scrape
+    from bidir_kv.client import scrape
 
     return scrape(url).value("bidir_kv_router_backend_inflight", role="decode")
 
@@ -151,13 +151,14 @@ def test_client_leaving_cancels_the_d_leg(
     (counted as client_gone), instead of waiting on D for ever."""
     import contextlib
 
+    from bidir_kv.client import RequestTimeout
     from bidir_kv.testing.scenario import wait_for
 
     d = topo.decode[1]
     rp = router_for(topo, router_process, [d])
     faults(d, {"stall": True})
     res = None
-    with contextlib.suppress(OSError):  # TimeoutError is one: the client gives up
+    with contextlib.suppress(RequestTimeout):  # the client gives up
         res = chat(rp.url, long_opening(conversation_id("gone")), conversation_id("gone"),
                    timeout=2)
     assert res is None, "the stalled D answered"

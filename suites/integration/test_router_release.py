@@ -102,7 +102,7 @@ def faults(topo: Any) -> Iterator[Callable[[Any, dict[str, Any]], None]]:
 
 
 def _finished(node: Any) -> float:
-    from bidir_kv.scrape import scrape
+    from bidir_kv.client import scrape
 
     return scrape(node.url).value("vllm:request_success_total")
 
@@ -120,7 +120,7 @@ def test_new_conversations_do_not_herd_onto_one_d(
 
     import aiohttp
 
-    from bidir_kv.scrape import scrape
+    from bidir_kv.client import scrape
 
     d0, d1 = topo.decode
     rp = router_for(topo, router_process, [d0, d1])

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.client import scrape
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.scrape import scrape
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import (
     bidirectional_config,

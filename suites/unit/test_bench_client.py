@@ -14,6 +14,7 @@ from bidir_kv.bench.client import build_chat_body, stream_chat
 from bidir_kv.bench.distributions import Distribution
 from bidir_kv.bench.runner import RunOptions, run_point
 from bidir_kv.bench.workload import WorkloadSpec, build_conversations
+from bidir_kv.client import AsyncNodeClient, HTTPStatusError
 
 
 class Stub:
@@ -90,25 +91,25 @@ async def with_server(coro_fn):
 
 
 def test_ttft_is_at_the_first_content_token() -> None:
-    import aiohttp
-
     async def go(url: str):
-        async with aiohttp.ClientSession() as s:
+        async with AsyncNodeClient(url) as s:
             body = build_chat_body("tiny", [{"role": "user", "content": "hi"}], 5, "c-1")
-            ok = await stream_chat(s, url, body, headers={"X-Session-ID": "c-1"})
-            bad = await stream_chat(s, url, {**body, "max_tokens": 999})
-            return ok, bad
+            ok = await stream_chat(s, body, headers={"X-Session-ID": "c-1"})
+            with pytest.raises(HTTPStatusError) as bad:
+                await stream_chat(s, {**body, "max_tokens": 999})
+            return ok, bad.value
 
     stub, (ok, bad) = asyncio.run(with_server(go))
     assert ok.ok and ok.error is None
     assert ok.text == " w0 w1 w2 w3 w4"
-    assert ok.num_chunks == 5 and ok.completion_tokens == 5 and ok.prompt_tokens == 7
+    assert ok.content_chunks == 5 and ok.completion_tokens == 5 and ok.prompt_tokens == 7
+    assert ok.chunks == 7  # the role chunk and the usage chunk carry no content
     assert ok.first_chunk_tokens == 1 and ok.finish_reason == "length"
-    assert ok.saw_kv_transfer_params
+    assert ok.params is not None and ok.params_on_terminal and ok.params_chunk == 5
     # the empty role chunk came 10 ms before the first token: TTFT is not taken there
-    assert ok.ttft_s is not None and ok.latency_s is not None
-    assert 0.01 <= ok.ttft_s <= ok.latency_s
-    assert not bad.ok and bad.status == 400 and "HTTP 400" in (bad.error or "")
+    assert ok.ttft is not None
+    assert 0.01 <= ok.ttft <= ok.elapsed
+    assert bad.status == 400 and "HTTP 400" in str(bad) and "nope" in bad.body
     body, headers = stub.requests[0]
     assert body["conversation_id"] == "c-1" and headers["X-Session-ID"] == "c-1"
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}

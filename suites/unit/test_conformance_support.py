@@ -111,6 +111,7 @@ def test_vllm_cpu_unavailable_reason_names_the_missing_piece(tmp_path: Path) -> 
 
 
 def test_an_unusable_client_fails_fast_naming_why() -> None:
+    from bidir_kv.client import TransportError
     from bidir_kv.testing.pd_client import EngineClient
     from bidir_kv.topology.base import Node
 
@@ -121,8 +122,8 @@ def test_an_unusable_client_fails_fast_naming_why() -> None:
             client.complete([5, 6, 7], 1)
         with pytest.raises(RuntimeError, match="paused while the P variant"):
             client.metrics()
-    resp = client.complete([5, 6, 7], 1, timeout=2)  # usable again: a real (failed) request
-    assert resp.status == 0 and resp.error
+    with pytest.raises(TransportError):  # usable again: a real request, refused
+        client.complete([5, 6, 7], 1, timeout=2)
 
 
 def test_vllm_cpu_pause_names_a_node_it_does_not_run(tmp_path: Path) -> None:

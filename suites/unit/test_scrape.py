@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import threading
-import urllib.error
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from bidir_kv.scrape import MetricsSnapshot, parse_metrics, scrape
+from bidir_kv.client import HTTPStatusError, scrape
+from bidir_kv.scrape import MetricsSnapshot, parse_metrics
 
 
 class _Metrics:
@@ -103,8 +103,9 @@ def test_delta_between_scrapes(metrics_server: tuple[str, _Metrics]) -> None:
 
 def test_missing_endpoint_raises(metrics_server: tuple[str, _Metrics]) -> None:
     url, _ = metrics_server
-    with pytest.raises(urllib.error.HTTPError):
+    with pytest.raises(HTTPStatusError) as info:
         scrape(url + "not-here")
+    assert info.value.status == 404
 
 
 def test_parse_metrics_flattens_samples() -> None:
