@@ -10,7 +10,12 @@ import sys
 from collections.abc import Sequence
 
 from bidir_kv.policy import cache_ttl_within_retention, valid_conversation_lease
-from bidir_kv.router.settings import DECODE_STREAM_MODES, LOG_LEVELS, RouterSettings
+from bidir_kv.router.settings import (
+    DECODE_STREAM_MODES,
+    IDENTITY_MODES,
+    LOG_LEVELS,
+    RouterSettings,
+)
 
 __all__ = ["build_parser", "main", "settings_from_args"]
 
@@ -55,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=d.guard,
                    help="reuse cached KV without checking that the prompt continues it "
                    "(upstream behaviour; unsafe with stripped reasoning or rewritten history)")
+    p.add_argument("--identity", choices=IDENTITY_MODES, default=d.identity,
+                   help="how a turn finds its conversation: by id (conversation_id, "
+                   "X-Session-ID, prompt_cache_key), by a digest of its history (any chat "
+                   "client, no id needed), or both: an id when sent, else the history "
+                   f"(default {d.identity})")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="the engines' --block-size; lets the guard reuse the matching "
                    "block-aligned prefix of a non-continuation instead of nothing")
@@ -173,6 +183,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         decode_stream=args.decode_stream,
         keep_kv_params=args.keep_kv_params,
         guard=args.guard,
+        identity=args.identity,
         block_size=args.block_size,
         prefill_timeout=args.prefill_timeout,
         health_interval=args.health_interval,

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import uuid
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -32,7 +33,9 @@ from bidir_kv.router.failures import (
     unavailable_response,
 )
 from bidir_kv.router.guard import GuardVerdict, judge_continuation, release_params
+from bidir_kv.router.history import History, history_of, opt_out
 from bidir_kv.router.identity import (
+    ConversationKey,
     IdentityError,
     cache_salt_for,
     conversation_key,
@@ -102,20 +105,21 @@ class RouterFlow:
             body.pop("kv_transfer_params")
             m.client_params_dropped.inc()
             log.warning("[%s] dropped client-supplied kv_transfer_params", rid)
+        tenant = tenant_digest(request.headers.get("Authorization"))
+        salt = cache_salt_for(tenant)
+        if salt is not None and "cache_salt" not in body:
+            body["cache_salt"] = salt  # both legs; a client's own salt is kept
         try:
-            key = conversation_key(body, request.headers)
+            key, history = self._identify(body, request, endpoint, tenant)
         except IdentityError as exc:
             m.errors.labels("bad_request").inc()
             return error_response(400, str(exc), "BadRequestError")
-        salt = cache_salt_for(tenant_digest(request.headers.get("Authorization")))
-        if salt is not None and "cache_salt" not in body:
-            body["cache_salt"] = salt  # both legs; a client's own salt is kept
         headers = {"Content-Type": JSON, "X-Request-Id": rid}
         auth = self._api_auth or request.headers.get("Authorization")
         if auth:
             headers["Authorization"] = auth
         turn = Turn(rid, endpoint, body, headers, key, body.get("stream") is True,
-                    guard=self.settings.guard)
+                    guard=self.settings.guard, history=history)
         try:
             return await self._run(request, turn)
         except asyncio.CancelledError:
@@ -123,6 +127,23 @@ class RouterFlow:
             raise
         finally:
             turn.cancel_tokenize()
+
+    def _identify(
+        self, body: dict[str, Any], request: web.Request, endpoint: str, tenant: str
+    ) -> tuple[ConversationKey | None, History | None]:
+        """The key this turn takes from the store and, for a turn recognised by its
+        history, its digests; :class:`IdentityError` for an id or message it cannot
+        read (the ids leave the body in every mode)."""
+        mode = self.settings.identity
+        key = conversation_key(body, request.headers)
+        if mode == "history":
+            key = None
+        if key is not None or mode == "id":
+            return key, None
+        if opt_out(body, chat=endpoint == "chat/completions") is not None:
+            return None, None
+        history = history_of(body, tenant)
+        return history.lookup, history
 
     def _evicted(self, entry: Entry, reason: str) -> None:
         """A store entry dropped unused: D no longer holds it for us; free its blocks."""
@@ -194,6 +215,9 @@ class RouterFlow:
 
     async def _take(self, turn: Turn) -> Entry | None:
         m = self.metrics
+        if turn.key is None and turn.history is not None:
+            m.misses.labels("no_history").inc()  # no assistant message yet
+            return None
         if turn.key is None:
             m.misses.labels("no_id").inc()
             log.warning(

@@ -10,12 +10,14 @@ returns no params on streams).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from bidir_kv.protocol import (
@@ -33,7 +35,7 @@ from bidir_kv.router.sse import (
     untracked_delta,
 )
 
-__all__ = ["RelayResult", "StreamRelay", "synthesize_sse"]
+__all__ = ["RelayResult", "StreamRelay", "assemble_reply", "synthesize_sse"]
 
 _DONE = b"data: [DONE]\n\n"
 _PID = b'"prompt_token_ids"'
@@ -75,6 +77,10 @@ class RelayResult:
     prompt_ids: list[int] | None
     generated_ids: list[int] | None  # None: D sent no generated ids
     upstream_seconds: float = 0.0
+    # the reply, for a turn recognised by its history: D's data payloads as relayed
+    # (decoded once, by reply(), after the stream), or a non-streaming answer's message
+    reply_chunks: list[bytes] | None = None
+    reply_message: dict[str, Any] | None = None
 
     def tokens(self, prompt_ids: list[int] | None = None) -> list[int] | None:
         """D's sequence (prompt + generated ids); ``prompt_ids`` stand in when D sent none."""
@@ -83,12 +89,79 @@ class RelayResult:
             return None
         return prompt + self.generated_ids
 
+    def reply(self) -> dict[str, Any] | None:
+        """The assistant message as the client will send it back (content text, tool
+        calls; choice 0), or ``None`` when none was collected or it cannot be read."""
+        if self.reply_message is not None:
+            return self.reply_message
+        if self.reply_chunks is None:
+            return None
+        return assemble_reply(self.reply_chunks)
+
+
+def _events(chunks: list[bytes]) -> list[Any]:
+    """Every payload decoded, in one C call when all are JSON (the usual case)."""
+    try:
+        events: list[Any] = orjson.loads(b"[" + b",".join(chunks) + b"]")
+        return events
+    except orjson.JSONDecodeError:
+        out = []
+        for chunk in chunks:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                out.append(orjson.loads(chunk))
+        return out
+
+
+def assemble_reply(chunks: list[bytes]) -> dict[str, Any] | None:
+    """Choice 0's message from a stream's payloads: content deltas joined, tool calls
+    merged by their ``index`` (arguments joined), reasoning left out."""
+    content: list[str] = []
+    seen_content = False
+    calls: dict[int, dict[str, Any]] = {}
+    for event in _events(chunks):
+        choices = event.get("choices") if isinstance(event, dict) else None
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                continue
+            text = delta.get("content")
+            if isinstance(text, str):
+                seen_content = True
+                content.append(text)
+            for tc in delta.get("tool_calls") or ():
+                if not isinstance(tc, dict) or not isinstance(tc.get("index", 0), int):
+                    return None
+                slot = calls.setdefault(tc.get("index", 0), {"function": {"arguments": ""}})
+                for key in ("id", "type"):
+                    if tc.get(key) is not None:
+                        slot[key] = tc[key]
+                fn = tc.get("function") or {}
+                if not isinstance(fn, dict):
+                    return None
+                if fn.get("name") is not None:
+                    slot["function"]["name"] = fn["name"]
+                if isinstance(fn.get("arguments"), str):
+                    slot["function"]["arguments"] += fn["arguments"]
+    return {
+        "role": "assistant",
+        "content": "".join(content) if seen_content else None,
+        "tool_calls": [calls[i] for i in sorted(calls)] or None,
+    }
+
 
 class StreamRelay:
     """Per-request relay state; :attr:`result` is what it has learnt so far."""
 
-    def __init__(self, keep_params: bool, collect_ids: bool, strip_ids: bool) -> None:
+    def __init__(
+        self, keep_params: bool, collect_ids: bool, strip_ids: bool, collect_reply: bool = False
+    ) -> None:
         self.keep_params = keep_params
+        # history identity: every data payload is kept (one append per event; decoded
+        # once, after the stream, by RelayResult.reply)
+        self._reply_chunks: list[bytes] | None = [] if collect_reply else None
+        self._reply_message: dict[str, Any] | None = None
         self.collect_ids = collect_ids
         self.strip_ids = strip_ids
         self._params: KVTransferParams | None = None
@@ -117,6 +190,8 @@ class StreamRelay:
             prompt_ids=None if self._prompt_ids is None else list(self._prompt_ids),
             generated_ids=list(self._gen_ids) if self._ids_seen else None,
             upstream_seconds=self._upstream,
+            reply_chunks=self._reply_chunks,
+            reply_message=self._reply_message,
         )
 
     # ---- streaming ------------------------------------------------------------
@@ -196,6 +271,8 @@ class StreamRelay:
             # a client that sends its next turn right after [DONE] finds the entry.
             self._done = True
             return b""
+        if self._reply_chunks is not None:
+            self._reply_chunks.append(payload)
         changed = False
         if self.collect_ids:
             if _PID in payload:
@@ -289,6 +366,8 @@ class StreamRelay:
                 self._gen_ids = [int(x) for x in gen_ids]
                 self._ids_seen = True
         message = first.get("message") or {}
+        if isinstance(message, dict) and self._reply_chunks is not None:
+            self._reply_message = dict(message)
         if isinstance(message, dict):
             for key in UNTRACKED_DELTA_KEYS:
                 if message.get(key):
