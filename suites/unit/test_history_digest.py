@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.router.history import canonical_message, history_of, opt_out
+from bidir_kv.router.history import history_of, opt_out
 from bidir_kv.router.identity import IdentityError, tenant_digest
-from bidir_kv.router.relay import StreamRelay, assemble_reply
+from bidir_kv.router.relay import StreamRelay
+from bidir_kv.router.reply import assemble_reply
 
 pytestmark = pytest.mark.unit
 
