@@ -59,7 +59,8 @@ log = logging.getLogger("bidir_kv.router")
 NO_ID_FIX = (
     "To enable it, send the conversation's id as the body field conversation_id, the "
     "X-Session-ID header (vLLM's benchmark_serving_multi_turn.py: --send-conversation-id) "
-    "or OpenAI's prompt_cache_key."
+    "or OpenAI's prompt_cache_key (chat turns are also recognised by their history "
+    "unless the router runs with --identity id)."
 )
 
 
