@@ -68,8 +68,9 @@ class Cell:
 
 
 class Conversation:
-    def __init__(self, worker: int) -> None:
+    def __init__(self, worker: int, send_id: bool = True) -> None:
         self.worker = worker
+        self.send_id = send_id  # False: the router recognises the turn by its history
         self._new()
 
     def _new(self) -> None:
@@ -80,8 +81,10 @@ class Conversation:
         ]
 
     def body(self) -> dict[str, Any]:
-        return {"model": "tiny", "messages": self.messages, "max_tokens": 8, "stream": True,
-                "conversation_id": self.id}
+        body = {"model": "tiny", "messages": self.messages, "max_tokens": 8, "stream": True}
+        if self.send_id:
+            body["conversation_id"] = self.id
+        return body
 
     def answered(self, text: str) -> None:
         self.turn += 1
@@ -117,7 +120,7 @@ async def _via_proxy(session: aiohttp.ClientSession, url: str, conv: Conversatio
 async def _direct(session: aiohttp.ClientSession, p_url: str, d_url: str,
                   conv: Conversation) -> bytes:
     body = conv.body()
-    body.pop("conversation_id")
+    body.pop("conversation_id", None)
     p_body = dict(body, stream=False, max_tokens=1,
                   kv_transfer_params=KVTransferParams.miss().to_dict())
     async with session.post(p_url + "/v1/chat/completions", json=p_body) as resp:
@@ -138,7 +141,7 @@ async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
         measuring = [False]
 
         async def worker(i: int) -> None:
-            conv = Conversation(i)
+            conv = Conversation(i, send_id=mode not in NO_ID_MODES)
             while time.perf_counter() < stop_at[0]:
                 t = time.perf_counter()
                 try:
@@ -206,10 +209,15 @@ def _fmt(x: float) -> str:
     return f"{x * 1000:8.2f}"
 
 
-MODES = ("direct", "relay", "router", "router-noguard", "router-redis", "router-workers")
+MODES = ("direct", "relay", "router", "router-noguard", "router-redis", "router-workers",
+         "router-id", "router-history")
 DEFAULT_MODES = ("direct", "relay", "router", "router-noguard")
-# modes served by our router, and the extra flags each is started with
-ROUTER_MODES = {"router": (), "router-noguard": ("--no-continuation-guard",)}
+# modes served by our router, and the extra flags each is started with; router-id and
+# router-history compare the two identities (docs/router.md "Identity"): ids sent and
+# --identity id, against no id and the default --identity both (the history digest)
+ROUTER_MODES = {"router": (), "router-noguard": ("--no-continuation-guard",),
+                "router-id": ("--identity", "id"), "router-history": ("--identity", "both")}
+NO_ID_MODES = frozenset({"router-history"})  # clients send no conversation id
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -222,7 +230,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="modes alternate in this many rounds per concurrency")
     ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES,
                     help="router-redis: one router on a Redis store; router-workers: "
-                    "--workers routers on one port sharing that store")
+                    "--workers routers on one port sharing that store; router-id: ids sent, "
+                    "--identity id; router-history: no ids, --identity both")
     ap.add_argument("--workers", type=int, default=2,
                     help="router processes of the router-workers mode (default 2)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -331,7 +340,8 @@ def _print_cells(c: int, cells: dict[str, Cell]) -> None:
 def _print_ratios(cells: dict[str, Cell]) -> None:
     relay, base = cells.get("relay"), cells.get("direct")
     relay_cpu = relay.cpu_ms_per_request if relay else None
-    for mode in ("router", "router-noguard", "router-redis", "router-workers"):
+    for mode in ("router", "router-noguard", "router-redis", "router-workers", "router-id",
+                 "router-history"):
         cell = cells.get(mode)
         if cell is None:
             continue
@@ -346,6 +356,10 @@ def _print_ratios(cells: dict[str, Cell]) -> None:
             if c.cpu_ms_per_request]
     if caps:  # what one fully given core would serve at this CPU cost per request
         print(f"  CPU-bound capacity, req/s per core: {', '.join(caps)}")
+    by_id, by_history = cells.get("router-id"), cells.get("router-history")
+    if by_id and by_history and by_id.cpu_ms_per_request and by_history.cpu_ms_per_request:
+        print(f"  router-history / router-id CPU per request: "
+              f"{by_history.cpu_ms_per_request / by_id.cpu_ms_per_request:.3f}x")
     single, multi = cells.get("router-redis"), cells.get("router-workers")
     if single and multi and single.rps:
         print(f"  router-workers / router-redis throughput (same store): "
