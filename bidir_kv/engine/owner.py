@@ -62,6 +62,7 @@ class HandleOwner:
         self.leases = LeaseTable(duration=self.kv.kv_lease_duration)
         self._lease_blocks: dict[str, list[int]] = {}
         self._claimed: set[str] = set()
+        self._readers: dict[str, str] = {}  # claimed request id -> the reader's engine id
         self._handle_tokens: dict[str, HandleTokens] = {}
 
     # ---- holding -----------------------------------------------------------------------
@@ -117,10 +118,11 @@ class HandleOwner:
 
     # ---- claims ------------------------------------------------------------------------
 
-    def claim(self, request_id: str, blocks: list[int]) -> str | None:
+    def claim(self, request_id: str, blocks: list[int], reader: str | None = None) -> str | None:
         """Grant single-use access to a held handle; return a refusal reason or None.
 
-        After a grant, :meth:`handle_tokens` tells the reader what the handle holds."""
+        After a grant, :meth:`handle_tokens` tells the reader what the handle holds;
+        ``reader`` (its engine id) is remembered for :meth:`drop_reader`."""
         now = self.clock()
         if request_id in self._claimed:
             return f"request {request_id} was already read (handles are single use)"
@@ -136,6 +138,8 @@ class HandleOwner:
         if foreign:
             return f"blocks {foreign[:8]} are not held for request {request_id}"
         self._claimed.add(request_id)
+        if reader is not None:
+            self._readers[request_id] = reader
         return None
 
     def handle_tokens(self, request_id: str) -> HandleTokens | None:
@@ -143,7 +147,27 @@ class HandleOwner:
 
     def _forget(self, request_id: str) -> None:
         self._claimed.discard(request_id)
+        self._readers.pop(request_id, None)
         self._handle_tokens.pop(request_id, None)
+
+    def drop_reader(self, engine_id: str) -> int:
+        """A peer is gone (``POST /drop_peer``): free every handle it claimed and will
+        never report read; how many blocks were freed."""
+        freed = 0
+        for rid in [r for r, reader in self._readers.items() if reader == engine_id]:
+            if rid in self.ledger:
+                blocks = list(self.ledger.evict(rid).blocks)
+            elif rid in self.leases:
+                self.leases.release(rid)
+                blocks = self._lease_blocks.pop(rid)
+            else:
+                blocks = []
+            self._forget(rid)
+            self.blocks.free(blocks)
+            freed += len(blocks)
+        if freed:
+            self._wake()
+        return freed
 
     # ---- notifications -----------------------------------------------------------------
 

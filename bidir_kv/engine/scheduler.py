@@ -126,9 +126,20 @@ class EngineCore:
     async def on_notification(self, peer: str, message: bytes) -> None:
         await self.owner.on_notification(peer, message)
 
-    def claim(self, request_id: str, blocks: list[int]) -> str | None:
+    def claim(self, request_id: str, blocks: list[int], reader: str | None = None) -> str | None:
         """Grant single-use access to a held handle; return a refusal reason or None."""
-        return self.owner.claim(request_id, blocks)
+        return self.owner.claim(request_id, blocks, reader)
+
+    def drop_peer(self, engine_id: str) -> dict[str, int]:
+        """``POST /drop_peer`` (vLLM PR #56341): a paired engine is gone. Abort the
+        requests whose params name it (queued or reading from it), free the handles it
+        claimed and will never report read, and forget its handshake."""
+        named = [req for req in (*self.steps.waiting, *self.reader.reading)
+                 if req.params is not None and req.params.remote_engine_id == engine_id]
+        for req in named:
+            self.steps.abort(req)
+        return {"aborted": len(named), "freed_blocks": self.owner.drop_reader(engine_id),
+                "peers_dropped": self.worker.drop_engine(engine_id)}
 
     def handle_tokens(self, request_id: str) -> HandleTokens | None:
         return self.owner.handle_tokens(request_id)

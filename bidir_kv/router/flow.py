@@ -44,7 +44,9 @@ from bidir_kv.router.identity import (
 from bidir_kv.router.intake import InputError, read_request
 from bidir_kv.router.memo import TurnMemo
 from bidir_kv.router.metrics import RouterMetrics
+from bidir_kv.router.peers import PeerDropper
 from bidir_kv.router.prefill import PrefillLeg, pulled_tokens
+from bidir_kv.router.relay import RelayResult
 from bidir_kv.router.release import Releaser
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, Entry, StoreError, Taken
@@ -88,6 +90,7 @@ class RouterFlow:
         self.memo = TurnMemo(store, metrics, settings.guard, self.releaser, decode.hold,
                              lease=settings.conversation_lease)
         self.decode_leg = DecodeLeg(decode, session, settings, metrics, self.memo.release)
+        self.peers = PeerDropper([prefill, decode], session, metrics)  # engine ids, drop_peer
         api_key = os.environ.get("OPENAI_API_KEY")
         self._api_auth = f"Bearer {api_key}" if api_key else None
 
@@ -186,6 +189,8 @@ class RouterFlow:
             )
         except UpstreamFailure as exc:
             return self._failure_response(turn, Leg.PREFILL, exc)
+        if p_params is not None:
+            self.peers.seen(p_node, p_params.remote_engine_id)
         if hit is not None:
             self._count_hit(turn, hit, fell_back=turn.fell_back)
         if turn.prompt_tokens is None and turn.wants_ids:
@@ -195,7 +200,14 @@ class RouterFlow:
                 self.prefill_leg.tokenize(turn, p_node, timed=False)
             )
         return await self.decode_leg.run(request, turn, p_node, d_node, p_params,
-                                         self.memo.remember)
+                                         self._remember)
+
+    async def _remember(
+        self, turn: Turn, p_node: Upstream, d_node: Upstream, result: RelayResult
+    ) -> None:
+        if result.params is not None:
+            self.peers.seen(d_node, result.params.remote_engine_id)
+        await self.memo.remember(turn, p_node, d_node, result)
 
     def _count_hit(self, turn: Turn, hit: KVTransferParams, fell_back: bool) -> None:
         """A hit is counted once P reports it took D's tokens (not when the dict is sent)."""
