@@ -49,6 +49,7 @@ class Cell:
     internal_p99: float | None = None
     completed: int = 0  # requests answered, warm-up included (what the CPU time paid for)
     cpu_s: float | None = None  # the proxy's own CPU seconds over those requests
+    hits: float | None = None  # the router's cache_hits_total over the cell (warm-up included)
 
     @property
     def cpu_ms_per_request(self) -> float | None:
@@ -196,6 +197,12 @@ def _buckets(url: str) -> dict[float, float]:
     return out
 
 
+def _hits(url: str) -> float:
+    from bidir_kv.scrape import scrape
+
+    return scrape(url).value("bidir_kv_router_cache_hits_total")
+
+
 def _quantile_bound(before: dict[float, float], after: dict[float, float], q: float) -> float:
     """Upper bucket bound below which a fraction ``q`` of the observations fell."""
     total = after[float("inf")] - before[float("inf")]
@@ -300,6 +307,7 @@ def _measure(args: argparse.Namespace, targets: dict[str, Any], pids: dict[str, 
     # router-workers' /metrics answers for one worker only: no histogram for it
     hist0 = {m: _buckets(targets[m]) for m in args.modes if m in ROUTER_MODES
              or m == "router-redis"}
+    hits0 = {m: _hits(targets[m]) for m in hist0}
     # Modes take turns in short rounds, so drifting machine load hits all alike.
     for _ in range(args.rounds):
         for mode in args.modes:
@@ -311,6 +319,7 @@ def _measure(args: argparse.Namespace, targets: dict[str, Any], pids: dict[str, 
             if cpu0 is not None and cpu1 is not None:
                 cells[mode].cpu_s = (cells[mode].cpu_s or 0.0) + cpu1 - cpu0
     for mode, before in hist0.items():
+        cells[mode].hits = _hits(targets[mode]) - hits0[mode]
         after = _buckets(targets[mode])
         cells[mode].internal_p50 = _quantile_bound(before, after, 0.5)
         cells[mode].internal_p99 = _quantile_bound(before, after, 0.99)
@@ -333,7 +342,8 @@ def _print_cells(c: int, cells: dict[str, Cell]) -> None:
         if cell.internal_p50 is not None:
             print(f"  {mode}: own time before first byte (outside engine waits, warmup "
                   f"included) p50 <= {cell.internal_p50 * 1000:g} ms, "
-                  f"p99 <= {(cell.internal_p99 or 0) * 1000:g} ms")
+                  f"p99 <= {(cell.internal_p99 or 0) * 1000:g} ms; cache hits "
+                  f"{cell.hits or 0:.0f} of {cell.completed} requests")
     _print_ratios(cells)
 
 
