@@ -23,7 +23,11 @@ PACKAGE = ROOT / "bidir_kv"
 MAX_MODULE_LINES = 400
 
 # Modules allowed over MAX_MODULE_LINES: repo-relative path -> one-line reason.
-MODULE_SIZE_EXEMPTIONS: dict[str, str] = {}
+MODULE_SIZE_EXEMPTIONS: dict[str, str] = {
+    # the 400-line cap is withdrawn (issue #20); these grew by issue #23's endpoints/modes
+    "bidir_kv/engine/server.py": "one module of HTTP routes; /drop_peer added (issue #23)",
+    "bidir_kv/tools/router_bench.py": "one benchmark command; identity modes added (issue #23)",
+}
 
 # Arithmetic/comparisons the heuristic flags that decide nothing. Keyed by the flagged
 # expression's source text (whitespace-normalised), so a move to another module keeps
