@@ -210,6 +210,16 @@ class ConnectorWorker:
                 logger.info("Dropping cached peer %s; the next request handshakes again",
                             peer.engine_id)  # fmt: skip
 
+    def drop_engine(self, engine_id: EngineId) -> int:
+        """Forget every cached handshake with ``engine_id`` (``POST /drop_peer``); how many."""
+        keys = [key for key, peer in self._peers.items() if peer.engine_id == engine_id]
+        for key in keys:
+            del self._peers[key]
+        if keys:
+            logger.info("Dropped peer %s on request; the next request handshakes again",
+                        engine_id)
+        return len(keys)
+
     async def _handshake(self, host: str, port: int, engine_id: EngineId | None) -> Peer:
         info = await handshake(
             host,

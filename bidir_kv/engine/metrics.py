@@ -174,6 +174,10 @@ class EngineMetrics:
         self.kv_evicted = counter(
             "vllm:nixl_num_kv_evicted_reqs", "Retained turns evicted under memory pressure."
         )
+        # emulator-only: POST /drop_peer calls answered (vLLM PR #56341)
+        self.peers_dropped = counter(
+            "bidir_kv:drop_peer_requests", "Paired engines dropped on a router's request."
+        )
         self.notifs_after_expiry = counter(
             "vllm:nixl_num_notifications_after_expiry", "Notifications for unknown requests."
         )

@@ -30,7 +30,7 @@ from bidir_kv.policy import (
     retained_eviction_order,
 )
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.wire.ids import RequestId
+from bidir_kv.wire.ids import EngineId, RequestId
 from bidir_kv.wire.params import LEASE_KEY, HeldTokens, lease_to_wire
 
 __all__ = ["HandleOwner"]
@@ -62,6 +62,8 @@ class HandleOwner:
         self.leases = LeaseTable(duration=self.kv.kv_lease_duration)
         self._lease_blocks: dict[str, list[int]] = {}
         self._claimed: set[str] = set()
+        # claimed request id -> the reader's engine id
+        self._readers: dict[RequestId, EngineId] = {}
         self._handle_tokens: dict[RequestId, HeldTokens] = {}
 
     # ---- holding -----------------------------------------------------------------------
@@ -117,10 +119,13 @@ class HandleOwner:
 
     # ---- claims ------------------------------------------------------------------------
 
-    def claim(self, request_id: RequestId, blocks: list[int]) -> str | None:
+    def claim(
+        self, request_id: RequestId, blocks: list[int], reader: EngineId | None = None
+    ) -> str | None:
         """Grant single-use access to a held handle; return a refusal reason or None.
 
-        After a grant, :meth:`handle_tokens` tells the reader what the handle holds."""
+        After a grant, :meth:`handle_tokens` tells the reader what the handle holds;
+        ``reader`` (its engine id) is remembered for :meth:`drop_reader`."""
         now = self.clock()
         if request_id in self._claimed:
             return f"request {request_id} was already read (handles are single use)"
@@ -136,6 +141,8 @@ class HandleOwner:
         if foreign:
             return f"blocks {foreign[:8]} are not held for request {request_id}"
         self._claimed.add(request_id)
+        if reader is not None:
+            self._readers[request_id] = reader
         return None
 
     def handle_tokens(self, request_id: RequestId) -> HeldTokens | None:
@@ -143,7 +150,27 @@ class HandleOwner:
 
     def _forget(self, request_id: RequestId) -> None:
         self._claimed.discard(request_id)
+        self._readers.pop(request_id, None)
         self._handle_tokens.pop(request_id, None)
+
+    def drop_reader(self, engine_id: str) -> int:
+        """A peer is gone (``POST /drop_peer``): free every handle it claimed and will
+        never report read; how many blocks were freed."""
+        freed = 0
+        for rid in [r for r, reader in self._readers.items() if reader == engine_id]:
+            if rid in self.ledger:
+                blocks = list(self.ledger.evict(rid).blocks)
+            elif rid in self.leases:
+                self.leases.release(rid)
+                blocks = self._lease_blocks.pop(rid)
+            else:
+                blocks = []
+            self._forget(rid)
+            self.blocks.free(blocks)
+            freed += len(blocks)
+        if freed:
+            self._wake()
+        return freed
 
     # ---- notifications -----------------------------------------------------------------
 

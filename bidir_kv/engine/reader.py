@@ -76,6 +76,7 @@ class PullReader:
         self._spawn = spawn
         self._host = host
         self.num_pulling = 0
+        self.reading: set[Request] = set()  # requests whose pull is under way
 
     # ---- the decision ----------------------------------------------------------------
 
@@ -136,6 +137,7 @@ class PullReader:
         remote_list = p.remote_block_ids[0] if p.remote_block_ids else []
         req.state = "remote"
         self.num_pulling += 1
+        self.reading.add(req)
         try:
             if self.settings.kv_pairing == "suffix-trim":
                 remote = suffix_trim_pairing(remote_list, len(local))
@@ -281,6 +283,7 @@ class PullReader:
     def _resolve(self, req: Request, hit: int, count: int, *, failed: bool) -> None:
         """Back to the step loop: abort, fail (policy ``fail``) or run with what loaded."""
         self.num_pulling -= 1
+        self.reading.discard(req)
         if req.abort_pending:
             self._host.finish(req, "abort")
             return

@@ -31,7 +31,7 @@ from bidir_kv.engine.reader import PullReader
 from bidir_kv.engine.request import Request, RequestError
 from bidir_kv.engine.settings import EngineSettings, Pairing
 from bidir_kv.engine.steps import StepLoop
-from bidir_kv.wire.ids import RequestId
+from bidir_kv.wire.ids import EngineId, RequestId
 from bidir_kv.wire.params import HeldTokens
 
 __all__ = ["EngineCore", "Pairing", "Request", "RequestError"]
@@ -127,9 +127,22 @@ class EngineCore:
     async def on_notification(self, peer: str, message: bytes) -> None:
         await self.owner.on_notification(peer, message)
 
-    def claim(self, request_id: RequestId, blocks: list[int]) -> str | None:
+    def claim(
+        self, request_id: RequestId, blocks: list[int], reader: EngineId | None = None
+    ) -> str | None:
         """Grant single-use access to a held handle; return a refusal reason or None."""
-        return self.owner.claim(request_id, blocks)
+        return self.owner.claim(request_id, blocks, reader)
+
+    def drop_peer(self, engine_id: str) -> dict[str, int]:
+        """``POST /drop_peer`` (vLLM PR #56341): a paired engine is gone. Abort the
+        requests whose params name it (queued or reading from it), free the handles it
+        claimed and will never report read, and forget its handshake."""
+        named = [req for req in (*self.steps.waiting, *self.reader.reading)
+                 if req.params is not None and req.params.remote_engine_id == engine_id]
+        for req in named:
+            self.steps.abort(req)
+        return {"aborted": len(named), "freed_blocks": self.owner.drop_reader(engine_id),
+                "peers_dropped": self.worker.drop_engine(engine_id)}
 
     def handle_tokens(self, request_id: RequestId) -> HeldTokens | None:
         return self.owner.handle_tokens(request_id)

@@ -171,11 +171,27 @@ class Routes:
         rid, blocks = body.get("request_id"), body.get("blocks")
         if not isinstance(rid, str) or not isinstance(blocks, list):
             return _json_error(400, "claim needs 'request_id' and 'blocks'", "BadRequestError")
-        refusal = self.core.claim(rid, [int(b) for b in blocks])
+        reader = body.get("reader")
+        refusal = self.core.claim(rid, [int(b) for b in blocks],
+                                  reader if isinstance(reader, str) else None)
         if refusal is not None:
             return json_response({"ok": False, "error": refusal}, status=410)
         held = self.core.handle_tokens(rid)
         return json_response({"ok": True, "tokens": None if held is None else held.to_wire()})
+
+    async def drop_peer(self, request: web.Request) -> web.Response:
+        """``POST /drop_peer {"engine_id": ...}`` (vLLM PR #56341), sent by a router
+        whose health probe saw a paired engine die or restart (docs/engine.md)."""
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        engine_id = body.get("engine_id") if isinstance(body, dict) else None
+        if not isinstance(engine_id, str) or not engine_id:
+            return _json_error(400, "'engine_id' must be a non-empty string", "BadRequestError")
+        dropped = self.core.drop_peer(engine_id)
+        self.core.metrics.inc(self.core.metrics.peers_dropped)
+        logger.info("drop_peer %s: %s", engine_id, dropped)
+        return json_response({"engine_id": engine_id, **dropped})
 
     async def state(self, request: web.Request) -> web.Response:
         return json_response(self.core.assert_idle())
@@ -381,6 +397,7 @@ def build_app(routes: Routes) -> web.Application:
     app.router.add_post("/detokenize", routes.detokenize)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
+    app.router.add_post("/drop_peer", routes.drop_peer)
     app.router.add_get("/_emulator/faults", routes.faults_get)
     app.router.add_post("/_emulator/faults", routes.faults_post)
     app.router.add_post("/_emulator/claim", routes.claim)

@@ -69,6 +69,7 @@ class _RouterApp:
             log.error("%s (requests will be misses until it is reachable)", exc)
         self.checker = HealthChecker([self.prefill, self.decode], session,
                                      self.settings.health_interval)
+        self.checker.on_down = app[FLOW_KEY].peers.down  # POST /drop_peer to its peers
         self.checker.start()
         self.sweeper.start()
         log.info(

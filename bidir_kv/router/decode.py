@@ -217,6 +217,7 @@ class _Answer:
             keep_params=leg.settings.keep_kv_params,
             collect_ids=injected or turn.body.get("return_token_ids") is True,
             strip_ids=injected,
+            collect_reply=turn.history is not None,
         )
 
     def _error(self, cause: Cause) -> None:

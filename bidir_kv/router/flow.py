@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import uuid
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -32,7 +33,9 @@ from bidir_kv.router.failures import (
     unavailable_response,
 )
 from bidir_kv.router.guard import GuardVerdict, judge_continuation, release_params
+from bidir_kv.router.history import History, history_of, opt_out
 from bidir_kv.router.identity import (
+    ConversationKey,
     IdentityError,
     cache_salt_for,
     conversation_key,
@@ -41,7 +44,9 @@ from bidir_kv.router.identity import (
 from bidir_kv.router.intake import InputError, read_request
 from bidir_kv.router.memo import TurnMemo
 from bidir_kv.router.metrics import RouterMetrics
+from bidir_kv.router.peers import PeerDropper
 from bidir_kv.router.prefill import PrefillLeg, pulled_tokens
+from bidir_kv.router.relay import RelayResult
 from bidir_kv.router.release import Releaser
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, Entry, StoreError, Taken
@@ -56,7 +61,8 @@ log = logging.getLogger("bidir_kv.router")
 NO_ID_FIX = (
     "To enable it, send the conversation's id as the body field conversation_id, the "
     "X-Session-ID header (vLLM's benchmark_serving_multi_turn.py: --send-conversation-id) "
-    "or OpenAI's prompt_cache_key."
+    "or OpenAI's prompt_cache_key (chat turns are also recognised by their history "
+    "unless the router runs with --identity id)."
 )
 
 
@@ -84,6 +90,7 @@ class RouterFlow:
         self.memo = TurnMemo(store, metrics, settings.guard, self.releaser, decode.hold,
                              lease=settings.conversation_lease)
         self.decode_leg = DecodeLeg(decode, session, settings, metrics, self.memo.release)
+        self.peers = PeerDropper([prefill, decode], session, metrics)  # engine ids, drop_peer
         api_key = os.environ.get("OPENAI_API_KEY")
         self._api_auth = f"Bearer {api_key}" if api_key else None
 
@@ -102,20 +109,21 @@ class RouterFlow:
             body.pop("kv_transfer_params")
             m.client_params_dropped.inc()
             log.warning("[%s] dropped client-supplied kv_transfer_params", rid)
+        tenant = tenant_digest(request.headers.get("Authorization"))
+        salt = cache_salt_for(tenant)
+        if salt is not None and "cache_salt" not in body:
+            body["cache_salt"] = salt  # both legs; a client's own salt is kept
         try:
-            key = conversation_key(body, request.headers)
+            key, history = self._identify(body, request, endpoint, tenant)
         except IdentityError as exc:
             m.errors.labels("bad_request").inc()
             return error_response_for(exc)
-        salt = cache_salt_for(tenant_digest(request.headers.get("Authorization")))
-        if salt is not None and "cache_salt" not in body:
-            body["cache_salt"] = salt  # both legs; a client's own salt is kept
         headers = {"Content-Type": JSON, "X-Request-Id": rid}
         auth = self._api_auth or request.headers.get("Authorization")
         if auth:
             headers["Authorization"] = auth
         turn = Turn(rid, endpoint, body, headers, key, body.get("stream") is True,
-                    guard=self.settings.guard)
+                    guard=self.settings.guard, history=history)
         try:
             return await self._run(request, turn)
         except asyncio.CancelledError:
@@ -123,6 +131,23 @@ class RouterFlow:
             raise
         finally:
             turn.cancel_tokenize()
+
+    def _identify(
+        self, body: dict[str, Any], request: web.Request, endpoint: str, tenant: str
+    ) -> tuple[ConversationKey | None, History | None]:
+        """The key this turn takes from the store and, for a turn recognised by its
+        history, its digests; :class:`IdentityError` for an id or message it cannot
+        read (the ids leave the body in every mode)."""
+        mode = self.settings.identity
+        key = conversation_key(body, request.headers)
+        if mode == "history":
+            key = None
+        if key is not None or mode == "id":
+            return key, None
+        if opt_out(body, chat=endpoint == "chat/completions") is not None:
+            return None, None
+        history = history_of(body, tenant)
+        return history.lookup, history
 
     def _evicted(self, entry: Entry, reason: str) -> None:
         """A store entry dropped unused: D no longer holds it for us; free its blocks."""
@@ -164,6 +189,8 @@ class RouterFlow:
             )
         except UpstreamFailure as exc:
             return self._failure_response(turn, Leg.PREFILL, exc)
+        if p_params is not None:
+            self.peers.seen(p_node, p_params.remote_engine_id)
         if hit is not None:
             self._count_hit(turn, hit, fell_back=turn.fell_back)
         if turn.prompt_tokens is None and turn.wants_ids:
@@ -173,7 +200,14 @@ class RouterFlow:
                 self.prefill_leg.tokenize(turn, p_node, timed=False)
             )
         return await self.decode_leg.run(request, turn, p_node, d_node, p_params,
-                                         self.memo.remember)
+                                         self._remember)
+
+    async def _remember(
+        self, turn: Turn, p_node: Upstream, d_node: Upstream, result: RelayResult
+    ) -> None:
+        if result.params is not None:
+            self.peers.seen(d_node, result.params.remote_engine_id)
+        await self.memo.remember(turn, p_node, d_node, result)
 
     def _count_hit(self, turn: Turn, hit: KVTransferParams, fell_back: bool) -> None:
         """A hit is counted once P reports it took D's tokens (not when the dict is sent)."""
@@ -194,6 +228,9 @@ class RouterFlow:
 
     async def _take(self, turn: Turn) -> Entry | None:
         m = self.metrics
+        if turn.key is None and turn.history is not None:
+            m.misses.labels("no_history").inc()  # no assistant message yet
+            return None
         if turn.key is None:
             m.misses.labels("no_id").inc()
             log.warning(

@@ -66,7 +66,10 @@ class ConversationKey:
 
     @property
     def storage_key(self) -> str:
-        return f"{self.tenant}/{self.conversation_id}"
+        # A history digest lives in its own namespace ("#", never in a tenant digest):
+        # no conversation id, whatever its text, names the same store key.
+        sep = "#" if self.source == "history" else "/"
+        return f"{self.tenant}{sep}{self.conversation_id}"
 
     def __str__(self) -> str:
         return self.conversation_id

@@ -15,11 +15,12 @@ from collections.abc import Callable
 
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.router.failures import UpstreamFailure
+from bidir_kv.router.identity import ConversationKey, IdentityError
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.relay import RelayResult
 from bidir_kv.router.release import Releaser
 from bidir_kv.router.store import ConversationStore, Entry, StoreError
-from bidir_kv.router.turn import Turn
+from bidir_kv.router.turn import Turn, conv_label
 from bidir_kv.router.upstreams import Upstream
 from bidir_kv.wire.params import lease_of
 
@@ -57,7 +58,7 @@ class TurnMemo:
         """Store the turn's entry, or count why it is not stored."""
         m = self.metrics
         params = result.params
-        if turn.key is None:
+        if turn.key is None and turn.history is None:
             self.release(turn, p_node, d_node, params, "no_id")
             return
         if params is None or not params.has_remote_blocks:
@@ -82,6 +83,11 @@ class TurnMemo:
                          "prompt)", turn.rid, turn.conv, untracked)
                 self.release(turn, p_node, d_node, params, "untracked_delta")
                 return
+        key = self._key(turn, result)
+        if key is None:
+            m.not_cached.labels("no_reply").inc()
+            self.release(turn, p_node, d_node, params, "no_reply")
+            return
         model = turn.body.get("model")
         entry = Entry(
             params=params,  # remote_host is rewritten to D's HTTP host when it is used
@@ -93,16 +99,31 @@ class TurnMemo:
             lease=self.lease if self.lease is not None else lease_of(params.extra),
         )
         try:
-            await self.store.put(turn.key.storage_key, entry)
+            await self.store.put(key.storage_key, entry)
         except StoreError as exc:
             m.errors.labels("store").inc()
-            log.error("[%s] conv=%s: %s; turn not cached", turn.rid, turn.conv, exc)
+            log.error("[%s] conv=%s: %s; turn not cached", turn.rid, conv_label(key), exc)
             self.release(turn, p_node, d_node, params, "store_error")
             return
         m.stored.inc()
         self.hold(d_node.id, str(params.remote_request_id))
-        log.info("conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)", turn.conv,
+        log.info("conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)", conv_label(key),
                  params.remote_request_id, params.num_blocks)
+
+    @staticmethod
+    def _key(turn: Turn, result: RelayResult) -> ConversationKey | None:
+        """Where the turn's entry goes: its id, or the digest of its history followed by
+        the reply the client was sent (``None``: the reply could not be read)."""
+        if turn.history is None:
+            return turn.key
+        reply = result.reply()
+        if reply is None:
+            return None
+        try:
+            return turn.history.key_after(reply)
+        except IdentityError as exc:  # D's own answer: not the client's fault
+            log.warning("[%s] cannot digest the reply (%s); turn not cached", turn.rid, exc)
+            return None
 
     def _explain_missing_params(self, d_node: Upstream, result: RelayResult) -> None:
         """Say once per D why it returns nothing to cache (AWS post's "always MISS")."""

@@ -62,6 +62,10 @@ class RouterMetrics:
         self.not_cached = Counter(
             p + "not_cached", "Finished turns whose params were not stored", ["reason"], registry=r
         )
+        self.drop_peer = Counter(
+            p + "drop_peer", "POST /drop_peer calls to engines paired with a dead or restarted "
+            "node", ["outcome"], registry=r,  # sent, unsupported (404), failed
+        )
         self.client_params_dropped = Counter(
             p + "client_kv_params_dropped", "Client-supplied kv_transfer_params removed", registry=r
         )

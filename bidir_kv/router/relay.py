@@ -25,6 +25,7 @@ from bidir_kv.protocol import (
     params_from_response,
     scan_terminal_chunk,
 )
+from bidir_kv.router.reply import assemble_reply
 from bidir_kv.router.sse import (
     UNTRACKED_DELTA_KEYS,
     event_end,
@@ -75,6 +76,10 @@ class RelayResult:
     prompt_ids: list[int] | None
     generated_ids: list[int] | None  # None: D sent no generated ids
     upstream_seconds: float = 0.0
+    # the reply, for a turn recognised by its history: D's data payloads as relayed
+    # (decoded once, by reply(), after the stream), or a non-streaming answer's message
+    reply_chunks: list[bytes] | None = None
+    reply_message: dict[str, Any] | None = None
 
     def tokens(self, prompt_ids: list[int] | None = None) -> list[int] | None:
         """D's sequence (prompt + generated ids); ``prompt_ids`` stand in when D sent none."""
@@ -83,12 +88,27 @@ class RelayResult:
             return None
         return prompt + self.generated_ids
 
+    def reply(self) -> dict[str, Any] | None:
+        """The assistant message as the client will send it back (content text, tool
+        calls; choice 0), or ``None`` when none was collected or it cannot be read."""
+        if self.reply_message is not None:
+            return self.reply_message
+        if self.reply_chunks is None:
+            return None
+        return assemble_reply(self.reply_chunks)
+
 
 class StreamRelay:
     """Per-request relay state; :attr:`result` is what it has learnt so far."""
 
-    def __init__(self, keep_params: bool, collect_ids: bool, strip_ids: bool) -> None:
+    def __init__(
+        self, keep_params: bool, collect_ids: bool, strip_ids: bool, collect_reply: bool = False
+    ) -> None:
         self.keep_params = keep_params
+        # history identity: every data payload is kept (one append per event; decoded
+        # once, after the stream, by RelayResult.reply)
+        self._reply_chunks: list[bytes] | None = [] if collect_reply else None
+        self._reply_message: dict[str, Any] | None = None
         self.collect_ids = collect_ids
         self.strip_ids = strip_ids
         self._params: KVTransferParams | None = None
@@ -117,6 +137,8 @@ class StreamRelay:
             prompt_ids=None if self._prompt_ids is None else list(self._prompt_ids),
             generated_ids=list(self._gen_ids) if self._ids_seen else None,
             upstream_seconds=self._upstream,
+            reply_chunks=self._reply_chunks,
+            reply_message=self._reply_message,
         )
 
     # ---- streaming ------------------------------------------------------------
@@ -196,6 +218,8 @@ class StreamRelay:
             # a client that sends its next turn right after [DONE] finds the entry.
             self._done = True
             return b""
+        if self._reply_chunks is not None:
+            self._reply_chunks.append(payload)
         changed = False
         if self.collect_ids:
             if _PID in payload:
@@ -289,6 +313,8 @@ class StreamRelay:
                 self._gen_ids = [int(x) for x in gen_ids]
                 self._ids_seen = True
         message = first.get("message") or {}
+        if isinstance(message, dict) and self._reply_chunks is not None:
+            self._reply_message = dict(message)
         if isinstance(message, dict):
             for key in UNTRACKED_DELTA_KEYS:
                 if message.get(key):

@@ -12,11 +12,16 @@ from typing import Final
 
 from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL
 
-__all__ = ["DECODE_STREAM_MODES", "LOG_LEVELS", "UPSTREAM_CACHE_TTL", "RouterSettings"]
+__all__ = [
+    "DECODE_STREAM_MODES", "IDENTITY_MODES", "LOG_LEVELS", "UPSTREAM_CACHE_TTL", "RouterSettings",
+]
 
 # vLLM's example multi-turn proxy keeps an entry 450 s, below D's 480 s retention.
 UPSTREAM_CACHE_TTL: Final = 450.0
 DECODE_STREAM_MODES: Final = ("always", "never")
+# How a request without an id finds its conversation (docs/router.md "Identity"):
+# by id only (the upstream proxy), by history digest only, or an id first, else history.
+IDENTITY_MODES: Final = ("id", "history", "both")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 
 
@@ -43,6 +48,7 @@ class RouterSettings:
     decode_stream: str = "always"  # one of DECODE_STREAM_MODES
     keep_kv_params: bool = False
     guard: bool = True
+    identity: str = "both"  # one of IDENTITY_MODES
     block_size: int | None = None
     prefill_timeout: float = 60.0
     decode_connect_timeout: float = 10.0

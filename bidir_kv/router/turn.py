@@ -8,11 +8,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from bidir_kv.router.history import HISTORY_SOURCE, History
 from bidir_kv.router.identity import ConversationKey, log_safe
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.wire.ids import RequestId
 
-__all__ = ["Turn", "record_client_gone", "record_first_byte"]
+__all__ = ["Turn", "conv_label", "record_client_gone", "record_first_byte"]
 
 log = logging.getLogger("bidir_kv.router")
 
@@ -35,10 +36,15 @@ class Turn:
     first_byte: bool = False
     p_usage: dict[str, Any] | None = None  # ``usage`` of P's answer to the P leg
     fell_back: bool = False  # the P leg was retried as a miss
+    # the digests of a turn recognised by its history (no id); ``key`` is then the
+    # lookup key, ``None`` before the first assistant message
+    history: History | None = None
 
     @property
     def conv(self) -> str:
-        return "-" if self.key is None else log_safe(self.key.conversation_id)
+        if self.key is None:
+            return "-" if self.history is None else "history:new"
+        return conv_label(self.key)
 
     @property
     def single_choice(self) -> bool:
@@ -51,13 +57,21 @@ class Turn:
     @property
     def wants_ids(self) -> bool:
         """The guard will need this turn's token ids to verify the next one."""
-        return self.guard and self.key is not None and self.single_choice
+        remembered = self.key is not None or self.history is not None
+        return self.guard and remembered and self.single_choice
 
     def cancel_tokenize(self) -> None:
         """Drop the background tokenization (its ids will not be stored)."""
         if self.tokenize_task is not None:
             self.tokenize_task.cancel()
             self.tokenize_task = None
+
+
+def conv_label(key: ConversationKey) -> str:
+    """A key as one log line shows it (a history digest cut to 16 hex digits)."""
+    if key.source == HISTORY_SOURCE:
+        return "history:" + key.conversation_id[:16]
+    return log_safe(key.conversation_id)
 
 
 def record_first_byte(turn: Turn, metrics: RouterMetrics) -> None:

@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -44,6 +44,8 @@ class Upstream:
     last_error: str | None = None
     strikes: int = 0  # consecutive failed health probes
     last_change: float = field(default_factory=time.monotonic)
+    engine_id: str | None = None  # as its last params named it (router/peers.py)
+    drop_peer: bool | None = None  # False: answered 404 to POST /drop_peer, never asked again
 
     @property
     def id(self) -> str:
@@ -164,8 +166,16 @@ class HealthChecker:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0
+        self.on_down: Callable[[Upstream], None] | None = None  # a probe marked it down
 
     async def check(self, node: Upstream) -> None:
+        """One probe (:meth:`probe`); :attr:`on_down` hears of a node it marked down."""
+        was = node.healthy
+        await self.probe(node)
+        if was and not node.healthy and self.on_down is not None:
+            self.on_down(node)
+
+    async def probe(self, node: Upstream) -> None:
         """One probe. A refused connection marks the node down at once; a slow or
         failing answer only after ``SLOW_STRIKES`` probes in a row (a busy engine is
         not a dead one)."""

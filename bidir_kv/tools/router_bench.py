@@ -48,6 +48,7 @@ class Cell:
     internal_p99: float | None = None
     completed: int = 0  # requests answered, warm-up included (what the CPU time paid for)
     cpu_s: float | None = None  # the proxy's own CPU seconds over those requests
+    hits: float | None = None  # the router's cache_hits_total over the cell (warm-up included)
 
     @property
     def cpu_ms_per_request(self) -> float | None:
@@ -67,8 +68,9 @@ class Cell:
 
 
 class Conversation:
-    def __init__(self, worker: int) -> None:
+    def __init__(self, worker: int, send_id: bool = True) -> None:
         self.worker = worker
+        self.send_id = send_id  # False: the router recognises the turn by its history
         self._new()
 
     def _new(self) -> None:
@@ -79,8 +81,10 @@ class Conversation:
         ]
 
     def body(self) -> dict[str, Any]:
-        return {"model": "tiny", "messages": self.messages, "max_tokens": 8, "stream": True,
-                "conversation_id": self.id}
+        body = {"model": "tiny", "messages": self.messages, "max_tokens": 8, "stream": True}
+        if self.send_id:
+            body["conversation_id"] = self.id
+        return body
 
     def answered(self, text: str) -> None:
         self.turn += 1
@@ -105,7 +109,7 @@ async def _via_proxy(clients: dict[str, AsyncNodeClient], url: str, conv: Conver
 async def _direct(clients: dict[str, AsyncNodeClient], p_url: str, d_url: str,
                   conv: Conversation) -> str:
     body = conv.body()
-    body.pop("conversation_id")
+    body.pop("conversation_id", None)
     p_body = dict(body, stream=False, max_tokens=1,
                   kv_transfer_params=KVTransferParams.miss().to_dict())
     reply = (await clients[p_url].post(CHAT_PATH, p_body)).raise_for_status()
@@ -125,7 +129,7 @@ async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
         measuring = [False]
 
         async def worker(i: int) -> None:
-            conv = Conversation(i)
+            conv = Conversation(i, send_id=mode not in NO_ID_MODES)
             while time.perf_counter() < stop_at[0]:
                 t = time.perf_counter()
                 try:
@@ -181,6 +185,10 @@ def _buckets(url: str) -> dict[float, float]:
     return out
 
 
+def _hits(url: str) -> float:
+    return scrape(url).value("bidir_kv_router_cache_hits_total")
+
+
 def _quantile_bound(before: dict[float, float], after: dict[float, float], q: float) -> float:
     """Upper bucket bound below which a fraction ``q`` of the observations fell."""
     total = after[float("inf")] - before[float("inf")]
@@ -194,10 +202,15 @@ def _fmt(x: float) -> str:
     return f"{x * 1000:8.2f}"
 
 
-MODES = ("direct", "relay", "router", "router-noguard", "router-redis", "router-workers")
+MODES = ("direct", "relay", "router", "router-noguard", "router-redis", "router-workers",
+         "router-id", "router-history")
 DEFAULT_MODES = ("direct", "relay", "router", "router-noguard")
-# modes served by our router, and the extra flags each is started with
-ROUTER_MODES = {"router": (), "router-noguard": ("--no-continuation-guard",)}
+# modes served by our router, and the extra flags each is started with; router-id and
+# router-history compare the two identities (docs/router.md "Identity"): ids sent and
+# --identity id, against no id and the default --identity both (the history digest)
+ROUTER_MODES = {"router": (), "router-noguard": ("--no-continuation-guard",),
+                "router-id": ("--identity", "id"), "router-history": ("--identity", "both")}
+NO_ID_MODES = frozenset({"router-history"})  # clients send no conversation id
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -210,7 +223,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="modes alternate in this many rounds per concurrency")
     ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES,
                     help="router-redis: one router on a Redis store; router-workers: "
-                    "--workers routers on one port sharing that store")
+                    "--workers routers on one port sharing that store; router-id: ids sent, "
+                    "--identity id; router-history: no ids, --identity both")
     ap.add_argument("--workers", type=int, default=2,
                     help="router processes of the router-workers mode (default 2)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -279,6 +293,7 @@ def _measure(args: argparse.Namespace, targets: dict[str, Any], pids: dict[str, 
     # router-workers' /metrics answers for one worker only: no histogram for it
     hist0 = {m: _buckets(targets[m]) for m in args.modes if m in ROUTER_MODES
              or m == "router-redis"}
+    hits0 = {m: _hits(targets[m]) for m in hist0}
     # Modes take turns in short rounds, so drifting machine load hits all alike.
     for _ in range(args.rounds):
         for mode in args.modes:
@@ -290,6 +305,7 @@ def _measure(args: argparse.Namespace, targets: dict[str, Any], pids: dict[str, 
             if cpu0 is not None and cpu1 is not None:
                 cells[mode].cpu_s = (cells[mode].cpu_s or 0.0) + cpu1 - cpu0
     for mode, before in hist0.items():
+        cells[mode].hits = _hits(targets[mode]) - hits0[mode]
         after = _buckets(targets[mode])
         cells[mode].internal_p50 = _quantile_bound(before, after, 0.5)
         cells[mode].internal_p99 = _quantile_bound(before, after, 0.99)
@@ -312,14 +328,16 @@ def _print_cells(c: int, cells: dict[str, Cell]) -> None:
         if cell.internal_p50 is not None:
             print(f"  {mode}: own time before first byte (outside engine waits, warmup "
                   f"included) p50 <= {cell.internal_p50 * 1000:g} ms, "
-                  f"p99 <= {(cell.internal_p99 or 0) * 1000:g} ms")
+                  f"p99 <= {(cell.internal_p99 or 0) * 1000:g} ms; cache hits "
+                  f"{cell.hits or 0:.0f} of {cell.completed} requests")
     _print_ratios(cells)
 
 
 def _print_ratios(cells: dict[str, Cell]) -> None:
     relay, base = cells.get("relay"), cells.get("direct")
     relay_cpu = relay.cpu_ms_per_request if relay else None
-    for mode in ("router", "router-noguard", "router-redis", "router-workers"):
+    for mode in ("router", "router-noguard", "router-redis", "router-workers", "router-id",
+                 "router-history"):
         cell = cells.get(mode)
         if cell is None:
             continue
@@ -334,6 +352,10 @@ def _print_ratios(cells: dict[str, Cell]) -> None:
             if c.cpu_ms_per_request]
     if caps:  # what one fully given core would serve at this CPU cost per request
         print(f"  CPU-bound capacity, req/s per core: {', '.join(caps)}")
+    by_id, by_history = cells.get("router-id"), cells.get("router-history")
+    if by_id and by_history and by_id.cpu_ms_per_request and by_history.cpu_ms_per_request:
+        print(f"  router-history / router-id CPU per request: "
+              f"{by_history.cpu_ms_per_request / by_id.cpu_ms_per_request:.3f}x")
     single, multi = cells.get("router-redis"), cells.get("router-workers")
     if single and multi and single.rps:
         print(f"  router-workers / router-redis throughput (same store): "

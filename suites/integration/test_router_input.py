@@ -175,8 +175,15 @@ def test_control_characters_in_ids_cannot_forge_log_lines(own_router: RouterProc
 
 
 def test_no_id_warning_names_the_client_side_fix(own_router: RouterProcess) -> None:
+    # a chat turn without an id is recognised by its history (--identity both): no warning
     res = chat(own_router.url, [{"role": "user", "content": "hi"}], max_tokens=2)
     assert res.status == 200
+    assert "No conversation_id" not in own_router.log()
+    # a completions request has no history to recognise
+    status, _ = post_raw(own_router.url, json.dumps({"model": "tiny", "prompt": "hi",
+                                                     "max_tokens": 2}).encode(),
+                         path="/v1/completions")
+    assert status == 200
     warning = [ln for ln in own_router.log().splitlines() if "No conversation_id" in ln]
     assert warning, own_router.log()[-2000:]
     for fix in ("--send-conversation-id", "X-Session-ID", "prompt_cache_key",

@@ -96,8 +96,11 @@ def test_multi_turn_hits_pull_history_from_d_and_match_the_oracle(topo: Any) -> 
     assert router_counter(url, "cache_hits") - hits0 == 2
 
 
-def test_without_conversation_id_nothing_is_reused(topo: Any) -> None:
-    url = topo.router_url
+def test_without_conversation_id_nothing_is_reused(topo: Any, extra_router: Callable[..., str]
+                                                  ) -> None:
+    """--identity id (the upstream proxy's way): no id, no reuse. The default also
+    recognises a turn by its history (suites/integration/test_history_identity.py)."""
+    url = extra_router("--identity", "id")
     msgs = long_opening(conversation_id("anon"))
     res = chat(url, msgs)
     msgs = [*msgs, {"role": "assistant", "content": res.text}, {"role": "user", "content": "go"}]

@@ -50,10 +50,11 @@ def router_for(topo: Any, router_process: Callable[..., RouterProcess], decode: 
 def test_turn_without_id_frees_ds_blocks_at_once(
     topo: Any, router_process: Callable[..., RouterProcess], stream: bool
 ) -> None:
-    """No conversation id: nothing is stored, so D's retained blocks are released now
-    (notify-only through P) instead of staying pinned until D's TTL."""
+    """No conversation id (and --identity id, no history key): nothing is stored, so D's
+    retained blocks are released now (notify-only through P) instead of staying pinned
+    until D's TTL."""
     d = topo.decode[0]
-    rp = router_for(topo, router_process, [d])
+    rp = router_for(topo, router_process, [d], "--identity", "id")
     before = retained(d)
     res = chat(rp.url, long_opening(conversation_id("noid")), None, stream=stream)
     assert res.status == 200 and res.error is None, res.raw[:300]

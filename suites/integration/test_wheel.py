@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 
 pytestmark = pytest.mark.integration

@@ -49,7 +49,9 @@ async def settle(s: StubStack) -> None:
 
 def test_no_id_turn_is_released_with_remote_num_tokens_zero() -> None:
     async def go() -> None:
-        async with StubStack() as s:
+        # --identity id: a turn without an id is stored nowhere (history identity
+        # would store it under its history digest)
+        async with StubStack(config=RouterSettings(identity="id")) as s:
             status, _, _ = await s.post(CHAT, body(None))
             assert status == 200
             await settle(s)
@@ -134,7 +136,7 @@ def test_memory_store_reports_every_unused_drop() -> None:
 
 def test_releases_are_bounded_and_never_block_the_answer() -> None:
     async def go() -> None:
-        cfg = RouterSettings(release_concurrency=1, max_pending_releases=1)
+        cfg = RouterSettings(release_concurrency=1, max_pending_releases=1, identity="id")
         async with StubStack(config=cfg) as s:
             s.prefill[0].prefill_delay = 0.5  # every P call (P legs and releases) is slow
             loop = asyncio.get_running_loop()
