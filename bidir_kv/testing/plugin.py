@@ -19,7 +19,7 @@ TIERS = {
     "unit": "pure, in-process tests; laptops, seconds",
     "integration": "emulated P/D topologies as processes or containers",
     "conformance": "backend-agnostic scenarios (emulator, real vLLM on CPU, external)",
-    "hardware": "real NIXL on GPU/EFA; pytest-benchmark TTFT bounds",
+    "hardware": "real NIXL on GPU/EFA; OFF/ON TTFT rounds and the release gates",
 }
 BACKENDS = ("emulator", "vllm-cpu", "vllm-cpu+bidir-kv", "external")
 _REPO = Path(__file__).resolve().parents[2]
@@ -130,6 +130,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             idx = parts.index("suites")
             if idx + 1 < len(parts) and parts[idx + 1] in TIERS:
                 item.add_marker(getattr(pytest.mark, parts[idx + 1]))
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """``async def`` tests (``anyio_mode = "auto"`` in pyproject.toml) run on asyncio, the
+    loop the engine and router serve on; one backend, so test ids carry no backend name."""
+    return "asyncio"
 
 
 @pytest.fixture

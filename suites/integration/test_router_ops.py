@@ -86,7 +86,7 @@ def test_failed_pull_on_d_is_answered_as_a_miss(
     assert router_counter(rp.url, "fallbacks", cause="decode_pull") == 1
 
 
-def test_redis_store_survives_200_concurrent_turns(
+async def test_redis_store_survives_200_concurrent_turns(
     topo: Any, router_process: Callable[..., RouterProcess], redis_server: Any
 ) -> None:
     """More turns at once than redis-py's default pool allows (100): none fails, all stored
@@ -112,7 +112,7 @@ def test_redis_store_survives_200_concurrent_turns(
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             return await asyncio.gather(*(one(session, i) for i in range(n)))
 
-    statuses = asyncio.run(burst())
+    statuses = await burst()
     assert statuses == [200] * n
     assert router_counter(rp.url, "errors", cause="store") == 0
     assert router_counter(rp.url, "cache_stores") == n

@@ -107,7 +107,7 @@ def _finished(node: Any) -> float:
     return scrape(node.url).value("vllm:request_success_total")
 
 
-def test_new_conversations_do_not_herd_onto_one_d(
+async def test_new_conversations_do_not_herd_onto_one_d(
     topo: Any, router_process: Callable[..., RouterProcess],
     faults: Callable[[Any, dict[str, Any]], None],
 ) -> None:
@@ -147,7 +147,7 @@ def test_new_conversations_do_not_herd_onto_one_d(
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
             return await asyncio.gather(*(one(s, i) for i in range(16)))
 
-    assert asyncio.run(burst()) == [200] * 16
+    assert await burst() == [200] * 16
     long_turn.join(60)
     on_d0 = _finished(d0) - before[0] - 1  # minus the long turn, finished meanwhile
     on_d1 = _finished(d1) - before[1]

@@ -91,107 +91,91 @@ def _wait_notifs(
                     interval=0.01)
 
 
-def test_read_across_processes(backend: str, owner: PeerProcess) -> None:
+async def test_read_across_processes(backend: str, owner: PeerProcess) -> None:
     expected = seeded_pool_bytes(SEED, NUM_BLOCKS, BLOCK_NBYTES)
     remote = [5, 6, 7, 8, 40, 63, 0]
     local = [0, 1, 2, 3, 10, 11, 50]
-
-    async def main() -> None:
-        agent, peer, info = await _connect(backend, owner, "reader-1")
-        try:
-            # Same machine, same monotonic clock: the offset is within half the best RTT.
-            assert abs(info.offset) <= info.rtt / 2 + 1e-6
-            assert info.meta.num_blocks == NUM_BLOCKS
-            res = await agent.read(peer, local, remote, b"cmpl-d-1:1")
-            assert res.bytes == len(remote) * BLOCK_NBYTES
-            got = hashlib.sha256(agent.pool.data[local].tobytes()).hexdigest()
-            assert got == hashlib.sha256(expected[remote].tobytes()).hexdigest()
-            others = [b for b in range(NUM_BLOCKS) if b not in local]
-            assert not agent.pool.data[others].any()
-            await agent.notify(peer, b"HB:cmpl-p-9")
-        finally:
-            await agent.close()
-
-    asyncio.run(main())
+    agent, peer, info = await _connect(backend, owner, "reader-1")
+    try:
+        # Same machine, same monotonic clock: the offset is within half the best RTT.
+        assert abs(info.offset) <= info.rtt / 2 + 1e-6
+        assert info.meta.num_blocks == NUM_BLOCKS
+        res = await agent.read(peer, local, remote, b"cmpl-d-1:1")
+        assert res.bytes == len(remote) * BLOCK_NBYTES
+        got = hashlib.sha256(agent.pool.data[local].tobytes()).hexdigest()
+        assert got == hashlib.sha256(expected[remote].tobytes()).hexdigest()
+        others = [b for b in range(NUM_BLOCKS) if b not in local]
+        assert not agent.pool.data[others].any()
+        await agent.notify(peer, b"HB:cmpl-p-9")
+    finally:
+        await agent.close()
     notifs = _wait_notifs(owner, {"reader-1"}, 2)
     assert notifs == [("reader-1", "cmpl-d-1:1"), ("reader-1", "HB:cmpl-p-9")]
 
 
-def test_whole_pool_read_matches_owner_hash(backend: str, owner: PeerProcess) -> None:
-    async def main() -> None:
-        agent, peer, _ = await _connect(backend, owner, "reader-2")
-        try:
-            ids = list(range(NUM_BLOCKS))
-            await agent.read(peer, ids, ids, b"all:1")
-            assert hashlib.sha256(agent.pool.data.tobytes()).hexdigest() == owner.ready["sha256"]
-        finally:
-            await agent.close()
-
-    asyncio.run(main())
+async def test_whole_pool_read_matches_owner_hash(backend: str, owner: PeerProcess) -> None:
+    agent, peer, _ = await _connect(backend, owner, "reader-2")
+    try:
+        ids = list(range(NUM_BLOCKS))
+        await agent.read(peer, ids, ids, b"all:1")
+        assert hashlib.sha256(agent.pool.data.tobytes()).hexdigest() == owner.ready["sha256"]
+    finally:
+        await agent.close()
 
 
-def test_out_of_range_and_no_stray_notification(backend: str, owner: PeerProcess) -> None:
-    async def main() -> None:
-        agent, peer, _ = await _connect(backend, owner, "reader-3")
-        try:
-            with pytest.raises(TransportError, match="out of range"):
-                await agent.read(peer, [0], [NUM_BLOCKS + 3], b"bad:1")
-            await agent.read(peer, [1], [1], b"good:1")
-        finally:
-            await agent.close()
-
-    asyncio.run(main())
+async def test_out_of_range_and_no_stray_notification(backend: str, owner: PeerProcess) -> None:
+    agent, peer, _ = await _connect(backend, owner, "reader-3")
+    try:
+        with pytest.raises(TransportError, match="out of range"):
+            await agent.read(peer, [0], [NUM_BLOCKS + 3], b"bad:1")
+        await agent.read(peer, [1], [1], b"good:1")
+    finally:
+        await agent.close()
     assert _wait_notifs(owner, {"reader-3"}, 1) == [("reader-3", "good:1")]
 
 
-def test_two_readers_each_notify_exactly_once(backend: str, owner: PeerProcess) -> None:
-    async def main() -> None:
-        a, pa, _ = await _connect(backend, owner, "reader-a")
-        b, pb, _ = await _connect(backend, owner, "reader-b")
-        try:
-            await asyncio.gather(
-                *(a.read(pa, [i], [i], f"a-{i}:1".encode()) for i in range(8)),
-                *(b.read(pb, [i], [63 - i], f"b-{i}:1".encode()) for i in range(8)),
-            )
-            expected = seeded_pool_bytes(SEED, NUM_BLOCKS, BLOCK_NBYTES)
-            assert np.array_equal(a.pool.data[:8], expected[:8])
-            assert np.array_equal(b.pool.data[:8], expected[63:55:-1])
-        finally:
-            await a.close()
-            await b.close()
-
-    asyncio.run(main())
+async def test_two_readers_each_notify_exactly_once(backend: str, owner: PeerProcess) -> None:
+    a, pa, _ = await _connect(backend, owner, "reader-a")
+    b, pb, _ = await _connect(backend, owner, "reader-b")
+    try:
+        await asyncio.gather(
+            *(a.read(pa, [i], [i], f"a-{i}:1".encode()) for i in range(8)),
+            *(b.read(pb, [i], [63 - i], f"b-{i}:1".encode()) for i in range(8)),
+        )
+        expected = seeded_pool_bytes(SEED, NUM_BLOCKS, BLOCK_NBYTES)
+        assert np.array_equal(a.pool.data[:8], expected[:8])
+        assert np.array_equal(b.pool.data[:8], expected[63:55:-1])
+    finally:
+        await a.close()
+        await b.close()
     notifs = _wait_notifs(owner, {"reader-a", "reader-b"}, 16)
     assert sorted(notifs) == sorted(
         [("reader-a", f"a-{i}:1") for i in range(8)] + [("reader-b", f"b-{i}:1") for i in range(8)]
     )
 
 
-def test_dead_owner_fails_the_read_instead_of_hanging(backend: str, own_owner: PeerProcess) -> None:
+async def test_dead_owner_fails_the_read_instead_of_hanging(backend: str,
+                                                           own_owner: PeerProcess) -> None:
     owner = own_owner
-
-    async def main() -> None:
-        agent, peer, _ = await _connect(backend, owner, "reader-4")
-        agent.io_timeout = 10.0
-        try:
-            await agent.read(peer, [0], [0], b"warm:1")
-            owner.stop()
-            with pytest.raises(TransportError):
-                await agent.read(peer, [1, 2], [1, 2], b"late:1")
-            with pytest.raises(TransportError):
-                await handshake(
-                    "127.0.0.1",
-                    owner.ready["side_channel_port"],
-                    local_hash=owner.ready["compat_hash"],
-                    timeout=2.0,
-                )
-        finally:
-            await agent.close()
-
-    asyncio.run(main())
+    agent, peer, _ = await _connect(backend, owner, "reader-4")
+    agent.io_timeout = 10.0
+    try:
+        await agent.read(peer, [0], [0], b"warm:1")
+        owner.stop()
+        with pytest.raises(TransportError):
+            await agent.read(peer, [1, 2], [1, 2], b"late:1")
+        with pytest.raises(TransportError):
+            await handshake(
+                "127.0.0.1",
+                owner.ready["side_channel_port"],
+                local_hash=owner.ready["compat_hash"],
+                timeout=2.0,
+            )
+    finally:
+        await agent.close()
 
 
-def test_many_random_concurrent_reads_are_exact(backend: str, owner: PeerProcess) -> None:
+async def test_many_random_concurrent_reads_are_exact(backend: str, owner: PeerProcess) -> None:
     """200 reads of random block sets, 8 in flight, each checked; one notification each."""
     import random
 
@@ -201,25 +185,21 @@ def test_many_random_concurrent_reads_are_exact(backend: str, owner: PeerProcess
     for i in range(200):
         n = rng.randint(1, 6)
         jobs.append((i, rng.sample(range(NUM_BLOCKS), n)))
+    agents = [await _connect(backend, owner, f"rnd-{k}") for k in range(8)]
+    try:
 
-    async def main() -> None:
-        agents = [await _connect(backend, owner, f"rnd-{k}") for k in range(8)]
-        try:
+        async def lane(k: int) -> None:
+            agent, peer, _ = agents[k]
+            for i, remote in jobs[k::8]:
+                local = list(range(len(remote)))
+                agent.pool.data[local] = 0
+                await agent.read(peer, local, remote, f"rnd-{i}:1".encode())
+                assert np.array_equal(agent.pool.data[local], expected[remote]), i
 
-            async def lane(k: int) -> None:
-                agent, peer, _ = agents[k]
-                for i, remote in jobs[k::8]:
-                    local = list(range(len(remote)))
-                    agent.pool.data[local] = 0
-                    await agent.read(peer, local, remote, f"rnd-{i}:1".encode())
-                    assert np.array_equal(agent.pool.data[local], expected[remote]), i
-
-            await asyncio.gather(*(lane(k) for k in range(8)))
-        finally:
-            for agent, _, _ in agents:
-                await agent.close()
-
-    asyncio.run(main())
+        await asyncio.gather(*(lane(k) for k in range(8)))
+    finally:
+        for agent, _, _ in agents:
+            await agent.close()
     readers = {f"rnd-{k}" for k in range(8)}
     notifs = _wait_notifs(owner, readers, 200)
     assert sorted(m for _, m in notifs) == sorted(f"rnd-{i}:1" for i in range(200))

@@ -61,10 +61,9 @@ def test_tcp_wildcard_host_advertises_the_hostname() -> None:
 
 
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
-def test_add_peer_names_what_is_wrong_with_metadata(
+async def test_add_peer_names_what_is_wrong_with_metadata(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
-    import asyncio
 
     import msgpack
 
@@ -74,23 +73,19 @@ def test_add_peer_names_what_is_wrong_with_metadata(
             from bidir_kv.testing.gating import skip_or_fail
 
             skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
-
-    async def main() -> None:
-        agent = create_agent(backend, f"md-{backend}", _pool())
-        await agent.start(lambda _p, _m: None)
-        try:
-            good = msgpack.unpackb(agent.metadata())
-            lacking = {k: v for k, v in good.items() if k != "num_blocks"}
-            with pytest.raises(TransportError, match="lacks 'num_blocks'"):
-                await agent.add_peer(msgpack.packb(lacking))
-            with pytest.raises(TransportError, match=r"'port'|'base'"):
-                bad = dict(good, port="x", base="x")
-                await agent.add_peer(msgpack.packb(bad))
-            with pytest.raises(TransportError, match="not from a"):
-                await agent.add_peer(msgpack.packb(dict(good, transport="carrier-pigeon")))
-            with pytest.raises(TransportError, match="malformed"):
-                await agent.add_peer(b"\xc1")
-        finally:
-            await agent.close()
-
-    asyncio.run(main())
+    agent = create_agent(backend, f"md-{backend}", _pool())
+    await agent.start(lambda _p, _m: None)
+    try:
+        good = msgpack.unpackb(agent.metadata())
+        lacking = {k: v for k, v in good.items() if k != "num_blocks"}
+        with pytest.raises(TransportError, match="lacks 'num_blocks'"):
+            await agent.add_peer(msgpack.packb(lacking))
+        with pytest.raises(TransportError, match=r"'port'|'base'"):
+            bad = dict(good, port="x", base="x")
+            await agent.add_peer(msgpack.packb(bad))
+        with pytest.raises(TransportError, match="not from a"):
+            await agent.add_peer(msgpack.packb(dict(good, transport="carrier-pigeon")))
+        with pytest.raises(TransportError, match="malformed"):
+            await agent.add_peer(b"\xc1")
+    finally:
+        await agent.close()
