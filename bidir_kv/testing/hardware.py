@@ -39,6 +39,7 @@ from bidir_kv.testing.pd_client import (
     EngineClient,
     run_pd_turn,
 )
+from bidir_kv.testing.poll import settled
 from bidir_kv.topology.base import BackendUnavailable, Node
 from bidir_kv.topology.process import ProcessFailed
 
@@ -129,15 +130,8 @@ def deployment_info(config: pytest.Config) -> dict[str, Any]:
 
 def _metrics(client: EngineClient, timeout: float = 5.0) -> MetricsSnapshot:
     """P's counters once two scrapes agree (transfer stats land a step after the answer)."""
-    deadline = time.monotonic() + timeout
-    prev = client.metrics(_NAMES)
-    while time.monotonic() < deadline:
-        time.sleep(0.05)  # polling interval of a bounded poll, not a synchronization
-        cur = client.metrics(_NAMES)
-        if cur.samples == prev.samples:
-            return cur
-        prev = cur
-    return prev
+    return settled(lambda: client.metrics(_NAMES), timeout,
+                   same=lambda a, b: a.samples == b.samples)
 
 
 def _finish_on_d(dep: HwDeployment, prompt: list[int], p_params: KVTransferParams | None) -> None:

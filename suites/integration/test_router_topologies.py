@@ -14,6 +14,7 @@ import pytest
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import scrape
 from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import (
     bidirectional_config,
     chat,
@@ -121,12 +122,9 @@ def test_decode_dying_mid_stream_gives_an_sse_error_and_drops_the_entry(
         assert res.raw.rstrip().endswith(b"data: [DONE]")
         # the router sees D's sockets close while the kernel is still tearing D down:
         # poll until it can be reaped instead of expecting it at once
-        deadline = time.monotonic() + 30
-        dead = []
-        while not dead and time.monotonic() < deadline:
-            dead = [d for d in topo.decode if topo.process(d.name).returncode is not None]
-            if not dead:
-                time.sleep(0.05)
+        dead = wait_for(
+            lambda: [d for d in topo.decode if topo.process(d.name).returncode is not None],
+            30, "the faulted decode node to exit")
         assert len(dead) == 1, f"{len(dead)} decode nodes exited (one had the fault)"
         alive = next(d for d in topo.decode if d not in dead)
         req = urllib.request.Request(alive.url + "/_emulator/faults",
