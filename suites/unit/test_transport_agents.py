@@ -18,23 +18,12 @@ from bidir_kv.engine.transport import (
     KVPool,
     TransportError,
     create_agent,
-    nixl_available,
 )
 from bidir_kv.engine.transport.tcp_io import block_runs
-from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.poll import wait_for_async
 
 BLOCK_NBYTES = 4096
 NUM_BLOCKS = 32
-
-
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
-def backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "nixl":
-        ok, why = nixl_available()
-        if not ok:
-            skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
-    return str(request.param)
 
 
 def _seeded(seed: int) -> np.ndarray:
@@ -48,9 +37,9 @@ class Pair:
     the module on one event loop; each test gets fresh pool contents and empty inboxes.
     """
 
-    def __init__(self, backend: str) -> None:
-        self.d = create_agent(backend, "agent-d", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
-        self.p = create_agent(backend, "agent-p", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+    def __init__(self, kv_backend: str) -> None:
+        self.d = create_agent(kv_backend, "agent-d", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+        self.p = create_agent(kv_backend, "agent-p", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
         self.got_d: list[tuple[str, bytes]] = []
         self.got_p: list[tuple[str, bytes]] = []
 
@@ -76,8 +65,8 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-async def shared(backend: str) -> AsyncIterator[Pair]:
-    pair = Pair(backend)
+async def shared(kv_backend: str) -> AsyncIterator[Pair]:
+    pair = Pair(kv_backend)
     await pair.start()
     try:
         yield pair
@@ -164,8 +153,8 @@ async def test_concurrent_reads_both_directions(pair: Pair) -> None:
     assert got_p == [("agent-d", b"c:1")]
 
 
-async def test_block_size_mismatch_refused_at_add_peer(backend: str, shared: Pair) -> None:
-    other = create_agent(backend, "agent-other", KVPool.allocate(4, 128))
+async def test_block_size_mismatch_refused_at_add_peer(kv_backend: str, shared: Pair) -> None:
+    other = create_agent(kv_backend, "agent-other", KVPool.allocate(4, 128))
     await other.start(lambda peer, msg: None)
     try:
         with pytest.raises(TransportError, match="128-byte blocks"):
