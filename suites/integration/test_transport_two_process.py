@@ -64,7 +64,7 @@ async def _connect(
         owner.ready["side_channel_port"],
         local_hash=owner.ready["compat_hash"],
         expected_engine_id="d-1",
-        kv_backend=kv_backend,
+        backend=kv_backend,
     )
     return agent, await agent.add_peer(info.meta.agent_metadata), info
 
