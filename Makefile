@@ -64,7 +64,7 @@ $(TINY_TOKENIZER)/tokenizer.json: fixtures/tiny_model.py $(STAMP)
 	@echo "tiny tokenizer: $(TINY_TOKENIZER)"
 
 unit: venv
-	bash ci/pytest.sh -n $(BIDIR_KV_WORKERS) -m unit suites/unit $(PYTEST_ARGS)
+	bash ci/pytest.sh -n $(BIDIR_KV_WORKERS) --dist loadscope -m unit suites/unit $(PYTEST_ARGS)
 
 conformance: venv conformance-env
 	bash ci/pytest.sh suites/conformance $(PYTEST_ARGS)
