@@ -89,18 +89,29 @@ class HwMeasurements:
         self.rounds = rounds
         self.results: dict[int, LengthResult] = {}
         self.round_s: dict[int, list[float]] = {}  # wall time of each whole round
+        self.failures: dict[int, str] = {}  # lengths whose measurement failed, and why
         self._deployment: HwDeployment | None = None
 
     def length(self, dep: HwDeployment, history: int) -> LengthResult:
         """``rounds`` OFF/ON pairs at ``history`` tokens on ``dep`` (measured on first use;
-        a new deployment starts over)."""
+        a new deployment starts over). A measurement that failed is not repeated: later
+        tests asking for that length fail at once with the first error."""
         if dep is not self._deployment:
             self._deployment = dep
             self.results.clear()
             self.round_s.clear()
+            self.failures.clear()
+        if history in self.failures:
+            pytest.fail(f"length {history} could not be measured: {self.failures[history]}",
+                        pytrace=False)
         if history not in self.results:
             times: list[float] = []
-            self.results[history] = measure_length(dep, history, self.rounds, round_s=times)
+            try:
+                self.results[history] = measure_length(dep, history, self.rounds,
+                                                       round_s=times)
+            except Exception as exc:
+                self.failures[history] = f"{type(exc).__name__}: {exc}"[:2000]
+                raise
             self.round_s[history] = times
         return self.results[history]
 

@@ -70,3 +70,26 @@ def test_a_length_is_measured_once_by_whichever_test_asks_first(monkeypatch: Any
     assert measured.round_s[1000] == [0.1, 0.1, 0.1]
     assert measured.length(dep_b, 2000) is not gate_first  # type: ignore[arg-type]
     assert calls[-1] == (dep_b, 2000, 3) and set(measured.results) == {2000}
+
+
+def test_a_failed_measurement_is_not_repeated(monkeypatch: Any) -> None:
+    """Gate tests after a failed measurement fail at once, naming the first error."""
+    import pytest
+
+    from bidir_kv.testing import hardware
+
+    calls: list[int] = []
+
+    def broken(dep: object, history: int, rounds: int, round_s: list[float]) -> Any:
+        calls.append(history)
+        raise AssertionError("turn 1 failed: HTTP 500")
+
+    monkeypatch.setattr(hardware, "measure_length", broken)
+    measured = hardware.HwMeasurements(rounds=5)
+    dep = object()
+    with pytest.raises(AssertionError, match="HTTP 500"):
+        measured.length(dep, 1000)  # type: ignore[arg-type]
+    with pytest.raises(pytest.fail.Exception, match="length 1000 could not be measured: "
+                       "AssertionError: turn 1 failed: HTTP 500"):
+        measured.length(dep, 1000)  # type: ignore[arg-type]
+    assert calls == [1000]
