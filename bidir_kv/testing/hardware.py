@@ -9,6 +9,10 @@ Three ways to get a deployment (docs/hardware.md §3), same tests on each:
   the recipe), through the topology abstraction. CI runs this.
 
 Without any of them the tier skips, or fails under ``--require-tier hardware``.
+
+Every test reads its measurements through the session fixture ``hw_measurements``: a
+length is measured the first time a test of this process asks for it, so each test runs
+alone (by node id), in any order and under xdist (each worker measures for itself).
 """
 
 from __future__ import annotations
@@ -36,15 +40,24 @@ from bidir_kv.scrape import (
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.hw_gates import LengthResult
 from bidir_kv.testing.pd_client import EngineClient
+from bidir_kv.testing.poll import settled
 from bidir_kv.topology.base import BackendUnavailable, Node
 
-__all__ = ["HwDeployment", "hw_deployment", "hw_results", "measure_length", "run_round"]
+__all__ = [
+    "HwDeployment",
+    "HwMeasurements",
+    "hw_deployment",
+    "hw_measurements",
+    "hw_results",
+    "measure_length",
+    "run_round",
+]
 
 NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds_sum"
 _NAMES = (*WATCHED, NIXL_XFER_TIME)
 NEW_TOKENS = 150  # the blog's per-turn user input
 OUTPUT_TOKENS = 32
-_RESULTS: pytest.StashKey[dict[int, LengthResult]] = pytest.StashKey()
+_MEASUREMENTS: pytest.StashKey[HwMeasurements] = pytest.StashKey()
 _DEPLOYMENT: pytest.StashKey[dict[str, Any]] = pytest.StashKey()
 
 
@@ -68,9 +81,58 @@ class HwDeployment:
         return [rng.randrange(lo, hi) for _ in range(n)]
 
 
+class HwMeasurements:
+    """OFF/ON rounds per history length on the tier's deployment, each length measured
+    once per session (per xdist worker) when a test first asks for it."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+        self.results: dict[int, LengthResult] = {}
+        self.round_s: dict[int, list[float]] = {}  # wall time of each whole round
+        self.failures: dict[int, str] = {}  # lengths whose measurement failed, and why
+        self._deployment: HwDeployment | None = None
+
+    def length(self, dep: HwDeployment, history: int) -> LengthResult:
+        """``rounds`` OFF/ON pairs at ``history`` tokens on ``dep`` (measured on first use;
+        a new deployment starts over). A measurement that failed is not repeated: later
+        tests asking for that length fail at once with the first error."""
+        if dep is not self._deployment:
+            self._deployment = dep
+            self.results.clear()
+            self.round_s.clear()
+            self.failures.clear()
+        if history in self.failures:
+            pytest.fail(f"length {history} could not be measured: {self.failures[history]}",
+                        pytrace=False)
+        if history not in self.results:
+            times: list[float] = []
+            try:
+                self.results[history] = measure_length(dep, history, self.rounds,
+                                                       round_s=times)
+            except Exception as exc:
+                self.failures[history] = f"{type(exc).__name__}: {exc}"[:2000]
+                raise
+            self.round_s[history] = times
+        return self.results[history]
+
+    def lengths(self, dep: HwDeployment, histories: list[int]) -> list[LengthResult]:
+        """Every length of the run, in order (calibration fits over all of them)."""
+        return [self.length(dep, n) for n in sorted(histories)]
+
+
 def hw_results(config: pytest.Config) -> dict[int, LengthResult]:
-    """Measured rounds per history length, filled by the tier's measurement tests."""
-    return config.stash.setdefault(_RESULTS, {})
+    """What this session measured so far, per history length (for the report)."""
+    measured = config.stash.get(_MEASUREMENTS, None)
+    return dict(measured.results) if measured is not None else {}
+
+
+@pytest.fixture(scope="session")
+def hw_measurements(pytestconfig: pytest.Config) -> HwMeasurements:
+    """The session's measurements; tests ask it for a length instead of reading another
+    test's results."""
+    measured = HwMeasurements(rounds=int(_opt(pytestconfig, "--hw-rounds")))
+    pytestconfig.stash[_MEASUREMENTS] = measured
+    return measured
 
 
 def deployment_info(config: pytest.Config) -> dict[str, Any]:
@@ -79,15 +141,8 @@ def deployment_info(config: pytest.Config) -> dict[str, Any]:
 
 def _metrics(client: EngineClient, timeout: float = 5.0) -> MetricsSnapshot:
     """P's counters once two scrapes agree (transfer stats land a step after the answer)."""
-    deadline = time.monotonic() + timeout
-    prev = client.metrics(_NAMES)
-    while time.monotonic() < deadline:
-        time.sleep(0.05)  # polling interval of a bounded poll, not a synchronization
-        cur = client.metrics(_NAMES)
-        if cur.samples == prev.samples:
-            return cur
-        prev = cur
-    return prev
+    return settled(lambda: client.metrics(_NAMES), timeout,
+                   same=lambda a, b: a.samples == b.samples)
 
 
 def _finish_on_d(dep: HwDeployment, prompt: list[int], p_params: KVTransferParams | None) -> None:
@@ -138,12 +193,17 @@ def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthRe
         off()
 
 
-def measure_length(dep: HwDeployment, history: int, rounds: int, seed: int = 0) -> LengthResult:
-    """``rounds`` OFF/ON pairs at ``history`` tokens, alternating which goes first."""
+def measure_length(dep: HwDeployment, history: int, rounds: int, seed: int = 0,
+                   round_s: list[float] | None = None) -> LengthResult:
+    """``rounds`` OFF/ON pairs at ``history`` tokens, alternating which goes first; each
+    whole round's wall time is appended to ``round_s`` when given."""
     rng = random.Random(f"hw-{seed}-{history}")
     res = LengthResult(history_tokens=history, prompt_tokens=0)
     for i in range(rounds):
+        t0 = time.perf_counter()
         run_round(dep, rng, history, res, off_first=i % 2 == 0)
+        if round_s is not None:
+            round_s.append(time.perf_counter() - t0)
     return res
 
 

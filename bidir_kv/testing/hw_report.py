@@ -1,13 +1,14 @@
 """The hardware tier's outputs under ``--hw-report`` (default ``out/hardware``):
 
-* ``benchmark.json``: the pytest-benchmark stats of every measurement test (its JSON
-  layout: ``benchmarks[].{name, fullname, stats, extra_info}``) plus the gate outcomes;
+* ``benchmark.json``: the round-time stats of every measurement test (pytest-benchmark's
+  JSON layout: ``benchmarks[].{name, fullname, stats, extra_info}``) plus the gate outcomes;
 * ``junit.xml``: the tier's tests alone, for the release gate script;
 * ``report.md`` with ``ttft.png`` and ``prefill.png``: per length OFF vs ON, the bound,
   the mechanism numbers, every gate's result.
 
 A pytest plugin (loaded by :mod:`bidir_kv.testing.plugin`); it writes only when a
-hardware test ran.
+hardware test ran. Under xdist each worker measures and reports for itself, into
+``--hw-report``/<worker id>.
 """
 
 from __future__ import annotations
@@ -28,16 +29,19 @@ _GATES: pytest.StashKey[list[dict[str, Any]]] = pytest.StashKey()
 _CASES: pytest.StashKey[list[dict[str, Any]]] = pytest.StashKey()
 
 
-def record_benchmark(config: pytest.Config, nodeid: str, benchmark: Any) -> None:
-    """Keep one pytest-benchmark fixture's stats (after ``benchmark.pedantic``)."""
-    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
-    fields = ("min", "max", "mean", "median", "stddev", "rounds", "iterations")
-    entry = {
-        "name": nodeid.rsplit("::", 1)[-1], "fullname": nodeid,
-        "stats": {f: getattr(stats, f, None) for f in fields} | {
-            "data": list(getattr(stats, "data", []) or [])},
-        "extra_info": dict(benchmark.extra_info),
+def record_benchmark(config: pytest.Config, nodeid: str, round_s: list[float],
+                     extra_info: dict[str, Any]) -> None:
+    """Keep one measurement's round times as pytest-benchmark's stats would show them."""
+    data = list(round_s)
+    stats: dict[str, Any] = {
+        "min": min(data, default=None), "max": max(data, default=None),
+        "mean": statistics.fmean(data) if data else None,
+        "median": statistics.median(data) if data else None,
+        "stddev": statistics.stdev(data) if len(data) > 1 else 0.0,
+        "rounds": len(data), "iterations": 1, "data": data,
     }
+    entry = {"name": nodeid.rsplit("::", 1)[-1], "fullname": nodeid, "stats": stats,
+             "extra_info": dict(extra_info)}
     config.stash.setdefault(_BENCH, []).append(entry)
 
 
@@ -160,6 +164,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not cases:
         return
     out = Path(config.getoption("--hw-report"))
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker:  # an xdist worker: its own tests and measurements, beside the others'
+        out = out / str(worker)
     out.mkdir(parents=True, exist_ok=True)
     rows = [r.to_dict() for _, r in sorted(hw_results(config).items())]
     gates = config.stash.get(_GATES, [])

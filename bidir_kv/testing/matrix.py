@@ -1,8 +1,7 @@
 """The conformance matrix: scenario x backend x proxy -> outcome and reason.
 
 The conformance plugin feeds it every report of a test under ``suites/conformance/``
-(:func:`record`; including the first, failed attempt of a pytest-rerunfailures rerun,
-which ``-rR`` does not show) and writes it at the end of the session (:func:`write`)
+(:func:`record`) and writes it at the end of the session (:func:`write`)
 as ``matrix.md`` and ``matrix.json``, with the backends' descriptions and the pinned
 exemptions. A plain module, not a plugin: the hooks live in
 :mod:`bidir_kv.testing.conformance`.
@@ -34,8 +33,6 @@ class _Row:
     outcome: str
     reason: str
     duration: float
-    reruns: int = 0
-    first_attempt: str = ""  # "<outcome>: <reason>" of the attempt a rerun replaced
 
 
 class Matrix:
@@ -76,13 +73,6 @@ def record(item: pytest.Item, rep: pytest.TestReport) -> None:
                    ",".join(f"{k}={v}" for k, v in sorted(params.items())),
                    backend, proxy, "passed", "", 0.0)
         matrix.rows[item.nodeid] = row
-    elif rep.when == "setup" and int(getattr(item, "execution_count", 1) or 1) > row.reruns + 1:
-        # pytest-rerunfailures starts another attempt: the row tells the new one's
-        # outcome and keeps the first failure, which "-rR" does not show
-        row.reruns += 1
-        if not row.first_attempt:
-            row.first_attempt = f"{row.outcome}: {row.reason}"
-        row.outcome, row.reason = "passed", ""
     row.duration += rep.duration
     if state is None:
         return
@@ -159,10 +149,6 @@ def _markdown(doc: dict[str, Any], rows: list[_Row]) -> str:
                 notes.append(f"- `{scenario}[{params}]` {proxy} on **{b}** ({r.outcome}): "
                              f"{r.reason.replace('|', '/')}")
                 cell += f" [{len(notes)}]"
-            if r.reruns:
-                notes.append(f"- `{scenario}[{params}]` {proxy} on **{b}**: rerun "
-                             f"{r.reruns}x; first attempt {r.first_attempt.replace('|', '/')}")
-                cell += f" after rerun [{len(notes)}]"
             out.append(cell)
         lines.append(f"| {scenario} | {params or '-'} | {proxy} | " + " | ".join(out) + " |")
     if notes:

@@ -19,7 +19,7 @@ TIERS = {
     "unit": "pure, in-process tests; laptops, seconds",
     "integration": "emulated P/D topologies as processes or containers",
     "conformance": "backend-agnostic scenarios (emulator, real vLLM on CPU, external)",
-    "hardware": "real NIXL on GPU/EFA; pytest-benchmark TTFT bounds",
+    "hardware": "real NIXL on GPU/EFA; OFF/ON TTFT rounds and the release gates",
 }
 BACKENDS = ("emulator", "vllm-cpu", "vllm-cpu+bidir-kv", "external")
 _REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +31,8 @@ pytest_plugins = [
     "bidir_kv.testing.hardware",  # hw_deployment
     "bidir_kv.testing.hw_report",  # the tier's benchmark JSON, JUnit XML and report.md
     "bidir_kv.testing.router",  # redis_server, router_process
+    "bidir_kv.testing.router_faults",  # engine_faults
+    "bidir_kv.testing.transports",  # kv_backend, nixl_ok
     "bidir_kv.testing.conformance",  # pd, router, prompts; the matrix report
 ]
 
@@ -130,6 +132,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             idx = parts.index("suites")
             if idx + 1 < len(parts) and parts[idx + 1] in TIERS:
                 item.add_marker(getattr(pytest.mark, parts[idx + 1]))
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """``async def`` tests (``anyio_mode = "auto"`` in pyproject.toml) run on asyncio, the
+    loop the engine and router serve on; one backend, so test ids carry no backend name."""
+    return "asyncio"
 
 
 @pytest.fixture

@@ -19,7 +19,14 @@ from typing import TypeVar
 
 from bidir_kv.errors import CheckFailure
 
-__all__ = ["DEFAULT_INTERVAL", "DEFAULT_TIMEOUT", "WaitTimeout", "wait_for", "wait_for_async"]
+__all__ = [
+    "DEFAULT_INTERVAL",
+    "DEFAULT_TIMEOUT",
+    "WaitTimeout",
+    "settled",
+    "wait_for",
+    "wait_for_async",
+]
 
 T = TypeVar("T")
 
@@ -69,6 +76,30 @@ async def wait_for_async(
         if time.monotonic() >= deadline:
             raise WaitTimeout(_timeout_message(condition, timeout, what, value))
         await asyncio.sleep(interval)
+
+
+def settled(
+    read: Callable[[], T],
+    timeout: float = 5.0,
+    *,
+    interval: float = 0.05,
+    same: Callable[[T, T], bool] = lambda a, b: a == b,
+) -> T:
+    """Read until two consecutive reads are the ``same`` and return the later one.
+
+    For counters that land a step after the event that moved them (an engine's
+    ``/metrics`` after a response). It never fails: after ``timeout`` seconds it returns
+    the latest read, and the caller's assertion on that value says what was wrong.
+    """
+    deadline = time.monotonic() + timeout
+    prev = read()
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        cur = read()
+        if same(prev, cur):
+            return cur
+        prev = cur
+    return prev
 
 
 def _timeout_message(condition: Callable[[], object], timeout: float, what: str | None,

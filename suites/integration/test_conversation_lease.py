@@ -142,9 +142,8 @@ def test_unknown_and_bad_ids(topo: Any, router_process: Callable[..., RouterProc
     assert status == 400 and "longer than 512" in body["error"]["message"]
 
 
-def test_redis_store_lease_clock(redis_server: Any) -> None:
+async def test_redis_store_lease_clock(redis_server: Any) -> None:
     """Keep-alive, expiry and close on the Redis store (atomic scripts), on a fake clock."""
-    import asyncio
 
     from bidir_kv.protocol import KVTransferParams
     from bidir_kv.router.store import Entry, RedisStore, Renewal
@@ -155,36 +154,32 @@ def test_redis_store_lease_clock(redis_server: Any) -> None:
 
     def entry(created: float, lease: float | None) -> Entry:
         return Entry(params=params, decode="d:1", prefill=None, created=created, lease=lease)
-
-    async def go() -> None:
-        now = [1000.0]
-        store = RedisStore(redis_server.url, ttl=100, max_entries=10, now=lambda: now[0],
-                           prefix=f"lease{time.monotonic_ns()}:")
-        dropped: list[str] = []
-        store.on_evict = lambda _e, why: dropped.append(why)
-        try:
-            await store.put("t/a", entry(now[0], 10.0))
-            await store.put("t/fixed", entry(now[0], None))
-            now[0] += 9.0
-            assert await store.expire_leases() == 0
-            assert await store.renew("t/a") == Renewal(10.0, 1019.0)
-            assert await store.renew("t/fixed") == Renewal(None, None)
-            assert await store.renew("t/unknown") is None
-            now[0] += 9.0
-            assert await store.expire_leases() == 0
-            now[0] += 1.0
-            assert await store.expire_leases() == 1 and dropped == ["lease_expired"]
-            assert await store.renew("t/a") is None and await store.size() == 1
-            await store.put("t/b", entry(now[0], 5.0))
-            assert (await store.take("t/b")).entry is not None
-            assert await store.renew("t/b") is None  # ZADD XX: a taken entry stays gone
-            now[0] += 10.0
-            assert await store.expire_leases() == 0
-            assert await store.end("t/fixed") and not await store.end("t/fixed")
-            assert dropped == ["lease_expired", "closed"]
-            await store.put("t/old", entry(now[0] - 101.0, 500.0))
-            assert await store.renew("t/old") is None  # stale: past the hard cap
-        finally:
-            await store.close()
-
-    asyncio.run(go())
+    now = [1000.0]
+    store = RedisStore(redis_server.url, ttl=100, max_entries=10, now=lambda: now[0],
+                       prefix=f"lease{time.monotonic_ns()}:")
+    dropped: list[str] = []
+    store.on_evict = lambda _e, why: dropped.append(why)
+    try:
+        await store.put("t/a", entry(now[0], 10.0))
+        await store.put("t/fixed", entry(now[0], None))
+        now[0] += 9.0
+        assert await store.expire_leases() == 0
+        assert await store.renew("t/a") == Renewal(10.0, 1019.0)
+        assert await store.renew("t/fixed") == Renewal(None, None)
+        assert await store.renew("t/unknown") is None
+        now[0] += 9.0
+        assert await store.expire_leases() == 0
+        now[0] += 1.0
+        assert await store.expire_leases() == 1 and dropped == ["lease_expired"]
+        assert await store.renew("t/a") is None and await store.size() == 1
+        await store.put("t/b", entry(now[0], 5.0))
+        assert (await store.take("t/b")).entry is not None
+        assert await store.renew("t/b") is None  # ZADD XX: a taken entry stays gone
+        now[0] += 10.0
+        assert await store.expire_leases() == 0
+        assert await store.end("t/fixed") and not await store.end("t/fixed")
+        assert dropped == ["lease_expired", "closed"]
+        await store.put("t/old", entry(now[0] - 101.0, 500.0))
+        assert await store.renew("t/old") is None  # stale: past the hard cap
+    finally:
+        await store.close()

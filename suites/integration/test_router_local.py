@@ -19,6 +19,7 @@ import pytest
 from bidir_kv.client import scrape
 from bidir_kv.launch.process import free_port
 from bidir_kv.scrape import MetricsSnapshot
+from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import (
     ChatResult,
     RouterProcess,
@@ -313,7 +314,6 @@ def test_rejected_hit_releases_ds_pinned_blocks_early(
 ) -> None:
     """Guard rejection without a block size sends D's dict with remote_num_tokens=0:
     P recomputes, but notifies D, which frees the pinned turn now, not at the TTL."""
-    import time
 
     url = router_process([(n.host, n.port) for n in topo.prefill],
                          [(n.host, n.port) for n in topo.decode]).url  # no --block-size
@@ -323,7 +323,5 @@ def test_rejected_hit_releases_ds_pinned_blocks_early(
     assert res.status == 200 and pulled == 0 and res.text == oracle(topo, msgs2)
     assert router_counter(url, "guard_rejections", reason="mismatch") == 1
     # turn 1's pinned blocks are gone, turn 2's are pinned: one more than before
-    deadline = time.monotonic() + 10
-    while json.loads(_get(d_state))["retained"] != retained0 + 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert json.loads(_get(d_state))["retained"] == retained0 + 1
+    wait_for(lambda: json.loads(_get(d_state))["retained"] == retained0 + 1, 10,
+             "D to free turn 1's pinned blocks (one more retained than before)")

@@ -22,6 +22,7 @@ from bidir_kv.testing.router import (
     long_opening,
     router_counter,
 )
+from bidir_kv.testing.router_faults import Faults, router_for
 
 
 @pytest.fixture(scope="module")
@@ -43,29 +44,6 @@ def _get_json(url: str) -> Any:
         return json.loads(resp.read())
 
 
-@pytest.fixture
-def faults(topo: Any) -> Iterator[Callable[[Any, dict[str, Any]], None]]:
-    """Set faults on an engine node; every node touched is reset at teardown."""
-    touched: list[Any] = []
-
-    def set_faults(node: Any, changes: dict[str, Any]) -> None:
-        touched.append(node)
-        _post_json(node.url + "/_emulator/faults", changes)
-
-    try:
-        yield set_faults
-    finally:
-        for node in touched:
-            _post_json(node.url + "/_emulator/faults", {"fail_transfers": 0.0, "stall": False})
-
-
-def router_for(topo: Any, router_process: Callable[..., RouterProcess], decode: list[Any],
-               *flags: str) -> RouterProcess:
-    return router_process([(n.host, n.port) for n in topo.prefill],
-                          [(n.host, n.port) for n in decode],
-                          extra=("--health-interval", "0.5", *flags))
-
-
 def oracle(topo: Any, messages: list[dict[str, Any]], max_tokens: int = 12) -> str:
     return chat(topo.prefill[0].url, messages, stream=False, max_tokens=max_tokens).text
 
@@ -73,12 +51,12 @@ def oracle(topo: Any, messages: list[dict[str, Any]], max_tokens: int = 12) -> s
 @pytest.mark.parametrize("stream", [True, False])
 def test_failed_pull_on_d_is_answered_as_a_miss(
     topo: Any, router_process: Callable[..., RouterProcess],
-    faults: Callable[[Any, dict[str, Any]], None], stream: bool,
+    engine_faults: Faults, stream: bool,
 ) -> None:
     """D cannot pull P's blocks (it answers 500): the client still gets the right text."""
     d = topo.decode[0]
     rp = router_for(topo, router_process, [d])
-    faults(d, {"fail_transfers": 1.0})
+    engine_faults(d, {"fail_transfers": 1.0})
     msgs = long_opening(conversation_id("pullfail"))
     res = chat(rp.url, msgs, conversation_id("pullfail"), stream=stream)
     assert res.status == 200 and res.error is None, res.raw[:300]
@@ -86,7 +64,7 @@ def test_failed_pull_on_d_is_answered_as_a_miss(
     assert router_counter(rp.url, "fallbacks", cause="decode_pull") == 1
 
 
-def test_redis_store_survives_200_concurrent_turns(
+async def test_redis_store_survives_200_concurrent_turns(
     topo: Any, router_process: Callable[..., RouterProcess], redis_server: Any
 ) -> None:
     """More turns at once than redis-py's default pool allows (100): none fails, all stored
@@ -112,7 +90,7 @@ def test_redis_store_survives_200_concurrent_turns(
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             return await asyncio.gather(*(one(session, i) for i in range(n)))
 
-    statuses = asyncio.run(burst())
+    statuses = await burst()
     assert statuses == [200] * n
     assert router_counter(rp.url, "errors", cause="store") == 0
     assert router_counter(rp.url, "cache_stores") == n
@@ -127,13 +105,13 @@ def _decode_inflight(url: str) -> float:
 @pytest.mark.parametrize("stream", [True, False])
 def test_stalled_d_gets_a_504_within_the_decode_timeout(
     topo: Any, router_process: Callable[..., RouterProcess],
-    faults: Callable[[Any, dict[str, Any]], None], stream: bool,
+    engine_faults: Faults, stream: bool,
 ) -> None:
     import time
 
     d = topo.decode[1]
     rp = router_for(topo, router_process, [d], "--decode-timeout", "2")
-    faults(d, {"stall": True})
+    engine_faults(d, {"stall": True})
     t0 = time.monotonic()
     res = chat(rp.url, long_opening(conversation_id("stall")), conversation_id("stall"),
                stream=stream, timeout=30)
@@ -145,7 +123,7 @@ def test_stalled_d_gets_a_504_within_the_decode_timeout(
 
 def test_client_leaving_cancels_the_d_leg(
     topo: Any, router_process: Callable[..., RouterProcess],
-    faults: Callable[[Any, dict[str, Any]], None],
+    engine_faults: Faults,
 ) -> None:
     """The client gives up on a stalled D: the router closes its D request at once
     (counted as client_gone), instead of waiting on D for ever."""
@@ -156,7 +134,7 @@ def test_client_leaving_cancels_the_d_leg(
 
     d = topo.decode[1]
     rp = router_for(topo, router_process, [d])
-    faults(d, {"stall": True})
+    engine_faults(d, {"stall": True})
     res = None
     with contextlib.suppress(RequestTimeout):  # the client gives up
         res = chat(rp.url, long_opening(conversation_id("gone")), conversation_id("gone"),

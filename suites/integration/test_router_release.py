@@ -24,6 +24,7 @@ from bidir_kv.testing.router import (
     long_opening,
     router_counter,
 )
+from bidir_kv.testing.router_faults import Faults, router_for
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +38,6 @@ def retained(node: Any) -> int:
     """Finished turns whose blocks D holds for a next turn's P."""
     with urllib.request.urlopen(node.url + "/_emulator/state", timeout=10) as resp:
         return int(json.loads(resp.read())["retained"])
-
-
-def router_for(topo: Any, router_process: Callable[..., RouterProcess], decode: list[Any],
-               *flags: str) -> RouterProcess:
-    return router_process([(n.host, n.port) for n in topo.prefill],
-                          [(n.host, n.port) for n in decode],
-                          extra=("--health-interval", "0.5", *flags))
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -79,38 +73,15 @@ def test_evicted_entry_frees_ds_blocks(
     assert router_counter(rp.url, "releases", reason="evicted") == 1
 
 
-@pytest.fixture
-def faults(topo: Any) -> Iterator[Callable[[Any, dict[str, Any]], None]]:
-    """Set faults on an engine node; every node touched is reset at teardown."""
-    touched: list[Any] = []
-
-    def post(node: Any, changes: dict[str, Any]) -> None:
-        req = urllib.request.Request(node.url + "/_emulator/faults",
-                                     data=json.dumps(changes).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            resp.read()
-
-    def set_faults(node: Any, changes: dict[str, Any]) -> None:
-        touched.append(node)
-        post(node, changes)
-
-    try:
-        yield set_faults
-    finally:
-        for node in touched:
-            post(node, {"stall_seconds": 0.0})
-
-
 def _finished(node: Any) -> float:
     from bidir_kv.client import scrape
 
     return scrape(node.url).value("vllm:request_success_total")
 
 
-def test_new_conversations_do_not_herd_onto_one_d(
+async def test_new_conversations_do_not_herd_onto_one_d(
     topo: Any, router_process: Callable[..., RouterProcess],
-    faults: Callable[[Any, dict[str, Any]], None],
+    engine_faults: Faults,
 ) -> None:
     """D0 is slowed and busy with one long turn; 16 new conversations then arrive at
     once while P is slow (none has reached its D leg when the others are placed).
@@ -125,7 +96,7 @@ def test_new_conversations_do_not_herd_onto_one_d(
 
     d0, d1 = topo.decode
     rp = router_for(topo, router_process, [d0, d1])
-    faults(d0, {"stall_seconds": 0.05})
+    engine_faults(d0, {"stall_seconds": 0.05})
     long_turn = threading.Thread(
         target=chat, args=(rp.url, long_opening(conversation_id("long")), conversation_id("long")),
         kwargs={"max_tokens": 120}, daemon=True)
@@ -134,7 +105,7 @@ def test_new_conversations_do_not_herd_onto_one_d(
                                           node=f"{d0.host}:{d0.port}") == 1, 15,
              "the long turn to be decoding on D0")
     before = (_finished(d0), _finished(d1))
-    faults(topo.prefill[0], {"stall_seconds": 0.3})
+    engine_faults(topo.prefill[0], {"stall_seconds": 0.3})
     tag = conversation_id("herd")
 
     async def one(session: aiohttp.ClientSession, i: int) -> int:
@@ -148,7 +119,7 @@ def test_new_conversations_do_not_herd_onto_one_d(
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
             return await asyncio.gather(*(one(s, i) for i in range(16)))
 
-    assert asyncio.run(burst()) == [200] * 16
+    assert await burst() == [200] * 16
     long_turn.join(60)
     on_d0 = _finished(d0) - before[0] - 1  # minus the long turn, finished meanwhile
     on_d1 = _finished(d1) - before[1]

@@ -14,6 +14,7 @@ import pytest
 from bidir_kv.client import scrape
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import (
     bidirectional_config,
     chat,
@@ -121,12 +122,9 @@ def test_decode_dying_mid_stream_gives_an_sse_error_and_drops_the_entry(
         assert res.raw.rstrip().endswith(b"data: [DONE]")
         # the router sees D's sockets close while the kernel is still tearing D down:
         # poll until it can be reaped instead of expecting it at once
-        deadline = time.monotonic() + 30
-        dead = []
-        while not dead and time.monotonic() < deadline:
-            dead = [d for d in topo.decode if topo.process(d.name).returncode is not None]
-            if not dead:
-                time.sleep(0.05)
+        dead = wait_for(
+            lambda: [d for d in topo.decode if topo.process(d.name).returncode is not None],
+            30, "the faulted decode node to exit")
         assert len(dead) == 1, f"{len(dead)} decode nodes exited (one had the fault)"
         alive = next(d for d in topo.decode if d not in dead)
         req = urllib.request.Request(alive.url + "/_emulator/faults",
@@ -215,54 +213,46 @@ def _entry(t: float) -> Any:
     return Entry(params, "h:1", "p:1", t, [1, 2, 3])
 
 
-def test_redis_store_single_use_under_concurrency_ttl_and_bound(redis_server: RedisServer
+async def test_redis_store_single_use_under_concurrency_ttl_and_bound(redis_server: RedisServer
                                                                 ) -> None:
     from bidir_kv.router.store import RedisStore
 
     now = [time.time()]
-
-    async def go() -> None:
-        a = RedisStore(redis_server.url, ttl=10, max_entries=3, now=lambda: now[0])
-        b = RedisStore(redis_server.url, ttl=10, max_entries=3, now=lambda: now[0])
-        try:
-            await a.put("t/c", _entry(now[0]))
-            results = await asyncio.gather(*(s.take("t/c") for s in (a, b, a, b)))
-            assert sum(r.entry is not None for r in results) == 1  # GETDEL: exactly one
-            got = next(r.entry for r in results if r.entry is not None)
-            assert list(got.tokens or []) == [1, 2, 3] and got.decode == "h:1"
-            await a.put("t/old", _entry(now[0]))
-            now[0] += 11
-            stale = await b.take("t/old")
-            assert stale.entry is None and stale.stale
-            for k in range(5):
-                await a.put(f"t/{k}", _entry(now[0] + k))
-            assert await b.size() == 3 and a.evicted_lru == 2
-            assert (await b.take("t/0")).entry is None and (await b.take("t/4")).entry
-            now[0] += 100
-            assert await a.sweep() == 2 and await a.size() == 0
-        finally:
-            await a.close()
-            await b.close()
-
-    asyncio.run(go())
+    a = RedisStore(redis_server.url, ttl=10, max_entries=3, now=lambda: now[0])
+    b = RedisStore(redis_server.url, ttl=10, max_entries=3, now=lambda: now[0])
+    try:
+        await a.put("t/c", _entry(now[0]))
+        results = await asyncio.gather(*(s.take("t/c") for s in (a, b, a, b)))
+        assert sum(r.entry is not None for r in results) == 1  # GETDEL: exactly one
+        got = next(r.entry for r in results if r.entry is not None)
+        assert list(got.tokens or []) == [1, 2, 3] and got.decode == "h:1"
+        await a.put("t/old", _entry(now[0]))
+        now[0] += 11
+        stale = await b.take("t/old")
+        assert stale.entry is None and stale.stale
+        for k in range(5):
+            await a.put(f"t/{k}", _entry(now[0] + k))
+        assert await b.size() == 3 and a.evicted_lru == 2
+        assert (await b.take("t/0")).entry is None and (await b.take("t/4")).entry
+        now[0] += 100
+        assert await a.sweep() == 2 and await a.size() == 0
+    finally:
+        await a.close()
+        await b.close()
 
 
-def test_redis_store_down_is_a_clear_error(run_dir: Path, redis_binary: None) -> None:
+async def test_redis_store_down_is_a_clear_error(run_dir: Path, redis_binary: None) -> None:
     from bidir_kv.router.store import RedisStore, StoreError
 
     server = RedisServer(run_dir).start()
     url = server.url
     server.stop()
-
-    async def go() -> None:
-        s = RedisStore(url, ttl=10, max_entries=3)
-        try:
-            with pytest.raises(StoreError, match=r"redis store .* GETDEL failed"):
-                await s.take("t/x")
-        finally:
-            await s.close()
-
-    asyncio.run(go())
+    s = RedisStore(url, ttl=10, max_entries=3)
+    try:
+        with pytest.raises(StoreError, match=r"redis store .* GETDEL failed"):
+            await s.take("t/x")
+    finally:
+        await s.close()
 
 
 def test_vllm_032_engines_need_decode_stream_never(

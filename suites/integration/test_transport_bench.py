@@ -7,17 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.engine.transport import nixl_available
-from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.transports import require_nixl
 from bidir_kv.tools.transport_bench import main
 
 
 def test_bench_all_cases_small(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
 ) -> None:
-    ok, why = nixl_available()
-    if not ok:
-        skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
+    require_nixl(request.config)
     out = tmp_path / "bench.json"
     rc = main(["--mib", "1", "--block-kib", "64", "--iters", "2", "--json", str(out)])
     table = capsys.readouterr().out

@@ -90,7 +90,7 @@ async def with_server(coro_fn):
         await runner.cleanup()
 
 
-def test_ttft_is_at_the_first_content_token() -> None:
+async def test_ttft_is_at_the_first_content_token() -> None:
     async def go(url: str):
         async with AsyncNodeClient(url) as s:
             body = build_chat_body("tiny", [{"role": "user", "content": "hi"}], 5, "c-1")
@@ -99,7 +99,7 @@ def test_ttft_is_at_the_first_content_token() -> None:
                 await stream_chat(s, {**body, "max_tokens": 999})
             return ok, bad.value
 
-    stub, (ok, bad) = asyncio.run(with_server(go))
+    stub, (ok, bad) = await with_server(go)
     assert ok.ok and ok.error is None
     assert ok.text == " w0 w1 w2 w3 w4"
     assert ok.content_chunks == 5 and ok.completion_tokens == 5 and ok.prompt_tokens == 7
@@ -115,7 +115,7 @@ def test_ttft_is_at_the_first_content_token() -> None:
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
-def test_runner_sends_exact_continuations_with_concurrency_limits() -> None:
+async def test_runner_sends_exact_continuations_with_concurrency_limits() -> None:
     spec = WorkloadSpec(
         prefix_tokens=30,
         num_conversations=5,
@@ -130,7 +130,7 @@ def test_runner_sends_exact_continuations_with_concurrency_limits() -> None:
         opts = RunOptions(url=url, num_clients=2, max_active_conversations=3)
         return await run_point(convs, opts, leg="on")
 
-    stub, result = asyncio.run(with_server(go))
+    stub, result = await with_server(go)
     recs = result.records
     assert len(recs) == 15 and result.errors == 0 and not result.interrupted
     assert stub.max_active <= 2  # two clients
@@ -160,7 +160,7 @@ def test_runner_sends_exact_continuations_with_concurrency_limits() -> None:
             assert b.start_time_ms >= a.start_time_ms + a.latency_ms + 20 - 1
 
 
-def test_runner_stops_early_and_keeps_what_finished() -> None:
+async def test_runner_stops_early_and_keeps_what_finished() -> None:
     spec = WorkloadSpec(
         prefix_tokens=10, num_conversations=4, num_turns=50, input_tokens=3, output_tokens=2
     )
@@ -180,7 +180,7 @@ def test_runner_stops_early_and_keeps_what_finished() -> None:
         )
         return res
 
-    _, res = asyncio.run(with_server(go))
+    _, res = await with_server(go)
     assert res.interrupted
     assert 6 <= len(res.records) < 200
 

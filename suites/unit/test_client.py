@@ -6,7 +6,6 @@ check the translation of an OS-level failure.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -71,7 +70,7 @@ def answer(body: bytes, status: int = 200, stream: bool = True) -> Callable[...,
 
 
 @pytest.mark.parametrize("size", [1, 3, 17, 4096])
-def test_sse_payloads_survive_any_cut(size: int) -> None:
+async def test_sse_payloads_survive_any_cut(size: int) -> None:
     raw = b"data: {\"a\": 1}\r\n\r\n: comment\ndata:{\"b\":2}\n\nevent: x\ndata: [DONE]"
     want = [b'{"a": 1}', b'{"b":2}', b"[DONE]"]
     assert list(iter_data(pieces(raw, size))) == want
@@ -82,7 +81,7 @@ def test_sse_payloads_survive_any_cut(size: int) -> None:
                 yield p
         return [d async for d in aiter_data(gen())]
 
-    assert asyncio.run(collect()) == want
+    assert await collect() == want
 
 
 # ---- the result model ---------------------------------------------------------------
@@ -218,7 +217,7 @@ def test_metrics_parses_only_the_names_asked_for() -> None:
 # ---- the async client ---------------------------------------------------------------
 
 
-def test_async_client_reads_a_stream_in_small_pieces_and_stops_early() -> None:
+async def test_async_client_reads_a_stream_in_small_pieces_and_stops_early() -> None:
     class Trickle(httpx.AsyncByteStream):
         def __init__(self, raw: bytes) -> None:
             self.raw = raw
@@ -247,13 +246,13 @@ def test_async_client_reads_a_stream_in_small_pieces_and_stops_early() -> None:
                     break
             return res, got
 
-    res, got = asyncio.run(go())
+    res, got = await go()
     assert res.token_ids == [7, 8, 9] and res.params_chunk == 2
     assert len(got) == 1 and got[0].startswith(b"{")
     assert all(s.closed for s in streams)  # the early leaver closed its connection too
 
 
-def test_async_failures_are_translated_at_the_same_point() -> None:
+async def test_async_failures_are_translated_at_the_same_point() -> None:
     def fail(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused")
 
@@ -262,4 +261,4 @@ def test_async_failures_are_translated_at_the_same_point() -> None:
             await client.complete({"stream": True})
 
     with pytest.raises(TransportError):
-        asyncio.run(go())
+        await go()

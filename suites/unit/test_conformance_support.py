@@ -28,21 +28,17 @@ def test_prompt_factory_is_seeded_by_test_and_unique_per_call() -> None:
     assert all(5 <= t < 1000 for t in a.tokens(500))
 
 
-def test_prompt_seed_ignores_backend_and_changes_on_rerun() -> None:
+def test_prompt_seed_ignores_backend_and_tells_parameters_apart() -> None:
     from types import SimpleNamespace
 
-    def node(pd: str, attempt: int | None) -> SimpleNamespace:
-        n = SimpleNamespace(module=SimpleNamespace(__name__="suites.x"), name=f"test_a[{pd}-1]",
-                            originalname="test_a",
-                            callspec=SimpleNamespace(params={"pd": pd, "n": 1}))
-        if attempt is not None:
-            n.execution_count = attempt
-        return n
+    def node(pd: str, n: int) -> SimpleNamespace:
+        return SimpleNamespace(module=SimpleNamespace(__name__="suites.x"),
+                               name=f"test_a[{pd}-{n}]", originalname="test_a",
+                               callspec=SimpleNamespace(params={"pd": pd, "n": n}))
 
-    first = prompt_seed(node("emulator", None))
+    first = prompt_seed(node("emulator", 1))
     assert first == prompt_seed(node("vllm-cpu", 1)) == "suites.x::test_a|n=1"
-    # a rerun sends new prompts: the first attempt's are in P's prefix cache
-    assert prompt_seed(node("vllm-cpu", 2)) not in (first, prompt_seed(node("vllm-cpu", 3)))
+    assert prompt_seed(node("vllm-cpu", 2)) != first
 
 
 def test_exemption_matches_only_its_parametrization() -> None:

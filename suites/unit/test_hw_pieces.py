@@ -1,5 +1,5 @@
 """Pieces of the hardware tier that need no deployment: the --hw-launch node specs and
-the tier's JUnit writer (the release gate script reads it)."""
+the tier's JUnit writer (the release gate script reads it), the measurement fixture."""
 
 from __future__ import annotations
 
@@ -44,3 +44,52 @@ def test_junit_counts_failures_and_skips() -> None:
     assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("3", "1", "1")
     failure = root.find("testcase[@name='test_b']/failure")
     assert failure is not None and "below the bound <2.0x>" in str(failure.get("message"))
+
+
+def test_a_length_is_measured_once_by_whichever_test_asks_first(monkeypatch: Any) -> None:
+    """The tier's session fixture: any test may ask first (so each runs alone and under
+    xdist); later asks get the same rounds; another deployment is measured afresh."""
+    from bidir_kv.testing import hardware
+    from bidir_kv.testing.hw_gates import LengthResult
+
+    calls: list[tuple[object, int, int]] = []
+
+    def fake(dep: object, history: int, rounds: int, round_s: list[float]) -> LengthResult:
+        calls.append((dep, history, rounds))
+        round_s.extend([0.1] * rounds)
+        return LengthResult(history_tokens=history, prompt_tokens=history + 150)
+
+    monkeypatch.setattr(hardware, "measure_length", fake)
+    measured = hardware.HwMeasurements(rounds=3)
+    dep_a, dep_b = object(), object()
+    gate_first = measured.length(dep_a, 2000)  # type: ignore[arg-type]
+    assert measured.length(dep_a, 2000) is gate_first  # type: ignore[arg-type]
+    every = measured.lengths(dep_a, [3000, 1000, 2000])  # type: ignore[arg-type]
+    assert [r.history_tokens for r in every] == [1000, 2000, 3000] and every[1] is gate_first
+    assert calls == [(dep_a, 2000, 3), (dep_a, 1000, 3), (dep_a, 3000, 3)]
+    assert measured.round_s[1000] == [0.1, 0.1, 0.1]
+    assert measured.length(dep_b, 2000) is not gate_first  # type: ignore[arg-type]
+    assert calls[-1] == (dep_b, 2000, 3) and set(measured.results) == {2000}
+
+
+def test_a_failed_measurement_is_not_repeated(monkeypatch: Any) -> None:
+    """Gate tests after a failed measurement fail at once, naming the first error."""
+    import pytest
+
+    from bidir_kv.testing import hardware
+
+    calls: list[int] = []
+
+    def broken(dep: object, history: int, rounds: int, round_s: list[float]) -> Any:
+        calls.append(history)
+        raise AssertionError("turn 1 failed: HTTP 500")
+
+    monkeypatch.setattr(hardware, "measure_length", broken)
+    measured = hardware.HwMeasurements(rounds=5)
+    dep = object()
+    with pytest.raises(AssertionError, match="HTTP 500"):
+        measured.length(dep, 1000)  # type: ignore[arg-type]
+    with pytest.raises(pytest.fail.Exception, match="length 1000 could not be measured: "
+                       "AssertionError: turn 1 failed: HTTP 500"):
+        measured.length(dep, 1000)  # type: ignore[arg-type]
+    assert calls == [1000]

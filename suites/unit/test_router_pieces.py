@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -201,27 +200,23 @@ def _entry(t: float, tokens: list[int] | None = None) -> Entry:
     return Entry(KVTransferParams.parse(D_PARAMS), "d:1", "p:1", t, tokens)
 
 
-def test_memory_store_single_use_ttl_and_lru() -> None:
+async def test_memory_store_single_use_ttl_and_lru() -> None:
     now = [100.0]
     store = MemoryStore(ttl=10, max_entries=2, now=lambda: now[0])
-
-    async def go() -> None:
-        await store.put("a", _entry(100.0))
-        taken = await store.take("a")
-        assert taken.entry is not None and taken.age == 0
-        assert (await store.take("a")).entry is None  # single use
-        await store.put("b", _entry(100.0))
-        now[0] = 111.0
-        stale = await store.take("b")
-        assert stale.entry is None and stale.stale and stale.age == pytest.approx(11)
-        for k in ("c", "d", "e"):
-            await store.put(k, _entry(now[0]))
-        assert await store.size() == 2 and store.evicted_lru == 1
-        assert (await store.take("c")).entry is None
-        now[0] = 200.0
-        assert await store.sweep() == 2 and await store.size() == 0
-
-    asyncio.run(go())
+    await store.put("a", _entry(100.0))
+    taken = await store.take("a")
+    assert taken.entry is not None and taken.age == 0
+    assert (await store.take("a")).entry is None  # single use
+    await store.put("b", _entry(100.0))
+    now[0] = 111.0
+    stale = await store.take("b")
+    assert stale.entry is None and stale.stale and stale.age == pytest.approx(11)
+    for k in ("c", "d", "e"):
+        await store.put(k, _entry(now[0]))
+    assert await store.size() == 2 and store.evicted_lru == 1
+    assert (await store.take("c")).entry is None
+    now[0] = 200.0
+    assert await store.sweep() == 2 and await store.size() == 0
 
 
 def test_entry_round_trip() -> None:

@@ -62,21 +62,19 @@ def test_sticky_choice_still_wins() -> None:
     assert p.pick(p.nodes[0].id) is p.nodes[0]
 
 
-def test_router_reserves_d_during_the_p_leg() -> None:
+async def test_router_reserves_d_during_the_p_leg() -> None:
     """Through the router: concurrent new conversations while P is slow (nobody has
     reached its D leg when the others are placed) split over the two D stubs."""
-    async def go() -> None:
-        async with StubStack(num_decode=2) as s:
-            s.prefill[0].prefill_delay = 0.3
-            s.flow.decode.nodes[0].reserved = 1  # D0 busy with one turn already
+    async with StubStack(num_decode=2) as s:
+        s.prefill[0].prefill_delay = 0.3
+        s.flow.decode.nodes[0].reserved = 1  # D0 busy with one turn already
 
-            async def one(i: int) -> int:
-                body = {"model": "tiny", "messages": [{"role": "user", "content": f"c{i}"}],
-                        "max_tokens": 2, "stream": False, "conversation_id": f"c{i}"}
-                status, _, _ = await s.post("/v1/chat/completions", body)
-                return status
+        async def one(i: int) -> int:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": f"c{i}"}],
+                    "max_tokens": 2, "stream": False, "conversation_id": f"c{i}"}
+            status, _, _ = await s.post("/v1/chat/completions", body)
+            return status
 
-            assert await asyncio.gather(*(one(i) for i in range(16))) == [200] * 16
-            on = [len(d.received) for d in s.decode]
-            assert sum(on) == 16 and min(on) >= 6, on
-    asyncio.run(asyncio.wait_for(go(), 60))
+        assert await asyncio.gather(*(one(i) for i in range(16))) == [200] * 16
+        on = [len(d.received) for d in s.decode]
+        assert sum(on) == 16 and min(on) >= 6, on

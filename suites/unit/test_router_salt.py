@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
@@ -35,24 +34,20 @@ def test_rule() -> None:
     assert a and b and a != b and "Bearer" not in a
 
 
-def test_each_tenant_gets_its_own_salt_on_both_legs() -> None:
-    async def go() -> None:
-        async with StubStack() as s:
-            for token in ("Bearer alice", "Bearer bob"):
-                status, _, _ = await s.post(CHAT, body(), headers={"Authorization": token})
-                assert status == 200
-            alice = cache_salt_for(tenant_digest("Bearer alice"))
-            bob = cache_salt_for(tenant_digest("Bearer bob"))
-            p_salts = [r["body"].get("cache_salt") for r in s.prefill[0].received]
-            d_salts = [r["body"].get("cache_salt") for r in s.decode[0].received]
-            assert p_salts == [alice, bob] and d_salts == [alice, bob]
-    asyncio.run(asyncio.wait_for(go(), 60))
+async def test_each_tenant_gets_its_own_salt_on_both_legs() -> None:
+    async with StubStack() as s:
+        for token in ("Bearer alice", "Bearer bob"):
+            status, _, _ = await s.post(CHAT, body(), headers={"Authorization": token})
+            assert status == 200
+        alice = cache_salt_for(tenant_digest("Bearer alice"))
+        bob = cache_salt_for(tenant_digest("Bearer bob"))
+        p_salts = [r["body"].get("cache_salt") for r in s.prefill[0].received]
+        d_salts = [r["body"].get("cache_salt") for r in s.decode[0].received]
+        assert p_salts == [alice, bob] and d_salts == [alice, bob]
 
 
-def test_client_salt_is_kept_and_anonymous_gets_none() -> None:
-    async def go() -> None:
-        async with StubStack() as s:
-            await s.post(CHAT, body(cache_salt="mine"), headers={"Authorization": "Bearer x"})
-            await s.post(CHAT, body(conversation_id="anon"))
-            assert salts(s) == ["mine", "<none>", "mine", "<none>"]
-    asyncio.run(asyncio.wait_for(go(), 60))
+async def test_client_salt_is_kept_and_anonymous_gets_none() -> None:
+    async with StubStack() as s:
+        await s.post(CHAT, body(cache_salt="mine"), headers={"Authorization": "Bearer x"})
+        await s.post(CHAT, body(conversation_id="anon"))
+        assert salts(s) == ["mine", "<none>", "mine", "<none>"]

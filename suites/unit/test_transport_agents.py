@@ -9,33 +9,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 
 from bidir_kv.engine.transport import (
-    KVAgent,
     KVPool,
     TransportError,
     create_agent,
-    nixl_available,
 )
 from bidir_kv.engine.transport.tcp_io import block_runs
-from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.poll import wait_for_async
 
 BLOCK_NBYTES = 4096
 NUM_BLOCKS = 32
-
-
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
-def backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "nixl":
-        ok, why = nixl_available()
-        if not ok:
-            skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
-    return str(request.param)
 
 
 def _seeded(seed: int) -> np.ndarray:
@@ -49,10 +37,9 @@ class Pair:
     the module on one event loop; each test gets fresh pool contents and empty inboxes.
     """
 
-    def __init__(self, backend: str) -> None:
-        self.runner = asyncio.Runner()
-        self.d = create_agent(backend, "agent-d", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
-        self.p = create_agent(backend, "agent-p", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+    def __init__(self, kv_backend: str) -> None:
+        self.d = create_agent(kv_backend, "agent-d", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+        self.p = create_agent(kv_backend, "agent-p", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
         self.got_d: list[tuple[str, bytes]] = []
         self.got_p: list[tuple[str, bytes]] = []
 
@@ -78,123 +65,102 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def shared(backend: str) -> Iterator[Pair]:
-    pair = Pair(backend)
+async def shared(kv_backend: str) -> AsyncIterator[Pair]:
+    pair = Pair(kv_backend)
+    await pair.start()
     try:
-        pair.runner.run(pair.start())
         yield pair
     finally:
-        pair.runner.run(pair.close())
-        pair.runner.close()
-
-
-Scenario = Callable[[KVAgent, KVAgent, list, list], Awaitable[None]]
+        await pair.close()
 
 
 @pytest.fixture
-def run(shared: Pair) -> Callable[[Scenario], None]:
-    def go(scenario: Scenario) -> None:
-        shared.reset()
-        shared.runner.run(scenario(shared.d, shared.p, shared.got_d, shared.got_p))
-
-    return go
+def pair(shared: Pair) -> Pair:
+    """The module's pair with fresh pool contents and empty inboxes."""
+    shared.reset()
+    return shared
 
 
 def _sha(rows: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest()
 
 
-def test_read_copies_exact_bytes_and_notifies_once(run: Callable[[Scenario], None]) -> None:
+async def test_read_copies_exact_bytes_and_notifies_once(pair: Pair) -> None:
     remote = [3, 4, 5, 9, 0, 31]
     local = [10, 11, 20, 21, 22, 1]
-
-    async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
-        res = await p.read("agent-d", local, remote, b"req-7:1")
-        assert _sha(p.pool.data[local]) == _sha(d.pool.data[remote])
-        untouched = [b for b in range(NUM_BLOCKS) if b not in local]
-        assert not p.pool.data[untouched].any()
-        assert res.bytes == len(remote) * BLOCK_NBYTES
-        assert res.descriptors >= 1
-        assert res.xfer_time > 0 and res.post_time >= 0
-        await wait_for_async(lambda: len(got_d) >= 1, 30)
-        await p.notify("agent-d", b"HB:sync")  # a later message proves nothing else is queued
-        await wait_for_async(lambda: len(got_d) >= 2, 30)
-        assert got_d == [("agent-p", b"req-7:1"), ("agent-p", b"HB:sync")]
-        assert got_p == []
-
-    run(scenario)
+    d, p, got_d, got_p = pair.d, pair.p, pair.got_d, pair.got_p
+    res = await p.read("agent-d", local, remote, b"req-7:1")
+    assert _sha(p.pool.data[local]) == _sha(d.pool.data[remote])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in local]
+    assert not p.pool.data[untouched].any()
+    assert res.bytes == len(remote) * BLOCK_NBYTES
+    assert res.descriptors >= 1
+    assert res.xfer_time > 0 and res.post_time >= 0
+    await wait_for_async(lambda: len(got_d) >= 1, 30)
+    await p.notify("agent-d", b"HB:sync")  # a later message proves nothing else is queued
+    await wait_for_async(lambda: len(got_d) >= 2, 30)
+    assert got_d == [("agent-p", b"req-7:1"), ("agent-p", b"HB:sync")]
+    assert got_p == []
 
 
-def test_out_of_range_remote_block_fails(run: Callable[[Scenario], None]) -> None:
-    async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
-        with pytest.raises(TransportError, match=f"{NUM_BLOCKS}.*out of range|out of range"):
-            await p.read("agent-d", [0, 1], [2, NUM_BLOCKS], b"bad:1")
-        assert not p.pool.data.any()
-        # The agent stays usable after a refused read, and no notification leaked.
-        await p.read("agent-d", [0], [2], b"good:1")
-        await wait_for_async(lambda: len(got_d) >= 1, 30)
-        assert got_d == [("agent-p", b"good:1")]
-
-    run(scenario)
+async def test_out_of_range_remote_block_fails(pair: Pair) -> None:
+    p, got_d = pair.p, pair.got_d
+    with pytest.raises(TransportError, match=f"{NUM_BLOCKS}.*out of range|out of range"):
+        await p.read("agent-d", [0, 1], [2, NUM_BLOCKS], b"bad:1")
+    assert not p.pool.data.any()
+    # The agent stays usable after a refused read, and no notification leaked.
+    await p.read("agent-d", [0], [2], b"good:1")
+    await wait_for_async(lambda: len(got_d) >= 1, 30)
+    assert got_d == [("agent-p", b"good:1")]
 
 
-def test_bad_local_ids_and_pairing_fail(run: Callable[[Scenario], None]) -> None:
-    async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
-        with pytest.raises(TransportError, match="out of range"):
-            await p.read("agent-d", [NUM_BLOCKS], [0], b"x:1")
-        with pytest.raises(TransportError, match="pairs 2 local with 1 remote"):
-            await p.read("agent-d", [0, 1], [0], b"x:1")
-        with pytest.raises(TransportError, match="unknown peer"):
-            await p.read("nobody", [0], [0], b"x:1")
-
-    run(scenario)
+async def test_bad_local_ids_and_pairing_fail(pair: Pair) -> None:
+    p = pair.p
+    with pytest.raises(TransportError, match="out of range"):
+        await p.read("agent-d", [NUM_BLOCKS], [0], b"x:1")
+    with pytest.raises(TransportError, match="pairs 2 local with 1 remote"):
+        await p.read("agent-d", [0, 1], [0], b"x:1")
+    with pytest.raises(TransportError, match="unknown peer"):
+        await p.read("nobody", [0], [0], b"x:1")
 
 
-def test_notify_only_and_many_notifications_exactly_once(run: Callable[[Scenario], None]) -> None:
+async def test_notify_only_and_many_notifications_exactly_once(pair: Pair) -> None:
     msgs = [f"req-{i}:1".encode() for i in range(50)]
-
-    async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
-        for m in msgs:
-            await p.notify("agent-d", m)
-        await d.notify("agent-p", b"HB:a,b")
-        await wait_for_async(lambda: len(got_d) >= len(msgs) and len(got_p) >= 1, 30)
-        assert sorted(m for _, m in got_d) == sorted(msgs)
-        assert {peer for peer, _ in got_d} == {"agent-p"}
-        assert got_p == [("agent-d", b"HB:a,b")]
-        assert not p.pool.data.any()  # notify moves no KV
-
-    run(scenario)
+    d, p, got_d, got_p = pair.d, pair.p, pair.got_d, pair.got_p
+    for m in msgs:
+        await p.notify("agent-d", m)
+    await d.notify("agent-p", b"HB:a,b")
+    await wait_for_async(lambda: len(got_d) >= len(msgs) and len(got_p) >= 1, 30)
+    assert sorted(m for _, m in got_d) == sorted(msgs)
+    assert {peer for peer, _ in got_d} == {"agent-p"}
+    assert got_p == [("agent-d", b"HB:a,b")]
+    assert not p.pool.data.any()  # notify moves no KV
 
 
-def test_concurrent_reads_both_directions(run: Callable[[Scenario], None]) -> None:
-    async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
-        p.pool.data[16:] = 7
-        await asyncio.gather(
-            p.read("agent-d", [0, 1, 2, 3], [8, 9, 10, 11], b"a:1"),
-            p.read("agent-d", [4, 5], [30, 31], b"b:1"),
-            d.read("agent-p", [12, 13], [16, 17], b"c:1"),
-        )
-        assert _sha(p.pool.data[0:4]) == _sha(d.pool.data[8:12])
-        assert _sha(p.pool.data[4:6]) == _sha(d.pool.data[30:32])
-        assert (d.pool.data[12:14] == 7).all()
-        await wait_for_async(lambda: len(got_d) >= 2 and len(got_p) >= 1, 30)
-        assert sorted(m for _, m in got_d) == [b"a:1", b"b:1"]
-        assert got_p == [("agent-d", b"c:1")]
-
-    run(scenario)
+async def test_concurrent_reads_both_directions(pair: Pair) -> None:
+    d, p, got_d, got_p = pair.d, pair.p, pair.got_d, pair.got_p
+    p.pool.data[16:] = 7
+    await asyncio.gather(
+        p.read("agent-d", [0, 1, 2, 3], [8, 9, 10, 11], b"a:1"),
+        p.read("agent-d", [4, 5], [30, 31], b"b:1"),
+        d.read("agent-p", [12, 13], [16, 17], b"c:1"),
+    )
+    assert _sha(p.pool.data[0:4]) == _sha(d.pool.data[8:12])
+    assert _sha(p.pool.data[4:6]) == _sha(d.pool.data[30:32])
+    assert (d.pool.data[12:14] == 7).all()
+    await wait_for_async(lambda: len(got_d) >= 2 and len(got_p) >= 1, 30)
+    assert sorted(m for _, m in got_d) == [b"a:1", b"b:1"]
+    assert got_p == [("agent-d", b"c:1")]
 
 
-def test_block_size_mismatch_refused_at_add_peer(backend: str, shared: Pair) -> None:
-    async def main() -> None:
-        other = create_agent(backend, "agent-other", KVPool.allocate(4, 128))
-        await other.start(lambda peer, msg: None)
-        try:
-            with pytest.raises(TransportError, match="128-byte blocks"):
-                await shared.p.add_peer(other.metadata())
-        finally:
-            await other.close()
-
-    shared.runner.run(main())
+async def test_block_size_mismatch_refused_at_add_peer(kv_backend: str, shared: Pair) -> None:
+    other = create_agent(kv_backend, "agent-other", KVPool.allocate(4, 128))
+    await other.start(lambda peer, msg: None)
+    try:
+        with pytest.raises(TransportError, match="128-byte blocks"):
+            await shared.p.add_peer(other.metadata())
+    finally:
+        await other.close()
 
 
 def test_block_runs() -> None:
@@ -203,30 +169,26 @@ def test_block_runs() -> None:
     assert list(block_runs([5, 4])) == [(5, 1), (4, 1)]
 
 
-def test_re_adding_a_peer_replaces_its_state(run: Callable[[Scenario], None]) -> None:
+async def test_re_adding_a_peer_replaces_its_state(pair: Pair) -> None:
     # A re-registered engine (new registration generation) is added again; reads go on.
-    async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
-        assert await p.add_peer(d.metadata()) == "agent-d"
-        await p.read("agent-d", [2], [7], b"again:1")
-        assert np.array_equal(p.pool.data[2], d.pool.data[7])
-        await wait_for_async(lambda: len(got_d) >= 1, 30)
-        assert got_d == [("agent-p", b"again:1")]
-
-    run(scenario)
+    d, p, got_d = pair.d, pair.p, pair.got_d
+    assert await p.add_peer(d.metadata()) == "agent-d"
+    await p.read("agent-d", [2], [7], b"again:1")
+    assert np.array_equal(p.pool.data[2], d.pool.data[7])
+    await wait_for_async(lambda: len(got_d) >= 1, 30)
+    assert got_d == [("agent-p", b"again:1")]
 
 
-def test_cancelled_read_leaves_the_agent_usable(run: Callable[[Scenario], None]) -> None:
-    async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
-        ids = list(range(NUM_BLOCKS))
-        task = asyncio.create_task(p.read("agent-d", ids, ids, b"cancel:1"))
-        await asyncio.sleep(0)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await p.read("agent-d", [0], [5], b"after:1")
-        assert np.array_equal(p.pool.data[0], d.pool.data[5])
-        await wait_for_async(lambda: ("agent-p", b"after:1") in got_d, 30)
-        msgs = [m for _, m in got_d]
-        assert msgs.count(b"after:1") == 1 and msgs.count(b"cancel:1") <= 1
-
-    run(scenario)
+async def test_cancelled_read_leaves_the_agent_usable(pair: Pair) -> None:
+    d, p, got_d = pair.d, pair.p, pair.got_d
+    ids = list(range(NUM_BLOCKS))
+    task = asyncio.create_task(p.read("agent-d", ids, ids, b"cancel:1"))
+    await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await p.read("agent-d", [0], [5], b"after:1")
+    assert np.array_equal(p.pool.data[0], d.pool.data[5])
+    await wait_for_async(lambda: ("agent-p", b"after:1") in got_d, 30)
+    msgs = [m for _, m in got_d]
+    assert msgs.count(b"after:1") == 1 and msgs.count(b"cancel:1") <= 1

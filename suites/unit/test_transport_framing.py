@@ -33,23 +33,23 @@ def test_decode_rejects_non_maps_and_garbage() -> None:
         decode(b"\xc1")  # a byte msgpack never uses
 
 
-def test_stream_refuses_oversized_and_truncated_frames() -> None:
+async def test_stream_refuses_oversized_and_truncated_frames() -> None:
     async def feed(data: bytes) -> object:
         reader = asyncio.StreamReader()
         reader.feed_data(data)
         reader.feed_eof()
         return await read_frame(reader)
 
-    assert asyncio.run(feed(b"")) is None  # clean end between frames
+    assert await feed(b"") is None  # clean end between frames
     with pytest.raises(TransportError, match="limit"):
-        asyncio.run(feed(struct.pack(">I", MAX_FRAME + 1)))
+        await feed(struct.pack(">I", MAX_FRAME + 1))
     with pytest.raises(TransportError, match="inside a frame body"):
-        asyncio.run(feed(encode({"op": "ping"})[:-1]))
+        await feed(encode({"op": "ping"})[:-1])
     with pytest.raises(TransportError, match="inside a frame header"):
-        asyncio.run(feed(b"\x00\x00"))
+        await feed(b"\x00\x00")
 
 
-def test_side_channel_survives_a_garbage_client() -> None:
+async def test_side_channel_survives_a_garbage_client() -> None:
     chash = compatibility_hash()
     meta = EngineMetadata("e", chash, "tcp", b"", 16, 64, 4)
 
@@ -73,5 +73,5 @@ def test_side_channel_survives_a_garbage_client() -> None:
         finally:
             await server.close()
 
-    out = asyncio.run(main())
+    out = await main()
     assert out == "unsupported side-channel version 99|e"

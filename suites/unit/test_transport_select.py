@@ -8,6 +8,7 @@ import pytest
 
 from bidir_kv.engine.transport import KVPool, TransportError, create_agent, nixl_available
 from bidir_kv.engine.transport.tcp import TcpAgent
+from bidir_kv.testing.transports import require_nixl
 
 
 def _pool() -> KVPool:
@@ -22,15 +23,6 @@ def test_unknown_backend_is_rejected() -> None:
 def test_tcp_is_tcp() -> None:
     agent = create_agent("tcp", "x", _pool(), host="127.0.0.1", port=0)
     assert isinstance(agent, TcpAgent) and agent.backend == "tcp"
-
-
-@pytest.fixture
-def nixl_ok(request: pytest.FixtureRequest) -> None:
-    from bidir_kv.testing.gating import skip_or_fail
-
-    ok, why = nixl_available()
-    if not ok:
-        skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
 
 
 def test_auto_prefers_nixl(nixl_ok: None) -> None:
@@ -61,36 +53,26 @@ def test_tcp_wildcard_host_advertises_the_hostname() -> None:
 
 
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
-def test_add_peer_names_what_is_wrong_with_metadata(
+async def test_add_peer_names_what_is_wrong_with_metadata(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
-    import asyncio
-
     import msgpack
 
     if backend == "nixl":
-        ok, why = nixl_available()
-        if not ok:
-            from bidir_kv.testing.gating import skip_or_fail
-
-            skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
-
-    async def main() -> None:
-        agent = create_agent(backend, f"md-{backend}", _pool())
-        await agent.start(lambda _p, _m: None)
-        try:
-            good = msgpack.unpackb(agent.metadata())
-            lacking = {k: v for k, v in good.items() if k != "num_blocks"}
-            with pytest.raises(TransportError, match="lacks 'num_blocks'"):
-                await agent.add_peer(msgpack.packb(lacking))
-            with pytest.raises(TransportError, match=r"'port'|'base'"):
-                bad = dict(good, port="x", base="x")
-                await agent.add_peer(msgpack.packb(bad))
-            with pytest.raises(TransportError, match="not from a"):
-                await agent.add_peer(msgpack.packb(dict(good, transport="carrier-pigeon")))
-            with pytest.raises(TransportError, match="malformed"):
-                await agent.add_peer(b"\xc1")
-        finally:
-            await agent.close()
-
-    asyncio.run(main())
+        require_nixl(request.config)
+    agent = create_agent(backend, f"md-{backend}", _pool())
+    await agent.start(lambda _p, _m: None)
+    try:
+        good = msgpack.unpackb(agent.metadata())
+        lacking = {k: v for k, v in good.items() if k != "num_blocks"}
+        with pytest.raises(TransportError, match="lacks 'num_blocks'"):
+            await agent.add_peer(msgpack.packb(lacking))
+        with pytest.raises(TransportError, match=r"'port'|'base'"):
+            bad = dict(good, port="x", base="x")
+            await agent.add_peer(msgpack.packb(bad))
+        with pytest.raises(TransportError, match="not from a"):
+            await agent.add_peer(msgpack.packb(dict(good, transport="carrier-pigeon")))
+        with pytest.raises(TransportError, match="malformed"):
+            await agent.add_peer(b"\xc1")
+    finally:
+        await agent.close()

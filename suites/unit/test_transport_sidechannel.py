@@ -46,21 +46,21 @@ async def _with_server(
         await server.close()
 
 
-def test_handshake_returns_metadata_and_logs_compat(caplog: pytest.LogCaptureFixture) -> None:
+async def test_handshake_returns_metadata_and_logs_compat(caplog: pytest.LogCaptureFixture) -> None:
     async def body(port: int):
         return await handshake(
             "127.0.0.1", port, local_hash=HASH, expected_engine_id="engine-d", backend="tcp"
         )
 
     with caplog.at_level(logging.INFO, logger="bidir_kv.engine.transport"):
-        info = asyncio.run(_with_server(_meta, body))
+        info = await _with_server(_meta, body)
     assert info.meta == _meta()
     assert info.engine_id == "engine-d"
     assert len(info.samples) == 3
     assert f"NIXL compatibility check passed (hash: {HASH})" in caplog.messages
 
 
-def test_offset_reflects_remote_clock_skew() -> None:
+async def test_offset_reflects_remote_clock_skew() -> None:
     # The responder's clock runs 1000 s ahead of ours; RTT on loopback is far below 0.1 s.
     import time
 
@@ -69,12 +69,14 @@ def test_offset_reflects_remote_clock_skew() -> None:
     async def body(port: int):
         return await handshake("127.0.0.1", port, local_hash=HASH, samples=5)
 
-    info = asyncio.run(_with_server(_meta, body, clock=lambda: time.perf_counter() + skew))
+    info = await _with_server(_meta, body, clock=lambda: time.perf_counter() + skew)
     assert abs(info.offset - skew) <= info.rtt / 2 + 1e-6  # remote_now lies within [send, recv]
     assert info.rtt == min(s.rtt for s in info.samples)
 
 
-def test_compat_mismatch_refused_unless_not_enforced(caplog: pytest.LogCaptureFixture) -> None:
+async def test_compat_mismatch_refused_unless_not_enforced(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     other = compatibility_hash({"model": "tiny", "block_size": 32})
     assert other != HASH
 
@@ -82,13 +84,13 @@ def test_compat_mismatch_refused_unless_not_enforced(caplog: pytest.LogCaptureFi
         return await handshake("127.0.0.1", port, local_hash=other)
 
     with pytest.raises(TransportError, match="compatibility hash mismatch"):
-        asyncio.run(_with_server(_meta, strict))
+        await _with_server(_meta, strict)
 
     async def lax(port: int):
         return await handshake("127.0.0.1", port, local_hash=other, enforce_compat=False)
 
     with caplog.at_level(logging.WARNING, logger="bidir_kv.engine.transport"):
-        info = asyncio.run(_with_server(_meta, lax))
+        info = await _with_server(_meta, lax)
     assert info.meta.compat_hash == HASH
     assert any("enforce_handshake_compat is false" in m for m in caplog.messages)
 
@@ -98,23 +100,23 @@ def test_version_changes_hash() -> None:
     assert compatibility_hash(connector_version=1) != compatibility_hash(connector_version=2)
 
 
-def test_engine_id_mismatch() -> None:
+async def test_engine_id_mismatch() -> None:
     async def body(port: int):
         return await handshake("127.0.0.1", port, local_hash=HASH, expected_engine_id="other")
 
     with pytest.raises(TransportError, match=r"engine id mismatch.*expected other.*engine-d"):
-        asyncio.run(_with_server(_meta, body))
+        await _with_server(_meta, body)
 
 
-def test_backend_mismatch() -> None:
+async def test_backend_mismatch() -> None:
     async def body(port: int):
         return await handshake("127.0.0.1", port, local_hash=HASH, backend="nixl")
 
     with pytest.raises(TransportError, match="peer uses tcp, we use nixl"):
-        asyncio.run(_with_server(_meta, body))
+        await _with_server(_meta, body)
 
 
-def test_generation_seen_per_handshake() -> None:
+async def test_generation_seen_per_handshake() -> None:
     gen = {"n": 0}
 
     async def body(port: int):
@@ -123,19 +125,19 @@ def test_generation_seen_per_handshake() -> None:
         second = await handshake("127.0.0.1", port, local_hash=HASH)
         return first, second
 
-    first, second = asyncio.run(_with_server(lambda: _meta(registration_generation=gen["n"]), body))
+    first, second = await _with_server(lambda: _meta(registration_generation=gen["n"]), body)
     assert (first.meta.registration_generation, second.meta.registration_generation) == (0, 7)
 
 
-def test_nobody_listening_is_transport_error() -> None:
+async def test_nobody_listening_is_transport_error() -> None:
     from bidir_kv.launch.process import free_port
 
     port = free_port()
     with pytest.raises(TransportError, match=f"127.0.0.1:{port}"):
-        asyncio.run(handshake("127.0.0.1", port, local_hash=HASH, timeout=2.0))
+        await handshake("127.0.0.1", port, local_hash=HASH, timeout=2.0)
 
 
-def test_silent_peer_times_out() -> None:
+async def test_silent_peer_times_out() -> None:
     async def body() -> None:
         conns: list[asyncio.StreamWriter] = []
 
@@ -153,10 +155,10 @@ def test_silent_peer_times_out() -> None:
             await server.wait_closed()
 
     with pytest.raises(TransportError, match=r"timed out after 0\.2 s"):
-        asyncio.run(body())
+        await body()
 
 
-def test_metadata_unavailable_is_reported() -> None:
+async def test_metadata_unavailable_is_reported() -> None:
     def broken() -> EngineMetadata:
         raise RuntimeError("re-registering")
 
@@ -164,7 +166,7 @@ def test_metadata_unavailable_is_reported() -> None:
         return await handshake("127.0.0.1", port, local_hash=HASH)
 
     with pytest.raises(TransportError, match="metadata unavailable: re-registering"):
-        asyncio.run(_with_server(broken, body))
+        await _with_server(broken, body)
 
 
 def test_env_address_defaults_and_errors() -> None:
