@@ -279,7 +279,7 @@ def published_lines(
     """Per length the table gives and the run measured: published, measured, difference,
     and whether the difference is inside the acceptance band (±15 %)."""
     lines = [
-        f"published beside measured ({table.name}: {table.source.split(';')[0]}), ms; "
+        f"published beside measured, ms ({table.name}: {table.source.split(':')[0]}); "
         f"band ±{PUBLISHED_BAND:.0%}",
         f"{'prefix':>7}  {'figure':<12} {'published':>9} {'measured':>9} {'diff':>7}",
     ]
