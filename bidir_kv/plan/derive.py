@@ -240,7 +240,7 @@ def calibrated_profile() -> dict[str, Any]:
             f"{fig} {pt}: {e:+.1%}" for (pt, fig), e in sorted(err.items()) if fig in figures
         )
 
-    fit_src = f"published fit ({table.name}, bidir_kv/data/published; docs/profiles.md §3)"
+    fit_src = f"published fit ({table.name}, bidir_kv/data/published; docs/profiles.md §2)"
     sources = (
         f"prefill {cost.recompute_us_per_token:.3f} µs/token + {cost.prefill_fixed_us / 1e3:.2f}"
         f" ms per request: {fit_src}, OFF prefill; residuals {res('prefill OFF')}",

@@ -249,9 +249,17 @@ def recommend_threshold(
         )
     exact = max(1, math.ceil(n))
     rounded = blocks_for_tokens(exact, block_size) * block_size
+    parts = (
+        f" (bytes {cost.xfer_us_per_token:.3f}, descriptors "
+        f"{cost.descriptors_per_token * cost.xfer_us_per_descriptor:.3f}, P's work around the "
+        f"READ {cost.pull_after_us_per_token:.3f})"
+        if cost.pull_after_us_per_token
+        else ""
+    )
     why = (
-        f"pull pays from {n:.1f} tokens: a pull costs {cost.pull_fixed_us:.0f} µs fixed + "
-        f"{cost.pull_us_per_token:.3f} µs/token, recompute costs "
+        f"from the {cost.source} terms, pull pays from {n:.1f} tokens: a pull costs "
+        f"{cost.pull_fixed_us:.0f} µs fixed + {cost.pull_us_per_token:.3f} µs/token{parts}, "
+        f"recompute costs "
         f"{cost.recompute_us_per_token:.3f} µs/token (+{cost.recompute_us_per_token_ctx:.3f} "
         f"µs/token per 1k context) — break-even at context 0 (the cheapest recompute), "
         f"rounded up to a whole block of {block_size}; vLLM's default is "

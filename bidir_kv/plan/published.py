@@ -5,7 +5,7 @@ deployment (mean ms per prefix length: TTFT and router prefill per leg, the KV
 transfer) and the workload that produced them. :func:`fit_input` turns them into the
 same :class:`~bidir_kv.plan.calibrate.FitInput` a ``bench`` run gives, so
 :func:`bidir_kv.plan.calibrate.fit` — the fit behind ``bidir-kv plan --calibration``
-— calibrates both (docs/profiles.md §3).
+— calibrates both (docs/profiles.md §2).
 
 What a table does not say is computed from its workload, with these assumptions
 (docs/profiles.md):
