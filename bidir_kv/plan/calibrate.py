@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from bidir_kv.bench.results import LegPoint, ResultDir
 from bidir_kv.bench.summary import summarize_result
-from bidir_kv.plan.contention import Arrival, arrivals, mean_wait_us
+from bidir_kv.plan.contention import Arrival, arrivals, closed_loop_wait_us, mean_wait_us
 from bidir_kv.plan.fit import PullFit, fit_pull, linear_fit
 from bidir_kv.plan.planner import DEFAULT_BLOCK_SIZE, CostModel, PlanError
 from bidir_kv.plan.tail import Tail, prefill_tail
@@ -104,6 +104,13 @@ class FitInput:
     tp: int = 1
     ctx_ratio: float = 0.0  # attention µs/token per 1k context per matmul µs/token
     num_clients: int = 1
+    # without arrivals (a published table): per client and turn, the time outside P's
+    # prefill (the answer's decode); > 0 estimates the clients' waits for each other
+    # (contention.closed_loop_wait_us)
+    rest_us: float = 0.0
+
+    def closed_loop(self) -> bool:
+        return self.num_clients > 1 and self.rest_us > 0
 
 
 @dataclass(frozen=True)
@@ -276,6 +283,31 @@ def _fit_decode_part(ttft: Sequence[TtftInput]) -> tuple[float, float]:
     return fixed, slope
 
 
+def _fit_closed_loop(
+    xs: Sequence[float], ys: Sequence[float], inp: FitInput
+) -> tuple[float, float]:
+    """(per-request µs, µs/token) of the OFF prefill less the clients' estimated wait
+    for each other (no arrivals): the wait depends on the terms, so fit, estimate,
+    refit until it settles."""
+    ws = _relative(ys)
+    fixed, slope = _line(xs, ys, ws)
+    for _ in range(50):
+        rest = [
+            y - closed_loop_wait_us(fixed + slope * x, inp.rest_us, inp.num_clients)
+            for x, y in zip(xs, ys, strict=True)
+        ]
+        fixed, slope = _line(xs, rest, ws)
+    return fixed, slope
+
+
+def _off_wait_us(inp: FitInput, cost: CostModel, p: OffInput) -> float:
+    """An OFF point's wait for the other clients' compute: replayed, or estimated."""
+    if p.arrivals or not inp.closed_loop():
+        return mean_wait_us(p.arrivals, cost.recompute_us_per_token)
+    service = cost.prefill_fixed_us + cost.recompute_us(p.computed_per_request)
+    return closed_loop_wait_us(service, inp.rest_us, inp.num_clients)
+
+
 def calibrate(result: ResultDir, kv_bytes_per_token: float | None = None) -> CostModel:
     """Fit the cost terms to a ``bench`` result directory (``plan --calibration DIR``)."""
     return fit(fit_input(result), kv_bytes_per_token)
@@ -292,7 +324,10 @@ def fit(inp: FitInput, kv_bytes_per_token: float | None = None) -> CostModel:
     xs = [_effective(p.computed_per_request, ratio) for p in inp.off]
     ys = [p.prefill_us for p in inp.off]
     off_arrs = [p.arrivals for p in inp.off]
-    fixed_req, recompute = _fit_recompute(xs, ys, off_arrs)
+    if inp.closed_loop() and not any(off_arrs):
+        fixed_req, recompute = _fit_closed_loop(xs, ys, inp)
+    else:
+        fixed_req, recompute = _fit_recompute(xs, ys, off_arrs)
     if recompute <= 0:
         raise PlanError(
             f"{inp.source}: OFF prefill time did not grow with the tokens P computed "
@@ -318,12 +353,17 @@ def fit(inp: FitInput, kv_bytes_per_token: float | None = None) -> CostModel:
         decode_ttft_us_per_token=d_per_token,
     )
     points = list(inp.on)
-    step, after = _residual_fit(cost, points, fitted_pull=False)
+    step, after = _residual_fit(cost, points, fitted_pull=False, inp=inp)
     # the wait depends on when a pulled request reaches P's compute: once more with the pull
-    step, after = _residual_fit(
-        replace(cost, step_us=step, pull_after_us_per_token=after), points, fitted_pull=True
-    )
-    waits = [mean_wait_us(a, recompute) / 1e3 for a in off_arrs]
+    for _ in range(20 if inp.closed_loop() else 1):  # closed loop: the wait grows with P's work
+        step, after = _residual_fit(
+            replace(cost, step_us=step, pull_after_us_per_token=after),
+            points,
+            fitted_pull=True,
+            inp=inp,
+        )
+    waits = [_off_wait_us(inp, replace(cost, recompute_us_per_token=recompute), p) / 1e3
+             for p in inp.off]  # fmt: skip
     notes = (
         f"{inp.source}: {len(inp.off)} OFF and {len(inp.on)} ON points",
         f"recompute fit over {', '.join(f'{p.computed_per_request:.0f}' for p in inp.off)} "
@@ -337,8 +377,13 @@ def fit(inp: FitInput, kv_bytes_per_token: float | None = None) -> CostModel:
         f"pull: {pull.note}",
         f"beyond the transfer histogram, per pull: {step / 2 / 1e3:.2f} ms (half a step: the "
         f"completion is seen at step granularity) + {after:.3f} µs per pulled token",
-        f"contention ({inp.num_clients} client(s) on one P, first come "
-        f"first served, replayed): OFF wait {', '.join(f'{w:.1f}' for w in waits)} ms/request",
+        f"contention ({inp.num_clients} client(s) on one P, first come first served, "
+        + (
+            f"estimated for closed loops of {inp.rest_us / 1e3:.0f} ms outside P"
+            if inp.closed_loop() and not any(off_arrs)
+            else "replayed"
+        )
+        + f"): OFF wait {', '.join(f'{w:.1f}' for w in waits)} ms/request",
         *(
             (
                 f"D's part of TTFT (TTFT less the prefill, {len(inp.ttft)} leg points): "
@@ -351,14 +396,29 @@ def fit(inp: FitInput, kv_bytes_per_token: float | None = None) -> CostModel:
     return replace(cost, step_us=step, pull_after_us_per_token=after, notes=notes, sources=notes)
 
 
-def _on_wait_us(cost: CostModel, p: OnInput, measured_pull: bool = False) -> float:
-    """The point's contention wait; a pulled request reaches P's compute after its pull."""
+def _on_wait_us(
+    cost: CostModel, p: OnInput, measured_pull: bool = False, inp: FitInput | None = None
+) -> float:
+    """The point's contention wait; a pulled request reaches P's compute after its pull.
+
+    Without arrivals and with ``inp`` a closed loop, estimated: P's compute for the
+    request (its fixed part, the tail, its work on the pulled tokens; not the READ)
+    against the rest of the client's turn (the READ, the answer)."""
     per_pull = p.xfer_us if measured_pull else cost.pull_us(p.tokens_per_pull)
+    if not p.arrivals and inp is not None and inp.closed_loop():
+        pulled = p.pulls_per_request * p.tokens_per_pull
+        service = (
+            cost.prefill_fixed_us
+            + _on_recompute_us(cost, p)
+            + pulled * cost.pull_after_us_per_token
+        )
+        rest = inp.rest_us + p.pulls_per_request * per_pull
+        return closed_loop_wait_us(service, rest, inp.num_clients)
     return mean_wait_us(p.arrivals, cost.recompute_us_per_token, per_pull, p.pulls_per_request)
 
 
 def _residual_fit(
-    cost: CostModel, points: Sequence[OnInput], *, fitted_pull: bool
+    cost: CostModel, points: Sequence[OnInput], *, fitted_pull: bool, inp: FitInput | None = None
 ) -> tuple[float, float]:
     """(step_us, µs per pulled token) of what the ON prefill holds beyond the model so far.
 
@@ -377,7 +437,7 @@ def _residual_fit(
         # against the measured transfer time, so a pull-fit error does not leak in here
         transfers = p.pulls_per_request * p.xfer_us
         rest = cost.prefill_fixed_us + _on_recompute_us(cost, p)
-        rest += _on_wait_us(cost, p, measured_pull=not fitted_pull)
+        rest += _on_wait_us(cost, p, measured_pull=not fitted_pull, inp=inp)
         xs.append(p.tokens_per_pull)
         ys.append((p.prefill_us - rest - transfers) / p.pulls_per_request)
     if not xs:
@@ -422,14 +482,16 @@ class Residual:
 
 
 def residuals(inp: FitInput, cost: CostModel) -> list[Residual]:
-    """Every figure of ``inp`` against ``cost`` (contention left out: it is replayed from
-    arrivals, which a published table does not have)."""
+    """Every figure of ``inp`` against ``cost``, the clients' wait for each other
+    included (replayed from arrivals, or estimated for closed loops)."""
     out: list[Residual] = []
     for p in inp.off:
         pred = cost.prefill_fixed_us + cost.recompute_us(p.computed_per_request)
+        pred += _off_wait_us(inp, cost, p)
         out.append(Residual(p.point, "prefill OFF", p.prefill_us, pred))
     for q in inp.on:
-        out.append(Residual(q.point, "prefill ON", q.prefill_us, _on_prefill_us(cost, q)))
+        pred = _on_prefill_us(cost, q) + _on_wait_us(cost, q, inp=inp)
+        out.append(Residual(q.point, "prefill ON", q.prefill_us, pred))
         wire = cost.pull_overhead_us + q.tokens_per_pull * (
             cost.xfer_us_per_token + cost.descriptors_per_token * cost.xfer_us_per_descriptor
         )

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.engine.profiles import PROFILE_DIR
-from bidir_kv.plan.calibrate import fit, residuals
+from bidir_kv.plan.calibrate import FitInput, fit, residuals
 from bidir_kv.plan.modelcfg import ModelShape, load_model_config, model_shape
 from bidir_kv.plan.planner import CostModel, Hardware
 from bidir_kv.plan.published import PublishedTable, fit_input, load_table
@@ -37,6 +37,8 @@ __all__ = [
     "PREDICTED",
     "TARGETS",
     "Target",
+    "calibrated_cost",
+    "calibrated_input",
     "calibrated_profile",
     "derive_profile",
     "generated_profiles",
@@ -200,10 +202,24 @@ def _table() -> PublishedTable:
     return table
 
 
+def _table_decode_us(table: PublishedTable) -> float:
+    """The emulated decode step with the table's clients in D's batch (§3's derivation;
+    the table has no decode figure)."""
+    target = _ALL_TARGETS["qwen3-32b-p5en-derived"]
+    step = round(_decode_us(target_shape(target.config), target.hardware, 2.0), 1)
+    return step + target.decode_us_per_seq * (table.num_clients - 1)
+
+
+def calibrated_input() -> tuple[PublishedTable, FitInput]:
+    """The published table and the fit's input made of it."""
+    table = _table()
+    return table, fit_input(table, _table_decode_us(table))
+
+
 def calibrated_cost() -> tuple[PublishedTable, CostModel]:
     """The published table and the terms fitted to it (``bidir_kv.plan.calibrate.fit``)."""
-    table = _table()
-    return table, fit(fit_input(table))
+    table, inp = calibrated_input()
+    return table, fit(inp)
 
 
 def _decode_us(shape: ModelShape, hw: Hardware, weight_bytes_per_param: float) -> float:
@@ -233,7 +249,7 @@ def calibrated_profile() -> dict[str, Any]:
     tp = table.tp_size
     rank_bytes = shape.kv_bytes_per_token_per_rank(tp)
     rail = rank_bytes / (cost.xfer_us_per_token * 1e3)
-    err = {(r.point, r.figure): r.error for r in residuals(fit_input(table), cost)}
+    err = {(r.point, r.figure): r.error for r in residuals(calibrated_input()[1], cost)}
 
     def res(*figures: str) -> str:
         return ", ".join(

@@ -17,7 +17,11 @@ What a table does not say is computed from its workload, with these assumptions
 * ON: D holds the previous turn's prompt and answer but its last token; P pulls the
   whole blocks of it and computes the rest (the user turn and a partial block);
 * the KV transfer is one rank-level transfer per pull (vLLM's ``nixl_xfer_time``),
-  reading the model's KV per rank per token, one descriptor per block × layer × KV tensor.
+  reading the model's KV per rank per token, one descriptor per block × layer × KV tensor;
+* the published means hold the clients' wait for each other on P; with a decode step
+  given, the fit estimates it for closed loops of independent phase
+  (``contention.closed_loop_wait_us``) and takes it out of the per-request terms, since
+  an emulator running the same clients queues them again.
 """
 
 from __future__ import annotations
@@ -127,8 +131,13 @@ def load_table(name: str) -> PublishedTable | None:
     return _table(json.loads(path.read_text()))
 
 
-def fit_input(table: PublishedTable) -> FitInput:
-    """The table as the fit's input: one OFF and one ON point per prefix length."""
+def fit_input(table: PublishedTable, decode_us_per_token: float = 0.0) -> FitInput:
+    """The table as the fit's input: one OFF and one ON point per prefix length.
+
+    ``decode_us_per_token`` (the deployment's decode step with the table's clients in
+    the batch) makes each client's turn outside P's prefill ``output_tokens`` steps, so
+    the fit can take the clients' wait for each other out of the published means; 0
+    leaves it in the per-request terms."""
     shape = table.shape()
     tp = table.tp_size
     rank_bytes = shape.kv_bytes_per_token_per_rank(tp)
@@ -171,4 +180,5 @@ def fit_input(table: PublishedTable) -> FitInput:
         tp=tp,
         ctx_ratio=shape.context_flops_per_token() * 1000 / shape.linear_flops_per_token(),
         num_clients=table.num_clients,
+        rest_us=table.output_tokens * decode_us_per_token,
     )
