@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from bidir_kv.bench.stats import RequestRecord
 from bidir_kv.policy import pull_decision
 
-__all__ = [
-    "closed_loop_wait_us","Arrival", "arrivals", "fcfs_waits", "mean_wait_us"]
+__all__ = ["Arrival", "arrivals", "closed_loop_wait_us", "fcfs_waits", "mean_wait_us"]
 
 
 @dataclass(frozen=True)

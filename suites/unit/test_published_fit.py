@@ -132,7 +132,7 @@ def test_the_fit_takes_the_clients_wait_out_of_a_table() -> None:
 def test_the_published_fit_and_its_residuals() -> None:
     """The issue's figures, fitted: every figure within 10 % of what the terms give back
     (the ON prefill and TTFT ON carry the rest: two points, more terms than points)."""
-    table, cost = calibrated_cost()
+    _, cost = calibrated_cost()
     res = residuals(calibrated_input()[1], cost)
     assert len(res) == 10  # five figures at two lengths, none invented
     by = {(r.point, r.figure): r.error for r in res}
