@@ -203,8 +203,8 @@ def _table() -> PublishedTable:
 
 
 def _table_decode_us(table: PublishedTable) -> float:
-    """The emulated decode step with the table's clients in D's batch (§3's derivation;
-    the table has no decode figure)."""
+    """The emulated decode step with the table's clients in D's batch (the derivation of
+    docs/profiles.md §3; the table has no decode figure)."""
     target = _ALL_TARGETS["qwen3-32b-p5en-derived"]
     step = round(_decode_us(target_shape(target.config), target.hardware, 2.0), 1)
     return step + target.decode_us_per_seq * (table.num_clients - 1)
