@@ -146,7 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return rc
-    _print_outcome(args.out, args.profile, min_turn(args.num_turns, args.warmup_fraction))
+    _print_outcome(
+        args.out,
+        args.profile,
+        min_turn(args.num_turns, args.warmup_fraction),
+        args.time_scale,
+    )
     print(f"done in {time.monotonic() - t0:.0f} s; every process stopped")
     return 0
 
@@ -175,7 +180,7 @@ def min_turn(num_turns: int, warmup_fraction: float) -> int:
     return max(2, 1 + math.ceil(warmup_fraction * num_turns))
 
 
-def _print_outcome(out: Path, profile: str, first_turn: int = 2) -> None:
+def _print_outcome(out: Path, profile: str, first_turn: int = 2, time_scale: float = 1.0) -> None:
     """Render the report; print per length the measurements beside the planner's
     prediction (and the published figures, if any), the headline with its
     reliability, and where the files are."""
@@ -195,7 +200,10 @@ def _print_outcome(out: Path, profile: str, first_turn: int = 2) -> None:
     for line in length_table(summary, pred):
         print(line)
     table = load_table(profile)
-    if table is not None:
+    if table is not None and time_scale != 1:
+        print(f"published figures of {table.name} not compared: --time-scale {time_scale:g} "
+              "stretches every duration")  # fmt: skip
+    elif table is not None:
         measured = {p: measured_figures(summary, p) for p in summary.result.prefix_points}
         print()
         for line in published_lines(table, measured):
