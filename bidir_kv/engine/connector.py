@@ -294,8 +294,10 @@ class ConnectorWorker:
         remote: Sequence[int],
         notification: str,
         tokens: int,
+        floor: float | None = None,
     ) -> ReadResult:
-        """One READ with faults applied and the duration padded to the profile."""
+        """One READ with faults applied and the duration padded to the profile
+        (``floor`` seconds when given, else the profile's wire time for ``tokens``)."""
         start = time.perf_counter()
         if self.faults.roll(self.faults.fail_transfers):
             raise TransportError("injected transfer failure (fault fail_transfers)")
@@ -305,8 +307,9 @@ class ConnectorWorker:
         res = await self.agent.read(
             peer.agent_name, local_rows, remote_rows, notification.encode()
         )
-        if self.transfer_floor is not None:
+        if floor is None and self.transfer_floor is not None:
             floor = self.transfer_floor(tokens)
+        if floor is not None:
             elapsed = time.perf_counter() - start
             if floor > elapsed:
                 await asyncio.sleep(floor - elapsed)

@@ -39,6 +39,9 @@ class CostProfile:
     # compute (target hardware), microseconds
     prefill_us_per_token: float = 0.0  # linear part of prefill
     prefill_us_per_token_ctx: float = 0.0  # attention part: per new token per 1k context tokens
+    # per request whose prompt P computes (not D's tail after a P->D pull): scheduling,
+    # per-layer collective latency at TP N, sampling
+    prefill_fixed_us: float = 0.0
     decode_us_per_step: float = 0.0  # one decode step, batch of 1
     decode_us_per_seq: float = 0.0  # extra per additional sequence in the batch
     max_num_batched_tokens: int = 8192
@@ -57,6 +60,15 @@ class CostProfile:
     descriptors_per_block: int = 0  # per rank: layers × KV tensors
     step_us: float = 0.0  # one idle engine step (the pull's completion is seen at a step)
     handshake_us: float = 0.0  # first pull between a new P/D pair
+    # P's own work per token it pulled from D (descriptor preparation, block
+    # bookkeeping, the step that sees the READ complete), in the step that computes
+    # the rest of that prefill
+    pull_after_us_per_token: float = 0.0
+    # D's part of TTFT (beyond P's prefill): fixed + per prompt token. When either is
+    # set, D's P->D pull takes this less one decode step (D's own first step) instead
+    # of the wire model; both 0: the wire model (docs/profiles.md)
+    decode_ttft_fixed_us: float = 0.0
+    decode_ttft_us_per_token: float = 0.0
     sources: tuple[str, ...] = ()  # where each term comes from (docs/profiles.md)
     # global scale applied to every emulated duration (keeps ratios, shortens runs)
     time_scale: float = 1.0
@@ -108,6 +120,25 @@ class CostProfile:
             self.prefill_us_per_token + self.prefill_us_per_token_ctx * avg_ctx / 1000
         )
         return us * 1e-6 * self.time_scale
+
+    def prefill_fixed_seconds(self) -> float:
+        """Per-request fixed part of a prefill P computes (charged once per request)."""
+        return self.prefill_fixed_us * 1e-6 * self.time_scale
+
+    def pull_after_seconds(self, pulled_tokens: int) -> float:
+        """P's own work on ``pulled_tokens`` it read from D, beyond the READ itself."""
+        return max(0, pulled_tokens) * self.pull_after_us_per_token * 1e-6 * self.time_scale
+
+    def decode_pull_seconds(self, prompt_tokens: int) -> float | None:
+        """How long D's P->D pull takes for a prompt of ``prompt_tokens``, or ``None``
+        for the wire model (``transfer_seconds``).
+
+        With D's part of TTFT set, the pull is that part less one decode step: the
+        step loop spends the step itself when D samples the first token."""
+        if not (self.decode_ttft_fixed_us or self.decode_ttft_us_per_token):
+            return None
+        part = self.decode_ttft_fixed_us + self.decode_ttft_us_per_token * max(0, prompt_tokens)
+        return max(0.0, part - self.decode_us_per_step) * 1e-6 * self.time_scale
 
     def decode_step_seconds(self, batch: int) -> float:
         if batch <= 0:

@@ -220,7 +220,12 @@ class PullReader:
                 await self.worker.notify(peer, done)
                 self._pull_resolved(req, hit, 0, failed=False)
                 return
-            res = await self.worker.read(peer, local, remote, done, tokens=count)
+            floor = (
+                self.settings.profile.decode_pull_seconds(req.prompt_len)
+                if from_prefill
+                else None
+            )
+            res = await self.worker.read(peer, local, remote, done, tokens=count, floor=floor)
         except StaleParams as exc:  # the blocks died with an earlier start: a plain miss
             logger.warning("Not reading for %s: %s", req.request_id, exc)
             self._pull_resolved(req, hit, 0, failed=False)

@@ -58,6 +58,7 @@ class Request:
     error: RequestError | None = None
     out_params: KVTransferParams | None = None
     first_token_time: float | None = None
+    prefill_started: bool = False  # its per-request prefill costs are charged (steps.py)
     # incremental state of the model runner (compute.py)
     block_chain: list[bytes] = field(default_factory=list)  # policy.block_hashes of tokens
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
@@ -76,6 +77,11 @@ class Request:
     @property
     def is_p_node(self) -> bool:
         return self.params is not None and self.params.do_remote_decode
+
+    @property
+    def is_d_node(self) -> bool:
+        """D's request: its prompt's KV comes from P (only the tail is computed here)."""
+        return self.params is not None and self.params.do_remote_prefill
 
     @property
     def max_kv_slots(self) -> int:

@@ -251,10 +251,8 @@ class StepLoop:
             budget -= 1
             self.runner.compute(r, r.num_computed, r.num_computed + 1)
             emitted.append((r, self._sample(r)))
-        prefill_tokens, ctx = self._prefill_chunks(budget, emitted)
-        profile = self.settings.profile
-        modelled = profile.prefill_seconds(prefill_tokens, ctx)
-        modelled += profile.decode_step_seconds(len(decodes))
+        prefill_tokens, modelled = self._prefill_chunks(budget, emitted)
+        modelled += self.settings.profile.decode_step_seconds(len(decodes))
         wait = modelled - (time.perf_counter() - t0) + self.faults.stall_seconds
         await asyncio.sleep(max(0.0, wait))
         if prefill_tokens or decodes:
@@ -267,11 +265,20 @@ class StepLoop:
         self.metrics.running.labels(**self.metrics.labels).set(len(self.running))
         self.metrics.kv_usage.labels(**self.metrics.labels).set(self.blocks.usage())
 
-    def _prefill_chunks(self, budget: int, emitted: list[tuple[Request, int]]) -> tuple[int, int]:
-        """Spend what the decodes left on prefills, in running order; returns the
-        tokens computed and the longest context they attended to."""
+    def _prefill_chunks(
+        self, budget: int, emitted: list[tuple[Request, int]]
+    ) -> tuple[int, float]:
+        """Spend what the decodes left on prefills, in running order (vLLM V1: running
+        requests first, then waiting ones in the budget left, a prefill that does not
+        fit chunked to it); returns the tokens computed and their modelled seconds.
+
+        Each chunk is priced at its own request's context, so a step that finishes
+        one prompt and starts another charges the second's attention from 0, not
+        from the first's context; a request's per-request costs (the fixed part, P's
+        work on the tokens it pulled) are charged in its first prefill step."""
+        profile = self.settings.profile
         prefill_tokens = 0
-        ctx = 0
+        seconds = 0.0
         chunked = self.settings.enable_chunked_prefill
         for r in self.running:
             if budget <= 0:
@@ -282,13 +289,18 @@ class StepLoop:
             if not chunked and left > budget:
                 break  # vLLM stops scheduling here: the prefill waits for a fuller budget
             chunk = min(budget, left)
-            ctx = max(ctx, r.num_computed)
+            seconds += profile.prefill_seconds(chunk, r.num_computed)
+            if not r.prefill_started:
+                r.prefill_started = True
+                if not r.is_d_node:
+                    seconds += profile.prefill_fixed_seconds()
+                    seconds += profile.pull_after_seconds(r.external_tokens)
             self.runner.compute(r, r.num_computed, r.num_computed + chunk)
             budget -= chunk
             prefill_tokens += chunk
             if r.num_computed >= r.prompt_len:
                 emitted.append((r, self._sample(r)))
-        return prefill_tokens, ctx
+        return prefill_tokens, seconds
 
     def _sample(self, req: Request) -> int:
         """The model's choice under the request's rules: no end before ``min_tokens``

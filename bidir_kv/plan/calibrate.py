@@ -16,7 +16,16 @@ deltas ``bench`` records per point:
   for each other's compute, replayed from the run's own arrivals; both fits above
   are made on the prefill less that wait, so the per-request terms stay per request.
 
-``check_rows`` puts the calibration next to its own run, point by point.
+* attention: when the model's shape is known, the context term is the matmul term
+  times the shape's FLOP ratio (``FitInput.ctx_ratio``; assumption: attention runs at
+  the matmuls' rate), so the OFF fit stays two-parameter;
+* D's part of TTFT: TTFT less the router prefill per leg and point, against the
+  prompt tokens (fixed + per token), when the input has TTFT means.
+
+One fit, two inputs: :func:`fit` works on a :class:`FitInput`; :func:`fit_input`
+builds one from a ``bench`` result directory, :mod:`bidir_kv.plan.published` from
+a published table. ``check_rows`` puts the calibration next to its own run, point by
+point.
 """
 
 from __future__ import annotations
@@ -26,23 +35,82 @@ from dataclasses import dataclass, replace
 
 from bidir_kv.bench.results import LegPoint, ResultDir
 from bidir_kv.bench.summary import summarize_result
-from bidir_kv.plan.contention import Arrival, arrivals, mean_wait_us
+from bidir_kv.plan.contention import Arrival, arrivals, closed_loop_wait_us, mean_wait_us
 from bidir_kv.plan.fit import PullFit, fit_pull, linear_fit
 from bidir_kv.plan.planner import DEFAULT_BLOCK_SIZE, CostModel, PlanError
 from bidir_kv.plan.tail import Tail, prefill_tail
 
-__all__ = ["CheckRow", "calibrate", "check_rows", "linear_fit"]
+__all__ = [
+    "CheckRow",
+    "FitInput",
+    "OffInput",
+    "OnInput",
+    "TtftInput",
+    "calibrate",
+    "check_rows",
+    "fit",
+    "fit_input",
+    "linear_fit",
+    "residuals",
+]
 
 
 @dataclass(frozen=True)
-class _OnPoint:
-    """One ON point per request: pulls, computed tokens, tokens per pull (TP ranks folded)."""
+class OffInput:
+    """One OFF point: P's mean prefill per request and the tokens it computed for it."""
 
-    row: LegPoint
-    pulls_per_request: float
+    point: int
+    prefill_us: float
     computed_per_request: float
+    arrivals: tuple[Arrival, ...] = ()  # the point's requests (contention), if known
+
+
+@dataclass(frozen=True)
+class OnInput:
+    """One ON point per request: the prefill, the pulls and P's computed tail."""
+
+    point: int
+    prefill_us: float
+    computed_per_request: float
+    pulls_per_request: float
     tokens_per_pull: float
+    xfer_us: float  # mean per rank-level transfer
+    xfer_bytes: float  # mean per rank-level transfer
+    xfer_descriptors: float  # mean per rank-level transfer
+    xfer_count: float  # rank-level transfers of the point (weights the per-token totals)
+    tokens_external: float  # tokens P pulled over the point (TP ranks folded)
     arrivals: tuple[Arrival, ...] = ()
+
+
+@dataclass(frozen=True)
+class TtftInput:
+    """One leg and point: mean TTFT and mean router prefill (µs), mean prompt tokens."""
+
+    point: int
+    leg: str
+    prompt_tokens: float
+    ttft_us: float
+    prefill_us: float
+
+
+@dataclass(frozen=True)
+class FitInput:
+    """What the fit needs, whatever measured it (a bench run, a published table)."""
+
+    source: str  # for the notes
+    off: tuple[OffInput, ...]
+    on: tuple[OnInput, ...]
+    ttft: tuple[TtftInput, ...] = ()
+    tp: int = 1
+    ctx_ratio: float = 0.0  # attention µs/token per 1k context per matmul µs/token
+    num_clients: int = 1
+    # without arrivals (a published table): per client and turn, the time outside P's
+    # prefill (the answer's decode); > 0 estimates the clients' waits for each other
+    # (contention.closed_loop_wait_us)
+    rest_us: float = 0.0
+
+    def closed_loop(self) -> bool:
+        return self.num_clients > 1 and self.rest_us > 0
 
 
 @dataclass(frozen=True)
@@ -100,18 +168,55 @@ def _arrivals(result: ResultDir, r: LegPoint) -> tuple[Arrival, ...]:
     )
 
 
-def _on_point(result: ResultDir, r: LegPoint, tp: int) -> _OnPoint:
+def _on_point(result: ResultDir, r: LegPoint, tp: int) -> OnInput:
     pulls = r.xfer_count / tp
     requests = r.prefill_count or pulls
-    computed = r.tokens_local_compute / requests
-    return _OnPoint(r, pulls / requests, computed, r.tokens_external / pulls, _arrivals(result, r))
+    return OnInput(
+        point=r.point,
+        prefill_us=(r.prefill_ms or 0.0) * 1e3,
+        computed_per_request=r.tokens_local_compute / requests,
+        pulls_per_request=pulls / requests,
+        tokens_per_pull=r.tokens_external / pulls,
+        xfer_us=(r.xfer_ms_per_transfer or 0.0) * 1e3,
+        xfer_bytes=(r.mb_per_transfer or 0.0) * 2**20,
+        xfer_descriptors=r.descriptors_per_transfer or 0.0,
+        xfer_count=r.xfer_count,
+        tokens_external=r.tokens_external,
+        arrivals=_arrivals(result, r),
+    )
 
 
-def _fit_transfers(on: Sequence[LegPoint]) -> PullFit:
-    times = [(r.xfer_ms_per_transfer or 0.0) * 1e3 for r in on]
-    nbytes = [(r.mb_per_transfer or 0.0) * 2**20 for r in on]
-    descs = [r.descriptors_per_transfer or 0.0 for r in on]
-    return fit_pull(times, descs, nbytes)
+def fit_input(result: ResultDir) -> FitInput:
+    """The fit's input from a ``bench`` result directory (every turn, per point)."""
+    off, on = _usable(result)
+    tp = _tp(result)
+    ttft = tuple(
+        TtftInput(r.point, r.leg, r.input_tokens_mean, r.ttft_mean * 1e3, r.prefill_ms * 1e3)
+        for r in summarize_result(result, min_turn=1).rows
+        if r.prefill_ms and r.ttft_n and r.input_tokens_mean and not r.errors
+    )
+    return FitInput(
+        source=f"calibrated from {result.path}",
+        off=tuple(
+            OffInput(
+                r.point,
+                (r.prefill_ms or 0.0) * 1e3,
+                r.tokens_local_compute / r.prefill_count,
+                _arrivals(result, r),
+            )
+            for r in off
+        ),
+        on=tuple(_on_point(result, r, tp) for r in on),
+        ttft=ttft,
+        tp=tp,
+        num_clients=int(result.manifest.get("num_clients", 1) or 1),
+    )
+
+
+def _fit_transfers(on: Sequence[OnInput]) -> PullFit:
+    return fit_pull(
+        [p.xfer_us for p in on], [p.xfer_descriptors for p in on], [p.xfer_bytes for p in on]
+    )
 
 
 def _line(xs: Sequence[float], ys: Sequence[float], ws: Sequence[float]) -> tuple[float, float]:
@@ -127,6 +232,12 @@ def _relative(ys: Sequence[float]) -> list[float]:
     """Weights 1/y: the fits minimise relative error (assumption: a shared machine's noise
     stretches a whole request, so it is proportional to the time, docs/profiles.md §6)."""
     return [1.0 / y if y > 0 else 0.0 for y in ys]
+
+
+def _effective(tokens: float, ctx_ratio: float) -> float:
+    """Tokens computed from context 0, weighted by the attention term: recompute(n) /
+    the matmul µs/token (``n × (1 + ratio × n/2 / 1000)``)."""
+    return tokens * (1 + ctx_ratio * tokens / 2000)
 
 
 def _fit_recompute(
@@ -160,26 +271,77 @@ def _fit_recompute(
     return sse(slope)[1], slope
 
 
+def _fit_decode_part(ttft: Sequence[TtftInput]) -> tuple[float, float]:
+    """(fixed µs, µs per prompt token) of TTFT less the router prefill, both legs."""
+    if not ttft:
+        return 0.0, 0.0
+    xs = [t.prompt_tokens for t in ttft]
+    ys = [t.ttft_us - t.prefill_us for t in ttft]
+    fixed, slope = _line(xs, ys, _relative([t.ttft_us for t in ttft]))
+    if slope < 0:  # D's part does not grow with the prompt: its mean, as a fixed part
+        return max(0.0, sum(ys) / len(ys)), 0.0
+    return fixed, slope
+
+
+def _fit_closed_loop(
+    xs: Sequence[float], ys: Sequence[float], inp: FitInput
+) -> tuple[float, float]:
+    """(per-request µs, µs/token) of the OFF prefill less the clients' estimated wait
+    for each other (no arrivals): the wait depends on the terms, so fit, estimate,
+    refit until it settles."""
+    ws = _relative(ys)
+    fixed, slope = _line(xs, ys, ws)
+    for _ in range(50):
+        rest = [
+            y - closed_loop_wait_us(fixed + slope * x, inp.rest_us, inp.num_clients)
+            for x, y in zip(xs, ys, strict=True)
+        ]
+        fixed, slope = _line(xs, rest, ws)
+    return fixed, slope
+
+
+def _off_wait_us(inp: FitInput, cost: CostModel, p: OffInput) -> float:
+    """An OFF point's wait for the other clients' compute: replayed, or estimated."""
+    if p.arrivals or not inp.closed_loop():
+        return mean_wait_us(p.arrivals, cost.recompute_us_per_token)
+    service = cost.prefill_fixed_us + cost.recompute_us(p.computed_per_request)
+    return closed_loop_wait_us(service, inp.rest_us, inp.num_clients)
+
+
 def calibrate(result: ResultDir, kv_bytes_per_token: float | None = None) -> CostModel:
-    off, on = _usable(result)
-    tp = _tp(result)
-    xs = [r.tokens_local_compute / r.prefill_count for r in off]
-    ys = [(r.prefill_ms or 0.0) * 1e3 for r in off]
-    off_arrs = [_arrivals(result, r) for r in off]
-    fixed_req, recompute = _fit_recompute(xs, ys, off_arrs)
+    """Fit the cost terms to a ``bench`` result directory (``plan --calibration DIR``)."""
+    return fit(fit_input(result), kv_bytes_per_token)
+
+
+def fit(inp: FitInput, kv_bytes_per_token: float | None = None) -> CostModel:
+    """The cost terms from measured points: the one fit behind every calibration."""
+    if not inp.off:
+        raise PlanError(f"{inp.source}: no OFF points; cannot fit recompute")
+    if not inp.on:
+        raise PlanError(f"{inp.source}: no ON points with KV transfers; cannot fit pull costs")
+    tp = inp.tp
+    ratio = inp.ctx_ratio
+    xs = [_effective(p.computed_per_request, ratio) for p in inp.off]
+    ys = [p.prefill_us for p in inp.off]
+    off_arrs = [p.arrivals for p in inp.off]
+    if inp.closed_loop() and not any(off_arrs):
+        fixed_req, recompute = _fit_closed_loop(xs, ys, inp)
+    else:
+        fixed_req, recompute = _fit_recompute(xs, ys, off_arrs)
     if recompute <= 0:
         raise PlanError(
-            f"{result.path}: OFF prefill time did not grow with the tokens P computed "
+            f"{inp.source}: OFF prefill time did not grow with the tokens P computed "
             f"(slope {recompute:.3g} µs/token); the run is too small or too noisy to calibrate"
         )
-    pull = _fit_transfers(on)
-    total_tokens = sum(r.tokens_external for r in on)
-    total_bytes = sum((r.mb_per_transfer or 0.0) * 2**20 * r.xfer_count for r in on)
-    total_descs = sum((r.descriptors_per_transfer or 0.0) * r.xfer_count for r in on)
+    pull = _fit_transfers(inp.on)
+    total_tokens = sum(p.tokens_external for p in inp.on)
+    total_bytes = sum(p.xfer_bytes * p.xfer_count for p in inp.on)
+    total_descs = sum(p.xfer_descriptors * p.xfer_count for p in inp.on)
     measured_bpt = total_bytes / total_tokens
+    d_fixed, d_per_token = _fit_decode_part(inp.ttft)
     cost = CostModel(
         recompute_us_per_token=recompute,
-        recompute_us_per_token_ctx=0.0,
+        recompute_us_per_token_ctx=recompute * ratio,
         xfer_us_per_token=pull.us_per_byte * measured_bpt / tp,
         pull_overhead_us=pull.fixed_us,
         kv_bytes_per_token=measured_bpt if kv_bytes_per_token is None else kv_bytes_per_token,
@@ -187,43 +349,76 @@ def calibrate(result: ResultDir, kv_bytes_per_token: float | None = None) -> Cos
         xfer_us_per_descriptor=pull.per_descriptor_us,
         descriptors_per_token=total_descs / (total_tokens * tp) if pull.separable else 0.0,
         prefill_fixed_us=fixed_req,
+        decode_ttft_fixed_us=d_fixed,
+        decode_ttft_us_per_token=d_per_token,
     )
-    points = [_on_point(result, r, tp) for r in on]
-    step, after = _residual_fit(cost, points, fitted_pull=False)
+    points = list(inp.on)
+    step, after = _residual_fit(cost, points, fitted_pull=False, inp=inp)
     # the wait depends on when a pulled request reaches P's compute: once more with the pull
-    step, after = _residual_fit(
-        replace(cost, step_us=step, pull_after_us_per_token=after), points, fitted_pull=True
-    )
-    waits = [mean_wait_us(a, recompute) / 1e3 for a in off_arrs]
+    for _ in range(20 if inp.closed_loop() else 1):  # closed loop: the wait grows with P's work
+        step, after = _residual_fit(
+            replace(cost, step_us=step, pull_after_us_per_token=after),
+            points,
+            fitted_pull=True,
+            inp=inp,
+        )
+    waits = [_off_wait_us(inp, replace(cost, recompute_us_per_token=recompute), p) / 1e3
+             for p in inp.off]  # fmt: skip
     notes = (
-        f"calibrated from {result.path}: {len(off)} OFF and {len(on)} ON points",
-        f"recompute fit over {', '.join(f'{x:.0f}' for x in xs)} tokens/request"
+        f"{inp.source}: {len(inp.off)} OFF and {len(inp.on)} ON points",
+        f"recompute fit over {', '.join(f'{p.computed_per_request:.0f}' for p in inp.off)} "
+        "tokens/request"
         + (
             " (through the origin)"
             if fixed_req == 0
             else f" (+ {fixed_req / 1e3:.2f} ms per request)"
-        ),
+        )
+        + (f"; attention term {ratio:.4f} × the matmul term per 1k context" if ratio else ""),
         f"pull: {pull.note}",
         f"beyond the transfer histogram, per pull: {step / 2 / 1e3:.2f} ms (half a step: the "
         f"completion is seen at step granularity) + {after:.3f} µs per pulled token",
-        f"contention ({result.manifest.get('num_clients', 1)} client(s) on one P, first come "
-        f"first served, replayed): OFF wait {', '.join(f'{w:.1f}' for w in waits)} ms/request",
+        f"contention ({inp.num_clients} client(s) on one P, first come first served, "
+        + (
+            f"estimated for closed loops of {inp.rest_us / 1e3:.0f} ms outside P"
+            if inp.closed_loop() and not any(off_arrs)
+            else "replayed"
+        )
+        + f"): OFF wait {', '.join(f'{w:.1f}' for w in waits)} ms/request",
+        *(
+            (
+                f"D's part of TTFT (TTFT less the prefill, {len(inp.ttft)} leg points): "
+                f"{d_fixed / 1e3:.2f} ms + {d_per_token:.3f} µs per prompt token",
+            )
+            if inp.ttft
+            else ()
+        ),
     )
     return replace(cost, step_us=step, pull_after_us_per_token=after, notes=notes, sources=notes)
 
 
-def _on_wait_us(cost: CostModel, p: _OnPoint, measured_pull: bool = False) -> float:
-    """The point's contention wait; a pulled request reaches P's compute after its pull."""
-    per_pull = (
-        (p.row.xfer_ms_per_transfer or 0.0) * 1e3
-        if measured_pull
-        else cost.pull_us(p.tokens_per_pull)
-    )
+def _on_wait_us(
+    cost: CostModel, p: OnInput, measured_pull: bool = False, inp: FitInput | None = None
+) -> float:
+    """The point's contention wait; a pulled request reaches P's compute after its pull.
+
+    Without arrivals and with ``inp`` a closed loop, estimated: P's compute for the
+    request (its fixed part, the tail, its work on the pulled tokens; not the READ)
+    against the rest of the client's turn (the READ, the answer)."""
+    per_pull = p.xfer_us if measured_pull else cost.pull_us(p.tokens_per_pull)
+    if not p.arrivals and inp is not None and inp.closed_loop():
+        pulled = p.pulls_per_request * p.tokens_per_pull
+        service = (
+            cost.prefill_fixed_us
+            + _on_recompute_us(cost, p)
+            + pulled * cost.pull_after_us_per_token
+        )
+        rest = inp.rest_us + p.pulls_per_request * per_pull
+        return closed_loop_wait_us(service, rest, inp.num_clients)
     return mean_wait_us(p.arrivals, cost.recompute_us_per_token, per_pull, p.pulls_per_request)
 
 
 def _residual_fit(
-    cost: CostModel, points: Sequence[_OnPoint], *, fitted_pull: bool
+    cost: CostModel, points: Sequence[OnInput], *, fitted_pull: bool, inp: FitInput | None = None
 ) -> tuple[float, float]:
     """(step_us, µs per pulled token) of what the ON prefill holds beyond the model so far.
 
@@ -235,16 +430,16 @@ def _residual_fit(
     """
     xs, ys, ws = [], [], []
     for p in points:
-        if p.pulls_per_request <= 0 or not p.row.prefill_ms:
+        if p.pulls_per_request <= 0 or not p.prefill_us:
             continue
         # relative to the point's prefill, as the OFF fit (a residual per pull)
-        ws.append(p.pulls_per_request / (p.row.prefill_ms * 1e3))
+        ws.append(p.pulls_per_request / p.prefill_us)
         # against the measured transfer time, so a pull-fit error does not leak in here
-        transfers = p.pulls_per_request * (p.row.xfer_ms_per_transfer or 0.0) * 1e3
-        rest = cost.prefill_fixed_us + cost.recompute_us(p.computed_per_request)
-        rest += _on_wait_us(cost, p, measured_pull=not fitted_pull)
+        transfers = p.pulls_per_request * p.xfer_us
+        rest = cost.prefill_fixed_us + _on_recompute_us(cost, p)
+        rest += _on_wait_us(cost, p, measured_pull=not fitted_pull, inp=inp)
         xs.append(p.tokens_per_pull)
-        ys.append((p.row.prefill_ms * 1e3 - rest - transfers) / p.pulls_per_request)
+        ys.append((p.prefill_us - rest - transfers) / p.pulls_per_request)
     if not xs:
         return 0.0, 0.0
     w2 = [w * w for w in ws]
@@ -259,12 +454,52 @@ def _residual_fit(
     return 2 * half_step, per_token
 
 
-def _on_prefill_us(cost: CostModel, p: _OnPoint) -> float:
+def _on_recompute_us(cost: CostModel, p: OnInput) -> float:
+    """P's computed tail, after the context it pulled."""
+    return cost.recompute_us(p.computed_per_request, p.pulls_per_request * p.tokens_per_pull)
+
+
+def _on_prefill_us(cost: CostModel, p: OnInput) -> float:
     return (
         cost.prefill_fixed_us
-        + cost.recompute_us(p.computed_per_request)
+        + _on_recompute_us(cost, p)
         + p.pulls_per_request * cost.pull_us(p.tokens_per_pull)
     )
+
+
+@dataclass(frozen=True)
+class Residual:
+    """One measured figure next to what the fitted terms give for it (µs)."""
+
+    point: int
+    figure: str  # "prefill OFF", "prefill ON", "KV transfer", "TTFT OFF", "TTFT ON"
+    measured_us: float
+    fitted_us: float
+
+    @property
+    def error(self) -> float:
+        return (self.fitted_us - self.measured_us) / self.measured_us if self.measured_us else 0.0
+
+
+def residuals(inp: FitInput, cost: CostModel) -> list[Residual]:
+    """Every figure of ``inp`` against ``cost``, the clients' wait for each other
+    included (replayed from arrivals, or estimated for closed loops)."""
+    out: list[Residual] = []
+    for p in inp.off:
+        pred = cost.prefill_fixed_us + cost.recompute_us(p.computed_per_request)
+        pred += _off_wait_us(inp, cost, p)
+        out.append(Residual(p.point, "prefill OFF", p.prefill_us, pred))
+    for q in inp.on:
+        pred = _on_prefill_us(cost, q) + _on_wait_us(cost, q, inp=inp)
+        out.append(Residual(q.point, "prefill ON", q.prefill_us, pred))
+        wire = cost.pull_overhead_us + q.tokens_per_pull * (
+            cost.xfer_us_per_token + cost.descriptors_per_token * cost.xfer_us_per_descriptor
+        )
+        out.append(Residual(q.point, "KV transfer", q.xfer_us, wire))
+    for t in inp.ttft:
+        part = cost.decode_ttft_us(t.prompt_tokens)
+        out.append(Residual(t.point, f"TTFT {t.leg.upper()}", t.ttft_us, t.prefill_us + part))
+    return out
 
 
 def check_rows(result: ResultDir, cost: CostModel) -> list[CheckRow]:

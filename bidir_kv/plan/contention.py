@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from bidir_kv.bench.stats import RequestRecord
 from bidir_kv.policy import pull_decision
 
-__all__ = ["Arrival", "arrivals", "fcfs_waits", "mean_wait_us"]
+__all__ = ["Arrival", "arrivals", "closed_loop_wait_us", "fcfs_waits", "mean_wait_us"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +104,20 @@ def mean_wait_us(
     ]
     waits = fcfs_waits(requests, us_per_token, latency)
     return sum(waits) / len(waits)
+
+
+def closed_loop_wait_us(service_us: float, rest_us: float, clients: int) -> float:
+    """Mean wait for the other clients' compute on one P when no arrivals are known.
+
+    Each client runs a closed loop: a prefill of ``service_us`` on P, then
+    ``rest_us`` elsewhere (the answer's decode on D, think time) before its next
+    request. *Assumption*: the clients' phases are independent, so another client is
+    in its prefill with probability ``S / (S + W + R)`` and then has half of it left;
+    ``W = (clients − 1) × S² / (2 (S + W + R))``, solved by iteration.
+    """
+    if clients <= 1 or service_us <= 0:
+        return 0.0
+    wait = 0.0
+    for _ in range(60):
+        wait = (clients - 1) * service_us**2 / (2 * (service_us + wait + rest_us))
+    return wait

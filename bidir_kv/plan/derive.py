@@ -1,13 +1,19 @@
-"""Emulator profiles derived from a model shape and target figures, with their sources.
+"""The shipped emulator profiles, generated with their sources: derived, calibrated, predicted.
 
-``bidir_kv/data/profiles/<name>-p5en.json`` are *outputs* of this module, never edited
-by hand: ``python -m bidir_kv.plan.derive --write`` regenerates them (in the checkout)
-from the model configs in ``bidir_kv/data/model_configs/``, and
-``suites/unit/test_bench_plan.py::test_profiles_match_the_planner_derivation`` fails
-when a file and the derivation drift apart. The planner (``CostModel.from_hardware``)
-and the emulator (``CostProfile.pull_model``) evaluate the same terms, so the
-planner's prediction and the emulator agree by construction. Each term's citation
-or assumption: docs/profiles.md.
+``bidir_kv/data/profiles/*-p5en*.json`` are *outputs* of this module, never edited by
+hand: ``python -m bidir_kv.plan.derive --write`` regenerates them (in the checkout),
+and ``suites/unit/test_bench_plan.py::test_profiles_match_the_generation`` fails when
+a file and this module drift apart. Three kinds (docs/profiles.md):
+
+* **derived** (``qwen3-32b-p5en-derived``): first principles, from a model's
+  ``config.json`` and cited hardware figures (``CostModel.from_hardware``);
+* **calibrated** (``qwen3-32b-p5en``): the terms fitted to a published table
+  (``bidir_kv.plan.published``) by the fit behind ``plan --calibration``;
+* **predicted** (``glm5-fp8-p5en``): another model's config with the calibrated
+  profile's hardware terms, fitted to nothing of its own.
+
+The planner and the emulator (``CostProfile.pull_model``) evaluate the same terms,
+so the planner's prediction and the emulator agree by construction.
 """
 
 from __future__ import annotations
@@ -21,17 +27,30 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.engine.profiles import PROFILE_DIR
+from bidir_kv.plan.calibrate import FitInput, fit, residuals
 from bidir_kv.plan.modelcfg import ModelShape, load_model_config, model_shape
 from bidir_kv.plan.planner import CostModel, Hardware
+from bidir_kv.plan.published import PublishedTable, fit_input, load_table
 
-__all__ = ["TARGETS", "Target", "derive_profile", "profile_fields", "target_shape"]
+__all__ = [
+    "CALIBRATED",
+    "PREDICTED",
+    "TARGETS",
+    "Target",
+    "calibrated_cost",
+    "calibrated_input",
+    "calibrated_profile",
+    "derive_profile",
+    "generated_profiles",
+    "predicted_profile",
+    "profile_fields",
+    "target_shape",
+]
 
 # package data beside the profiles (pyproject.toml [tool.setuptools.package-data])
 CONFIG_DIR = files("bidir_kv") / "data" / "model_configs"
 ALLREDUCE_US = 10.0  # one small tensor-parallel all-reduce inside a node (NVLink), assumption
 HBM_EFFICIENCY = 0.7  # achieved fraction of HBM bandwidth when streaming weights, assumption
-# llm-d's GLM-5.2 on H200: recompute ~130-144 µs/token; the low end is the short-context rate
-GLM_MEASURED_PREFILL_US = 130.0
 
 _NET = (
     "rail 4.4 GB/s per rank-level transfer: vLLM issue #50913 (3P1D H200: 167 MB in 38.7 ms "
@@ -66,20 +85,13 @@ def target_shape(config: str) -> ModelShape:
     return model_shape(load_model_config(CONFIG_DIR / f"{config}.json"))
 
 
-def _glm_hardware() -> Hardware:
-    """FP8 peak, and the MFU that reproduces llm-d's measured short-context recompute."""
-    base = Hardware(peak_tflops_per_gpu=1979.0, block_size=64)
-    flops = target_shape("glm-5-fp8").linear_flops_per_token()
-    mfu = flops / (GLM_MEASURED_PREFILL_US * 1e-6 * base.gpus * base.peak_tflops_per_gpu * 1e12)
-    return replace(base, mfu=round(mfu, 5))
-
-
 def _targets() -> dict[str, Target]:
     qwen = Target(
-        profile="qwen3-32b-p5en",
+        profile="qwen3-32b-p5en-derived",
         config="qwen3-32b",
         description="Qwen3-32B bf16, TP 8 on p5en.48xlarge (8x H200), D->P NIXL READs over "
-        "EFA (the AWS blog's 1P1D)",
+        "EFA (the AWS blog's 1P1D), derived from first principles (compare qwen3-32b-p5en, "
+        "calibrated on the published figures)",
         hardware=Hardware(),
         weight_bytes_per_param=2.0,
         decode_us_per_seq=60.0,
@@ -97,26 +109,32 @@ def _targets() -> dict[str, Target]:
         profile="glm5-fp8-p5en",
         config="glm-5-fp8",
         description="GLM-5-FP8 (744B MoE, 40B active, MLA + sparse attention), TP 8 on "
-        "p5en.48xlarge, D->P NIXL READs over EFA",
-        hardware=_glm_hardware(),
+        "p5en.48xlarge, D->P NIXL READs over EFA; predicted from its config with the hardware "
+        "terms calibrated on the published Qwen3-32B figures (fitted to no GLM-5 figure)",
+        # the FP8 peak; the achieved fraction comes from the calibration (predicted_profile)
+        hardware=Hardware(peak_tflops_per_gpu=1979.0, block_size=64),
         weight_bytes_per_param=1.0,
         decode_us_per_seq=100.0,
         sources=(
             "shape: bidir_kv/data/model_configs/glm-5-fp8.json (MLA latent 512 + rope 64, "
-            "indexer keys 128 FP8, 78 layers; checked against the model card's 744B / 40B)",
-            "H200 dense FP8 1979 TFLOP/s: NVIDIA H200 datasheet",
-            "prefill 130 µs/token at short context (MFU derived from it): llm-d's GLM-5.2 H200 "
-            "results, recompute ~130-144 µs/token; assumption: GLM-5.2 costs what GLM-5 does",
+            "indexer keys 128 FP8, 78 layers, 256 experts 8 active + 1 shared; checked against "
+            "the model card's 744B / 40B)",
+            "H200 dense FP8 1979 TFLOP/s, HBM 4.8 TB/s: NVIDIA H200 datasheet",
             "block size 64: assumption (vLLM's FlashMLA and sparse-MLA backends on Hopper)",
             "descriptors: 78 layers x 2 (latent, indexer keys) per 64-token block per rank; the "
             "latent is replicated on every rank",
-            *_NET,
+            "handshake 6 s on the first pull of a pair: llm-d's GLM-5.2 H200 results",
+            "decode: active weights / GPUs / (4.8 TB/s x 0.7) + 2 all-reduces x 10 µs per layer: "
+            "assumptions",
         ),
     )
     return {t.profile: t for t in (qwen, glm)}
 
 
-TARGETS: dict[str, Target] = _targets()
+_ALL_TARGETS = _targets()
+# first-principles profiles (the GLM-5 target is the predicted profile's model and compute)
+TARGETS: dict[str, Target] = {"qwen3-32b-p5en-derived": _ALL_TARGETS["qwen3-32b-p5en-derived"]}
+GLM = _ALL_TARGETS["glm5-fp8-p5en"]
 
 
 def profile_fields(
@@ -171,16 +189,224 @@ def derive_profile(target: Target) -> dict[str, Any]:
     }
 
 
+# ---- calibrated: the published table, fitted -----------------------------------------
+
+CALIBRATED = "qwen3-32b-p5en"  # the profile a published table calibrates
+PREDICTED = "glm5-fp8-p5en"  # the profile predicted with its hardware terms
+
+
+def _table() -> PublishedTable:
+    table = load_table(CALIBRATED)
+    if table is None:
+        raise FileNotFoundError(f"bidir_kv/data/published/{CALIBRATED}.json is missing")
+    return table
+
+
+def _table_decode_us(table: PublishedTable) -> float:
+    """The emulated decode step with the table's clients in D's batch (the derivation of
+    docs/profiles.md §3; the table has no decode figure)."""
+    target = _ALL_TARGETS["qwen3-32b-p5en-derived"]
+    step = round(_decode_us(target_shape(target.config), target.hardware, 2.0), 1)
+    return step + target.decode_us_per_seq * (table.num_clients - 1)
+
+
+def calibrated_input() -> tuple[PublishedTable, FitInput]:
+    """The published table and the fit's input made of it."""
+    table = _table()
+    return table, fit_input(table, _table_decode_us(table))
+
+
+def calibrated_cost() -> tuple[PublishedTable, CostModel]:
+    """The published table and the terms fitted to it (``bidir_kv.plan.calibrate.fit``)."""
+    table, inp = calibrated_input()
+    return table, fit(inp)
+
+
+def _decode_us(shape: ModelShape, hw: Hardware, weight_bytes_per_param: float) -> float:
+    """One decode step, batch 1: the active weights streamed once from HBM, two TP
+    all-reduces per layer (assumptions)."""
+    weights_bytes = shape.active_params * weight_bytes_per_param / hw.gpus
+    decode_us = weights_bytes / (hw.hbm_gbytes_per_s * 1e9 * HBM_EFFICIENCY) * 1e6
+    return decode_us + shape.num_layers * 2 * ALLREDUCE_US
+
+
+def _emulator_fields(decode_us_per_seq: float, sources: Sequence[str]) -> dict[str, Any]:
+    return {
+        "decode_us_per_seq": decode_us_per_seq,
+        "max_num_batched_tokens": 8192,
+        "kv_bytes_per_token": 256,
+        "num_layers": 4,
+        "time_scale": 1.0,
+        "sources": list(sources),
+    }
+
+
+def calibrated_profile() -> dict[str, Any]:
+    """``qwen3-32b-p5en``: every timing term from the fit to the published table."""
+    table, cost = calibrated_cost()
+    target = _ALL_TARGETS["qwen3-32b-p5en-derived"]
+    shape = target_shape(target.config)
+    tp = table.tp_size
+    rank_bytes = shape.kv_bytes_per_token_per_rank(tp)
+    rail = rank_bytes / (cost.xfer_us_per_token * 1e3)
+    err = {(r.point, r.figure): r.error for r in residuals(calibrated_input()[1], cost)}
+
+    def res(*figures: str) -> str:
+        return ", ".join(
+            f"{fig} {pt}: {e:+.1%}" for (pt, fig), e in sorted(err.items()) if fig in figures
+        )
+
+    fit_src = f"published fit ({table.name}, bidir_kv/data/published; docs/profiles.md §2)"
+    sources = (
+        f"prefill {cost.recompute_us_per_token:.3f} µs/token + {cost.prefill_fixed_us / 1e3:.2f}"
+        f" ms per request: {fit_src}, OFF prefill; residuals {res('prefill OFF')}",
+        f"attention {cost.recompute_us_per_token_ctx:.4f} µs/token per 1k context: the matmul "
+        "term x the FLOP ratio of bidir_kv/data/model_configs/qwen3-32b.json (assumption: "
+        "attention runs at the matmuls' rate)",
+        f"pull {cost.pull_overhead_us / 1e3:.2f} ms fixed + {cost.xfer_us_per_token:.3f} µs/token"
+        f" ({rail:.2f} GB/s per rank at {rank_bytes:,.0f} B per rank per token): {fit_src}, KV "
+        f"transfer; the per-descriptor cost is folded into the bytes (two points, one "
+        f"descriptor size); residuals {res('KV transfer')}",
+        f"P's work per pulled token {cost.pull_after_us_per_token:.3f} µs (descriptor "
+        f"preparation, block bookkeeping, the step that sees the READ complete) and step "
+        f"{cost.step_us:.0f} µs: {fit_src}, ON prefill less the rest; residuals "
+        f"{res('prefill ON')}",
+        f"D's part of TTFT {cost.decode_ttft_fixed_us / 1e3:.2f} ms + "
+        f"{cost.decode_ttft_us_per_token:.3f} µs per prompt token: {fit_src}, TTFT less the "
+        f"prefill, both legs; residuals {res('TTFT OFF', 'TTFT ON')}",
+        "workload behind the figures (prompt and pulled tokens per point): assumptions in "
+        "bidir_kv/plan/published.py",
+        "descriptors: 64 layers x 2 (K, V) per 16-token block per rank (counted, no cost of "
+        "their own: folded into the bytes)",
+        "handshake 6 s on the first pull of a pair: llm-d's GLM-5.2 H200 results",
+        "decode: active weights / GPUs / (4.8 TB/s x 0.7) + 2 all-reduces x 10 µs per layer: "
+        "assumptions (the table has no decode figure)",
+    )
+    return {
+        "name": CALIBRATED,
+        "description": "Qwen3-32B bf16, TP 8 on p5en.48xlarge (8x H200), D->P NIXL READs over "
+        "EFA (the AWS blog's 1P1D), calibrated on the published figures",
+        **_cost_fields(cost, shape, tp, table.block_size, rail),
+        "decode_us_per_step": round(_decode_us(shape, target.hardware, 2.0), 1),
+        **_emulator_fields(target.decode_us_per_seq, sources),
+        "derivation": "generated by bidir_kv.plan.derive (python -m bidir_kv.plan.derive "
+        "--write): the published table fitted by bidir_kv.plan.calibrate.fit; docs/profiles.md",
+    }
+
+
+def _cost_fields(
+    cost: CostModel, shape: ModelShape, tp: int, block_size: int, rail: float
+) -> dict[str, Any]:
+    return {
+        "prefill_us_per_token": round(cost.recompute_us_per_token, 4),
+        "prefill_us_per_token_ctx": round(cost.recompute_us_per_token_ctx, 5),
+        "prefill_fixed_us": round(cost.prefill_fixed_us, 1),
+        "kv_bytes_per_token_target": round(shape.kv_bytes_per_token(tp)),
+        "transfer_overhead_us": round(cost.pull_overhead_us, 1),
+        "transfer_gbytes_per_s": round(rail * tp, 4),
+        "transfer_per_descriptor_us": round(cost.xfer_us_per_descriptor, 4),
+        "rail_gbytes_per_s": round(rail, 5),
+        "rails_per_rank": 1,
+        "tp_size": tp,
+        "target_block_size": block_size,
+        "descriptors_per_block": shape.num_layers * shape.kv_tensors_per_layer(),
+        "step_us": round(cost.step_us, 1),
+        "handshake_us": 6e6,
+        "pull_after_us_per_token": round(cost.pull_after_us_per_token, 4),
+        "decode_ttft_fixed_us": round(cost.decode_ttft_fixed_us, 1),
+        "decode_ttft_us_per_token": round(cost.decode_ttft_us_per_token, 4),
+    }
+
+
+# ---- predicted: another model with the calibrated hardware terms ---------------------
+
+
+def predicted_cost() -> tuple[CostModel, float, str]:
+    """GLM-5-FP8's terms from its config and the calibrated hardware terms; returns the
+    cost, the achieved fraction of peak carried over, and how P's per-token work scales."""
+    table, qwen = calibrated_cost()
+    qshape = target_shape(_ALL_TARGETS["qwen3-32b-p5en-derived"].config)
+    qhw = _ALL_TARGETS["qwen3-32b-p5en-derived"].hardware
+    shape = target_shape(GLM.config)
+    tp = table.tp_size
+    # the fraction of the dtype's dense peak the calibrated matmul term achieves
+    mfu = qshape.linear_flops_per_token() / (
+        qwen.recompute_us_per_token * 1e-6 * qhw.gpus * qhw.peak_tflops_per_gpu * 1e12
+    )
+    hw = replace(GLM.hardware, mfu=mfu)
+    derived = CostModel.from_hardware(shape, hw)
+    q_rank = qshape.kv_bytes_per_token_per_rank(tp)
+    rail = q_rank / (qwen.xfer_us_per_token * 1e3)  # the calibrated rank-level byte rate
+    q_desc = qshape.num_layers * qshape.kv_tensors_per_layer() / table.block_size
+    g_desc = shape.num_layers * shape.kv_tensors_per_layer() / hw.block_size
+    cost = replace(
+        qwen,
+        recompute_us_per_token=derived.recompute_us_per_token,
+        recompute_us_per_token_ctx=derived.recompute_us_per_token_ctx,
+        xfer_us_per_token=shape.kv_bytes_per_token_per_rank(tp) / (rail * 1e3),
+        kv_bytes_per_token=shape.kv_bytes_per_token(tp),
+        pull_after_us_per_token=qwen.pull_after_us_per_token * g_desc / q_desc,
+        source="prediction",
+        notes=(),
+        sources=(),
+    )
+    return cost, mfu, f"{g_desc:.3f} / {q_desc:.3f} descriptors per token"
+
+
+def predicted_profile() -> dict[str, Any]:
+    """``glm5-fp8-p5en``: GLM-5-FP8's shape with the calibrated profile's hardware terms."""
+    cost, mfu, scale = predicted_cost()
+    shape = target_shape(GLM.config)
+    tp = GLM.hardware.gpus
+    rail = shape.kv_bytes_per_token_per_rank(tp) / (cost.xfer_us_per_token * 1e3)
+    from_cal = f"carried over from {CALIBRATED} (its published fit)"
+    sources = (
+        *GLM.sources,
+        f"prefill {cost.recompute_us_per_token:.3f} µs/token: matmul FLOPs of the config "
+        f"(2 x 40.1B active + the sparse-attention cap) at {mfu:.3f} of the FP8 peak — the "
+        f"fraction of the BF16 peak {CALIBRATED}'s fitted matmul term achieves "
+        "(assumption: the same fraction of the dtype's peak, dense or MoE)",
+        f"attention {cost.recompute_us_per_token_ctx:.4f} µs/token per 1k context: the sparse "
+        "indexer's FLOPs over the whole context at the same rate",
+        f"{cost.prefill_fixed_us / 1e3:.2f} ms per request: {from_cal} (assumption: a "
+        "deployment cost, not the model's)",
+        f"pull {cost.pull_overhead_us / 1e3:.2f} ms fixed + bytes at {rail:.2f} GB/s per rank: "
+        f"{from_cal} (with its folded per-descriptor cost)",
+        f"P's work per pulled token {cost.pull_after_us_per_token:.3f} µs: {from_cal}, scaled "
+        f"by descriptors per token ({scale}; assumption: the work is per descriptor)",
+        f"D's part of TTFT {cost.decode_ttft_fixed_us / 1e3:.2f} ms + "
+        f"{cost.decode_ttft_us_per_token:.3f} µs per prompt token: {from_cal} (assumption)",
+    )
+    return {
+        "name": PREDICTED,
+        "description": GLM.description,
+        **_cost_fields(cost, shape, tp, GLM.hardware.block_size, rail),
+        "decode_us_per_step": round(_decode_us(shape, GLM.hardware, 1.0), 1),
+        **_emulator_fields(GLM.decode_us_per_seq, sources),
+        "derivation": "generated by bidir_kv.plan.derive (python -m bidir_kv.plan.derive "
+        f"--write): predicted from the config with {CALIBRATED}'s hardware terms, fitted to "
+        "no GLM-5 figure; docs/profiles.md",
+    }
+
+
+def generated_profiles() -> dict[str, dict[str, Any]]:
+    """Every generated profile by name: derived, calibrated, predicted."""
+    out = {name: derive_profile(t) for name, t in TARGETS.items()}
+    out[CALIBRATED] = calibrated_profile()
+    out[PREDICTED] = predicted_profile()
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bidir_kv.plan.derive")
     ap.add_argument(
-        "--write", action="store_true", help="rewrite bidir_kv/data/profiles/*-p5en.json"
+        "--write", action="store_true", help="rewrite bidir_kv/data/profiles/*-p5en*.json"
     )
     args = ap.parse_args(argv)
-    for target in TARGETS.values():
-        text = json.dumps(derive_profile(target), indent=2, ensure_ascii=False) + "\n"
+    for name, data in generated_profiles().items():
+        text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
         if args.write:
-            with as_file(PROFILE_DIR / f"{target.profile}.json") as path:
+            with as_file(PROFILE_DIR / f"{name}.json") as path:
                 Path(path).write_text(text)
         else:
             print(text)

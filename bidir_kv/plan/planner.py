@@ -109,6 +109,8 @@ class CostModel:
     it moves leg predictions, never the break-even. ``pull_after_us_per_token`` is
     what a calibration finds P's prefill spends per pulled token beyond the transfer
     histogram (work on the pulled blocks); derived models leave it 0.
+    ``decode_ttft_*`` is D's part of TTFT (its read of P's tail and first step),
+    fixed + per prompt token; it moves both legs' TTFT, never the break-even.
     """
 
     recompute_us_per_token: float
@@ -124,6 +126,9 @@ class CostModel:
     prefill_fixed_us: float = 0.0
     pull_after_us_per_token: float = 0.0
     sources: tuple[str, ...] = field(default=())
+    # D's part of TTFT beyond P's prefill: fixed + per prompt token (a fit; derived: 0)
+    decode_ttft_fixed_us: float = 0.0
+    decode_ttft_us_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -137,6 +142,8 @@ class CostModel:
             "step_us",
             "prefill_fixed_us",
             "pull_after_us_per_token",
+            "decode_ttft_fixed_us",
+            "decode_ttft_us_per_token",
         ):
             value = getattr(self, name)
             if value < 0 or math.isnan(value):
@@ -198,6 +205,10 @@ class CostModel:
     def pull_us(self, tokens: float) -> float:
         return 0.0 if tokens <= 0 else self.pull_fixed_us + tokens * self.pull_us_per_token
 
+    def decode_ttft_us(self, prompt_tokens: float) -> float:
+        """D's part of TTFT for a prompt of ``prompt_tokens`` (0 when not modelled)."""
+        return self.decode_ttft_fixed_us + self.decode_ttft_us_per_token * max(0.0, prompt_tokens)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["notes"] = list(self.notes)
@@ -238,9 +249,17 @@ def recommend_threshold(
         )
     exact = max(1, math.ceil(n))
     rounded = blocks_for_tokens(exact, block_size) * block_size
+    parts = (
+        f" (bytes {cost.xfer_us_per_token:.3f}, descriptors "
+        f"{cost.descriptors_per_token * cost.xfer_us_per_descriptor:.3f}, P's work around the "
+        f"READ {cost.pull_after_us_per_token:.3f})"
+        if cost.pull_after_us_per_token
+        else ""
+    )
     why = (
-        f"pull pays from {n:.1f} tokens: a pull costs {cost.pull_fixed_us:.0f} µs fixed + "
-        f"{cost.pull_us_per_token:.3f} µs/token, recompute costs "
+        f"from the {cost.source} terms, pull pays from {n:.1f} tokens: a pull costs "
+        f"{cost.pull_fixed_us:.0f} µs fixed + {cost.pull_us_per_token:.3f} µs/token{parts}, "
+        f"recompute costs "
         f"{cost.recompute_us_per_token:.3f} µs/token (+{cost.recompute_us_per_token_ctx:.3f} "
         f"µs/token per 1k context) — break-even at context 0 (the cheapest recompute), "
         f"rounded up to a whole block of {block_size}; vLLM's default is "
@@ -272,15 +291,18 @@ def ttft_rows(
 
     OFF recomputes the whole prompt; ON asks :func:`~bidir_kv.policy.pull_decision`
     whether P pulls the history (D holds all but the ``new_tokens`` tail; P's own
-    hit is 0) and computes the rest. ``fixed_us`` (D's tail read and first decode
-    step, HTTP) is added to both.
+    hit is 0) and computes the rest. Both legs add the cost model's per-request
+    prefill part and D's part of TTFT, and ``fixed_us`` (anything else common, e.g.
+    HTTP) on top.
     """
     rows = []
     for length in prompt_lengths:
         if length <= 0:
             raise PlanError(f"prompt length must be > 0, got {length}")
         history = max(0, length - new_tokens)
-        off = cost.recompute_us(length) + fixed_us
+        # both legs: the per-request prefill part and D's part of TTFT
+        fixed = fixed_us + cost.prefill_fixed_us + cost.decode_ttft_us(length)
+        off = cost.recompute_us(length) + fixed
         decision = pull_decision(
             prompt_tokens=length,
             local_hit_tokens=0,
@@ -291,7 +313,7 @@ def ttft_rows(
         pulls = decision.pull
         if pulls:
             pulled = decision.tokens
-            on = cost.pull_us(pulled) + cost.recompute_us(length - pulled, pulled) + fixed_us
+            on = cost.pull_us(pulled) + cost.recompute_us(length - pulled, pulled) + fixed
         else:
             on = off
         rows.append(

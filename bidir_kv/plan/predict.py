@@ -66,6 +66,10 @@ def cost_from_profile(name: str) -> CostModel | None:
         descriptors_per_token=pm.descriptors_per_block / pm.block_size,
         step_us=pm.step_us * ts,
         sources=p.sources,
+        prefill_fixed_us=p.prefill_fixed_us * ts,
+        pull_after_us_per_token=p.pull_after_us_per_token * ts,
+        decode_ttft_fixed_us=p.decode_ttft_fixed_us * ts,
+        decode_ttft_us_per_token=p.decode_ttft_us_per_token * ts,
     )
 
 
@@ -137,8 +141,8 @@ def _pulled_tokens(rec: RequestRecord, block_size: int) -> int:
 
 
 def _predicted_ratio(cost: CostModel, length: int, pulled: int) -> float:
-    off = cost.recompute_us(length)
-    on = cost.pull_us(pulled) + cost.recompute_us(length - pulled, pulled)
+    off = cost.prefill_fixed_us + cost.recompute_us(length)
+    on = cost.prefill_fixed_us + cost.pull_us(pulled) + cost.recompute_us(length - pulled, pulled)
     return off / on if on > 0 else math.inf
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -32,10 +33,21 @@ from bidir_kv.bench.split import on_prefill_split
 from bidir_kv.bench.summary import Summary, ratio_rows, summarize_result
 from bidir_kv.engine.profiles import PROFILE_DIR, ProfileError, load_profile
 from bidir_kv.plan.predict import Prediction, predict
+from bidir_kv.plan.published import FIGURES, PublishedTable, load_table
 from bidir_kv.report.cli import render_dir
 from bidir_kv.report.headline import headline, headline_text
 
-__all__ = ["main", "scaled_profile"]
+__all__ = ["main", "measured_figures", "published_lines", "scaled_profile"]
+
+# the publication's acceptance band for a figure of the demo against the published one
+PUBLISHED_BAND = 0.15
+_LABELS = {
+    "ttft_off": "TTFT OFF",
+    "ttft_on": "TTFT ON",
+    "prefill_off": "prefill OFF",
+    "prefill_on": "prefill ON",
+    "kv_transfer": "KV transfer",
+}
 
 
 def scaled_profile(name: str, scale: float, out_dir: Path) -> Path:
@@ -67,9 +79,18 @@ def _parser() -> argparse.ArgumentParser:
         default=1.0,
         help="multiply emulated durations (default 1: the target's real time, absolute ms)",
     )
-    ap.add_argument("--prefix-tokens", default="2000,4000,8000,16000,24000")
-    ap.add_argument("--num-conversations", type=int, default=4)
-    ap.add_argument("--num-turns", type=int, default=4)
+    # three of the publication's seven lengths and half its conversations: 40 measured turns
+    # per length and leg in < 5 min on 2 cores (docs/benchmarking.md "demo")
+    ap.add_argument("--prefix-tokens", default="2000,12000,24000")
+    ap.add_argument("--num-conversations", type=int, default=5)
+    ap.add_argument("--num-turns", type=int, default=10)
+    ap.add_argument(
+        "--warmup-fraction",
+        type=float,
+        default=0.2,
+        help="leading fraction of each conversation's turns left out of the figures "
+        "(default 0.2, the publication's warm-up)",
+    )
     ap.add_argument("--input-tokens", type=int, default=150)
     ap.add_argument("--output-tokens", type=int, default=300)
     ap.add_argument("--num-clients", type=int, default=2)
@@ -97,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.time_scale <= 0:
         ap.error("--time-scale must be > 0")
+    if not 0 <= args.warmup_fraction < 1:
+        ap.error("--warmup-fraction must be in [0, 1)")
     t0 = time.monotonic()
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -123,7 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return rc
-    _print_outcome(args.out, args.profile)
+    _print_outcome(
+        args.out,
+        args.profile,
+        min_turn(args.num_turns, args.warmup_fraction),
+        args.time_scale,
+    )
     print(f"done in {time.monotonic() - t0:.0f} s; every process stopped")
     return 0
 
@@ -146,11 +174,18 @@ def _sweep_argv(args: argparse.Namespace, profile_path: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _print_outcome(out: Path, profile: str) -> None:
+def min_turn(num_turns: int, warmup_fraction: float) -> int:
+    """First measured 1-based turn: after the warm-up, and never turn 1 (a miss in both
+    legs)."""
+    return max(2, 1 + math.ceil(warmup_fraction * num_turns))
+
+
+def _print_outcome(out: Path, profile: str, first_turn: int = 2, time_scale: float = 1.0) -> None:
     """Render the report; print per length the measurements beside the planner's
-    prediction, the headline with its reliability, and where the files are."""
+    prediction (and the published figures, if any), the headline with its
+    reliability, and where the files are."""
     report, _ = render_dir(out)
-    summary = summarize_result(load_result(out))
+    summary = summarize_result(load_result(out), min_turn=first_turn)
     pred = predict(summary)
     print()
     print(f"profile {profile}: {_profile_sources(profile)}")
@@ -158,9 +193,21 @@ def _print_outcome(out: Path, profile: str) -> None:
         print(f"planner: no prediction ({pred})")
     else:
         print(f"planner: {pred.source}; break-even {pred.break_even_tokens:.0f} history tokens")
-    print(f"turns >= {summary.min_turn} (turn 1 is a miss in both legs); times in ms")
+    print(
+        f"turns >= {summary.min_turn} (turn 1 is a miss in both legs; earlier turns are "
+        "warm-up); times in ms"
+    )
     for line in length_table(summary, pred):
         print(line)
+    table = load_table(profile)
+    if table is not None and time_scale != 1:
+        print(f"published figures of {table.name} not compared: --time-scale {time_scale:g} "
+              "stretches every duration")  # fmt: skip
+    elif table is not None:
+        measured = {p: measured_figures(summary, p) for p in summary.result.prefix_points}
+        print()
+        for line in published_lines(table, measured):
+            print(line)
     print(headline_text(headline(summary)))
     manifest = json.loads((out / "manifest.json").read_text())
     cap = manifest.get("client_capacity") or {}
@@ -218,3 +265,54 @@ def length_table(summary: Summary, pred: Prediction | str) -> list[str]:
 def _f(v: float | None, spec: str) -> str:
     width = int(spec.split(".")[0] or 0)
     return "n/a".rjust(width) if v is None else format(v, spec)
+
+
+def measured_figures(summary: Summary, point: int) -> dict[str, float | None]:
+    """The run's figures at ``point`` named as a published table names them (ms):
+    TTFT medians, mean router prefill (ON: reuse turns), mean rank-level transfer."""
+    off, on = summary.get("off", point), summary.get("on", point)
+    split = on_prefill_split(summary, point)
+    return {
+        "ttft_off": off.ttft_median if off else None,
+        "ttft_on": on.ttft_median if on else None,
+        "prefill_off": off.prefill_ms if off else None,
+        "prefill_on": split[0] if split else (on.prefill_ms if on else None),
+        "kv_transfer": on.xfer_ms_per_transfer if on else None,
+    }
+
+
+def published_lines(
+    table: PublishedTable, measured: dict[int, dict[str, float | None]]
+) -> list[str]:
+    """Per length the table gives and the run measured: published, measured, difference,
+    and whether the difference is inside the acceptance band (±15 %)."""
+    lines = [
+        f"published beside measured, ms ({table.name}: {table.source.split(':')[0]}); "
+        f"band ±{PUBLISHED_BAND:.0%}",
+        f"{'prefix':>7}  {'figure':<12} {'published':>9} {'measured':>9} {'diff':>7}",
+    ]
+    shown = 0
+    for point in sorted(table.figures_ms):
+        mine = measured.get(point)
+        if mine is None:
+            continue
+        for name in FIGURES:
+            pub = table.figure(point, name)
+            if pub is None:
+                continue
+            got = mine.get(name)
+            if got is None or math.isnan(got):
+                lines.append(f"{point:>7}  {_LABELS[name]:<12} {pub:>9.0f} {'n/a':>9}")
+                continue
+            diff = (got - pub) / pub
+            mark = "" if abs(diff) <= PUBLISHED_BAND else "  outside the band"
+            lines.append(
+                f"{point:>7}  {_LABELS[name]:<12} {pub:>9.0f} {got:>9.1f} {diff:>+7.1%}{mark}"
+            )
+            shown += 1
+    if not shown:
+        lines.append(
+            f"  (none of the run's lengths is in the table: it gives "
+            f"{', '.join(str(p) for p in sorted(table.figures_ms))})"
+        )
+    return lines

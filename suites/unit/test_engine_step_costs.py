@@ -1,0 +1,97 @@
+"""What one emulated step costs: each prefill chunk at its own context, the per-request
+terms once per request on the side that computes the prompt, D's part of TTFT.
+
+Why: a step that finishes one long prompt and starts another (vLLM V1 fills the
+token budget that way, docs/engine.md "Scheduling") used to price every token at
+the longest context in the step, which put a step into the OFF curve where prompts
+start to be chunked (issue 24). The calibrated profile's per-request terms (the
+fixed prefill part, P's work per pulled token) must be paid once per request, by
+P, not again by D's one-token tail.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from bidir_kv.config import KVTransferConfig
+from bidir_kv.engine.compute import ModelRunner
+from bidir_kv.engine.kvcache import BlockManager
+from bidir_kv.engine.metrics import EngineMetrics
+from bidir_kv.engine.profiles import CostProfile
+from bidir_kv.engine.request import Request
+from bidir_kv.engine.settings import EngineSettings
+from bidir_kv.engine.steps import StepLoop
+from bidir_kv.engine.transport.base import KVPool
+from bidir_kv.protocol import KVTransferParams
+
+BS, LAYERS = 16, 2
+
+
+def _loop(profile: CostProfile, budget: int) -> StepLoop:
+    settings = EngineSettings(
+        model="m",
+        served_names=["m"],
+        kv=KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_both"}),
+        profile=profile,
+        max_num_batched_tokens=budget,
+    )
+    pool = KVPool.allocate(128, BS * profile.kv_bytes_per_token)
+    blocks = BlockManager(pool, BS, LAYERS, enable_prefix_caching=False)
+    none = cast(Any, None)  # the chunk pricing needs neither the reader nor the owner
+    return StepLoop(settings, blocks, ModelRunner(blocks), EngineMetrics("m"),
+                    reader=none, owner=none)  # fmt: skip
+
+
+def _running(loop: StepLoop, rid: str, n: int, first_block: int, **fields: Any) -> Request:
+    req = Request(rid, list(range(100, 100 + n)), 1, **fields)
+    req.tokens = list(req.prompt)
+    req.blocks = list(range(first_block, first_block + -(-n // BS)))
+    req.state = "running"
+    loop.running.append(req)
+    return req
+
+
+def test_a_shared_step_prices_each_chunk_at_its_own_context() -> None:
+    # attention only: 1 µs per new token per 1k context tokens
+    prof = CostProfile("attn", prefill_us_per_token_ctx=1.0, kv_bytes_per_token=LAYERS * 4,
+                       num_layers=LAYERS)  # fmt: skip
+    loop = _loop(prof, budget=1000)
+    a = _running(loop, "a", 480, 1)
+    a.num_computed, a.prefill_started = 320, True  # A's last chunk: 160 tokens after 320
+    _running(loop, "b", 960, 40)  # B starts: 840 of its tokens fit the rest of the budget
+    tokens, seconds = loop._prefill_chunks(1000, [])
+    assert tokens == 1000
+    own = prof.prefill_seconds(160, 320) + prof.prefill_seconds(840, 0)
+    assert seconds == pytest.approx(own)
+    # the whole step at the longest context (the old pricing) is dearer by B's attention
+    assert prof.prefill_seconds(1000, 320) > own * 1.9
+
+
+def test_per_request_terms_once_and_only_where_the_prompt_is_computed() -> None:
+    prof = CostProfile("fixed", prefill_us_per_token=1.0, prefill_fixed_us=5000.0,
+                       pull_after_us_per_token=2.0, kv_bytes_per_token=LAYERS * 4,
+                       num_layers=LAYERS)  # fmt: skip
+    loop = _loop(prof, budget=64)
+    p_side = _running(loop, "p", 96, 1, params=KVTransferParams(do_remote_decode=True))
+    p_side.num_computed, p_side.external_tokens = 48, 48  # pulled 48 from D
+    d_side = _running(loop, "d", 32, 20, params=KVTransferParams(do_remote_prefill=True))
+    d_side.num_computed = 31  # D recomputes the last token after its pull from P
+    _, first = loop._prefill_chunks(64, [])  # P's 48 and D's 1 token
+    assert first == pytest.approx((49 * 1.0 + 5000.0 + 48 * 2.0) * 1e-6)
+    loop.running.remove(d_side)
+    p_side.num_computed = 48  # a later chunk of the same request: no per-request terms again
+    _, again = loop._prefill_chunks(16, [])
+    assert again == pytest.approx(16 * 1.0 * 1e-6)
+
+
+def test_d_part_of_ttft_replaces_the_wire_model_for_d_pulls() -> None:
+    wire = CostProfile("wire", kv_bytes_per_token_target=1000, transfer_overhead_us=100.0,
+                       transfer_gbytes_per_s=1.0)  # fmt: skip
+    assert wire.decode_pull_seconds(5000) is None  # derived profiles: the wire model
+    part = CostProfile("part", decode_us_per_step=500.0, decode_ttft_fixed_us=1000.0,
+                       decode_ttft_us_per_token=2.0, time_scale=2.0)  # fmt: skip
+    # D's part less the decode step the step loop spends itself, time-scaled
+    assert part.decode_pull_seconds(5000) == pytest.approx((1000 + 10_000 - 500) * 2e-6)
+    assert part.decode_pull_seconds(0) == pytest.approx((1000 - 500) * 2e-6)
