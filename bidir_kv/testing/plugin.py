@@ -31,6 +31,7 @@ pytest_plugins = [
     "bidir_kv.testing.hardware",  # hw_deployment
     "bidir_kv.testing.hw_report",  # the tier's benchmark JSON, JUnit XML and report.md
     "bidir_kv.testing.router",  # redis_server, router_process
+    "bidir_kv.testing.two_hosts",  # two_hosts, ssh_launch
     "bidir_kv.testing.conformance",  # pd, router, prompts; the matrix report
 ]
 
