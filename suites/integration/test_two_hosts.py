@@ -239,8 +239,12 @@ def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(tmp_path: P
         proc.send_signal(signal.SIGINT)
         text = proc.communicate(timeout=120)[0]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc.poll() is None:  # a failed check above: let the inner run tear down first
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert "planted failure" in text and "KeyboardInterrupt" in text, text
     assert _gone(interrupted), f"the interrupted test's node still runs\n{text}"
