@@ -26,6 +26,7 @@ from bidir_kv.bench.plan import CostModel, PlanError, ttft_rows
 from bidir_kv.policy import blocks_for_tokens
 
 __all__ = [
+    "DEFAULT_MAX_REGRESSION",
     "MECHANISM_TOLERANCE",
     "GateFailure",
     "LengthResult",
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 MECHANISM_TOLERANCE = 0.01  # bytes moved vs blocks × block bytes
+DEFAULT_MAX_REGRESSION = 10.0  # percent a run may regress from its --hw-baseline
 
 
 class GateFailure(AssertionError):

