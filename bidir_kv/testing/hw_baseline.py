@@ -42,7 +42,7 @@ __all__ = [
 _LOG = logging.getLogger("bidir_kv.hw_baseline")
 
 
-class DropCheck(RegressionCheck):  # type: ignore[misc]  # pytest-benchmark is untyped
+class DropCheck(RegressionCheck):
     """Percent by which ``current[field]`` fell below ``compared[field]`` (a speedup)."""
 
     def compute(self, current: Mapping[str, float], compared: Mapping[str, float]) -> float:
