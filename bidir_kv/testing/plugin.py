@@ -96,6 +96,22 @@ def _hardware_options(g: pytest.OptionGroup) -> None:
     g.addoption("--hw-model", default=None, help="served model name of the deployment")
     g.addoption("--hw-launch", action="store_true",
                 help="start P and D here with `bidir-kv serve` and stop them after the tier")
+    g.addoption("--hw-launcher", default=None,
+                choices=("auto", "local", "ssh", "slurm", "kubernetes"),
+                help="how P and D are placed: local (one host, no fabric), ssh (--hw-hosts; "
+                "the dry run: two hosts made on this machine), slurm, kubernetes; default: "
+                "local with --hw-launch, auto (ssh where two hosts can be made) for the dry run")
+    g.addoption("--hw-hosts", default=None, metavar="P_HOST,D_HOST",
+                help="--hw-launcher ssh: P's and D's hosts ([user@]host)")
+    g.addoption("--hw-ssh-option", action="append", default=[], metavar="ARG",
+                help="one more ssh client argument for the ssh launcher (repeatable), "
+                "e.g. -F ~/.ssh/cluster_config")
+    g.addoption("--hw-fabric", default="auto", metavar="auto|off|efa[:DEV,...]|if:NAME",
+                help="P's NIC counters the fabric gate reads around the ON rounds "
+                "(docs/hardware.md §4)")
+    g.addoption("--hw-fabric-overhead", type=float, default=None,
+                help="counted bytes may exceed the KV bytes by this factor "
+                "(default 1.05 on EFA, 1.25 on an interface)")
     g.addoption("--hw-launch-model", default=None, help="--hw-launch: the model to serve")
     g.addoption("--hw-p-gpus", default="0,1,2,3", help="--hw-launch: P's accelerators")
     g.addoption("--hw-d-gpus", default="4,5,6,7", help="--hw-launch: D's accelerators")

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import argparse
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bidir_kv.bench.args import int_list
+from bidir_kv.fabric import FabricFailure, gate_fabric
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.testing.emulated_read import LocalNodes, measured_read, node_spec
 from bidir_kv.testing.hardware import NEW_TOKENS, HwDeployment, hw_results, run_round
 from bidir_kv.testing.hw_baseline import gate_baseline, load_baseline
+from bidir_kv.testing.hw_fabric import ONE_HOST, expected_kv_bytes
 from bidir_kv.testing.hw_gates import (
     GateFailure,
     LengthResult,
@@ -32,6 +36,7 @@ from bidir_kv.testing.hw_gates import (
 )
 from bidir_kv.testing.hw_report import record_benchmark, record_gate
 from bidir_kv.testing.pd_client import run_pd_turn
+from bidir_kv.topology.process import free_port
 
 GPU_LENGTHS = "4096,16384"
 CPU_LENGTHS = "1000,2000,3000"  # the tiny model's context is 4096
@@ -68,7 +73,7 @@ def _gate(config: pytest.Config, length: int, name: str, check: Any) -> None:
     """Run one gate, record its outcome for the report, re-raise a failure."""
     try:
         detail = check()
-    except GateFailure as exc:
+    except (GateFailure, FabricFailure) as exc:
         record_gate(config, length, name, False, str(exc))
         raise
     record_gate(config, length, name, True, str(detail))
@@ -161,6 +166,50 @@ def test_gate_baseline(history_tokens: int, pytestconfig: pytest.Config) -> None
         return gate_baseline(history_tokens, res, baseline, limit)
 
     _gate(pytestconfig, history_tokens, "baseline", check)
+
+
+def test_gate_fabric(hw_deployment: HwDeployment, history_tokens: int,
+                     pytestconfig: pytest.Config) -> None:
+    """The bytes P's fabric devices counted during the ON rounds cover the KV bytes the
+    mechanism gate expects, within the probe's overhead factor (docs/hardware.md §4)."""
+    dep = hw_deployment
+    res = _measured(pytestconfig, history_tokens)
+
+    def check() -> str:
+        if dep.fabric is None:
+            return f"{ONE_HOST} (launcher {dep.launcher}): not gated"
+        summed: dict[str, int] = {}
+        for delta in res.fabric:
+            for label, value in delta.items():
+                summed[label] = summed.get(label, 0) + value
+        expected = expected_kv_bytes(res, dep.block_size, dep.kv_bytes_per_token)
+        counted = gate_fabric(summed, expected, dep.fabric.overhead, what=dep.fabric.what)
+        return (f"{counted:,} bytes counted on {dep.fabric.what} for {expected:,.0f} KV bytes "
+                f"({counted / expected:.3f}x, at most {dep.fabric.overhead:g}x)")
+
+    _gate(pytestconfig, history_tokens, "fabric", check)
+
+
+def test_negative_control_fabric_one_host(hw_deployment: HwDeployment, run_dir: Path,
+                                          pytestconfig: pytest.Config) -> None:
+    """P and D on one host (an emulated pair on loopback, started here): a real D->P read
+    that P's fabric counters do not see, so the fabric gate fails naming them."""
+    probe = hw_deployment.fabric
+    if probe is None:
+        pytest.skip(f"{ONE_HOST}: the deployment has no fabric counters to control")
+    nodes = LocalNodes(run_dir)
+    try:
+        lo = "127.0.0.1"
+        d = nodes.start(node_spec("decode", lo, lo, free_port(), free_port()))
+        p = nodes.start(node_spec("prefill", lo, lo, free_port(), free_port()))
+        delta, expected = measured_read(p, d, probe.read, "hw-fabric-control")
+    finally:
+        nodes.close()
+    with pytest.raises(FabricFailure) as failure:
+        gate_fabric(delta, expected, probe.overhead, what=probe.what)
+    text = str(failure.value)
+    record_gate(pytestconfig, 0, "negative control: fabric, one host", True, text)
+    assert probe.what in text and all(label in text for label in delta), text
 
 
 def test_negative_control_bound_above_reach(hw_deployment: HwDeployment,

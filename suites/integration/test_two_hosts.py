@@ -10,7 +10,6 @@ and D share one host (loopback): the negative control.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -23,88 +22,39 @@ import pytest
 from bidir_kv.fabric import (
     INTERFACE_OVERHEAD,
     FabricFailure,
-    deltas,
     gate_fabric,
     interface_counters,
     read_counters,
 )
-from bidir_kv.policy import blocks_for_tokens
 from bidir_kv.serve.command import ServeSpec
+from bidir_kv.testing.emulated_read import (
+    EMULATOR,
+    LocalNodes,
+    client,
+    measured_read,
+    node_spec,
+)
 from bidir_kv.testing.netns import TwoHosts
-from bidir_kv.testing.pd_client import NIXL_BYTES, EngineClient, run_pd_turn, settled_metrics
+from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.two_hosts import emulator_command, ssh_host
-from bidir_kv.topology.base import Node
 from bidir_kv.topology.launch.remote import LaunchFailed
 from bidir_kv.topology.launch.ssh import SshLauncher, SshNode
-from bidir_kv.topology.process import ManagedProcess, free_port, wait_http_ok
+from bidir_kv.topology.process import free_port
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 16
-KV_BYTES_PER_TOKEN = 4096
-HISTORY = 2000
 REPO = Path(__file__).resolve().parents[2]
-EMULATOR = ("--transport", "tcp", "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN))
-
-
-def _spec(role: str, ip: str, host: str, port: int, side: int) -> ServeSpec:
-    return ServeSpec(role="prefill" if role == "prefill" else "decode", model="tiny", ip=ip,
-                     host=host, port=port, side_channel_port=side, block_size=BLOCK,
-                     max_model_len=8192, cold_prefill=True, kv_rank=0 if role == "prefill"
-                     else 1, kv_parallel_size=2, device="cpu")
-
-
-def _client(role: str, host: str, port: int, log: Path | None = None) -> EngineClient:
-    return EngineClient(Node(role="prefill" if role == "prefill" else "decode", name=role,
-                             host=host, port=port, log_path=str(log) if log else None))
 
 
 @pytest.fixture
 def local_node(run_dir: Path) -> Iterator[Callable[[ServeSpec], EngineClient]]:
     """The ``local`` launcher: a node on this host (one host, no fabric)."""
-    procs: list[ManagedProcess] = []
-
-    def start(spec: ServeSpec) -> EngineClient:
-        cmd = emulator_command(spec, *EMULATOR)
-        log = run_dir / f"{spec.role}-{spec.http_port}.log"
-        proc = ManagedProcess(spec.role, cmd.argv, log, env={**os.environ, **cmd.env})
-        procs.append(proc)
-        proc.start()
-        url = f"http://{spec.host}:{spec.http_port}"
-        wait_http_ok(url + "/health", 60, alive=proc)
-        return _client(spec.role, spec.host, spec.http_port, log)
-
+    nodes = LocalNodes(run_dir)
     try:
-        yield start
+        yield nodes.start
     finally:
-        for proc in procs:
-            proc.stop()
-
-
-def _on_read(p: EngineClient, d: EngineClient, counters_of: Callable[[], dict[str, int]],
-             seed: str) -> tuple[dict[str, int], float]:
-    """Turn 1 through P and D, then turn 2's prefill on P with D's params (a D->P read);
-    the counters' deltas around that prefill, and the KV bytes the read had to move."""
-    rng = random.Random(seed)
-    prompt = [rng.randrange(10, 1000) for _ in range(HISTORY)]
-    turn1 = run_pd_turn(p, d, prompt, 8)
-    assert turn1.d is not None and turn1.d.ok and turn1.d.params is not None, (turn1.p.error,
-                                                                               turn1.d)
-    prompt2 = [*turn1.sequence, *[rng.randrange(10, 1000) for _ in range(150)]]
-    metrics_before = settled_metrics(p)
-    before = counters_of()
-    out = p.complete(prompt2, 1, turn1.d.params.for_prefill_hit())
-    after = counters_of()
-    assert out.ok, out.error
-    moved = (settled_metrics(p) - metrics_before).value(NIXL_BYTES)
-    pulled = int((settled_metrics(p) - metrics_before).value(
-        "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"))
-    expected = blocks_for_tokens(pulled, BLOCK) * BLOCK * KV_BYTES_PER_TOKEN
-    assert pulled >= HISTORY - BLOCK and moved == expected, (pulled, moved, expected)
-    if out.params is not None:
-        d.complete(prompt2, 1, out.params)
-    return deltas(before, after), expected
+        nodes.close()
 
 
 def test_d_on_its_host_through_ssh_reads_cross_the_veth(
@@ -112,19 +62,19 @@ def test_d_on_its_host_through_ssh_reads_cross_the_veth(
     local_node: Callable[[ServeSpec], EngineClient], run_dir: Path,
 ) -> None:
     hosts = two_hosts
-    d_spec = _spec("decode", hosts.d_addr, hosts.d_addr, 8200, 5601)
+    d_spec = node_spec("decode", hosts.d_addr, hosts.d_addr, 8200, 5601)
     node = ssh_launch(emulator_command(d_spec, *EMULATOR), name="decode")
     # P's HTTP on its veth address too: D calls back to it (the emulator's claim); this
     # process reaches it through the local route, not across the veth
-    p = local_node(_spec("prefill", hosts.p_addr, hosts.p_addr, free_port(hosts.p_addr),
+    p = local_node(node_spec("prefill", hosts.p_addr, hosts.p_addr, free_port(hosts.p_addr),
                          free_port(hosts.p_addr)))
     d_url = f"http://{hosts.d_addr}:8200"
     node.wait_healthy(d_url + "/health", 60, log_copy=run_dir / "decode.log")
-    d = _client("decode", hosts.d_addr, 8200)
+    d = client("decode", hosts.d_addr, 8200)
     assert hosts.d_addr in node.where and node.running()
 
     counters = interface_counters(hosts.p_if)
-    delta, expected = _on_read(p, d, lambda: read_counters(counters), "two-hosts")
+    delta, expected = measured_read(p, d, lambda: read_counters(counters), "two-hosts")
     counted = gate_fabric(delta, expected, INTERFACE_OVERHEAD, what=f"P's interface {hosts.p_if}")
     assert counted >= expected
 
@@ -146,10 +96,10 @@ def test_negative_control_one_host_fails_the_fabric_gate(
     and the gate fails naming the interface and its counter."""
     hosts = two_hosts
     lo = "127.0.0.1"
-    d = local_node(_spec("decode", lo, lo, free_port(), free_port()))
-    p = local_node(_spec("prefill", lo, lo, free_port(), free_port()))
+    d = local_node(node_spec("decode", lo, lo, free_port(), free_port()))
+    p = local_node(node_spec("prefill", lo, lo, free_port(), free_port()))
     counters = interface_counters(hosts.p_if)
-    delta, expected = _on_read(p, d, lambda: read_counters(counters), "one-host")
+    delta, expected = measured_read(p, d, lambda: read_counters(counters), "one-host")
     with pytest.raises(FabricFailure) as failure:
         gate_fabric(delta, expected, INTERFACE_OVERHEAD, what=f"P's interface {hosts.p_if}")
     text = str(failure.value)
@@ -167,7 +117,7 @@ def test_bad_ssh_target_fails_once_in_one_line_and_leaves_nothing(
               if case == "refused login" else good.__class__(hosts.spare_addr, user="root",
                                                              options=good.options))
     before = sorted(hosts.pids_in_d())
-    spec = _spec("decode", hosts.d_addr, hosts.d_addr, 8200, 5601)
+    spec = node_spec("decode", hosts.d_addr, hosts.d_addr, 8200, 5601)
     remote = run_dir / "remote"
     with pytest.raises(LaunchFailed) as failure:
         SshLauncher(target, run_dir=str(remote)).start(emulator_command(spec, *EMULATOR),
