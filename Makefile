@@ -34,6 +34,11 @@ lint: venv
 	$(VENV)/bin/ruff check bidir_kv suites fixtures conftest.py
 	@# the layering contracts of [tool.importlinter] in pyproject.toml
 	$(VENV)/bin/lint-imports --no-cache
+	@# P and D as Kubernetes pods, against Kubernetes' schemas (offline; kubernetes-validate)
+	@mkdir -p out
+	$(VENV)/bin/python -m bidir_kv serve --emit kubernetes --model Qwen/Qwen3-32B \
+	  --nixl-backend LIBFABRIC --tp 8 --cold-prefill > out/serve-kubernetes.yaml
+	$(VENV)/bin/kubernetes-validate --strict --quiet out/serve-kubernetes.yaml
 	@# the CI workflows (.github/workflows, runner labels in .github/actionlint.yaml)
 	$(VENV)/bin/actionlint .github/workflows/*.yml
 
