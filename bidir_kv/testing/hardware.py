@@ -13,7 +13,10 @@ Without any of them the tier skips, or fails under ``--require-tier hardware``.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -34,6 +37,7 @@ from bidir_kv.testing.pd_client import (
     NIXL_FAILED,
     NIXL_XFERS,
     WATCHED,
+    Completion,
     EngineClient,
     run_pd_turn,
 )
@@ -41,7 +45,8 @@ from bidir_kv.topology.base import BackendUnavailable, Node
 from bidir_kv.topology.process import ProcessFailed
 from bidir_kv.topology.vllm_cpu import VLLM_CPU_VERSION
 
-__all__ = ["HwDeployment", "hw_deployment", "hw_results", "measure_length", "run_round"]
+__all__ = ["HwDeployment", "hw_deployment", "hw_results", "measure_conversations",
+           "measure_length", "measure_turn", "run_round"]
 
 NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds_sum"
 _NAMES = (*WATCHED, NIXL_XFER_TIME)
@@ -95,39 +100,46 @@ def _metrics(client: EngineClient, timeout: float = 5.0) -> MetricsSnapshot:
     return prev
 
 
-def _finish_on_d(dep: HwDeployment, prompt: list[int], p_params: KVTransferParams | None) -> None:
-    """D's leg of the turn (one token): D reads what P holds for it, so no P lease is
-    left to lapse and count as an expired transfer in a later round."""
-    if p_params is not None:
-        dep.decode.complete(prompt, 1, p_params)
+def _finish_on_d(dep: HwDeployment, prompt: list[int], p_params: KVTransferParams | None,
+                 tokens: int = 1) -> Completion | None:
+    """D's leg of the turn: D reads what P holds for it, so no P lease is left to lapse
+    and count as an expired transfer in a later round; ``tokens`` is the answer's length
+    (1 when the conversation ends here)."""
+    if p_params is None:
+        return None
+    return dep.decode.complete(prompt, tokens, p_params)
 
 
-def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthResult,
-              off_first: bool) -> None:
-    """One turn 1, then turn 2's prefill on P twice: OFF (miss dict, fresh cache_salt so
-    nothing local is reused) and ON (D's dict), in the order given; each finished on D."""
-    p, d = dep.prefill, dep.decode
-    turn1 = run_pd_turn(p, d, dep.prompt(rng, history), OUTPUT_TOKENS)
-    assert turn1.d is not None and turn1.d.ok, f"turn 1 failed: {turn1.d or turn1.p}"
-    assert turn1.d.params is not None, "D returned no kv_transfer_params: bidirectional off?"
-    prompt2 = [*turn1.sequence, *dep.prompt(rng, NEW_TOKENS)]
-    res.prompt_tokens = len(prompt2)
+def measure_turn(dep: HwDeployment, prompt: list[int], d_params: KVTransferParams,
+                 res: LengthResult, off_first: bool, answer_tokens: int = 1,
+                 lock: threading.Lock | None = None) -> Completion | None:
+    """A measured turn >= 2: P's prefill of ``prompt`` twice, OFF (miss dict, fresh
+    cache_salt so nothing local is reused) and ON (D's dict), in the order given; OFF is
+    finished on D with one token, ON with ``answer_tokens`` (the conversation's answer,
+    returned). ``lock`` serializes the prefills of concurrent clients, so P's counter
+    deltas belong to one request."""
+    p = dep.prefill
+    res.prompt_tokens = max(res.prompt_tokens, len(prompt))
+    guard = lock or contextlib.nullcontext()
+    answer: list[Completion | None] = [None]
 
     def off() -> None:
-        salt = {"cache_salt": f"hw-off-{rng.random()}"}
-        out = p.complete(prompt2, 1, KVTransferParams.miss(), extra=salt)
+        salt = {"cache_salt": f"hw-off-{secrets.token_hex(8)}"}
+        with guard:
+            out = p.complete(prompt, 1, KVTransferParams.miss(), extra=salt)
         assert out.ok, f"OFF prefill failed: {out.error}"
         res.off_s.append(out.elapsed)
-        _finish_on_d(dep, prompt2, out.params)
+        _finish_on_d(dep, prompt, out.params)
 
-    def on(params: KVTransferParams) -> None:
-        before = _metrics(p)
-        counted = dep.fabric.read() if dep.fabric else {}
-        out = p.complete(prompt2, 1, params.for_prefill_hit())
-        assert out.ok, f"ON prefill failed: {out.error}"
-        delta = _metrics(p) - before  # settled: the read's transfer stats have landed
-        if dep.fabric:
-            res.fabric.append(deltas(counted, dep.fabric.read()))
+    def on() -> None:
+        with guard:
+            before = _metrics(p)
+            counted = dep.fabric.read() if dep.fabric else {}
+            out = p.complete(prompt, 1, d_params.for_prefill_hit())
+            assert out.ok, f"ON prefill failed: {out.error}"
+            delta = _metrics(p) - before  # settled: the read's transfer stats have landed
+            if dep.fabric:
+                res.fabric.append(deltas(counted, dep.fabric.read()))
         res.on_s.append(out.elapsed)
         res.pulled_tokens.append(int(delta.value("vllm:prompt_tokens_by_source_total",
                                                  source="external_kv_transfer")))
@@ -136,14 +148,62 @@ def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthRe
         res.xfers.append(int(delta.value(NIXL_XFERS)))
         res.failed += int(delta.value(NIXL_FAILED))
         res.expired += int(delta.value(NIXL_EXPIRED))
-        _finish_on_d(dep, prompt2, out.params)
+        answer[0] = _finish_on_d(dep, prompt, out.params, answer_tokens)
 
-    if off_first:
-        off()
-        on(turn1.d.params)
-    else:
-        on(turn1.d.params)
-        off()
+    for step in ((off, on) if off_first else (on, off)):
+        step()
+    return answer[0]
+
+
+def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthResult,
+              off_first: bool) -> None:
+    """One turn 1, then turn 2 measured (:func:`measure_turn`)."""
+    turn1 = run_pd_turn(dep.prefill, dep.decode, dep.prompt(rng, history), OUTPUT_TOKENS)
+    assert turn1.d is not None and turn1.d.ok, f"turn 1 failed: {turn1.d or turn1.p}"
+    assert turn1.d.params is not None, "D returned no kv_transfer_params: bidirectional off?"
+    prompt2 = [*turn1.sequence, *dep.prompt(rng, NEW_TOKENS)]
+    measure_turn(dep, prompt2, turn1.d.params, res, off_first)
+
+
+def measure_conversations(dep: HwDeployment, history: int, res: LengthResult, *,
+                          conversations: int, turns: int, clients: int,
+                          answer_tokens: int, seed: int = 0) -> None:
+    """The publication's shape: ``conversations`` of ``turns`` turns on a ``history``-token
+    prefix, ``NEW_TOKENS`` user tokens and ``answer_tokens`` answer tokens per turn, by
+    ``clients`` concurrent clients; every turn >= 2 measured OFF and ON
+    (:func:`measure_turn`, alternating the order), its ON answer carrying the
+    conversation on."""
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def conversation(i: int) -> None:
+        rng = random.Random(f"hw-{seed}-{history}-{i}")
+        turn1 = run_pd_turn(dep.prefill, dep.decode, dep.prompt(rng, history), answer_tokens)
+        assert turn1.d is not None and turn1.d.ok and turn1.d.params is not None, (
+            f"conversation {i}: turn 1 failed: {turn1.d or turn1.p}")
+        seq, params = turn1.sequence, turn1.d.params
+        for turn in range(2, turns + 1):
+            prompt = [*seq, *dep.prompt(rng, NEW_TOKENS)]
+            out = measure_turn(dep, prompt, params, res, off_first=(i + turn) % 2 == 0,
+                               answer_tokens=answer_tokens, lock=lock)
+            assert out is not None and out.ok and out.params is not None, (
+                f"conversation {i} turn {turn}: D's answer failed: {out}")
+            seq, params = [*prompt, *out.token_ids], out.params
+
+    def client(first: int) -> None:
+        try:
+            for i in range(first, conversations, clients):
+                conversation(i)
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def measure_length(dep: HwDeployment, history: int, rounds: int, seed: int = 0) -> LengthResult:

