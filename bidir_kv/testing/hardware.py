@@ -346,9 +346,9 @@ def _deployment(config: pytest.Config, run_dir: Path,
     if _opt(config, "--hw-launch"):
         from bidir_kv.testing.hw_launch import launch_pair
 
-        p, d, desc, close = launch_pair(config, run_dir)
+        p, d, desc, close, probe = launch_pair(config, run_dir)
         return HwDeployment(
-            kind="launch", prefill=p, decode=d,
+            kind="launch", prefill=p, decode=d, launcher=desc["launcher"], fabric=probe,
             block_size=int(_opt(config, "--hw-block-size") or 16),
             threshold=int(_opt(config, "--hw-threshold")), token_range=(1000, 20000),
             kv_bytes_per_token=_opt(config, "--hw-kv-bytes-per-token"), description=desc,

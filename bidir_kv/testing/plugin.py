@@ -126,6 +126,12 @@ def _hardware_options(g: pytest.OptionGroup) -> None:
     g.addoption("--hw-fabric-overhead", type=float, default=None,
                 help="counted bytes may exceed the KV bytes by this factor "
                 "(default 1.05 on EFA, 1.25 on an interface)")
+    g.addoption("--hw-image", default="vllm/vllm-openai:latest",
+                help="--hw-launcher kubernetes: the pods' image (vLLM with NIXL)")
+    g.addoption("--hw-kube-api", default=None,
+                help="--hw-launcher kubernetes: the API server URL (default: in-cluster)")
+    g.addoption("--hw-kube-namespace", default="default",
+                help="--hw-launcher kubernetes: the namespace of the pods")
     g.addoption("--hw-launch-model", default=None, help="--hw-launch: the model to serve")
     g.addoption("--hw-p-gpus", default="0,1,2,3", help="--hw-launch: P's accelerators")
     g.addoption("--hw-d-gpus", default="4,5,6,7", help="--hw-launch: D's accelerators")

@@ -31,7 +31,11 @@ class NodeHandle(Protocol):
     """One placed node."""
 
     name: str
-    where: str  # "ssh root@10.0.0.2", "slurm job 12 step 0 on node-a", "pod bkv-p"
+
+    @property
+    def where(self) -> str:
+        """"ssh root@10.0.0.2 pid 7", "slurm job 12 step 0 on node-a", "pod ns/bkv-p"."""
+        ...
 
     def stop(self, timeout: float = 30.0) -> str:
         """Stop the node (again: a no-op); one line saying what happened."""
