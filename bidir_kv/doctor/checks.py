@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from bidir_kv.fabric_probe import FabricProbe
 from bidir_kv.policy import EXPIRY_SAFETY_MARGIN, cache_ttl_within_retention
 from bidir_kv.scrape import MetricsSnapshot, parse_metrics
 
@@ -59,6 +60,7 @@ class Context:
     decoder_ttl: float | None = None  # D's decoder_kv_blocks_ttl when known
     host_checks: bool = True
     cache: dict[str, Any] = field(default_factory=dict)
+    fabric: FabricProbe | None = None  # P's NIC counters, read around the probe's turn 2
 
     def log_text(self, role: str) -> str | None:
         path = self.logs.get(role)

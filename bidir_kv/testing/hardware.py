@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 
 from bidir_kv.fabric import deltas
+from bidir_kv.fabric_probe import ONE_HOST, FabricProbe
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import MetricsSnapshot
 from bidir_kv.testing.gating import skip_or_fail
-from bidir_kv.testing.hw_fabric import ONE_HOST, FabricProbe
 from bidir_kv.testing.hw_gates import LengthResult
 from bidir_kv.testing.pd_client import (
     NIXL_BYTES,
@@ -312,7 +312,7 @@ def _vllm_cpu(config: pytest.Config, run_dir: Path,
     if launcher == "auto":
         launcher = "local" if two_hosts_missing() else "ssh"
     if launcher == "ssh":
-        from bidir_kv.testing.hw_fabric import local_probe
+        from bidir_kv.fabric_probe import local_probe
         from bidir_kv.testing.hw_two_hosts import start_pair
 
         hosts = two_hosts()

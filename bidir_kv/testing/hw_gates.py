@@ -31,6 +31,7 @@ __all__ = [
     "GateFailure",
     "LengthResult",
     "calibrated_bounds",
+    "expected_kv_bytes",
     "gate_efficiency",
     "gate_mechanism",
     "gate_speedup",
@@ -143,6 +144,17 @@ def gate_mechanism(
                 f"{expected:,.0f} (= {_slots(tokens, block_size)} block slots × "
                 f"{per_token:,.0f} B/token) within {MECHANISM_TOLERANCE:.0%}"
             )
+
+
+def expected_kv_bytes(result: LengthResult, block_size: int,
+                      kv_bytes_per_token: float | None) -> float:
+    """The KV bytes the ON rounds had to move: the mechanism gate's expectation (whole
+    blocks of the pulled tokens × KV bytes per token), or NIXL's own count when the
+    model's shape is unknown. The fabric gate asks P's NICs to have counted them."""
+    if kv_bytes_per_token is None:
+        return float(sum(result.bytes_moved))
+    return float(sum(_slots(t, block_size) * kv_bytes_per_token
+                     for t in result.pulled_tokens))
 
 
 def gate_efficiency(result: LengthResult, line_rate_gbps: float, share: float) -> float:

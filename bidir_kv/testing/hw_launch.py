@@ -30,9 +30,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from bidir_kv.fabric_probe import FabricProbe
 from bidir_kv.serve.command import ServeSpec, build
 from bidir_kv.serve.launcher import launch, stop
-from bidir_kv.testing.hw_fabric import FabricProbe
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import Node
 from bidir_kv.topology.launch.ssh import SshHost, SshLauncher
@@ -63,7 +63,7 @@ def _remote_pair(config: pytest.Config, run_dir: Path, model: str,
                  launcher: str) -> tuple[EngineClient, EngineClient, dict[str, Any],
                                          Callable[[], None], FabricProbe | None]:
     """P and D on two hosts through the ssh, slurm or kubernetes launcher."""
-    from bidir_kv.testing.hw_fabric import remote_probe
+    from bidir_kv.fabric_probe import remote_probe
     from bidir_kv.topology.launch.remote import NodeHandle
 
     hosts: list[str]

@@ -19,6 +19,7 @@ import pytest
 
 from bidir_kv.bench.args import int_list
 from bidir_kv.fabric import FabricFailure, gate_fabric
+from bidir_kv.fabric_probe import ONE_HOST
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.emulated_read import LocalNodes, measured_read, node_spec
 from bidir_kv.testing.hardware import (
@@ -29,12 +30,12 @@ from bidir_kv.testing.hardware import (
     run_round,
 )
 from bidir_kv.testing.hw_baseline import gate_baseline, load_baseline
-from bidir_kv.testing.hw_fabric import ONE_HOST, expected_kv_bytes
 from bidir_kv.testing.hw_gates import (
     GateFailure,
     LengthResult,
     bound_for,
     calibrated_bounds,
+    expected_kv_bytes,
     gate_efficiency,
     gate_mechanism,
     gate_speedup,

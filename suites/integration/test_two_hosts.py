@@ -9,6 +9,7 @@ and D share one host (loopback): the negative control.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from bidir_kv.doctor.checks import Context
+from bidir_kv.doctor.cli import run
 from bidir_kv.fabric import (
     INTERFACE_OVERHEAD,
     FabricFailure,
@@ -26,6 +29,7 @@ from bidir_kv.fabric import (
     interface_counters,
     read_counters,
 )
+from bidir_kv.fabric_probe import local_probe
 from bidir_kv.serve.command import ServeSpec
 from bidir_kv.testing.emulated_read import (
     EMULATOR,
@@ -135,6 +139,7 @@ import threading
 from pathlib import Path
 
 from bidir_kv.testing.two_hosts import emulator_command
+from bidir_kv.fabric_probe import local_probe
 from bidir_kv.serve.command import ServeSpec
 
 OUT = Path({out!r})
@@ -198,3 +203,35 @@ def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(tmp_path: P
                 proc.wait()
     assert "planted failure" in text and "KeyboardInterrupt" in text, text
     assert _gone(interrupted), f"the interrupted test's node still runs\n{text}"
+
+
+def test_doctor_fabric_check_sees_the_read_cross_the_veth_and_not_loopback(
+    two_hosts: TwoHosts, ssh_launch: Callable[..., SshNode],
+    local_node: Callable[[ServeSpec], EngineClient], run_dir: Path,
+) -> None:
+    """`bidir-kv doctor --fabric if:<P's veth>`: PASS for D on its own host (through ssh),
+    FAIL naming the interface and its counter for a pair on loopback."""
+    hosts = two_hosts
+    node = ssh_launch(emulator_command(node_spec("decode", hosts.d_addr, hosts.d_addr, 8200,
+                                                 5601), *EMULATOR), name="decode")
+    p = local_node(node_spec("prefill", hosts.p_addr, hosts.p_addr, free_port(hosts.p_addr),
+                             free_port(hosts.p_addr)))
+    node.wait_healthy(f"http://{hosts.d_addr}:8200/health", 60)
+    out = subprocess.run(
+        [sys.executable, "-m", "bidir_kv", "doctor", "--prefill-url", p.url, "--decode-url",
+         f"http://{hosts.d_addr}:8200", "--no-host-checks", "--json",
+         "--fabric", f"if:{hosts.p_if}"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    results = {r["name"]: r for r in json.loads(out.stdout)}
+    fabric = results["fabric: the D->P read crossed P's NIC"]
+    assert fabric["status"] == "PASS", fabric
+    assert f"on P's interface {hosts.p_if}" in fabric["detail"]
+
+    lo = "127.0.0.1"
+    d1 = local_node(node_spec("decode", lo, lo, free_port(), free_port()))
+    p1 = local_node(node_spec("prefill", lo, lo, free_port(), free_port()))
+    ctx = Context(prefill_url=p1.url, decode_url=d1.url, host_checks=False,
+                  fabric=local_probe(f"if:{hosts.p_if}"))
+    (fail,) = [r for r in run(ctx) if r.name.startswith("fabric:")]
+    assert fail.status == "FAIL" and f"{hosts.p_if} rx_bytes" in fail.detail, fail

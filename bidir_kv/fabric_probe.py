@@ -1,15 +1,13 @@
-"""The hardware tier's fabric probe: which counters of P's host it reads around the ON
-rounds (``--hw-fabric``), and the KV bytes they must cover (bidir_kv/fabric.py).
+"""Which of P's counters to read (bidir_kv/fabric.py), here or on P's host through ssh:
+the probe the hardware tier (``--hw-fabric``) and ``bidir-kv doctor`` (``--fabric``) read
+before and after their D->P reads.
 
 * ``efa`` / ``efa:DEV,DEV``: ``rdma_read_bytes`` of P's EFA devices (all, or those named);
-* ``if:NAME``: ``rx_bytes`` of P's interface NAME;
-* ``auto`` (default): the dry run on two hosts reads P's veth; a deployment with the
-  LIBFABRIC backend off this host reads P's EFA devices; a one-host deployment has no
-  fabric to read (its report says "one host, no fabric");
-* ``off``: no probe.
+* ``if:NAME``: ``rx_bytes`` of P's interface NAME.
 
-On P's own host the counters are sysfs reads; on another host (``--hw-hosts`` with the
-ssh launcher) one ``cat`` through ssh reads them all.
+On P's own host the counters are sysfs reads; on another host one ``cat`` through the
+ssh launcher's client reads them all. A pair on one host has no fabric to read
+(:data:`ONE_HOST`, the label every report gives it).
 """
 
 from __future__ import annotations
@@ -29,11 +27,9 @@ from bidir_kv.fabric import (
     interface_counters,
     read_counters,
 )
-from bidir_kv.policy import blocks_for_tokens
-from bidir_kv.testing.hw_gates import LengthResult
 from bidir_kv.topology.launch.ssh import SshHost, run_ssh
 
-__all__ = ["ONE_HOST", "FabricProbe", "expected_kv_bytes", "local_probe", "remote_probe"]
+__all__ = ["ONE_HOST", "FabricProbe", "local_probe", "parse_spec", "remote_probe"]
 
 ONE_HOST = "one host, no fabric"
 
@@ -53,18 +49,18 @@ def _overhead(kind: str, given: float | None) -> float:
     return EFA_OVERHEAD if kind == "efa" else INTERFACE_OVERHEAD
 
 
-def _parse(spec: str) -> tuple[str, list[str] | None]:
+def parse_spec(spec: str) -> tuple[str, list[str] | None]:
     kind, _, arg = spec.partition(":")
     if kind == "efa":
         return kind, [d for d in arg.split(",") if d] or None
     if kind == "if" and arg:
         return kind, [arg]
-    raise ValueError(f"--hw-fabric: expected auto, off, efa[:DEV,...] or if:NAME, got {spec!r}")
+    raise ValueError(f"expected efa[:DEV,...] or if:NAME, got {spec!r}")
 
 
 def local_probe(spec: str, overhead: float | None = None) -> FabricProbe:
     """A probe of counters on this host."""
-    kind, arg = _parse(spec)
+    kind, arg = parse_spec(spec)
     if kind == "efa":
         counters = efa_counters(arg)
         what = f"P's EFA devices ({', '.join(sorted({c.label.split()[0] for c in counters}))})"
@@ -77,7 +73,7 @@ def local_probe(spec: str, overhead: float | None = None) -> FabricProbe:
 
 def remote_probe(spec: str, host: SshHost, overhead: float | None = None) -> FabricProbe:
     """A probe of counters on P's host through ssh (one round trip per reading)."""
-    kind, arg = _parse(spec)
+    kind, arg = parse_spec(spec)
     if kind == "efa":
         pattern = (" ".join(f"{EFA_ROOT}/{d}/ports/*/hw_counters/rdma_read_bytes" for d in arg)
                    if arg else f"{EFA_ROOT}/*/ports/*/hw_counters/rdma_read_bytes")
@@ -104,14 +100,3 @@ def remote_probe(spec: str, host: SshHost, overhead: float | None = None) -> Fab
     devices = "EFA devices" if kind == "efa" else f"interface {counters[0].label.split()[0]}"
     what = f"P's {devices} on {host.destination}"
     return FabricProbe(read, what, _overhead(kind, overhead))
-
-
-def expected_kv_bytes(res: LengthResult, block_size: int,
-                      kv_bytes_per_token: float | None) -> float:
-    """The KV bytes the ON rounds had to move: the mechanism gate's expectation (whole
-    blocks of the pulled tokens × KV bytes per token), or NIXL's own count when the
-    model's shape is unknown."""
-    if kv_bytes_per_token is None:
-        return float(sum(res.bytes_moved))
-    return float(sum(blocks_for_tokens(t, block_size) * block_size * kv_bytes_per_token
-                     for t in res.pulled_tokens))
