@@ -302,7 +302,7 @@ def test_doctor_finds_no_fault(hw_deployment: HwDeployment, pytestconfig: pytest
                                                         ("decode", dep.decode))
             if c.node.log_path}
     ctx = Context(prefill_url=dep.prefill.url, decode_url=dep.decode.url, logs=logs,
-                  decoder_ttl=dep.decoder_ttl, host_checks=False)
+                  decoder_ttl=dep.decoder_ttl, host_checks=False, fabric=dep.fabric)
     results = run(ctx, token_range=dep.token_range)
     for r in results:
         record_gate(pytestconfig, 0, f"doctor: {r.name}", r.status != "FAIL",
