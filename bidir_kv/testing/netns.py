@@ -21,6 +21,7 @@ Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN), ``ip`` (iproute2), ``sshd`` and ``ssh
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import os
 import random
@@ -39,6 +40,7 @@ __all__ = ["SSHD", "SshAccess", "TwoHosts", "TwoHostsUnavailable", "unavailable_
 
 SSHD = "/usr/sbin/sshd"
 _BENCH_NET = ipaddress.IPv4Network("198.18.0.0/15")
+_LOCK = "/run/lock/bidir-kv-two-hosts.lock"
 
 
 class TwoHostsUnavailable(RuntimeError):
@@ -148,15 +150,19 @@ class TwoHosts:
     # ---- network -------------------------------------------------------------------
 
     def _network(self) -> None:
-        net = _free_subnet()
-        p, d, spare = (str(net[i]) for i in (1, 2, 3))
-        self.p_addr, self.d_addr, self.spare_addr = p, d, spare
         _run("ip", "netns", "add", self.d_ns)
         self._stack.callback(self._delete_namespace)
         _run("ip", "link", "add", self.p_if, "type", "veth", "peer", "name", self.d_if)
         self._stack.callback(self._delete_veth)
         _run("ip", "link", "set", self.d_if, "netns", self.d_ns)
-        _run("ip", "addr", "add", f"{p}/{net.prefixlen}", "dev", self.p_if)
+        # pick and take the /24 under a lock: pairs made at once (xdist workers) never
+        # pick the same one
+        with open(_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            net = _free_subnet()
+            p, d, spare = (str(net[i]) for i in (1, 2, 3))
+            self.p_addr, self.d_addr, self.spare_addr = p, d, spare
+            _run("ip", "addr", "add", f"{p}/{net.prefixlen}", "dev", self.p_if)
         _run("ip", "link", "set", self.p_if, "up")
         _run(*self.in_d("ip", "addr", "add", f"{d}/{net.prefixlen}", "dev", self.d_if))
         _run(*self.in_d("ip", "link", "set", self.d_if, "up"))

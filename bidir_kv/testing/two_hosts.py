@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +42,19 @@ def emulator_command(spec: ServeSpec, *extra: str, python: str = sys.executable)
     argv = (python, "-m", "bidir_kv", "engine", *cmd.argv[2:], *extra)
     env = {**cmd.env, "PYTHONPATH": str(_REPO)}
     return replace(cmd, argv=argv, env=env)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (a CI job cancelled, a ``timeout``) ends the session as Ctrl-C does, so
+    fixtures tear down: nodes on other hosts are stopped by their pidfiles and the two
+    hosts are removed, instead of outliving a killed runner."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)
 
 
 def _tier(request: pytest.FixtureRequest) -> str:

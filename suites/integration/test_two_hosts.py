@@ -171,9 +171,12 @@ def _gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(tmp_path: Path) -> None:
-    """A pytest run whose first test fails and whose second is interrupted (SIGINT) still
-    stops both nodes through their pidfiles on D's host."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(
+    tmp_path: Path, sig: signal.Signals,
+) -> None:
+    """A pytest run whose first test fails and whose second is interrupted (Ctrl-C, or a
+    cancelled CI job's SIGTERM) still stops both nodes through their pidfiles on D's host."""
     out = tmp_path / "out"
     out.mkdir()
     inner = tmp_path / "test_inner.py"
@@ -191,7 +194,7 @@ def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(tmp_path: P
         assert _gone(failing), "the failed test's node still runs"
         interrupted = int((out / "interrupted.pid").read_text())
         assert not _gone(interrupted)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         text = proc.communicate(timeout=120)[0]
     finally:
         if proc.poll() is None:  # a failed check above: let the inner run tear down first
