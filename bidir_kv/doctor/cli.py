@@ -24,6 +24,10 @@ from bidir_kv.doctor.checks import (
     node_checks,
     router_checks,
 )
+from bidir_kv.fabric.counters import FabricFailure
+from bidir_kv.fabric.probe import FabricProbe, local_probe, remote_probe
+from bidir_kv.launch.process import ProcessFailed
+from bidir_kv.launch.ssh import SshHost
 
 __all__ = ["main", "run"]
 
@@ -50,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="skip the live two-turn probe")
     p.add_argument("--no-host-checks", dest="host_checks", action="store_false",
                    help="skip fi_info (when the doctor does not run on an engine host)")
+    p.add_argument("--fabric", default=None, metavar="efa[:DEV,...]|if:NAME",
+                   help="read P's NIC counters (EFA rdma_read_bytes, or an interface's "
+                   "rx_bytes) before and after the probe's D->P read, and check they saw it")
+    p.add_argument("--prefill-host", default=None, metavar="[USER@]HOST",
+                   help="--fabric: read the counters on P's host through ssh (default: here)")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="ARG",
+                   help="one more ssh client argument for --prefill-host (repeatable)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
 
@@ -92,6 +103,16 @@ def _print(results: Sequence[Result]) -> None:
     print(f"\n{len(results)} checks: {fails} FAIL, {warns} WARN")
 
 
+def _fabric(ns: argparse.Namespace) -> FabricProbe | None:
+    if ns.fabric is None:
+        return None
+    if ns.prefill_host is None:
+        return local_probe(ns.fabric)
+    user, _, host = ns.prefill_host.rpartition("@")
+    return remote_probe(ns.fabric, SshHost(host, user=user or None,
+                                           options=tuple(ns.ssh_option)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -102,10 +123,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logs = {role: path for role, path in (("prefill", ns.prefill_log), ("decode", ns.decode_log))
             if path is not None}
+    try:
+        fabric = _fabric(ns)
+    except (ValueError, ProcessFailed, FabricFailure) as exc:
+        print(f"bidir-kv doctor: --fabric: {exc}", file=sys.stderr)
+        return 2
     ctx = Context(prefill_url=ns.prefill_url.rstrip("/"), decode_url=ns.decode_url.rstrip("/"),
                   router_url=ns.router_url.rstrip("/") if ns.router_url else None, logs=logs,
                   decoder_ttl=ns.decoder_kv_blocks_ttl or _ttl_from_log(ns.decode_log),
-                  host_checks=ns.host_checks)
+                  host_checks=ns.host_checks, fabric=fabric)
     results = run(ctx, probe=ns.probe, probe_tokens=ns.probe_tokens, token_range=(lo, hi),
                   output_tokens=ns.probe_output_tokens)
     if ns.json:

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from bidir_kv.client import ClientError, TokenClient, run_pd_turn
 from bidir_kv.doctor.checks import Context, Result, fetch_json
+from bidir_kv.fabric.counters import FabricFailure, deltas, gate_fabric
 from bidir_kv.policy import deadline_offset
 from bidir_kv.scrape import NIXL_BYTES
 
@@ -86,7 +87,9 @@ def _probe(ctx: Context, model: str, tokens: int, token_range: tuple[int, int],
                                                      ctx.decoder_ttl)
     results.append(_stream_result(ctx, p, d, [rng.randrange(*token_range) for _ in range(tokens)]))
     prompt2 = [*turn1.sequence, *(rng.randrange(*token_range) for _ in range(150))]
+    counted = ctx.fabric.read() if ctx.fabric else {}
     turn2 = run_pd_turn(p, d, prompt2, 4, previous=params)
+    counters = deltas(counted, ctx.fabric.read()) if ctx.fabric else {}
     pulled = turn2.p_leg.p_sources["external_kv_transfer"]
     moved = turn2.p_leg.p.value(NIXL_BYTES)
     name = "live D->P read (two-turn probe)"
@@ -97,5 +100,24 @@ def _probe(ctx: Context, model: str, tokens: int, token_range: tuple[int, int],
         why = turn2.p.error[:200] if turn2.p.error else f"pulled {pulled} tokens, {moved:.0f} B"
         results.append(Result(name, "FAIL", f"turn 2 read nothing from D: {why}",
                               "bidirectional_kv_xfer on P too; see the expired and failed checks"))
+    results.append(_fabric_result(ctx, counters, moved))
     ctx.forget_metrics()  # the probe moved counters: later checks scrape afresh
     return results
+
+
+def _fabric_result(ctx: Context, counters: dict[str, int], moved: float) -> Result:
+    """The probe's D->P read as P's NICs counted it (bidir_kv/fabric/counters.py)."""
+    name = "fabric: the D->P read crossed P's NIC"
+    if ctx.fabric is None:
+        return Result(name, "WARN", "no fabric counters given (--fabric efa or if:NAME, "
+                      "--prefill-host for P's host): not checked")
+    if moved <= 0:
+        return Result(name, "WARN", "the probe moved no bytes: nothing to count")
+    try:
+        total = gate_fabric(counters, moved, ctx.fabric.overhead, what=ctx.fabric.what)
+    except FabricFailure as exc:
+        return Result(name, "FAIL", str(exc),
+                      "EFA devices and FI_PROVIDER=efa on both nodes; P and D on two nodes "
+                      "(one host moves KV through shared memory)")
+    return Result(name, "PASS", f"{total:,} bytes counted on {ctx.fabric.what} for "
+                  f"{moved:,.0f} bytes moved")

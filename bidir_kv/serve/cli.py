@@ -3,6 +3,8 @@
     bidir-kv serve --role prefill --model M --ip P_IP --peer-ip D_IP --nixl-backend LIBFABRIC \\
         --tp 8 --cold-prefill --dry-run
     bidir-kv serve stop [--pidfile FILE | --run-dir DIR]
+    bidir-kv serve --emit kubernetes --model M --nixl-backend LIBFABRIC --tp 8 --cold-prefill \\
+        --image IMAGE > pd.yaml        # P and D as pods (bidir_kv/serve/kubernetes.py)
 
 Without ``--dry-run`` the node starts in the background (its own session, log to a file),
 ``/health`` is awaited, and a pidfile in ``--run-dir`` lets ``serve stop`` clean up.
@@ -39,7 +41,18 @@ def _on_off(text: str) -> bool:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bidir-kv serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--role", choices=("prefill", "decode"), default=None,
+                   help="the node to start (required unless --emit kubernetes)")
+    p.add_argument("--emit", choices=("kubernetes",), default=None,
+                   help="print P's and D's Kubernetes manifests (Pod + Service each) and "
+                   "start nothing")
+    p.add_argument("--image", default="vllm/vllm-openai:latest",
+                   help="--emit kubernetes: the container image with vLLM and NIXL")
+    p.add_argument("--namespace", default="default", help="--emit kubernetes: namespace")
+    p.add_argument("--name", default="bidir-kv",
+                   help="--emit kubernetes: pods are NAME-prefill and NAME-decode")
+    p.add_argument("--efa", type=int, default=16,
+                   help="--emit kubernetes: vpc.amazonaws.com/efa interfaces per pod")
     p.add_argument("--model", required=True, help="model id or path (vllm serve's positional)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--bidir", type=_on_off, default=True, metavar="on|off",
@@ -134,11 +147,34 @@ def _stop_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _emit_kubernetes(ns: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from bidir_kv.serve.kubernetes import KubeOptions, manifests, render
+
+    specs = []
+    for role in ("prefill", "decode"):
+        one = spec_from_args(argparse.Namespace(**{**vars(ns), "role": role}))
+        specs.append(replace(one, host="0.0.0.0"))
+    opts = KubeOptions(image=ns.image, namespace=ns.namespace, name=ns.name, efa=ns.efa)
+    try:
+        print(render(manifests(specs, opts)), end="")
+    except ValueError as exc:
+        print(f"bidir-kv serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "stop":
         return _stop_main(args[1:])
-    ns = _parser().parse_args(args)
+    parser = _parser()
+    ns = parser.parse_args(args)
+    if ns.emit == "kubernetes":
+        return _emit_kubernetes(ns)
+    if ns.role is None:
+        parser.error("--role is required (or --emit kubernetes for both roles)")
     spec = spec_from_args(ns)
     try:
         cmd = build(spec)

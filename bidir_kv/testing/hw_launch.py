@@ -1,21 +1,39 @@
-"""``--hw-launch``: the hardware tier starts P and D on this runner with ``bidir-kv serve``.
+"""``--hw-launch``: the hardware tier starts P and D with ``bidir-kv serve``'s command.
 
-Both nodes run on one host with their own accelerator sets (``--hw-p-gpus``,
-``--hw-d-gpus``), HTTP ports 8100/8200 and side-channel ports 5600/5601 (one host needs
-two), with the recipe's flags (docs/hardware.md §1) and P's prefix cache off. They are
-stopped through their pidfiles when the tier's module ends, even when it fails.
+``--hw-launcher`` places them (docs/hardware.md §3):
+
+* ``local`` (default): both on this runner with their own accelerator sets
+  (``--hw-p-gpus``, ``--hw-d-gpus``), HTTP ports 8100/8200 and side-channel ports
+  5600/5601 (one host needs two); stopped through their pidfiles. One host, no fabric:
+  the reads never touch a NIC, and the report says so.
+* ``ssh``: P on ``P_HOST`` and D on ``D_HOST`` of ``--hw-hosts`` through the ssh launcher
+  (each node its host's accelerators, the recipe's ports), logs fetched back into the
+  report directory, stopped by pidfile on each host; the fabric gate reads P's EFA
+  counters on P's host through ssh.
+* ``slurm``: inside an allocation of two nodes, one ``srun`` step per role pinned to its
+  node, cancelled after the tier; the counters are read on P's node through ssh.
+* ``kubernetes``: P and D as pods on two nodes (``bidir-kv serve --emit kubernetes``'s
+  manifests) created and deleted through the API (``--hw-kube-api``, ``--hw-image``);
+  no fabric probe (the counters live on the node, outside the tier's reach).
+
+Every node is stopped when the tier's module ends, even when it fails.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
+from bidir_kv.fabric.probe import FabricProbe
 from bidir_kv.launch.pidfile import launch, stop
+from bidir_kv.launch.process import wait_http_ok
+from bidir_kv.launch.ssh import SshHost, SshLauncher
 from bidir_kv.serve.command import ServeSpec, build
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import Node
@@ -37,13 +55,99 @@ def _spec(config: pytest.Config, role: str, model: str) -> ServeSpec:
     )
 
 
+def _host_ip(host: str) -> str:
+    return host.rpartition("@")[2]
+
+
+def _remote_pair(config: pytest.Config, run_dir: Path, model: str,
+                 launcher: str) -> tuple[EngineClient, EngineClient, dict[str, Any],
+                                         Callable[[], None], FabricProbe | None]:
+    """P and D on two hosts through the ssh, slurm or kubernetes launcher."""
+    from bidir_kv.fabric.probe import remote_probe
+    from bidir_kv.launch.remote import NodeHandle
+
+    hosts: list[str]
+    if launcher == "slurm":
+        from bidir_kv.launch.slurm import SlurmLauncher, allocation
+
+        alloc = allocation()
+        hosts = list(alloc.nodes[:2])
+    elif launcher == "kubernetes":
+        hosts = []
+    else:
+        raw = config.getoption("--hw-hosts") or ""
+        hosts = [h.strip() for h in raw.split(",") if h.strip()]
+        if len(hosts) != 2:
+            raise pytest.UsageError(
+                f"--hw-launcher ssh needs --hw-hosts P_HOST,D_HOST, got {raw!r}")
+    specs = [replace(_spec(config, role, model), host="0.0.0.0", side_channel_port=5600,
+                     ip=_host_ip(hosts[i]) if hosts else "127.0.0.1", visible=None)
+             for i, role in enumerate(("prefill", "decode"))]
+    handles: list[NodeHandle] = []
+    urls: list[str] = []
+
+    def close() -> None:
+        for h in reversed(handles):
+            with contextlib.suppress(Exception):
+                h.fetch_log(run_dir / f"{h.name}.log")
+            with contextlib.suppress(Exception):
+                h.stop(60)
+
+    options = tuple(config.getoption("--hw-ssh-option"))
+    try:
+        if launcher == "kubernetes":
+            from bidir_kv.launch.kubernetes import KubeApi, KubeLauncher
+            from bidir_kv.serve.kubernetes import KubeOptions, manifests
+
+            opts = KubeOptions(image=str(config.getoption("--hw-image")),
+                               namespace=str(config.getoption("--hw-kube-namespace")))
+            kube = KubeLauncher(KubeApi(config.getoption("--hw-kube-api")))
+            docs = manifests(specs, opts)
+            for spec, pair in zip(specs, (docs[:2], docs[2:]), strict=True):
+                handles.append(kube.start(pair))
+                urls.append(f"http://{opts.name}-{spec.role}.{opts.namespace}.svc:"
+                            f"{spec.http_port}")
+        for i, spec in enumerate(specs if launcher != "kubernetes" else []):
+            host = hosts[i]
+            if launcher == "slurm":
+                handles.append(SlurmLauncher(alloc, run_dir / "slurm").start(
+                    build(spec), name=spec.role, node=host))
+            else:
+                node = SshLauncher(SshHost(_host_ip(host), user=host.rpartition("@")[0] or None,
+                                           options=options), run_dir="/tmp/bidir-kv-release")
+                handles.append(node.start(build(spec), name=spec.role))
+            urls.append(f"http://{_host_ip(host)}:{spec.http_port}")
+        for url in urls:
+            wait_http_ok(url + "/health", 1800)
+    except BaseException:
+        close()
+        raise
+    nodes = [Node(role=s.role, name=s.role, host=urlsplit(u).hostname or "",
+                  port=s.http_port) for s, u in zip(specs, urls, strict=True)]
+    served = config.getoption("--hw-model") or str(model)
+    fabric = str(config.getoption("--hw-fabric"))
+    probe = None
+    if hosts and fabric != "off":
+        p_host = SshHost(_host_ip(hosts[0]), user=hosts[0].rpartition("@")[0] or None,
+                         options=options)
+        probe = remote_probe("efa" if fabric == "auto" else fabric, p_host,
+                             config.getoption("--hw-fabric-overhead"))
+    desc = {"model": model, "hosts": hosts or urls, "launcher": launcher,
+            "nodes": [h.where for h in handles]}
+    return (EngineClient(nodes[0], model=served, timeout=600),
+            EngineClient(nodes[1], model=served, timeout=600), desc, close, probe)
+
+
 def launch_pair(
     config: pytest.Config, run_dir: Path
-) -> tuple[EngineClient, EngineClient, dict[str, Any], Callable[[], None]]:
-    """(P client, D client, description, close) of the started pair."""
+) -> tuple[EngineClient, EngineClient, dict[str, Any], Callable[[], None], FabricProbe | None]:
+    """(P client, D client, description, close, fabric probe) of the started pair."""
     model = config.getoption("--hw-launch-model")
     if not model:
         raise pytest.UsageError("--hw-launch needs --hw-launch-model")
+    launcher = config.getoption("--hw-launcher") or "local"
+    if launcher != "local":
+        return _remote_pair(config, run_dir, str(model), launcher)
     specs = [_spec(config, role, str(model)) for role in ("prefill", "decode")]
     pidfiles = [run_dir / f"{s.role}-{s.http_port}.pid" for s in specs]
 
@@ -57,8 +161,6 @@ def launch_pair(
                           log_path=run_dir / f"{s.role}-{s.http_port}.log", pidfile=pf,
                           health_timeout=1800, wait=False) for s, pf in zip(specs, pidfiles,
                                                                             strict=True)]
-        from bidir_kv.launch.process import wait_http_ok
-
         for rec in records:
             wait_http_ok(rec.url + "/health", 1800)
     except BaseException:
@@ -69,4 +171,5 @@ def launch_pair(
     served = config.getoption("--hw-model") or str(model)
     return (EngineClient(nodes[0], model=served, timeout=600),
             EngineClient(nodes[1], model=served, timeout=600),
-            {"model": model, "commands": [list(r.argv) for r in records]}, close)
+            {"model": model, "commands": [list(r.argv) for r in records],
+             "launcher": "local", "hosts": ["127.0.0.1"]}, close, None)

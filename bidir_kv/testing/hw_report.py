@@ -137,6 +137,9 @@ def _markdown(rows: list[dict[str, Any]], gates: list[dict[str, Any]], info: dic
     lines = ["# bidir-kv hardware tier report", "",
              f"- deployment: `{info.get('kind', 'n/a')}`, block size {info.get('block_size')}, "
              f"KV bytes/token {info.get('kv_bytes_per_token')}",
+             f"- placement: launcher `{info.get('launcher', 'n/a')}`, hosts "
+             f"{', '.join(map(str, info.get('hosts') or [])) or 'n/a'}; fabric: "
+             f"{info.get('fabric', 'n/a')}",
              f"- tests: {passed} passed of {len(cases)}", "",
              "| history | prompt | OFF ms | ON ms | speedup | pulled tokens | MB moved | Gb/s |",
              "|---|---|---|---|---|---|---|---|"]

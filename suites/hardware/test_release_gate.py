@@ -13,19 +13,31 @@ from __future__ import annotations
 
 import argparse
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bidir_kv.bench.args import int_list
 from bidir_kv.client import run_pd_turn
+from bidir_kv.fabric.counters import FabricFailure, gate_fabric
+from bidir_kv.fabric.probe import ONE_HOST
+from bidir_kv.launch.process import free_port
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.testing.hardware import NEW_TOKENS, HwDeployment, HwMeasurements
+from bidir_kv.testing.emulated_read import LocalNodes, measured_read, node_spec
+from bidir_kv.testing.hardware import (
+    NEW_TOKENS,
+    HwDeployment,
+    HwMeasurements,
+    is_remote,
+)
+from bidir_kv.testing.hw_baseline import gate_baseline, load_baseline
 from bidir_kv.testing.hw_gates import (
     GateFailure,
     LengthResult,
     bound_for,
     calibrated_bounds,
+    expected_kv_bytes,
     gate_efficiency,
     gate_mechanism,
     gate_speedup,
@@ -33,15 +45,16 @@ from bidir_kv.testing.hw_gates import (
 )
 from bidir_kv.testing.hw_report import record_benchmark, record_gate
 
-GPU_LENGTHS = "4096,16384"
+GPU_LENGTHS = "2000,4000,8000,12000,16000,20000,24000"  # the publication's sweep
+QUICK_LENGTHS = "2000,8000"
 CPU_LENGTHS = "1000,2000,3000"  # the tiny model's context is 4096
 
 
 def _lengths(config: pytest.Config) -> list[int]:
     raw = config.getoption("--hw-prompt-tokens")
     if raw is None:
-        remote = config.getoption("--prefill-url") or config.getoption("--hw-launch")
-        raw = GPU_LENGTHS if remote else CPU_LENGTHS
+        quick = config.getoption("--hw-quick")
+        raw = (QUICK_LENGTHS if quick else GPU_LENGTHS) if is_remote(config) else CPU_LENGTHS
     try:
         values = int_list(str(raw))
     except argparse.ArgumentTypeError as exc:
@@ -60,19 +73,30 @@ def _gate(config: pytest.Config, length: int, name: str, check: Any) -> None:
     """Run one gate, record its outcome for the report, re-raise a failure."""
     try:
         detail = check()
-    except GateFailure as exc:
+    except (GateFailure, FabricFailure) as exc:
         record_gate(config, length, name, False, str(exc))
         raise
     record_gate(config, length, name, True, str(detail))
 
 
 def test_off_vs_on(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
-                   history_tokens: int, pytestconfig: pytest.Config) -> None:
-    """OFF (recompute) and ON (readback) turn-2 prefills on the same prompts, alternating."""
-    res = hw_measurements.length(hw_deployment, history_tokens)
+                   history_tokens: int, benchmark: Any, pytestconfig: pytest.Config) -> None:
+    """OFF (recompute) and ON (readback) prefills of turns >= 2 on the same prompts,
+    alternating: turn 2 of ``--hw-rounds`` rounds, or every turn >= 2 of the publication's
+    conversations (``--hw-conversations`` x ``--hw-turns`` by ``--hw-clients``).
+
+    The length is measured through the session fixture (once, by whichever test asks
+    first); pytest-benchmark times that measurement and stores its rounds in
+    ``extra_info``, which is what a later run's baseline gate compares."""
+    res = benchmark.pedantic(hw_measurements.length, args=(hw_deployment, history_tokens),
+                             rounds=1, iterations=1)
+    shape = hw_measurements.shape
+    info = {**res.to_dict(), "shape": {"conversations": shape.conversations,
+                                       "turns": shape.turns, "clients": shape.clients}}
+    benchmark.extra_info.update(info)
     record_benchmark(pytestconfig, f"test_off_vs_on[{history_tokens}]",
-                     hw_measurements.round_s[history_tokens], res.to_dict())
-    assert len(res.on_s) == len(res.off_s) == int(pytestconfig.getoption("--hw-rounds"))
+                     hw_measurements.round_s[history_tokens], info)
+    assert len(res.on_s) == len(res.off_s) == shape.measured_turns
 
 
 def test_gate_mechanism(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
@@ -132,6 +156,67 @@ def test_gate_efficiency(hw_deployment: HwDeployment, hw_measurements: HwMeasure
     _gate(pytestconfig, history_tokens, "efficiency", check)
 
 
+def test_gate_baseline(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
+                       history_tokens: int, pytestconfig: pytest.Config) -> None:
+    """ON TTFT median and OFF/ON speedup no worse than the stored baseline run
+    (``--hw-baseline``) by more than ``--hw-max-regression`` percent."""
+    res = hw_measurements.length(hw_deployment, history_tokens)
+    run = pytestconfig.getoption("--hw-baseline")
+    limit = float(pytestconfig.getoption("--hw-max-regression"))
+
+    def check() -> str:
+        if run is None:
+            return "no --hw-baseline given, not gated"
+        baseline = load_baseline(str(pytestconfig.getoption("benchmark_storage")), str(run))
+        return gate_baseline(history_tokens, res, baseline, limit)
+
+    _gate(pytestconfig, history_tokens, "baseline", check)
+
+
+def test_gate_fabric(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
+                     history_tokens: int, pytestconfig: pytest.Config) -> None:
+    """The bytes P's fabric devices counted during the ON rounds cover the KV bytes the
+    mechanism gate expects, within the probe's overhead factor (docs/hardware.md §4)."""
+    dep = hw_deployment
+    res = hw_measurements.length(hw_deployment, history_tokens)
+
+    def check() -> str:
+        if dep.fabric is None:
+            return f"{ONE_HOST} (launcher {dep.launcher}): not gated"
+        summed: dict[str, int] = {}
+        for delta in res.fabric:
+            for label, value in delta.items():
+                summed[label] = summed.get(label, 0) + value
+        expected = expected_kv_bytes(res, dep.block_size, dep.kv_bytes_per_token)
+        counted = gate_fabric(summed, expected, dep.fabric.overhead, what=dep.fabric.what)
+        return (f"{counted:,} bytes counted on {dep.fabric.what} for {expected:,.0f} KV bytes "
+                f"({counted / expected:.3f}x, at most {dep.fabric.overhead:g}x)")
+
+    _gate(pytestconfig, history_tokens, "fabric", check)
+
+
+def test_negative_control_fabric_one_host(hw_deployment: HwDeployment, run_dir: Path,
+                                          pytestconfig: pytest.Config) -> None:
+    """P and D on one host (an emulated pair on loopback, started here): a real D->P read
+    that P's fabric counters do not see, so the fabric gate fails naming them."""
+    probe = hw_deployment.fabric
+    if probe is None:
+        pytest.skip(f"{ONE_HOST}: the deployment has no fabric counters to control")
+    nodes = LocalNodes(run_dir)
+    try:
+        lo = "127.0.0.1"
+        d = nodes.start(node_spec("decode", lo, lo, free_port(), free_port()))
+        p = nodes.start(node_spec("prefill", lo, lo, free_port(), free_port()))
+        delta, expected = measured_read(p, d, probe.read, "hw-fabric-control")
+    finally:
+        nodes.close()
+    with pytest.raises(FabricFailure) as failure:
+        gate_fabric(delta, expected, probe.overhead, what=probe.what)
+    text = str(failure.value)
+    record_gate(pytestconfig, 0, "negative control: fabric, one host", True, text)
+    assert probe.what in text and all(label in text for label in delta), text
+
+
 def test_negative_control_bound_above_reach(hw_deployment: HwDeployment,
                                             hw_measurements: HwMeasurements,
                                             pytestconfig: pytest.Config) -> None:
@@ -180,7 +265,7 @@ def test_doctor_finds_no_fault(hw_deployment: HwDeployment, pytestconfig: pytest
                                                         ("decode", dep.decode))
             if c.node.log_path}
     ctx = Context(prefill_url=dep.prefill.url, decode_url=dep.decode.url, logs=logs,
-                  decoder_ttl=dep.decoder_ttl, host_checks=False)
+                  decoder_ttl=dep.decoder_ttl, host_checks=False, fabric=dep.fabric)
     results = run(ctx, token_range=dep.token_range)
     for r in results:
         record_gate(pytestconfig, 0, f"doctor: {r.name}", r.status != "FAIL",

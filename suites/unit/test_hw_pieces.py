@@ -60,7 +60,7 @@ def test_a_length_is_measured_once_by_whichever_test_asks_first(monkeypatch: Any
         return LengthResult(history_tokens=history, prompt_tokens=history + 150)
 
     monkeypatch.setattr(hardware, "measure_length", fake)
-    measured = hardware.HwMeasurements(rounds=3)
+    measured = hardware.HwMeasurements(hardware.HwShape(1, 2, 1, rounds=3, answer_tokens=1))
     dep_a, dep_b = object(), object()
     gate_first = measured.length(dep_a, 2000)  # type: ignore[arg-type]
     assert measured.length(dep_a, 2000) is gate_first  # type: ignore[arg-type]
@@ -85,7 +85,7 @@ def test_a_failed_measurement_is_not_repeated(monkeypatch: Any) -> None:
         raise AssertionError("turn 1 failed: HTTP 500")
 
     monkeypatch.setattr(hardware, "measure_length", broken)
-    measured = hardware.HwMeasurements(rounds=5)
+    measured = hardware.HwMeasurements(hardware.HwShape(1, 2, 1, rounds=5, answer_tokens=1))
     dep = object()
     with pytest.raises(AssertionError, match="HTTP 500"):
         measured.length(dep, 1000)  # type: ignore[arg-type]

@@ -1,0 +1,89 @@
+"""The NIC counter reader and the fabric gate (bidir_kv/fabric/counters.py) on a fake sysfs tree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bidir_kv.fabric.counters import (
+    EFA_OVERHEAD,
+    FabricFailure,
+    deltas,
+    efa_counters,
+    gate_fabric,
+    interface_counters,
+    read_counters,
+)
+
+
+def _efa(root: Path, dev: str, port: int, **values: int) -> None:
+    d = root / dev / "ports" / str(port) / "hw_counters"
+    d.mkdir(parents=True, exist_ok=True)
+    for name, value in values.items():
+        (d / name).write_text(f"{value}\n")
+
+
+@pytest.fixture
+def sysfs(tmp_path: Path) -> Path:
+    ib = tmp_path / "infiniband"
+    _efa(ib, "rdmap0s31", 1, rdma_read_bytes=100, rdma_read_wrs=1, rdma_read_resp_bytes=7)
+    _efa(ib, "rdmap16s27", 1, rdma_read_bytes=5, rdma_read_wrs=2)
+    (ib / "mlx5_0" / "ports" / "1").mkdir(parents=True)  # a device without hw_counters
+    net = tmp_path / "net" / "eth1" / "statistics"
+    net.mkdir(parents=True)
+    (net / "rx_bytes").write_text("42\n")
+    return tmp_path
+
+
+def test_efa_reader_sums_rdma_read_bytes_over_every_device_and_port(sysfs: Path) -> None:
+    counters = efa_counters(root=sysfs / "infiniband")
+    assert [c.label for c in counters] == ["rdmap0s31 port 1 rdma_read_bytes",
+                                           "rdmap16s27 port 1 rdma_read_bytes"]
+    before = read_counters(counters)
+    _efa(sysfs / "infiniband", "rdmap0s31", 1, rdma_read_bytes=100 + 600)
+    _efa(sysfs / "infiniband", "rdmap16s27", 1, rdma_read_bytes=5 + 400)
+    delta = deltas(before, read_counters(counters))
+    assert delta == {"rdmap0s31 port 1 rdma_read_bytes": 600,
+                     "rdmap16s27 port 1 rdma_read_bytes": 400}
+    assert gate_fabric(delta, 1000, EFA_OVERHEAD, what="P's EFA devices") == 1000
+
+
+def test_efa_reader_names_a_requested_device_without_the_counter(sysfs: Path) -> None:
+    with pytest.raises(FabricFailure, match=r"device mlx5_0 has no rdma_read_bytes counter"):
+        efa_counters(["mlx5_0"], root=sysfs / "infiniband")
+    with pytest.raises(FabricFailure, match=r"no device under .* counts rdma_read_bytes"):
+        efa_counters(root=sysfs / "missing")
+
+
+def test_interface_reader(sysfs: Path) -> None:
+    (counter,) = interface_counters("eth1", root=sysfs / "net")
+    assert counter.label == "eth1 rx_bytes" and counter.read() == 42
+    with pytest.raises(FabricFailure, match=r"interface veth9 has no rx_bytes counter"):
+        interface_counters("veth9", root=sysfs / "net")
+
+
+def test_flat_counters_fail_naming_every_device_and_counter(sysfs: Path) -> None:
+    counters = efa_counters(root=sysfs / "infiniband")
+    flat = deltas(read_counters(counters), read_counters(counters))
+    with pytest.raises(FabricFailure) as failure:
+        gate_fabric(flat, 8_257_536, EFA_OVERHEAD, what="P's EFA devices")
+    text = str(failure.value)
+    assert text.startswith("counters flat on P's EFA devices while the reads moved 8,257,536")
+    assert "rdmap0s31 port 1 rdma_read_bytes +0" in text
+    assert "rdmap16s27 port 1 rdma_read_bytes +0" in text
+
+
+@pytest.mark.parametrize(("counted", "message"), [
+    (500, r"500 bytes counted on eth1 < 1,000 KV bytes expected .*part of the reads"),
+    (1300, r"1,300 bytes counted on eth1 > 1,000 KV bytes expected \(×1.25 overhead"),
+    (-1, r"went backwards"),
+])
+def test_too_few_or_too_many_bytes_fail(counted: int, message: str) -> None:
+    with pytest.raises(FabricFailure, match=message):
+        gate_fabric({"eth1 rx_bytes": counted}, 1000, 1.25, what="eth1")
+
+
+def test_bytes_within_the_overhead_pass() -> None:
+    assert gate_fabric({"eth1 rx_bytes": 1000}, 1000, 1.25) == 1000
+    assert gate_fabric({"eth1 rx_bytes": 1250}, 1000, 1.25) == 1250

@@ -1,0 +1,72 @@
+"""The baseline gate (bidir_kv/testing/hw_baseline.py) on stored runs in pytest-benchmark's
+file layout: it passes against itself and fails on a planted regression."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bidir_kv.testing.hw_baseline import DropCheck, gate_baseline, load_baseline
+from bidir_kv.testing.hw_gates import GateFailure, LengthResult
+
+
+def _result(length: int, off: float, on: float) -> LengthResult:
+    return LengthResult(history_tokens=length, prompt_tokens=length + 182,
+                        off_s=[off, off * 1.01, off * 0.99], on_s=[on, on * 1.02, on * 0.98])
+
+
+def _store(storage: Path, name: str, results: list[LengthResult]) -> None:
+    """One run as pytest-benchmark saves it (``<machine>/<NNNN>_<name>.json``)."""
+    runs = sorted(storage.glob("*/*.json"))
+    path = storage / "Linux-CPython-3.11-64bit" / f"{len(runs) + 1:04d}_{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    benches = [{"name": f"test_off_vs_on[{r.history_tokens}]",
+                "fullname": f"suites/hardware/test_release_gate.py::test_off_vs_on"
+                            f"[{r.history_tokens}]",
+                "stats": {"min": 0.1, "max": 0.3, "mean": 0.2, "median": 0.2, "rounds": 3},
+                "extra_info": r.to_dict()} for r in results]
+    path.write_text(json.dumps({"machine_info": {"bidir_kv": {"kind": "vllm-cpu"}},
+                                "benchmarks": benches}))
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Path:
+    s = tmp_path / "benchmarks"
+    _store(s, "release", [_result(2000, 0.40, 0.20), _result(8000, 1.6, 0.40)])
+    return s
+
+
+def test_a_run_passes_against_itself(storage: Path) -> None:
+    base = load_baseline(str(storage), "0001")
+    assert base.deployment == {"kind": "vllm-cpu"} and sorted(base.lengths) == [2000, 8000]
+    for length, off, on in ((2000, 0.40, 0.20), (8000, 1.6, 0.40)):
+        shown = gate_baseline(length, _result(length, off, on), base, 10.0)
+        assert "speedup 2.000x vs 2.000x" in shown or "speedup 4.000x vs 4.000x" in shown
+
+
+def test_a_planted_regression_fails_naming_length_and_field(storage: Path) -> None:
+    base = load_baseline(str(storage), "release")
+    slower_on = _result(8000, 1.6, 0.40 * 1.25)  # readback off: ON slower, speedup lower
+    with pytest.raises(GateFailure) as failure:
+        gate_baseline(8000, slower_on, base, 10.0)
+    text = str(failure.value)
+    assert text.startswith("length 8000: regression beyond 10 %: ON TTFT median rose 25.0 %")
+    assert "speedup fell 20.0 %" in text and "0001_release.json" in text
+    # within the allowed percentage: passes
+    gate_baseline(8000, _result(8000, 1.6, 0.40 * 1.05), base, 10.0)
+
+
+def test_speedup_drop_alone_fails() -> None:
+    assert DropCheck("speedup", 10).fails({"speedup": 1.7}, {"speedup": 2.0})
+    assert not DropCheck("speedup", 10).fails({"speedup": 1.85}, {"speedup": 2.0})
+
+
+def test_missing_run_or_length_is_named(storage: Path) -> None:
+    with pytest.raises(pytest.UsageError, match=r"--hw-baseline 0042: no stored run matches"):
+        load_baseline(str(storage), "0042")
+    base = load_baseline(str(storage), "0001")
+    with pytest.raises(GateFailure, match=r"length 4000: baseline .* has no rounds at this "
+                                          r"length \(it has \[2000, 8000\]\)"):
+        gate_baseline(4000, _result(4000, 1, 0.5), base, 10.0)
