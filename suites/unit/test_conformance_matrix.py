@@ -21,6 +21,9 @@ from pathlib import Path
 def test_passes() -> None:
     pass
 
+def test_documents(record_property) -> None:
+    record_property("documented", "the route answers 404 here")
+
 def test_fails() -> None:
     assert 1 == 2, "wrong answer"
 
@@ -50,10 +53,12 @@ def test_matrix_tells_each_outcome_and_a_rerun_with_its_first_error(
     )
     outcomes = result.parseoutcomes()
     assert {k: outcomes.get(k) for k in ("passed", "failed", "skipped", "rerun")} == {
-        "passed": 2, "failed": 1, "skipped": 1, "rerun": 1}
+        "passed": 3, "failed": 1, "skipped": 1, "rerun": 1}
 
     rows = {r["scenario"]: r for r in json.loads((out / "matrix.json").read_text())["results"]}
-    assert rows["test_passes"]["outcome"] == "passed"
+    assert (rows["test_passes"]["outcome"], rows["test_passes"]["reason"]) == ("passed", "")
+    assert (rows["test_documents"]["outcome"], rows["test_documents"]["reason"]) == (
+        "passed", "the route answers 404 here")
     assert rows["test_fails"]["outcome"] == "fail"
     assert "wrong answer" in rows["test_fails"]["reason"]
     assert (rows["test_skipped"]["outcome"], rows["test_skipped"]["reason"]) == (
@@ -66,3 +71,5 @@ def test_matrix_tells_each_outcome_and_a_rerun_with_its_first_error(
     md = Path(out / "matrix.md").read_text()
     assert "| test_passes_on_rerun | - | direct | passed after rerun [" in md
     assert "rerun 1x; first attempt fail:" in md
+    assert "| test_documents | - | direct | passed [" in md
+    assert "on **-** (passed): the route answers 404 here" in md
