@@ -109,8 +109,10 @@ def test_drop_peer_after_a_same_id_restart_lets_reuse_resume(
     bs = pd.block_size
     gen = pd.threshold + 2 * bs
     kv = {"decoder_kv_blocks_ttl": 60.0, "kv_load_failure_policy": "recompute"}
-    with pd.pair_variant("drop-peer", decode_blocks=4 * 4096 // bs, max_model_len=4096,
-                         prefill_kv=kv, decode_kv=kv, emulator_args=("--peer-cache", "vllm")) as pair:
+    variant = pd.pair_variant("drop-peer", decode_blocks=4 * 4096 // bs, max_model_len=4096,
+                              prefill_kv=kv, decode_kv=kv,
+                              emulator_args=("--peer-cache", "vllm"))
+    with variant as pair:
         p, d = pair.prefill, pair.decode
         t0 = run_pd_turn(p, d, prompts.prompt(bs + 100), gen)
         assert t0.d is not None and t0.d.ok and t0.d.params is not None
