@@ -128,7 +128,7 @@ def answers(conversations: list[Any]) -> dict[tuple[str, int], str]:
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
 def test_vllm_benchmark_without_conversation_id_gets_hits(
-    request: pytest.FixtureRequest, topo: Any, bench: Path, tokenizer: Path, run_dir: Path,
+    request: pytest.FixtureRequest, bench: Path, tokenizer: Path, topo: Any, run_dir: Path,
     store: str,
 ) -> None:
     extra: tuple[str, ...] = ()
