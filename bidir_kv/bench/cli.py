@@ -136,10 +136,12 @@ def _client_args(ap: argparse.ArgumentParser) -> None:
         "-k", "--max-active-conversations", type=int, default=_RUN.max_active_conversations
     )
     cl.add_argument(
-        "--no-send-conversation-id",
-        dest="send_conversation_id",
-        action="store_false",
-        help="do not send conversation_id / X-Session-ID",
+        "--send-conversation-id",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send conversation_id and X-Session-ID (vLLM's multi-turn benchmark's flag, "
+        "off there by default); --no-send-conversation-id sends no id of any kind, as an "
+        "unmodified client (the router then recognises turns by their history)",
     )
     cl.add_argument("--request-timeout-sec", type=float, default=_RUN.request_timeout_s)
     cl.add_argument(

@@ -1,5 +1,9 @@
 """The conformance matrix: scenario x backend x proxy -> outcome and reason.
 
+A passed scenario may carry a reason too: the outcome it recorded as documented on that
+backend (``record_property("documented", ...)``), e.g. the 404 vLLM 0.32 answers a route
+it does not have.
+
 The conformance plugin feeds it every report of a test under ``suites/conformance/``
 (:func:`record`) and writes it at the end of the session (:func:`write`)
 as ``matrix.md`` and ``matrix.json``, with the backends' descriptions and the pinned
@@ -74,11 +78,23 @@ def record(item: pytest.Item, rep: pytest.TestReport) -> None:
                    backend, proxy, "passed", "", 0.0)
         matrix.rows[item.nodeid] = row
     row.duration += rep.duration
+    documented = _documented(rep)
+    if documented is not None:
+        row.reason = documented
     if state is None:
         return
     name, reason = state
     if rep.when != "teardown" or row.outcome in ("passed", "xfail", "xpass"):
         row.outcome, row.reason = (name if rep.when != "teardown" else "error"), reason
+
+
+def _documented(rep: pytest.TestReport) -> str | None:
+    """What a passed scenario recorded as its documented outcome on this backend
+    (``record_property("documented", ...)``, e.g. a route vLLM 0.32 answers with 404)."""
+    if rep.when != "call" or not rep.passed:
+        return None
+    notes = [str(v) for k, v in rep.user_properties if k == "documented"]
+    return "; ".join(notes) or None
 
 
 def _state(rep: pytest.TestReport) -> tuple[str, str] | None:
@@ -145,7 +161,7 @@ def _markdown(doc: dict[str, Any], rows: list[_Row]) -> str:
                 continue
             r = found
             cell = r.outcome
-            if r.outcome != "passed" and r.reason:
+            if r.reason:  # why it did not pass, or a passed scenario's documented outcome
                 notes.append(f"- `{scenario}[{params}]` {proxy} on **{b}** ({r.outcome}): "
                              f"{r.reason.replace('|', '/')}")
                 cell += f" [{len(notes)}]"

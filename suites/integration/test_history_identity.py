@@ -9,8 +9,11 @@ P reports it took from D.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,3 +231,28 @@ def test_bad_messages_are_refused_before_any_engine(
     for node, snap in ((topo.prefill[0], p0), (topo.decode[0], d0)):
         delta = scrape(node.url) - snap
         assert delta.value("vllm:prompt_tokens_total") == 0, f"{node.url} saw a request"
+
+
+def test_bidir_kv_bench_without_ids_hits_every_later_turn(
+    topo: Any, router: Callable[..., str], tmp_path: Path
+) -> None:
+    """``bidir-kv bench --no-send-conversation-id``: no body id, no header, yet hits."""
+    url = router("--identity", "both")
+    p0 = scrape(topo.prefill[0].url)
+    conversations, turns = 3, 3
+    argv = [
+        sys.executable, "-m", "bidir_kv", "bench", "--url", url, "--legs", "on",
+        "--metrics-url", f"prefill={topo.prefill[0].url}", "--metrics-url", f"router={url}",
+        "--prefix-tokens", "300", "--num-conversations", str(conversations),
+        "--num-turns", str(turns), "--input-tokens", "20", "--output-tokens", "6",
+        "--no-send-conversation-id", "--no-progress", "--no-client-check",
+        "-o", str(tmp_path / "res"),
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    later = conversations * (turns - 1)
+    assert router_counter(url, "cache_misses", reason="no_history") == conversations
+    assert router_counter(url, "cache_misses", reason="no_id") == 0
+    assert router_counter(url, "cache_hits") == later
+    took = (scrape(topo.prefill[0].url) - p0).value(TOKENS, source="external_kv_transfer")
+    assert took == router_counter(url, "cache_hit_tokens") and took >= 64 * later

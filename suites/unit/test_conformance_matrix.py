@@ -20,6 +20,9 @@ from pathlib import Path
 def test_passes() -> None:
     pass
 
+def test_documents(record_property) -> None:
+    record_property("documented", "the route answers 404 here")
+
 def test_fails() -> None:
     assert 1 == 2, "wrong answer"
 
@@ -50,10 +53,12 @@ def test_matrix_tells_each_outcome_with_its_reason(
     )
     outcomes = result.parseoutcomes()
     assert {k: outcomes.get(k) for k in ("passed", "failed", "skipped", "errors")} == {
-        "passed": 2, "failed": 1, "skipped": 1, "errors": 1}
+        "passed": 3, "failed": 1, "skipped": 1, "errors": 1}
 
     rows = {r["scenario"]: r for r in json.loads((out / "matrix.json").read_text())["results"]}
-    assert rows["test_passes"]["outcome"] == "passed"
+    assert (rows["test_passes"]["outcome"], rows["test_passes"]["reason"]) == ("passed", "")
+    assert (rows["test_documents"]["outcome"], rows["test_documents"]["reason"]) == (
+        "passed", "the route answers 404 here")
     assert rows["test_fails"]["outcome"] == "fail"
     assert "wrong answer" in rows["test_fails"]["reason"]
     assert (rows["test_skipped"]["outcome"], rows["test_skipped"]["reason"]) == (
@@ -65,3 +70,5 @@ def test_matrix_tells_each_outcome_with_its_reason(
     assert "| test_fails | - | direct | fail [" in md
     assert "| test_fails_in_teardown | - | direct | error [" in md
     assert "wrong answer" in md
+    assert "| test_documents | - | direct | passed [" in md
+    assert "on **-** (passed): the route answers 404 here" in md
