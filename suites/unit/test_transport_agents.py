@@ -27,6 +27,7 @@ from bidir_kv.testing.poll import wait_for_async
 
 BLOCK_NBYTES = 4096
 NUM_BLOCKS = 32
+FENCE_SLOTS = 8
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
@@ -53,6 +54,8 @@ class Pair:
         self.runner = asyncio.Runner()
         self.d = create_agent(backend, "agent-d", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
         self.p = create_agent(backend, "agent-p", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+        self.fence = np.zeros(FENCE_SLOTS, dtype=np.uint64)
+        self.d.attach_fence(self.fence)  # d publishes fence words, p does not
         self.got_d: list[tuple[str, bytes]] = []
         self.got_p: list[tuple[str, bytes]] = []
 
@@ -228,5 +231,28 @@ def test_cancelled_read_leaves_the_agent_usable(run: Callable[[Scenario], None])
         await wait_for_async(lambda: ("agent-p", b"after:1") in got_d, 30)
         msgs = [m for _, m in got_d]
         assert msgs.count(b"after:1") == 1 and msgs.count(b"cancel:1") <= 1
+
+    run(scenario)
+
+
+def test_fence_word_reads_the_owners_current_value(run: Callable[[Scenario], None]) -> None:
+    """The fence (docs/connector.md §5): a one-sided READ of one word sees the owner's
+    latest write, delivers no notification, and only an owner that published words has them."""
+
+    async def scenario(d: KVAgent, p: KVAgent, got_d: list, got_p: list) -> None:
+        assert d.fence_registered and p.peer_has_fence("agent-d")
+        assert not p.fence_registered and not d.peer_has_fence("agent-p")
+        assert d.fence is not None
+        d.fence[3] = 2**63 + 5  # the full 64-bit range travels
+        assert await p.read_word("agent-d", 3) == 2**63 + 5
+        d.fence[3] = 7  # the owner bumps: the next read sees it
+        assert await p.read_word("agent-d", 3) == 7
+        with pytest.raises(TransportError):
+            await p.read_word("agent-d", FENCE_SLOTS)
+        with pytest.raises(TransportError):
+            await d.read_word("agent-p", 0)
+        await p.notify("agent-d", b"HB:sync")
+        await wait_for_async(lambda: len(got_d) >= 1, 30)
+        assert got_d == [("agent-p", b"HB:sync")]  # the word reads notified nothing
 
     run(scenario)

@@ -1,0 +1,94 @@
+"""The fence that makes an early release of D's retained blocks safe: wire keys and rules.
+
+New wire for issue 22, kept in one module so it can join the version registry as it
+is (docs/connector.md §5, "The fence"). Pure: no I/O, no vLLM, no numpy.
+
+* A reader that checks the fence says so in the dict it hands on with its prefill
+  (``do_remote_prefill``): ``"bidir_kv_fence": {"v": 1, "reads": true}``. D
+  releases a turn early only when the prefill behind it carried this.
+* D exports with a retained turn the slot and value of a 64-bit generation word in
+  memory registered with its transport: ``"bidir_kv_fence": {"v": 1, "slot": s,
+  "gen": g}``. D writes a new value into slot ``s`` *before* the turn's blocks can be
+  reused (any release but the one the reader's own completion notification causes).
+* The reader READs the word *after* its block READ completes; a word other than
+  ``g`` means D may have reused the blocks during the read, so the read is
+  discarded and the prompt recomputed.
+
+Every key is ignored by a peer that does not know it (params are read with
+``.get``; agent metadata fields are optional), so the rest of the wire stays stock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "ALLOWLIST_CONFIG_KEY",
+    "BUDGET_CONFIG_KEY",
+    "DEFAULT_RETENTION_BUDGET",
+    "FENCE_CONFIG_KEY",
+    "FENCE_KEY",
+    "FENCE_VERSION",
+    "advertises_fence",
+    "parse_budget",
+    "reader_advert",
+    "word_of",
+    "word_to_wire",
+]
+
+# ---- wire (to move into the version registry at merge) ---------------------------------
+FENCE_KEY = "bidir_kv_fence"  # key in kv_transfer_params, both directions
+FENCE_VERSION = 1  # 1: reader advert {"v","reads"}; D's word {"v","slot","gen"} (issue 22)
+
+# ---- kv_connector_extra_config keys -----------------------------------------------------
+FENCE_CONFIG_KEY = "bidir_kv_fence"  # bool, default true: speak the fence
+BUDGET_CONFIG_KEY = "bidir_kv_retention_budget"  # share of D's blocks retained turns may hold
+DEFAULT_RETENTION_BUDGET = 1.0  # no cap beyond memory pressure: the published hit rate holds
+ALLOWLIST_CONFIG_KEY = "bidir_kv_peer_allowlist"  # engine ids and/or host networks
+
+
+def reader_advert() -> dict[str, Any]:
+    """What a fence-checking reader adds to the dict it hands on with its prefill."""
+    return {"v": FENCE_VERSION, "reads": True}
+
+
+def advertises_fence(params: Mapping[str, Any] | None) -> bool:
+    """Whether ``params`` (a P-node dict) say their reader checks the fence."""
+    obj = params.get(FENCE_KEY) if params else None
+    return isinstance(obj, Mapping) and obj.get("v") == FENCE_VERSION and obj.get("reads") is True
+
+
+def word_to_wire(slot: int, gen: int) -> dict[str, Any]:
+    """The value D adds to a retained turn's dict."""
+    return {"v": FENCE_VERSION, "slot": int(slot), "gen": int(gen)}
+
+
+def word_of(params: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    """``(slot, gen)`` D exported in a D-node dict; ``None`` when absent, of another
+    version or malformed (the read is then unfenced, as with a stock D)."""
+    obj = params.get(FENCE_KEY) if params else None
+    if not isinstance(obj, Mapping) or obj.get("v") != FENCE_VERSION:
+        return None
+    slot, gen = obj.get("slot"), obj.get("gen")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (slot, gen)):
+        return None
+    assert isinstance(slot, int) and isinstance(gen, int)
+    if slot < 0 or not 0 < gen < 2**64:
+        return None
+    return slot, gen
+
+
+def parse_budget(value: object) -> tuple[float | None, str | None]:
+    """``(budget, problem)`` from ``kv_connector_extra_config``: ``(None, None)`` unset,
+    ``(None, why)`` for a value outside (0, 1] (the caller logs ``why`` once and runs
+    without a budget, as stock vLLM does)."""
+    if value is None:
+        return None, None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        share = float(value)
+        if math.isfinite(share) and 0.0 < share <= 1.0:
+            return share, None
+    return None, (f"kv_connector_extra_config.{BUDGET_CONFIG_KEY} must be a share in (0, 1], "
+                  f"got {value!r}; running without a retention budget (stock behaviour)")
