@@ -8,6 +8,7 @@ import logging
 from aiohttp import web
 
 from bidir_kv.engine.connector import ConnectorWorker
+from bidir_kv.engine.fencewords import FenceTable, fence_enabled
 from bidir_kv.engine.hf_tokenizer import HFTokenizer
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
@@ -39,7 +40,12 @@ def _worker(settings: EngineSettings, pool: KVPool) -> ConnectorWorker:
             "vllm": settings.emulate_vllm,
         }
     )
+    pinned = settings.retained_blocks == "pin"
+    fence = FenceTable() if fence_enabled(settings.kv.extra, pinned=pinned) else None
+    if fence is not None:
+        agent.attach_fence(fence.words)
     return ConnectorWorker(
+        fence=fence,
         engine_id=settings.kv.engine_id,
         agent=agent,
         side_host=side_host,

@@ -33,6 +33,9 @@ class Faults:
     drop_notifications: float = 0.0  # fraction of incoming notifications ignored
     stall_seconds: float = 0.0  # extra wall time added to every scheduler step
     stall: bool = False  # no scheduler steps until cleared (/health turns 503, see settings)
+    # D releases a fenced retained turn right after granting its read's claim and reuses
+    # its blocks: the in-flight release the fence guards (docs/connector.md §5)
+    release_on_claim: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -12,12 +12,19 @@ its own value, not the next turn's.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_FENCE_SLOTS", "FenceTable"]
+from bidir_kv.fence import BUDGET_CONFIG_KEY, FENCE_CONFIG_KEY, parse_budget
+
+__all__ = ["DEFAULT_FENCE_SLOTS", "FenceTable", "fence_enabled", "retention_budget"]
+
+logger = logging.getLogger("bidir_kv.engine")
 
 DEFAULT_FENCE_SLOTS = 4096  # 32 KiB of registered words; more retained turns go unfenced
 
@@ -75,3 +82,26 @@ class FenceTable:
         self._next += 1
         self.words[slot] = np.uint64(self._next)
         return self._next
+
+
+def fence_enabled(extra: Mapping[str, Any], *, pinned: bool) -> bool:
+    """Whether this engine speaks the fence (``bidir_kv_fence``, default true).
+
+    ``pinned`` (``--retained-blocks pin``, vLLM's behaviour) turns it off: D then
+    releases nothing early, so it needs no fence and the wire stays vLLM's. A value
+    that is not a boolean is one warning and no fence (stock behaviour)."""
+    enabled = extra.get(FENCE_CONFIG_KEY, True)
+    if not isinstance(enabled, bool):
+        logger.warning("kv_connector_extra_config.%s must be true or false, got %r; running "
+                       "without the fence (stock behaviour)", FENCE_CONFIG_KEY, enabled)
+        return False
+    return enabled and not pinned
+
+
+def retention_budget(extra: Mapping[str, Any], *, pinned: bool) -> float | None:
+    """D's retention budget (``bidir_kv_retention_budget``; ``None``: none). A value
+    outside (0, 1] is one warning and no budget (stock behaviour)."""
+    budget, problem = parse_budget(extra.get(BUDGET_CONFIG_KEY))
+    if problem:
+        logger.warning("%s", problem)
+    return None if pinned else budget

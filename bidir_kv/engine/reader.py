@@ -24,6 +24,7 @@ from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.request import Request, RequestError
 from bidir_kv.engine.settings import EngineSettings
 from bidir_kv.engine.transport.base import TransportError
+from bidir_kv.fence import word_of
 from bidir_kv.policy import (
     PullReason,
     capped_pull_tokens,
@@ -218,6 +219,10 @@ class PullReader:
                 self._pull_resolved(req, hit, 0, failed=False)
                 return
             res = await self.worker.read(peer, local, remote, done, tokens=count)
+            if not from_prefill and not await self._fence_holds(req, peer, p):
+                self.metrics.read_done(res)
+                self._pull_resolved(req, hit, 0, failed=False)  # recompute what we read
+                return
         except StaleParams as exc:  # the blocks died with an earlier start: a plain miss
             logger.warning("Not reading for %s: %s", req.request_id, exc)
             self._pull_resolved(req, hit, 0, failed=False)
@@ -238,6 +243,31 @@ class PullReader:
         if self.settings.kv_verify:
             self._verify(req, hit, count)
         self._pull_resolved(req, hit, count, failed=False)
+
+    async def _fence_holds(self, req: Request, peer: Peer, params: KVTransferParams) -> bool:
+        """After the block READ completed: READ the owner's fence word and compare it
+        with the exported one (docs/connector.md §5). Changed, or unreadable, means
+        the owner may have reused the blocks during our read: discard it. A dict
+        without a word, or an owner without fence words, is a stock read (True)."""
+        word = word_of(params.extra)
+        if word is None or not self.worker.can_check_fence(peer):
+            return True
+        slot, gen = word
+        try:
+            now = await self.worker.read_fence_word(peer, slot)
+        except TransportError as exc:
+            now, why = None, f"its fence word could not be read ({exc})"
+        else:
+            why = f"its fence word changed during the read ({gen} -> {now})"
+        if now == gen:
+            return True
+        self.metrics.inc(self.metrics.fence_discarded)
+        logger.warning(
+            "Fence: engine %s released request %s while %s read it: %s; discarding the "
+            "read and recomputing",
+            params.remote_engine_id, params.remote_request_id, req.request_id, why,
+        )  # fmt: skip
+        return False
 
     def _guarded_count(
         self, req: Request, hit: int, count: int, owner: HandleTokens, params: KVTransferParams

@@ -173,7 +173,10 @@ class Routes:
         rid, blocks = body.get("request_id"), body.get("blocks")
         if not isinstance(rid, str) or not isinstance(blocks, list):
             return _json_error(400, "claim needs 'request_id' and 'blocks'", "BadRequestError")
-        refusal = self.core.claim(rid, [int(b) for b in blocks])
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+            return _json_error(400, "claim field 'blocks' must be a list of integer block ids",
+                               "BadRequestError")
+        refusal = self.core.claim(rid, blocks)
         if refusal is not None:
             return json_response({"ok": False, "error": refusal}, status=410)
         held = self.core.handle_tokens(rid)

@@ -23,7 +23,11 @@ PACKAGE = ROOT / "bidir_kv"
 MAX_MODULE_LINES = 400
 
 # Modules allowed over MAX_MODULE_LINES: repo-relative path -> one-line reason.
-MODULE_SIZE_EXEMPTIONS: dict[str, str] = {}
+MODULE_SIZE_EXEMPTIONS: dict[str, str] = {
+    # the line caps are withdrawn (issue 20); the fence words (issue 22) belong with the
+    # agent that registers them
+    "bidir_kv/engine/transport/nixl.py": "one transport, one module",
+}
 
 # Arithmetic/comparisons the heuristic flags that decide nothing. Keyed by the flagged
 # expression's source text (whitespace-normalised), so a move to another module keeps
