@@ -107,6 +107,12 @@ def _log_ready(
         settings.block_size,
         settings.emulate_vllm,
     )
+    allow = settings.kv.peer_allowlist
+    if allow is None:
+        logger.info("bidir_kv_peer_allowlist is unset: KV is read from any peer that "
+                    "kv_transfer_params name (vLLM's behaviour)")
+    else:
+        logger.info("Peer allowlist: KV is read only from %s", allow.describe())
     for note in emulation_notes(settings, worker.agent.backend):
         logger.info("%s", note)
     logger.info("Starting vLLM API server on http://%s:%d", settings.host, http_port)

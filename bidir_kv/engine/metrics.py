@@ -192,6 +192,10 @@ class EngineMetrics:
             "bidir_kv:fence_discarded_reads",
             "Reads discarded and recomputed because the owner's fence word changed.",
         )
+        self.peer_refused = counter(
+            "bidir_kv:peer_refused_reqs",
+            "Requests whose kv_transfer_params named a peer outside bidir_kv_peer_allowlist.",
+        )
         self.released_early = counter(
             "bidir_kv:retained_released_early_reqs",
             "Fenced retained turns released before their TTL (budget or memory pressure).",
@@ -206,7 +210,7 @@ class EngineMetrics:
                   self.bytes_transferred,
                   self.num_descriptors, self.failed_transfers, self.failed_notifications,
                   self.kv_expired, self.kv_evicted, self.notifs_after_expiry, self.kv_mismatch,
-                  self.guard_rejected, self.fence_discarded):  # fmt: skip
+                  self.guard_rejected, self.fence_discarded, self.peer_refused):  # fmt: skip
             m.labels(**self.labels)
         for reason in ("budget", "pressure"):
             self.released_early.labels(**self.labels, reason=reason)

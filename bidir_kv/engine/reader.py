@@ -76,6 +76,8 @@ class PullReader:
         self._spawn = spawn
         self._host = host
         self.num_pulling = 0
+        self.allowlist = self.kv.peer_allowlist  # None: read from any peer (vLLM)
+        self._refused_peers: set[tuple[str | None, str | None]] = set()
 
     # ---- the decision ----------------------------------------------------------------
 
@@ -88,6 +90,8 @@ class PullReader:
         if p is None or not (p.do_remote_prefill or (p.do_remote_decode and p.remote_block_ids)):
             return False
         self.metrics.inc(self.metrics.external_queries, n)
+        if p.is_valid_remote and not self._allowed(req, p):
+            return False
         if not p.is_valid_remote:
             logger.warning(
                 "Got invalid KVTransferParams: %s. This request will not utilize KVTransfer",
@@ -103,6 +107,24 @@ class PullReader:
             )
         else:
             return self._readback(req, hit, p)
+        return False
+
+    def _allowed(self, req: Request, p: KVTransferParams) -> bool:
+        """The peer allowlist: params naming a peer outside it open no connection (the
+        request computes locally, nothing is notified); counted, logged once per peer."""
+        if self.allowlist is None or self.allowlist.allows(p.remote_engine_id, p.remote_host):
+            return True
+        self.metrics.inc(self.metrics.peer_refused)
+        peer = (p.remote_engine_id, p.remote_host)
+        if peer not in self._refused_peers:
+            self._refused_peers.add(peer)
+            logger.warning(
+                "Peer allowlist: request %s names engine %s at %s:%s, which is not in "
+                "bidir_kv_peer_allowlist (%s); computing locally, no connection opened "
+                "(logged once per peer)",
+                req.request_id, p.remote_engine_id, p.remote_host, p.remote_port,
+                self.allowlist.describe(),
+            )  # fmt: skip
         return False
 
     def _readback(self, req: Request, hit: int, params: KVTransferParams) -> bool:

@@ -207,6 +207,11 @@ class Routes:
             pr = parse_request(body, chat=chat, tokenizer=self.tok, served_names=self.names)
         except ApiError as exc:
             return _json_error(exc.status, exc.message, exc.kind)
+        if pr.params is not None and pr.params.do_remote_prefill and (
+                self.core.settings.kv.kv_role == "kv_producer"):
+            return _json_error(400, "kv_transfer_params.do_remote_prefill: this is a prefill "
+                               "node (kv_role kv_producer); it does not pull a remote "
+                               "prefill", "BadRequestError")
         base = request.headers.get("X-Request-Id")
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.core.new_request_id(prefix, base)

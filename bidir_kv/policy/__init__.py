@@ -35,6 +35,7 @@ from bidir_kv.policy.guard import (
     tail_hash,
     verified_continuation,
 )
+from bidir_kv.policy.peers import PeerAllowlist
 from bidir_kv.policy.placement import least_loaded, node_load
 from bidir_kv.policy.retention import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
@@ -75,6 +76,7 @@ __all__ = [
     "ROOT_HASH",
     "HandshakeSample",
     "LeaseTable",
+    "PeerAllowlist",
     "PullDecision",
     "PullReason",
     "Release",
