@@ -19,6 +19,7 @@ from bidir_kv.connector.rules import (
     PullPlan,
     Refusal,
     is_d_params,
+    peer_refusal,
     plan_pull,
     positional_remote_blocks,
 )
@@ -31,6 +32,8 @@ from bidir_kv.connector.wire import (
     configured_lease,
     lease_to_wire,
 )
+from bidir_kv.fence import ALLOWLIST_CONFIG_KEY
+from bidir_kv.policy import PeerAllowlist
 
 VLLM_RELEASE = check_vllm_version(vllm.__version__)
 
@@ -77,10 +80,25 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         self._verify = bool(kv.get_from_extra_config(VERIFY_KEY, True))
         self._lease = lease_from_config(kv)
         self._hits: dict[str, int] = {}  # request id -> P's local hit behind a claimed load
+        # a malformed allowlist stops the start (ValueError): a security setting is
+        # never dropped silently
+        self._allow = PeerAllowlist.parse(kv.get_from_extra_config(ALLOWLIST_CONFIG_KEY, None))
+        self._producer = kv.kv_role == "kv_producer"
+        self._refused_peers: set[tuple[Any, ...]] = set()
+        self.num_peer_refused = 0
+        if self._allow is None:
+            log.info("bidir-kv: %s is unset: KV is read from any peer that "
+                     "kv_transfer_params name (vLLM's behaviour).", ALLOWLIST_CONFIG_KEY)
+        else:
+            log.info("bidir-kv: peer allowlist: KV is read only from %s.", self._allow.describe())
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        refused = peer_refusal(request.kv_transfer_params, self._allow, producer=self._producer)
+        if refused is not None:
+            self._refuse_peer(request, refused)
+            return 0, False
         plan = plan_pull(
             request.kv_transfer_params, list(request.prompt_token_ids or ()),
             num_computed_tokens, self.block_size,
@@ -118,6 +136,27 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
             if self._lease is not None:  # the router frees these blocks once idle
                 out[LEASE_KEY] = lease_to_wire(self._lease)
         return delay, out
+
+    def _refuse_peer(self, request: Any, why: Refusal) -> None:
+        """Compute locally and never connect: the params are marked as processed, so
+        vLLM's update_state_after_alloc queues neither a read nor a notification."""
+        params = request.kv_transfer_params
+        peer = (params.get("remote_engine_id"), params.get("remote_host"))
+        params["do_remote_prefill"] = False
+        params["_remote_blocks_processed"] = True
+        self.num_peer_refused += 1
+        if (why, *peer) in self._refused_peers:
+            return
+        self._refused_peers.add((why, *peer))
+        if why == Refusal.REMOTE_PREFILL_ON_P:
+            text = ("this is a prefill node (kv_role kv_producer) and was given "
+                    "do_remote_prefill params")
+        else:
+            allowed = self._allow.describe() if self._allow is not None else ""
+            text = f"the peer is outside {ALLOWLIST_CONFIG_KEY} ({allowed})"
+        log.warning("bidir-kv: request %s: not connecting to engine %s at %s:%s: %s; "
+                    "computing locally (logged once per peer).", request.request_id,
+                    peer[0], peer[1], params.get("remote_port"), text)
 
     @staticmethod
     def _log_plan(req_id: str, plan: PullPlan) -> None:

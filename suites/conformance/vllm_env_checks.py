@@ -58,7 +58,8 @@ def _schedulers(**attrs: Any) -> tuple[Any, Any]:
         s = object.__new__(cls)
         vals = {"block_size": BS, "is_bidirectional_kv_xfer_enabled": True,
                 "use_host_buffer": False, "kv_recompute_threshold": 8, "_verify": True,
-                "_hits": {}, **attrs}  # fmt: skip
+                "_hits": {}, "_allow": None, "_producer": False, "_refused_peers": set(),
+                "num_peer_refused": 0, **attrs}  # fmt: skip
         for k, v in vals.items():
             setattr(s, k, v)
         out.append(s)
@@ -166,6 +167,35 @@ def d_advertises_the_renewable_lease() -> None:
         assert out is not None and LEASE_KEY not in out, out
     finally:
         NixlPullConnectorScheduler.request_finished = stock
+
+
+@check
+def peer_allowlist_refuses_before_any_connection() -> None:
+    from bidir_kv.policy import PeerAllowlist
+
+    allow = PeerAllowlist.parse(["10.0.0.0/8", "d"])
+    prompt = [*HELD, 1, 2]
+    outside = {"remote_engine_id": "elsewhere", "remote_host": "127.0.0.2"}
+    stock, ours = _schedulers(_allow=allow, _reqs_in_batch=set(), _reqs_need_recv={},
+                              _reqs_need_save={})
+    got = stock.get_num_new_matched_tokens(_request(prompt, _d_params(HELD, **outside)), 0)
+    assert got == (len(HELD), True), f"stock vLLM no longer reads from any named host: {got}"
+    req = _request(prompt, _d_params(HELD, **outside))
+    assert ours.get_num_new_matched_tokens(req, 0) == (0, False)
+    ours.update_state_after_alloc(req, None, 0)
+    assert ours._reqs_need_recv == {}, "a read or notification was queued for a refused peer"
+    assert ours.num_peer_refused == 1
+    # inside the allowlist (by engine id "d"): read as before
+    inside = _request(prompt, _d_params(HELD))
+    assert ours.get_num_new_matched_tokens(inside, 0) == (len(HELD), True)
+    # a prefill node given do_remote_prefill params pulls nothing
+    _, prod = _schedulers(_producer=True)
+    pre = _request(prompt, {"do_remote_prefill": True, "do_remote_decode": False,
+                            "remote_block_ids": [[1]], "remote_engine_id": "x",
+                            "remote_request_id": "r", "remote_host": "127.0.0.2",
+                            "remote_port": 1})
+    assert prod.get_num_new_matched_tokens(pre, 0) == (0, False)
+    assert pre.kv_transfer_params["do_remote_prefill"] is False
 
 
 def main() -> int:
