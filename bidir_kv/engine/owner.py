@@ -70,6 +70,7 @@ class HandleOwner:
         # share of our blocks; fenced turns beyond it are released oldest first
         self.budget = retention_budget(self.kv.extra, pinned=settings.retained_blocks == "pin")
         self._fenced: dict[str, bool] = {}  # retained turn -> its reader checks the fence
+        self._stock_readers: set[str | None] = set()  # prefill engines without the advert
 
     # ---- holding -----------------------------------------------------------------------
 
@@ -106,7 +107,16 @@ class HandleOwner:
         the params this request came with); ``None`` leaves the turn unfenced: it is
         then never released early for the budget."""
         fence = self.worker.fence
-        if fence is None or not advertises_fence(req.params.extra if req.params else None):
+        if fence is None:
+            return None
+        if not advertises_fence(req.params.extra if req.params else None):
+            reader = req.params.remote_engine_id if req.params else None
+            if reader not in self._stock_readers:
+                self._stock_readers.add(reader)
+                logger.info("Fence: turns prefilled by engine %s are not fenced (its dict "
+                            "does not advertise the fence); they are kept until its "
+                            "notification or the TTL, as vLLM keeps them (logged once per "
+                            "engine)", reader)
             return None
         word = fence.export(req.request_id)
         if word is not None:

@@ -78,6 +78,7 @@ class PullReader:
         self.num_pulling = 0
         self.allowlist = self.kv.peer_allowlist  # None: read from any peer (vLLM)
         self._refused_peers: set[tuple[str | None, str | None]] = set()
+        self._unfenced_owners: set[str] = set()  # owners seen without fence words
 
     # ---- the decision ----------------------------------------------------------------
 
@@ -273,6 +274,11 @@ class PullReader:
         without a word, or an owner without fence words, is a stock read (True)."""
         word = word_of(params.extra)
         if word is None or not self.worker.can_check_fence(peer):
+            if self.worker.fence is not None and peer.engine_id not in self._unfenced_owners:
+                self._unfenced_owners.add(peer.engine_id)
+                logger.info("Fence: engine %s exports no fence word we can read; its turns "
+                            "are read as vLLM reads them (it must not release them early; "
+                            "logged once per engine)", peer.engine_id)
             return True
         slot, gen = word
         try:

@@ -133,6 +133,25 @@ def test_budget_never_releases_a_stock_readers_turn(engine_pair: Factory) -> Non
     assert all(FENCE_KEY not in d.params.extra for d in turns)
     assert (pair.d.metrics() - d0).value(EARLY, reason="budget") == 0
     assert pair.state("d")["retained"] == 3
+    assert _log(pair, "d").count("are not fenced (its dict does not advertise the fence)") == 1
+
+
+def test_fenced_reader_reads_an_unfenced_owner_as_stock(engine_pair: Factory) -> None:
+    """P speaks the fence, D does not (``bidir_kv_fence: false``): D exports no word, P
+    reads D's history as vLLM does, says so once, and discards nothing."""
+    pair = engine_pair(prefill=COLD_P, decode_kv={"bidir_kv_fence": False})
+    rng = random.Random("unfenced-owner")
+    p0, _ = pair.snap()
+    prev = None
+    prompt = random_prompt(rng, PROMPT)
+    for _ in range(3):
+        _, d = pair.turn(prompt, GEN, prev)
+        assert d is not None and d.ok and d.params is not None
+        assert FENCE_KEY not in d.params.extra
+        prev, prompt = d.params, [*prompt, *d.token_ids, *random_prompt(rng, 20)]
+    dp = pair.p.metrics() - p0
+    assert dp.value(DISCARDED) == 0 and dp.value(EXTERNAL_HITS) > 0
+    assert _log(pair, "p").count("exports no fence word we can read") == 1
 
 
 @pytest.mark.parametrize("budget", [0, 1.5, "half"])

@@ -256,3 +256,50 @@ def test_fence_word_reads_the_owners_current_value(run: Callable[[Scenario], Non
         assert got_d == [("agent-p", b"HB:sync")]  # the word reads notified nothing
 
     run(scenario)
+
+
+def test_fence_words_nixl_cannot_register_mean_no_fence(
+    request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fence table NIXL refuses: one warning, an agent without the fence (no
+    metadata fields, so peers read it as stock), and KV reads still work. (TCP serves
+    the words from its data port: nothing to register.)"""
+    ok, why = nixl_available()
+    if not ok:
+        skip_or_fail(request.config, "integration", f"nixl transport unavailable: {why}")
+
+    class Refusing:
+        def __init__(self, inner: object) -> None:
+            self.inner, self.calls = inner, 0
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def register_memory(self, *args: object, **kw: object) -> object:
+            self.calls += 1
+            if self.calls == 2:  # the pool registers first, the fence words second
+                raise RuntimeError("NIXL_ERR_BACKEND (injected)")
+            return self.inner.register_memory(*args, **kw)  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        d = create_agent("nixl", "agent-d2", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+        p = create_agent("nixl", "agent-p2", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+        d.attach_fence(np.zeros(FENCE_SLOTS, dtype=np.uint64))
+        d._nixl = Refusing(d._nixl)  # type: ignore[attr-defined]
+        try:
+            await d.start(lambda peer, msg: None)
+            await p.start(lambda peer, msg: None)
+            assert not d.fence_registered
+            await p.add_peer(d.metadata())
+            assert not p.peer_has_fence("agent-d2")
+            d.pool.data[:] = _seeded(2)
+            await p.read("agent-d2", [1, 2], [3, 4], b"")
+            assert _sha(p.pool.data[[1, 2]]) == _sha(d.pool.data[[3, 4]])
+        finally:
+            await p.close()
+            await d.close()
+
+    with caplog.at_level("WARNING", logger="bidir_kv.engine.transport"):
+        asyncio.run(main())
+    lines = [r for r in caplog.records if "fence words could not be registered" in r.getMessage()]
+    assert len(lines) == 1 and "stock behaviour" in lines[0].getMessage()
