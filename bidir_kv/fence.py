@@ -8,8 +8,9 @@ is (docs/connector.md §5, "The fence"). Pure: no I/O, no vLLM, no numpy.
   releases a turn early only when the prefill behind it carried this.
 * D exports with a retained turn the slot and value of a 64-bit generation word in
   memory registered with its transport: ``"bidir_kv_fence": {"v": 1, "slot": s,
-  "gen": g}``. D writes a new value into slot ``s`` *before* the turn's blocks can be
-  reused (any release but the one the reader's own completion notification causes).
+  "gen": g}`` (plus ``"base"``, the table's address, from our vLLM connector). D
+  writes a new value into slot ``s`` *before* the turn's blocks can be reused (any
+  release but the one the reader's own completion notification causes).
 * The reader READs the word *after* its block READ completes; a word other than
   ``g`` means D may have reused the blocks during the read, so the read is
   discarded and the prompt recomputed.
@@ -34,6 +35,7 @@ __all__ = [
     "advertises_fence",
     "parse_budget",
     "reader_advert",
+    "word_base",
     "word_of",
     "word_to_wire",
 ]
@@ -60,9 +62,21 @@ def advertises_fence(params: Mapping[str, Any] | None) -> bool:
     return isinstance(obj, Mapping) and obj.get("v") == FENCE_VERSION and obj.get("reads") is True
 
 
-def word_to_wire(slot: int, gen: int) -> dict[str, Any]:
-    """The value D adds to a retained turn's dict."""
-    return {"v": FENCE_VERSION, "slot": int(slot), "gen": int(gen)}
+def word_to_wire(slot: int, gen: int, base: int | None = None) -> dict[str, Any]:
+    """The value D adds to a retained turn's dict. ``base``: the address of D's word
+    table, for a NIXL reader that prepares the word's descriptor from the params (our
+    vLLM connector); the emulator's transports publish it in agent metadata instead."""
+    out = {"v": FENCE_VERSION, "slot": int(slot), "gen": int(gen)}
+    if base is not None:
+        out["base"] = int(base)
+    return out
+
+
+def word_base(params: Mapping[str, Any] | None) -> int | None:
+    """The word table's address D put in its dict (``None``: absent or malformed)."""
+    obj = params.get(FENCE_KEY) if params else None
+    base = obj.get("base") if isinstance(obj, Mapping) else None
+    return base if isinstance(base, int) and not isinstance(base, bool) and base > 0 else None
 
 
 def word_of(params: Mapping[str, Any] | None) -> tuple[int, int] | None:
