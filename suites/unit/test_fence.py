@@ -78,3 +78,23 @@ def test_allowlist_matches_engine_ids_and_networks_never_names() -> None:
     for bad in ("10.0.0.0/8", [], [""], [3], {"a": 1}):
         with pytest.raises(ValueError):
             PeerAllowlist.parse(bad)
+
+
+def test_connector_turns_budget_pressure_and_slots() -> None:
+    from bidir_kv.connector.retention import BUMP_BIT, RetainedTurns
+
+    turns = RetainedTurns(slots=2)
+    a = turns.retain("a", 4, fenced=True)
+    b = turns.retain("b", 4, fenced=True)
+    assert a and b and a[0] != b[0] and b[1] > a[1] and b[1] < BUMP_BIT
+    assert turns.retain("c", 4, fenced=True) is None  # no slot left: unfenced
+    assert turns.retain("s", 4, fenced=False) is None
+    assert turns.held_blocks() == 16
+    # budget 0.5 of 20 blocks = 10: release oldest fenced only, never the kept turn
+    assert turns.over_budget(0.5, 20, keep="b") == ["a"]
+    assert turns.over_budget(0.5, 20, releasing={"a"}) == ["b"]
+    assert turns.oldest_fenced() == "a" and turns.oldest_fenced(exclude={"a", "b"}) is None
+    turns.finished("a")
+    assert not turns.is_fenced("a") and turns.held_blocks() == 12
+    again = turns.retain("d", 1, fenced=True)
+    assert again is not None and again[0] == a[0] and again[1] > b[1]
