@@ -29,6 +29,7 @@ __all__ = [
     "ALLOWLIST_CONFIG_KEY",
     "BUDGET_CONFIG_KEY",
     "DEFAULT_RETENTION_BUDGET",
+    "FAULT_RELEASE_CONFIG_KEY",
     "FENCE_CONFIG_KEY",
     "FENCE_KEY",
     "FENCE_VERSION",
@@ -49,6 +50,9 @@ FENCE_CONFIG_KEY = "bidir_kv_fence"  # bool, default true: speak the fence
 BUDGET_CONFIG_KEY = "bidir_kv_retention_budget"  # share of D's blocks retained turns may hold
 DEFAULT_RETENTION_BUDGET = 1.0  # no cap beyond memory pressure: the published hit rate holds
 ALLOWLIST_CONFIG_KEY = "bidir_kv_peer_allowlist"  # engine ids and/or host networks
+# fault injection for the conformance tier (our vLLM connector's D): release every fenced
+# turn right after exporting it and overwrite its blocks, as a reuse would
+FAULT_RELEASE_CONFIG_KEY = "bidir_kv_fault_release_exported"
 
 
 def reader_advert() -> dict[str, Any]:

@@ -36,6 +36,7 @@ from bidir_kv.connector.wire import (
 from bidir_kv.fence import (
     ALLOWLIST_CONFIG_KEY,
     BUDGET_CONFIG_KEY,
+    FAULT_RELEASE_CONFIG_KEY,
     FENCE_CONFIG_KEY,
     FENCE_KEY,
     advertises_fence,
@@ -128,7 +129,12 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         self._fence_checks: dict[str, tuple[int, int, int, str]] = {}
         self._asked: set[str] = set()
         self._stock_readers: set[Any] = set()
-        self.num_released_early = {"budget": 0, "pressure": 0}
+        self.num_released_early = {"budget": 0, "pressure": 0, "fault": 0}
+        self._fault_release = kv.get_from_extra_config(FAULT_RELEASE_CONFIG_KEY, False) is True
+        self._scribble: dict[str, list[int]] = {}
+        if self._fault_release and self._fence:
+            log.warning("bidir-kv: fault injection %s: every fenced turn is released and "
+                        "overwritten right after it is exported.", FAULT_RELEASE_CONFIG_KEY)
 
     def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
         """Our worker said, on its handshake payload, whether its fence words are
@@ -221,6 +227,9 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         if word is not None:
             out[FENCE_KEY] = word_to_wire(*word, base=self._fence_base)
             self._fence_writes[rid] = word
+            if self._fault_release:  # the reader finds the turn released and reused
+                self._scribble[rid] = [int(b) for b in block_ids[0]] if block_ids else []
+                self._release(rid, "fault", rid)
         elif not fenced and params.get("remote_engine_id") not in self._stock_readers:
             self._stock_readers.add(params.get("remote_engine_id"))
             log.info("bidir-kv: turns prefilled by engine %s are not fenced (its dict does "
@@ -243,10 +252,11 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         self._releasing.add(victim)
         self._to_release.add(victim)
         self.num_released_early[reason] += 1
+        why = {"budget": "over the retention budget", "fault": "fault injection",
+               "pressure": "a request is waiting for KV blocks"}[reason]
         log.info("bidir-kv: releasing fenced retained turn %s before its TTL (%s; for "
                  "request %s); its fence word changes before its blocks are freed.",
-                 victim, "over the retention budget" if reason == "budget"
-                 else "a request is waiting for KV blocks", for_request)
+                 victim, why, for_request)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
@@ -254,6 +264,7 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         meta.bidir_fence_writes, self._fence_writes = self._fence_writes, {}
         meta.bidir_fence_release, self._to_release = self._to_release, set()
         meta.bidir_fence_checks, self._fence_checks = self._fence_checks, {}
+        meta.bidir_fence_scribble, self._scribble = self._scribble, {}
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -22,6 +22,7 @@ scratch word; a changed word turns the read into a failed load, which
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import time
 from collections import deque
@@ -105,9 +106,13 @@ class BidirKVWorker(NixlPullConnectorWorker):
         for rid, (slot, gen) in getattr(metadata, "bidir_fence_writes", {}).items():
             words[slot] = np.uint64(gen)
             self._bidir_slots[rid] = slot
+        scribble = getattr(metadata, "bidir_fence_scribble", {})
         for rid in getattr(metadata, "bidir_fence_release", ()):
             held = rid in self._reqs_to_send or rid in self._reqs_to_process
             self._bidir_bump(rid)
+            if rid in scribble:  # fault injection: the blocks' next owner writes them
+                log.warning("bidir-kv: fault: released turn %s and overwrote %d block "
+                            "region(s).", rid, self._bidir_scribble(scribble[rid]))
             if held:  # not already notified or reaped: report it once, as sent
                 self._reqs_to_send.pop(rid, None)
                 self._reqs_to_process.discard(rid)
@@ -119,6 +124,23 @@ class BidirKVWorker(NixlPullConnectorWorker):
         slot = self._bidir_slots.pop(rid, None)
         if words is not None and slot is not None:
             words[slot] = np.uint64(int(words[slot]) | BUMP_BIT)
+
+    def _bidir_scribble(self, block_ids: list[int]) -> int:
+        """Overwrite ``block_ids`` in every host-memory KV region, the byte ranges a
+        peer's READ of them covers (fault injection only)."""
+        if self._physical_blocks_per_logical_kv_block != 1:
+            return 0
+        bases = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
+        done = 0
+        for i, base in enumerate(bases):
+            if self.region_mem_types[i] != _MEM:
+                continue
+            stride, length = self.block_stride_per_layer[i], self.block_len_per_layer[i]
+            for b in block_ids:
+                if 0 <= b < self.region_num_blocks[i]:
+                    ctypes.memset(base + b * stride, 0x5A, length)
+                    done += 1
+        return done
 
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
         before = set(self._reqs_to_send)
