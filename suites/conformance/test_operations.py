@@ -86,22 +86,23 @@ class Ops:
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     pairs: dict[tuple[str, ...], VariantPair] = field(default_factory=dict)  # by flags
 
-    def pair(self, *emulator_flags: str, decode_extra: tuple[tuple[str, Any], ...] = ()
-             ) -> VariantPair:
+    def pair(self, *emulator_flags: str, decode_extra: tuple[tuple[str, Any], ...] = (),
+             decode_prefix_caching: bool = True) -> VariantPair:
         """The pair for a scenario; ``emulator_flags`` only apply in the default mode
         (the vLLM mode's flags are fixed), and never to real vLLM; ``decode_extra``:
         more ``kv_connector_extra_config`` keys for D (our connector's)."""
         flags = VLLM_FLAGS if self.mode == "vllm" else tuple(emulator_flags)
         if self.pd.name != "emulator":
             flags = ()
-        key = (*flags, *(f"{k}={v}" for k, v in decode_extra))
+        key = (*flags, *(f"{k}={v}" for k, v in decode_extra),
+               *(() if decode_prefix_caching else ("d-no-prefix-cache",)))
         if key not in self.pairs:
             # recompute on both: a failed read is a miss, so restarts show as lost reuse
             kv = {"decoder_kv_blocks_ttl": self.timing.ttl, "kv_load_failure_policy": "recompute"}
             self.pairs[key] = self.stack.enter_context(self.pd.pair_variant(
                 f"ops-{len(self.pairs)}", decode_blocks=D_BLOCKS, max_model_len=MAX_MODEL_LEN,
                 prefill_kv=kv, decode_kv={**kv, **dict(decode_extra)},
-                emulator_args=flags))
+                emulator_args=flags, decode_prefix_caching=decode_prefix_caching))
         return self.pairs[key]
 
 
@@ -254,8 +255,11 @@ def test_release_during_read_is_recomputed(ops: Ops, prompts: PromptFactory) -> 
         pytest.skip("the emulator's vLLM mode has no fence (nothing is released early)")
     if ops.pd.name == "vllm-cpu":
         pytest.skip("the fault is our connector's: stock vLLM never releases a turn early")
+    # D without a prefix cache: the fault rewrites released blocks without evicting
+    # them from D's cache (a real reuse would), so D must not hit them itself
     pair, bs = ops.pair("--fault-release-on-claim",
-                        decode_extra=((FAULT_RELEASE_CONFIG_KEY, True),)), ops.pd.block_size
+                        decode_extra=((FAULT_RELEASE_CONFIG_KEY, True),),
+                        decode_prefix_caching=False), ops.pd.block_size
     drained(pair, ops.timing.ttl + 30)
     first = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
     assert first.d is not None and first.d.ok and first.d.params is not None, \
