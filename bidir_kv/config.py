@@ -17,10 +17,12 @@ from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_KV_LEASE_DURATION,
     DEFAULT_RECOMPUTE_THRESHOLD,
+    PeerAllowlist,
     threshold_enabled,
     valid_lease_duration,
     valid_retention_ttl,
 )
+from bidir_kv.wire.fence import ALLOWLIST_CONFIG_KEY
 from bidir_kv.wire.params import LEASE_CONFIG_KEY, configured_lease
 
 __all__ = ["ConfigError", "KVTransferConfig", "LoadFailurePolicy"]
@@ -141,6 +143,10 @@ class KVTransferConfig:
             configured_lease(extra.get(LEASE_CONFIG_KEY))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        try:
+            PeerAllowlist.parse(extra.get(ALLOWLIST_CONFIG_KEY))
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config.{ALLOWLIST_CONFIG_KEY}: {exc}") from None
         engine_id = obj.get("engine_id") or str(uuid.uuid4())
         if not isinstance(engine_id, str):
             raise ConfigError(f"engine_id: expected a string, got {engine_id!r}")
@@ -161,6 +167,11 @@ class KVTransferConfig:
             extra={k: v for k, v in extra.items() if k not in _TYPED_EXTRA},
             top_level={k: v for k, v in obj.items() if k not in _TYPED_TOP},
         )
+
+    @property
+    def peer_allowlist(self) -> PeerAllowlist | None:
+        """The peers this node reads KV from (``bidir_kv_peer_allowlist``; None: any)."""
+        return PeerAllowlist.parse(self.extra.get(ALLOWLIST_CONFIG_KEY))
 
     @property
     def conversation_lease(self) -> float | None:

@@ -23,6 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from bidir_kv.policy import (
+    PeerAllowlist,
     blocks_for_tokens,
     pull_decision,
     target_block_range,
@@ -31,12 +32,15 @@ from bidir_kv.policy import (
 from bidir_kv.wire.ids import BlockIds
 from bidir_kv.wire.params import HeldTokens
 
-__all__ = ["PullPlan", "Refusal", "is_d_params", "plan_pull", "positional_remote_blocks"]
+__all__ = ["PullPlan", "Refusal", "is_d_params", "peer_refusal", "plan_pull",
+           "positional_remote_blocks"]
 
 _REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
 class Refusal(StrEnum):
+    PEER_NOT_ALLOWED = "peer-not-allowed"  # params name a peer outside the allowlist
+    REMOTE_PREFILL_ON_P = "remote-prefill-on-p"  # a kv_producer given D-bound params
     FEATURE_OFF = "feature-off"  # bidirectional_kv_xfer is off on this P
     HOST_BUFFER = "host-buffer"  # P stages KV in host memory: no D->P read path
     ALREADY_READ = "already-read"  # this dict's single read was made (or declined)
@@ -71,6 +75,27 @@ def is_d_params(params: Mapping[str, Any] | None) -> bool:
         and params.get("remote_block_ids")
         and all(k in params for k in _REMOTE_KEYS)
     )
+
+
+def peer_refusal(
+    params: Mapping[str, Any] | None, allowlist: PeerAllowlist | None, *, producer: bool
+) -> Refusal | None:
+    """Why this node must not connect where ``params`` say (``None``: it may).
+
+    A prefill node (``kv_role: kv_producer``) never pulls a remote prefill; with an
+    allowlist, a remote prefill or a D dict naming a peer outside it is refused. The
+    caller computes locally and opens no connection (docs/connector.md §7)."""
+    if not params:
+        return None
+    prefill = bool(params.get("do_remote_prefill"))
+    if not prefill and not is_d_params(params):
+        return None
+    if prefill and producer:
+        return Refusal.REMOTE_PREFILL_ON_P
+    if allowlist is not None and not allowlist.allows(
+            params.get("remote_engine_id"), params.get("remote_host")):
+        return Refusal.PEER_NOT_ALLOWED
+    return None
 
 
 def _layout_ok(remote_block_ids: Sequence[Sequence[int]], remote: int, block_size: int) -> bool:

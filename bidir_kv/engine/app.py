@@ -8,6 +8,7 @@ import logging
 from aiohttp import web
 
 from bidir_kv.engine.connector import ConnectorWorker
+from bidir_kv.engine.fencewords import FenceTable, fence_enabled
 from bidir_kv.engine.hf_tokenizer import HFTokenizer
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
@@ -39,7 +40,12 @@ def _worker(settings: EngineSettings, pool: KVPool) -> ConnectorWorker:
             "vllm": settings.emulate_vllm,
         }
     )
+    pinned = settings.retained_blocks == "pin"
+    fence = FenceTable() if fence_enabled(settings.kv.extra, pinned=pinned) else None
+    if fence is not None:
+        agent.attach_fence(fence.words)
     return ConnectorWorker(
+        fence=fence,
         engine_id=settings.kv.engine_id,
         agent=agent,
         side_host=side_host,
@@ -101,6 +107,12 @@ def _log_ready(
         settings.block_size,
         settings.emulate_vllm,
     )
+    allow = settings.kv.peer_allowlist
+    if allow is None:
+        logger.info("bidir_kv_peer_allowlist is unset: KV is read from any peer that "
+                    "kv_transfer_params name (vLLM's behaviour)")
+    else:
+        logger.info("Peer allowlist: KV is read only from %s", allow.describe())
     for note in emulation_notes(settings, worker.agent.backend):
         logger.info("%s", note)
     logger.info("Starting vLLM API server on http://%s:%d", settings.host, http_port)

@@ -27,6 +27,7 @@ import msgpack
 
 from bidir_kv.engine import notifications
 from bidir_kv.engine.faults import Faults
+from bidir_kv.engine.fencewords import FenceTable
 from bidir_kv.engine.transport.base import KVAgent, NotificationHandler, ReadResult, TransportError
 from bidir_kv.engine.transport.sidechannel import (
     EngineMetadata,
@@ -91,8 +92,12 @@ class ConnectorWorker:
         clock: Callable[[], float] = time.perf_counter,
         transfer_floor: Callable[[int], float] | None = None,
         tp_size: int = 1,
+        fence: FenceTable | None = None,
     ) -> None:
         self.engine_id = engine_id
+        # D's fence words (docs/connector.md §5); None: this engine does not speak the
+        # fence (configured off, vLLM mode, or its words could not be registered)
+        self.fence = fence
         self.agent = agent
         self.side_host = side_host
         self.side_port = side_port
@@ -119,6 +124,8 @@ class ConnectorWorker:
     async def start(self, on_notification: NotificationHandler, http_port: int) -> None:
         self.http_port = http_port
         await self.agent.start(on_notification)
+        if self.fence is not None and not self.agent.fence_registered:
+            self.fence = None  # the transport said why, once; stock behaviour from here
         self._side = SideChannelServer(
             self.side_host, self.side_port, self.local_metadata, clock=self.clock
         )
@@ -325,6 +332,14 @@ class ConnectorWorker:
         if n == 1:
             return blocks
         return [b * n + r for b in blocks for r in range(n)]
+
+    def can_check_fence(self, peer: Peer) -> bool:
+        """Whether we speak the fence and ``peer`` published fence words."""
+        return self.fence is not None and self.agent.peer_has_fence(peer.agent_name)
+
+    async def read_fence_word(self, peer: Peer, slot: int) -> int:
+        """One READ of ``peer``'s fence word ``slot`` (after a block READ completed)."""
+        return await self.agent.read_word(peer.agent_name, slot)
 
     async def notify(self, peer: Peer, message: str) -> None:
         await self.agent.notify(peer.agent_name, message.encode())

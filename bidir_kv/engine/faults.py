@@ -35,6 +35,9 @@ class Faults:
     drop_notifications: float = 0.0  # fraction of incoming notifications ignored
     stall_seconds: float = 0.0  # extra wall time added to every scheduler step
     stall: bool = False  # no scheduler steps until cleared (/health turns 503, see settings)
+    # D releases a fenced retained turn right after granting its read's claim and reuses
+    # its blocks: the in-flight release the fence guards (docs/connector.md §5)
+    release_on_claim: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +97,8 @@ def add_fault_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fault-drop-notifications", type=float, default=0.0, metavar="FRACTION")
     g.add_argument("--fault-stall-seconds", type=float, default=0.0, metavar="S")
     g.add_argument("--fault-stall", action="store_true", help="no scheduler steps until cleared")
+    g.add_argument("--fault-release-on-claim", action="store_true",
+                   help="D releases a fenced turn and rewrites its blocks while it is read")
     g.add_argument("--fault-seed", type=int, default=0)
 
 
@@ -108,5 +113,6 @@ def faults_from_args(ns: argparse.Namespace) -> Faults:
         drop_notifications=ns.fault_drop_notifications,
         stall_seconds=ns.fault_stall_seconds,
         stall=ns.fault_stall,
+        release_on_claim=ns.fault_release_on_claim,
         seed=ns.fault_seed,
     )

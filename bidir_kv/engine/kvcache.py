@@ -127,6 +127,21 @@ class BlockManager:
                 if b not in self._hash_of:
                     self._free.move_to_end(b, last=False)
 
+    def reuse_free(self, blocks: Iterable[int]) -> int:
+        """What a new owner does to free ``blocks``: drop their cached hash and write
+        new bytes (fault injection: a released turn reused during a read). Blocks
+        still referenced are left alone; returns how many were rewritten."""
+        done = 0
+        for b in blocks:
+            if self._ref[b]:
+                continue
+            h = self._hash_of.pop(b, None)
+            if h is not None and self._cached.get(h) == b:
+                del self._cached[h]
+            self.pool.data[b] ^= 0x5A
+            done += 1
+        return done
+
     # ---- contents ------------------------------------------------------------
 
     def write_slots(self, blocks: Sequence[int], start: int, content: np.ndarray) -> None:

@@ -190,6 +190,21 @@ class EngineMetrics:
             "bidir_kv:kv_guard_rejected_tokens",
             "Tokens not pulled because the owner's sequence does not match the prompt.",
         )
+        # the fence (docs/connector.md §5): reads discarded because the owner's fence
+        # word changed during them, and fenced turns D released before their TTL
+        self.fence_discarded = counter(
+            "bidir_kv:fence_discarded_reads",
+            "Reads discarded and recomputed because the owner's fence word changed.",
+        )
+        self.peer_refused = counter(
+            "bidir_kv:peer_refused_reqs",
+            "Requests whose kv_transfer_params named a peer outside bidir_kv_peer_allowlist.",
+        )
+        self.released_early = counter(
+            "bidir_kv:retained_released_early_reqs",
+            "Fenced retained turns released before their TTL (budget or memory pressure).",
+            ("reason",),
+        )
 
     def _create_children(self) -> None:
         # children exist from the start, so every series scrapes as 0 before first use
@@ -199,8 +214,10 @@ class EngineMetrics:
                   self.bytes_transferred,
                   self.num_descriptors, self.failed_transfers, self.failed_notifications,
                   self.kv_expired, self.kv_evicted, self.notifs_after_expiry, self.kv_mismatch,
-                  self.guard_rejected):  # fmt: skip
+                  self.guard_rejected, self.fence_discarded, self.peer_refused):  # fmt: skip
             m.labels(**self.labels)
+        for reason in ("budget", "pressure"):
+            self.released_early.labels(**self.labels, reason=reason)
         for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
             self.prompt_tokens_by_source.labels(**self.labels, source=source)
         for tier in CACHE_TIERS:

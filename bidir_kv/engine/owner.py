@@ -17,6 +17,7 @@ from typing import Any
 from bidir_kv.engine import notifications
 from bidir_kv.engine.connector import ConnectorWorker
 from bidir_kv.engine.faults import Faults
+from bidir_kv.engine.fencewords import retention_budget
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.request import Request
@@ -28,8 +29,10 @@ from bidir_kv.policy import (
     heartbeat_extension,
     remote_deadline,
     retained_eviction_order,
+    retention_budget_blocks,
 )
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.wire.fence import FENCE_KEY, advertises_fence, reader_advert, word_to_wire
 from bidir_kv.wire.ids import EngineId, RequestId
 from bidir_kv.wire.params import LEASE_KEY, HeldTokens, lease_to_wire
 
@@ -65,6 +68,11 @@ class HandleOwner:
         # claimed request id -> the reader's engine id
         self._readers: dict[RequestId, EngineId] = {}
         self._handle_tokens: dict[RequestId, HeldTokens] = {}
+        # the retention budget (docs/connector.md §5): retained turns hold at most this
+        # share of our blocks; fenced turns beyond it are released oldest first
+        self.budget = retention_budget(self.kv.extra, pinned=settings.retained_blocks == "pin")
+        self._fenced: dict[RequestId, bool] = {}  # retained turn -> its reader checks the fence
+        self._stock_readers: set[EngineId | None] = set()  # prefill engines without the advert
 
     # ---- holding -----------------------------------------------------------------------
 
@@ -88,8 +96,34 @@ class HandleOwner:
             deadline = self.ledger.retain(req.request_id, keep, self.clock())
             expiry = remote_deadline(deadline, self.faults.clock_skew)
             req.out_params = self._node_params(req, keep, prefill=False, expiry=expiry)
+            word = self._fence_word(req)
+            if word is not None:
+                req.out_params = KVTransferParams.build(
+                    **{**req.out_params.to_dict(), FENCE_KEY: word_to_wire(*word)})
+            self._over_budget(req.request_id)
         else:
             self.blocks.free(keep)
+
+    def _fence_word(self, req: Request) -> tuple[int, int] | None:
+        """D's fence word for a turn whose reader advertised the fence (with P's dict,
+        the params this request came with); ``None`` leaves the turn unfenced: it is
+        then never released early for the budget."""
+        fence = self.worker.fence
+        if fence is None:
+            return None
+        if not advertises_fence(req.params.extra if req.params else None):
+            reader = req.params.remote_engine_id if req.params else None
+            if reader not in self._stock_readers:
+                self._stock_readers.add(reader)
+                logger.info("Fence: turns prefilled by engine %s are not fenced (its dict "
+                            "does not advertise the fence); they are kept until its "
+                            "notification or the TTL, as vLLM keeps them (logged once per "
+                            "engine)", reader)
+            return None
+        word = fence.export(req.request_id)
+        if word is not None:
+            self._fenced[req.request_id] = True
+        return word
 
     def _node_params(
         self, req: Request, blocks: list[int], *, prefill: bool, expiry: float | None
@@ -113,6 +147,8 @@ class HandleOwner:
         fields["transfer_mode"] = "pull"
         if prefill:
             fields["remote_prefill_cached_tokens"] = req.cached_tokens
+            if self.worker.fence is not None:  # D's reader will be us: we check the fence
+                fields[FENCE_KEY] = reader_advert()
         elif self.kv.conversation_lease is not None:  # as our vLLM connector's D does
             fields[LEASE_KEY] = lease_to_wire(self.kv.conversation_lease)
         return KVTransferParams.build(**fields)
@@ -143,7 +179,19 @@ class HandleOwner:
         self._claimed.add(request_id)
         if reader is not None:
             self._readers[request_id] = reader
+        if self.faults.release_on_claim and self._fenced.get(request_id):
+            self._release_during_read(request_id)
         return None
+
+    def _release_during_read(self, request_id: RequestId) -> None:
+        """Fault ``release_on_claim``: D takes back a fenced turn while its reader's
+        READ is under way, and reuses the blocks (new bytes) before the reader is done,
+        which is exactly the race the fence exists for."""
+        rel = self.ledger.evict(request_id)
+        logger.warning("fault release_on_claim: releasing fenced turn %s (%d blocks) during "
+                       "its read", request_id, len(rel.blocks))
+        self._release(request_id, list(rel.blocks))
+        self.blocks.reuse_free(rel.blocks)  # the blocks' next owner writes them
 
     def handle_tokens(self, request_id: RequestId) -> HeldTokens | None:
         return self._handle_tokens.get(request_id)
@@ -152,6 +200,16 @@ class HandleOwner:
         self._claimed.discard(request_id)
         self._readers.pop(request_id, None)
         self._handle_tokens.pop(request_id, None)
+        self._fenced.pop(request_id, None)
+
+    def _release(self, request_id: str, blocks: list[int]) -> None:
+        """Free a retained turn's blocks without its reader's notification: the fence
+        word changes first, so a reader still reading them discards what it read."""
+        fence = self.worker.fence
+        if fence is not None:
+            fence.bump(request_id)
+        self._forget(request_id)
+        self.blocks.free(blocks)
 
     def drop_reader(self, engine_id: str) -> int:
         """A peer is gone (``POST /drop_peer``): free every handle it claimed and will
@@ -202,6 +260,8 @@ class HandleOwner:
         if rid in self.ledger:
             rel = self.ledger.notify(rid, note.consumers)
             if rel is not None:
+                if self.worker.fence is not None:
+                    self.worker.fence.done(rid)  # the reader is done: the word stays
                 self._forget(rid)
                 self.blocks.free(rel.blocks)
         elif rid in self.leases:
@@ -235,8 +295,7 @@ class HandleOwner:
             reads,
         )
         self.metrics.expired()
-        self._forget(rid)
-        self.blocks.free(blocks)
+        self._release(rid, blocks)
         self._wake()
 
     # ---- memory pressure ---------------------------------------------------------------
@@ -251,21 +310,51 @@ class HandleOwner:
         if self.settings.retained_blocks == "pin":
             return 0
         evicted = 0
-        order = retained_eviction_order(self.ledger.deadlines(), busy=self._claimed)
-        for rid in order:
+        for rid in self._release_order():
             if self.blocks.num_free >= need:
                 break
+            fenced = bool(self._fenced.get(rid))
             rel = self.ledger.evict(rid)
             logger.info(
-                "Evicting retained KV blocks of request %s (%d blocks) for new work",
+                "Evicting retained KV blocks of request %s (%d blocks, %s) for new work",
                 rid,
                 len(rel.blocks),
+                "fenced" if fenced else "unfenced, no read claimed",
             )
             self.metrics.evicted()
-            self._forget(rid)
-            self.blocks.free(rel.blocks)
+            if fenced:
+                self.metrics.inc(self.metrics.released_early, reason="pressure")
+            self._release(rid, list(rel.blocks))
             evicted += 1
         return evicted
+
+    def _release_order(self, *, fenced_only: bool = False) -> list[str]:
+        """Retained turns to give up: fenced ones oldest first, then (under pressure
+        only) unfenced ones no reader has claimed (the emulator's claim protects a
+        read of those; policy ``retained_eviction_order``)."""
+        order = retained_eviction_order(self.ledger.deadlines(), busy=self._claimed)
+        fenced = [rid for rid in order if self._fenced.get(rid)]
+        if fenced_only:
+            return fenced
+        return fenced + [rid for rid in order if not self._fenced.get(rid)]
+
+    def _over_budget(self, keep_id: str) -> None:
+        """Release the oldest fenced retained turns while retained blocks exceed the
+        budget (never ``keep_id``, the turn just retained)."""
+        if self.budget is None or self.settings.retained_blocks == "pin":
+            return
+        cap = retention_budget_blocks(self.budget, self.blocks.num_usable_blocks)
+        for rid in self._release_order(fenced_only=True):
+            if self.ledger.held_blocks() <= cap:
+                break
+            if rid == keep_id:
+                continue
+            rel = self.ledger.evict(rid)
+            logger.info("Releasing fenced retained turn %s (%d blocks): retained turns hold "
+                        "more than the retention budget (%.2f of %d blocks)", rid,
+                        len(rel.blocks), self.budget, self.blocks.num_usable_blocks)
+            self.metrics.inc(self.metrics.released_early, reason="budget")
+            self._release(rid, list(rel.blocks))
 
     def held(self) -> dict[str, int]:
         """How many handles are retained (D) and leased (P)."""

@@ -35,6 +35,7 @@ from bidir_kv.policy import (
     target_block_range,
 )
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.wire.fence import word_of
 from bidir_kv.wire.params import HeldTokens
 
 __all__ = ["PullHost", "PullReader"]
@@ -77,6 +78,9 @@ class PullReader:
         self._host = host
         self.num_pulling = 0
         self.reading: set[Request] = set()  # requests whose pull is under way
+        self.allowlist = self.kv.peer_allowlist  # None: read from any peer (vLLM)
+        self._refused_peers: set[tuple[str | None, str | None]] = set()
+        self._unfenced_owners: set[str] = set()  # owners seen without fence words
 
     # ---- the decision ----------------------------------------------------------------
 
@@ -89,6 +93,8 @@ class PullReader:
         if p is None or not (p.do_remote_prefill or (p.do_remote_decode and p.remote_block_ids)):
             return False
         self.metrics.inc(self.metrics.external_queries, n)
+        if p.is_valid_remote and not self._allowed(req, p):
+            return False
         if not p.is_valid_remote:
             logger.warning(
                 "Got invalid KVTransferParams: %s. This request will not utilize KVTransfer",
@@ -104,6 +110,24 @@ class PullReader:
             )
         else:
             return self._readback(req, hit, p)
+        return False
+
+    def _allowed(self, req: Request, p: KVTransferParams) -> bool:
+        """The peer allowlist: params naming a peer outside it open no connection (the
+        request computes locally, nothing is notified); counted, logged once per peer."""
+        if self.allowlist is None or self.allowlist.allows(p.remote_engine_id, p.remote_host):
+            return True
+        self.metrics.inc(self.metrics.peer_refused)
+        peer = (p.remote_engine_id, p.remote_host)
+        if peer not in self._refused_peers:
+            self._refused_peers.add(peer)
+            logger.warning(
+                "Peer allowlist: request %s names engine %s at %s:%s, which is not in "
+                "bidir_kv_peer_allowlist (%s); computing locally, no connection opened "
+                "(logged once per peer)",
+                req.request_id, p.remote_engine_id, p.remote_host, p.remote_port,
+                self.allowlist.describe(),
+            )  # fmt: skip
         return False
 
     def _readback(self, req: Request, hit: int, params: KVTransferParams) -> bool:
@@ -226,6 +250,10 @@ class PullReader:
                 else None
             )
             res = await self.worker.read(peer, local, remote, done, tokens=count, floor=floor)
+            if not from_prefill and not await self._fence_holds(req, peer, p):
+                self.metrics.read_done(res)
+                self._pull_resolved(req, hit, 0, failed=False)  # recompute what we read
+                return
         except StaleParams as exc:  # the blocks died with an earlier start: a plain miss
             logger.warning("Not reading for %s: %s", req.request_id, exc)
             self._pull_resolved(req, hit, 0, failed=False)
@@ -246,6 +274,36 @@ class PullReader:
         if self.settings.kv_verify:
             self._verify(req, hit, count)
         self._pull_resolved(req, hit, count, failed=False)
+
+    async def _fence_holds(self, req: Request, peer: Peer, params: KVTransferParams) -> bool:
+        """After the block READ completed: READ the owner's fence word and compare it
+        with the exported one (docs/connector.md §5). Changed, or unreadable, means
+        the owner may have reused the blocks during our read: discard it. A dict
+        without a word, or an owner without fence words, is a stock read (True)."""
+        word = word_of(params.extra)
+        if word is None or not self.worker.can_check_fence(peer):
+            if self.worker.fence is not None and peer.engine_id not in self._unfenced_owners:
+                self._unfenced_owners.add(peer.engine_id)
+                logger.info("Fence: engine %s exports no fence word we can read; its turns "
+                            "are read as vLLM reads them (it must not release them early; "
+                            "logged once per engine)", peer.engine_id)
+            return True
+        slot, gen = word
+        try:
+            now = await self.worker.read_fence_word(peer, slot)
+        except TransportError as exc:
+            now, why = None, f"its fence word could not be read ({exc})"
+        else:
+            why = f"its fence word changed during the read ({gen} -> {now})"
+        if now == gen:
+            return True
+        self.metrics.inc(self.metrics.fence_discarded)
+        logger.warning(
+            "Fence: engine %s released request %s while %s read it: %s; discarding the "
+            "read and recomputing",
+            params.remote_engine_id, params.remote_request_id, req.request_id, why,
+        )  # fmt: skip
+        return False
 
     def _guarded_count(
         self, req: Request, hit: int, count: int, owner: HeldTokens, params: KVTransferParams

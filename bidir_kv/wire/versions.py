@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LEASE", "NOTIFICATIONS", "TOKEN_CHAIN", "TRANSPORT", "WIRES", "Wire"]
+__all__ = ["FENCE", "LEASE", "NOTIFICATIONS", "TOKEN_CHAIN", "TRANSPORT", "WIRES", "Wire"]
 
 
 @dataclass(frozen=True)
@@ -60,4 +60,12 @@ LEASE = Wire(
     ("D's renewable lease under bidir_kv_lease: {v, idle_seconds}",),
 )  # fmt: skip
 
-WIRES: tuple[Wire, ...] = (TRANSPORT, NOTIFICATIONS, TOKEN_CHAIN, LEASE)
+FENCE = Wire(
+    "fence", "bidir_kv.wire.fence",
+    (
+        "a reader's advert under bidir_kv_fence {v, reads} in the dict it hands on with "
+        "its prefill; D's generation word {v, slot, gen[, base]} with a retained turn",
+    ),
+)  # fmt: skip
+
+WIRES: tuple[Wire, ...] = (TRANSPORT, NOTIFICATIONS, TOKEN_CHAIN, LEASE, FENCE)

@@ -22,7 +22,9 @@ SCRIPT = Path(__file__).with_name("vllm_env_checks.py")
 CHECKS = ["factory_resolves_our_class", "second_ask_after_a_declined_read_is_recompute",
           "feature_off_p_computes_locally", "non_continuation_reads_only_the_verified_blocks",
           "vllm_suffix_trim_pairs_cut_lists_by_position",
-          "d_advertises_the_renewable_lease"]  # fmt: skip
+          "d_advertises_the_renewable_lease",
+          "peer_allowlist_refuses_before_any_connection",
+          "fence_word_budget_and_pressure_release"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

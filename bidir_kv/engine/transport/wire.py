@@ -16,6 +16,8 @@ from typing import Any
 __all__ = [
     "BLOCKS",
     "ERROR",
+    "FENCE_BASE",
+    "FENCE_SLOTS",
     "FRAME_HEADER",
     "MAX_FRAME",
     "MESSAGE",
@@ -32,11 +34,14 @@ __all__ = [
     "OP_NOTIF",
     "OP_PING",
     "OP_READ",
+    "OP_WORD",
     "SENDER",
+    "SLOT",
     "TCP",
     "TCP_METADATA",
     "TRANSPORT",
     "VERSION",
+    "WORD",
     "accept",
     "refusal",
     "refuse",
@@ -97,6 +102,17 @@ BLOCKS = "blocks"  # owner's block ids to stream, in order
 NOTIFICATION = "notif"  # delivered to the owner's engine once the reader has every byte
 MESSAGE = "msg"  # a notify-only message (e.g. a heartbeat)
 NBYTES = "nbytes"  # bytes of raw rows that follow the owner's accept()
+
+# -- the fence (docs/connector.md §5) ------------------------------------------------------
+# Optional fields, a compatible addition (no line in TRANSPORT's history): an owner with
+# fence words adds FENCE_SLOTS to its TCP metadata (FENCE_BASE too for NIXL), and only a
+# reader that saw them sends OP_WORD.
+# OP_WORD {SLOT} -> accept({WORD}): the current value of one fence word, no notification.
+OP_WORD = "word"
+SLOT = "slot"
+WORD = "word"
+FENCE_SLOTS = "fence_slots"  # agent metadata: number of fence words
+FENCE_BASE = "fence_base"  # NIXL agent metadata: address of the registered words
 
 
 def accept(fields: Mapping[str, Any] | None = None) -> dict[str, Any]:

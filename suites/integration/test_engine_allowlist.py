@@ -1,0 +1,147 @@
+"""P reads only from its peers: the peer allowlist and bad params (docs/connector.md §7).
+
+Real ``bidir-kv engine`` processes on loopback. A listener on another loopback address
+(127.0.0.2) stands in for a host outside the deployment: with the allowlist set it must
+see no connection, and the request is still answered (no 5xx).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bidir_kv.protocol import KVTransferParams
+from bidir_kv.testing.engines import EnginePair, random_prompt
+
+Factory = Callable[..., EnginePair]
+REFUSED = "bidir_kv:peer_refused_reqs_total"
+ALLOW = {"bidir_kv_peer_allowlist": ["127.0.0.1/32"]}
+
+
+class Listener:
+    """Accepts on 127.0.0.2 and counts connections (closing each at once)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.2", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.port = int(self.sock.getsockname()[1])
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.fixture
+def outsider() -> Iterator[Listener]:
+    lst = Listener()
+    try:
+        yield lst
+    finally:
+        lst.close()
+
+
+def _foreign_d_params(port: int, **over: Any) -> KVTransferParams:
+    fields: dict[str, Any] = {
+        "do_remote_decode": True, "do_remote_prefill": False,
+        "remote_block_ids": [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]],
+        "remote_engine_id": "somebody-else", "remote_request_id": "cmpl-x-0",
+        "remote_host": "127.0.0.2", "remote_port": port, "remote_num_tokens": 190,
+        "tp_size": 1, "transfer_mode": "pull",
+    }
+    fields.update(over)
+    return KVTransferParams.build(**fields)
+
+
+def _log(pair: EnginePair, which: str) -> str:
+    node = pair.topo.prefill[0] if which == "p" else pair.topo.decode[0]
+    return Path(node.log_path).read_text(errors="replace")
+
+
+def test_params_naming_a_host_outside_the_allowlist_open_no_connection(
+    engine_pair: Factory, outsider: Listener
+) -> None:
+    pair = engine_pair(kv=ALLOW)
+    prompt = random_prompt(random.Random("outsider"), 200)
+    p0, _ = pair.snap()
+    for _ in range(2):
+        r = pair.p.complete(prompt, 1, _foreign_d_params(outsider.port))
+        assert r.ok, (r.status, r.error)  # answered, no 5xx
+    assert outsider.accepted == 0
+    assert (pair.p.metrics() - p0).value(REFUSED) == 2
+    log = _log(pair, "p")
+    assert log.count("Peer allowlist: request") == 1  # logged once per peer
+    assert "Peer allowlist: KV is read only from 127.0.0.1/32" in log
+    # the deployment's own D is inside the allowlist: turns still read its history
+    _, d1 = pair.turn(prompt, 8)
+    assert d1 is not None and d1.ok and d1.params is not None
+    pr, _ = pair.turn([*prompt, *d1.token_ids, 5, 6, 7], 8, d1.params)
+    assert pr.ok and (pair.p.metrics() - p0).value(REFUSED) == 2
+
+
+def test_without_an_allowlist_p_connects_where_params_say(
+    engine_pair: Factory, outsider: Listener
+) -> None:
+    """The negative control (vLLM's behaviour, said once at start): the listener sees P."""
+    pair = engine_pair(kv={"kv_load_failure_policy": "recompute"})
+    prompt = random_prompt(random.Random("no-allowlist"), 200)
+    r = pair.p.complete(prompt, 1, _foreign_d_params(outsider.port))
+    assert r.ok, (r.status, r.error)
+    assert outsider.accepted >= 1
+    assert _log(pair, "p").count("bidir_kv_peer_allowlist is unset") == 1
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, str]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_prefill_node_refuses_remote_prefill_params_with_400(
+    engine_pair: Factory, outsider: Listener
+) -> None:
+    pair = engine_pair()
+    params = _foreign_d_params(outsider.port, do_remote_decode=False, do_remote_prefill=True)
+    status, text = _post(pair.p.url + "/v1/completions", {
+        "model": "tiny", "prompt": random_prompt(random.Random("dp"), 50), "max_tokens": 1,
+        "kv_transfer_params": params.to_dict()})
+    assert status == 400 and "do_remote_prefill" in text, (status, text)
+    assert outsider.accepted == 0
+
+
+def test_claim_with_non_integer_block_ids_is_400(engine_pair: Factory) -> None:
+    pair = engine_pair()
+    for blocks in (["a"], [1.5], [True], [None]):
+        status, text = _post(pair.d.url + "/_emulator/claim",
+                             {"request_id": "x", "blocks": blocks, "reader": "r"})
+        assert status == 400 and "'blocks'" in text, (blocks, status, text)
