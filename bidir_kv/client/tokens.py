@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,15 +148,19 @@ def run_pd_turn(
     *,
     stream_decode: bool = False,
     decode_host: str | None = None,
+    prefill_window: AbstractContextManager[object] | None = None,
 ) -> PDTurn:
     """P leg (``max_tokens=1``, miss dict or D's previous dict) then D leg with P's dict.
 
     ``decode_host`` rewrites ``remote_host`` like a router does; ``None`` keeps it.
     If P answers non-2xx or without params, the D leg is skipped (``d`` is ``None``).
+    ``prefill_window`` is entered right before P's request and left right after it, and
+    around nothing else (e.g. NIC counters that must see P's read of D alone).
     """
     sent = KVTransferParams.miss() if previous is None else previous.for_prefill_hit(decode_host)
     p0, d0 = settled_metrics(prefill), settled_metrics(decode)
-    p_resp = prefill.complete(prompt, 1, sent)
+    with prefill_window or nullcontext():
+        p_resp = prefill.complete(prompt, 1, sent)
     p1, d1 = settled_metrics(prefill), settled_metrics(decode)
     p_leg = LegDelta(p1 - p0, d1 - d0)
     if not p_resp.ok or p_resp.params is None:

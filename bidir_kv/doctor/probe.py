@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from bidir_kv.client import ClientError, TokenClient, run_pd_turn
 from bidir_kv.doctor.checks import Context, Result, fetch_json
-from bidir_kv.fabric.counters import FabricFailure, deltas, gate_fabric
+from bidir_kv.fabric.counters import FabricFailure, gate_fabric
 from bidir_kv.policy import deadline_offset
 from bidir_kv.scrape import NIXL_BYTES
 
@@ -87,9 +87,11 @@ def _probe(ctx: Context, model: str, tokens: int, token_range: tuple[int, int],
                                                      ctx.decoder_ttl)
     results.append(_stream_result(ctx, p, d, [rng.randrange(*token_range) for _ in range(tokens)]))
     prompt2 = [*turn1.sequence, *(rng.randrange(*token_range) for _ in range(150))]
-    counted = ctx.fabric.read() if ctx.fabric else {}
-    turn2 = run_pd_turn(p, d, prompt2, 4, previous=params)
-    counters = deltas(counted, ctx.fabric.read()) if ctx.fabric else {}
+    # P's counters around P's prefill alone: the probe's own requests to D and its
+    # scrapes of D's /metrics may cross P's link too
+    window = ctx.fabric.window() if ctx.fabric else None
+    turn2 = run_pd_turn(p, d, prompt2, 4, previous=params, prefill_window=window)
+    counters = window.deltas if window else {}
     pulled = turn2.p_leg.p_sources["external_kv_transfer"]
     moved = turn2.p_leg.p.value(NIXL_BYTES)
     name = "live D->P read (two-turn probe)"

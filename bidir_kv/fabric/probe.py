@@ -23,13 +23,14 @@ from bidir_kv.fabric.counters import (
     INTERFACE_OVERHEAD,
     Counter,
     FabricFailure,
+    deltas,
     efa_counters,
     interface_counters,
     read_counters,
 )
 from bidir_kv.launch.ssh import SshHost, run_ssh
 
-__all__ = ["ONE_HOST", "FabricProbe", "local_probe", "parse_spec", "remote_probe"]
+__all__ = ["ONE_HOST", "FabricProbe", "Window", "local_probe", "parse_spec", "remote_probe"]
 
 ONE_HOST = "one host, no fabric"
 
@@ -41,6 +42,28 @@ class FabricProbe:
     read: Callable[[], dict[str, int]]
     what: str
     overhead: float
+
+    def window(self) -> Window:
+        """A ``with`` block whose :attr:`Window.deltas` are what the counters counted
+        inside it. Keep the block to the D->P read (P's prefill request): anything else
+        on P's link, such as a client talking to D across it, would be counted too."""
+        return Window(self.read)
+
+
+class Window:
+    """The counters' deltas across one ``with`` block (:meth:`FabricProbe.window`)."""
+
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self._read = read
+        self._before: dict[str, int] = {}
+        self.deltas: dict[str, int] = {}
+
+    def __enter__(self) -> Window:
+        self._before = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.deltas = deltas(self._before, self._read())
 
 
 def _overhead(kind: str, given: float | None) -> float:
