@@ -9,7 +9,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bidir_kv.policy import cache_ttl_within_retention, valid_conversation_lease
 from bidir_kv.router.settings import (
@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=d.workers,
                    help="router processes sharing the listen port (SO_REUSEPORT); above 1 "
                    f"needs a redis:// --store (default {d.workers})")
+    p.add_argument("--worker-max-deaths", type=int, default=d.worker_max_deaths,
+                   help="with --workers: more worker deaths than this within "
+                   "--worker-death-window stop the router with exit 1 (default "
+                   f"{d.worker_max_deaths})")
+    p.add_argument("--worker-death-window", type=float, default=d.worker_death_window,
+                   metavar="SECONDS", help=f"(default {d.worker_death_window:g})")
     p.add_argument("--conversation-lease", type=float, default=d.conversation_lease,
                    metavar="SECONDS",
                    help="renewable lease: free a stored turn's blocks on D once its "
@@ -172,6 +178,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.header_timeout < 0 or args.idle_timeout < 0:
         raise ValueError("--header-timeout and --idle-timeout must be >= 0, got "
                          f"{args.header_timeout:g} and {args.idle_timeout:g}")
+    if args.worker_max_deaths < 0 or args.worker_death_window <= 0:
+        raise ValueError("--worker-max-deaths must be >= 0 and --worker-death-window "
+                         f"positive, got {args.worker_max_deaths} and "
+                         f"{args.worker_death_window:g}")
     if args.max_connections is not None and args.max_connections <= 0:
         raise ValueError(f"--max-connections must be positive, got {args.max_connections}")
     if args.workers > 1 and args.store == "memory":
@@ -225,6 +235,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         header_timeout=args.header_timeout,
         idle_timeout=args.idle_timeout,
         max_connections=args.max_connections,
+        worker_max_deaths=args.worker_max_deaths,
+        worker_death_window=args.worker_death_window,
     )
 
 
@@ -250,11 +262,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.workers > 1:
         from bidir_kv.router.workers import run_workers
 
-        return run_workers(settings.workers, lambda _index: _serve(settings, reuse_port=True))
+        return run_workers(settings.workers,
+                           lambda _index, restarts: _serve(settings, reuse_port=True,
+                                                           restarts=restarts),
+                           max_deaths=settings.worker_max_deaths,
+                           window=settings.worker_death_window)
     return _serve(settings)
 
 
-def _serve(settings: RouterSettings, *, reuse_port: bool = False) -> int:
+def _serve(settings: RouterSettings, *, reuse_port: bool = False, restarts: Any = None) -> int:
     """Bind, build the app and serve until a signal; the exit code."""
     from bidir_kv.router.app import build_app
 
@@ -268,6 +284,10 @@ def _serve(settings: RouterSettings, *, reuse_port: bool = False) -> int:
               f"{exc.strerror or exc}", file=sys.stderr)
         return 1
     app = build_app(settings)
+    if restarts is not None:  # a worker: /metrics reads the supervisor's count
+        from bidir_kv.router.app import METRICS_KEY
+
+        app[METRICS_KEY].worker_restarts.set_function(lambda: float(restarts.value))
     with sock:
         asyncio.run(_run(app, sock, settings))
     return 0

@@ -61,6 +61,9 @@ class RouterSettings:
     release_concurrency: int = 4  # notify-only releases of D's blocks in flight at once
     max_pending_releases: int = 1024  # queued beyond that: dropped (D's TTL frees them)
     workers: int = 1  # router processes on one port (SO_REUSEPORT); > 1 needs a Redis store
+    # a dead worker is replaced; more deaths than this within the window stop the router
+    worker_max_deaths: int = 5
+    worker_death_window: float = 60.0
     # renewable lease (docs/router.md "Conversation lease"): idle seconds for every stored
     # turn; None: the lease D advertises in its dict (bidir_kv_lease), else the fixed TTL
     conversation_lease: float | None = None
