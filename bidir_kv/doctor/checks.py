@@ -30,7 +30,7 @@ from bidir_kv.policy import EXPIRY_SAFETY_MARGIN, cache_ttl_within_retention
 from bidir_kv.scrape import NIXL_EXPIRED, NIXL_FAILED, MetricsSnapshot
 
 __all__ = ["CHECK_NAMES", "DEFAULT_REQUEST_TIMEOUT", "Answer", "Context", "Result", "Status",
-           "fetch_json", "get", "host_checks", "node_checks", "router_checks"]
+           "get", "host_checks", "node_checks", "router_checks"]
 
 Status = Literal["PASS", "WARN", "FAIL"]
 EXPIRED = NIXL_EXPIRED
@@ -158,12 +158,6 @@ class Context:
     def forget_metrics(self) -> None:
         for key in [k for k in self.cache if k.startswith(("metrics:", "problem:"))]:
             del self.cache[key]
-
-
-def fetch_json(url: str, timeout: float = 10.0) -> tuple[int | None, Any, dict[str, str]]:
-    """(status, body or None, headers) of any answer; status ``None`` when none came."""
-    answer = get(url, timeout)
-    return answer.status, answer.body, answer.headers
 
 
 #: each check's name on its result line (the doctor's guard names a check that raised)
