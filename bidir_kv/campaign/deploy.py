@@ -38,6 +38,11 @@ def read_rss_bytes(pid: int) -> int | None:
     return total if seen else None
 
 
+def children(pid: int) -> list[int]:
+    """Child processes of ``pid`` (a router's workers), from /proc; [] off Linux."""
+    return _children(pid)
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -62,6 +67,11 @@ class Deployment:
     @property
     def local(self) -> bool:
         return self.topology is not None
+
+    def redis_pid(self) -> int | None:
+        """The Redis server this campaign started, if any."""
+        topo = self.topology
+        return topo.redis.pid if topo is not None and topo.redis is not None else None
 
     def router_rss(self) -> int | None:
         return read_rss_bytes(self.router_pid) if self.router_pid else None

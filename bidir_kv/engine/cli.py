@@ -126,6 +126,13 @@ def _add_emulator_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--health-stall-seconds", type=float, metavar="S",
                        default=_default("health_stall_seconds"),
                        help="/health is 503 when running work saw no step this long")
+    group.add_argument("--enable-admin", dest="admin", action="store_true",
+                       help="serve /_emulator/faults and /_emulator/state to any caller "
+                       "(off by default: 403)")
+    group.add_argument("--admin-token", default=os.environ.get("BIDIR_KV_ADMIN_TOKEN"),
+                       metavar="TOKEN",
+                       help="serve them to callers sending 'Authorization: Bearer TOKEN' "
+                       "(default: $BIDIR_KV_ADMIN_TOKEN)")
     group.add_argument("--peer-cache", choices=get_args(PeerCache),
                        default=_default("peer_cache"),
                        help="safe: re-handshake a restarted peer; vllm: keep it by engine id")

@@ -7,6 +7,7 @@ With ``--emulate-vllm 0.32`` streams carry no params at all (docs/protocol.md §
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 from typing import Any
@@ -150,10 +151,28 @@ class Routes:
 
     # ---- admin -----------------------------------------------------------------------
 
+    def _admin_refusal(self, request: web.Request) -> web.Response | None:
+        """None when the caller may use an admin endpoint, else its 403 (or 401)."""
+        settings = self.core.settings
+        if settings.admin:
+            return None
+        if settings.admin_token:
+            sent = request.headers.get("Authorization", "")
+            if hmac.compare_digest(sent.encode(), f"Bearer {settings.admin_token}".encode()):
+                return None
+            return _json_error(401, f"{request.path} needs 'Authorization: Bearer <token>' "
+                               "(the engine's --admin-token)", "AuthenticationError")
+        return _json_error(403, f"{request.path} is an admin endpoint, off on this engine: "
+                           "start it with --enable-admin or --admin-token", "PermissionDenied")
+
     async def faults_get(self, request: web.Request) -> web.Response:
+        if (refused := self._admin_refusal(request)) is not None:
+            return refused
         return json_response(self.faults.to_dict())
 
     async def faults_post(self, request: web.Request) -> web.Response:
+        if (refused := self._admin_refusal(request)) is not None:
+            return refused
         body = await self._body(request)
         if isinstance(body, web.Response):
             return body
@@ -168,12 +187,10 @@ class Routes:
         body = await self._body(request)
         if isinstance(body, web.Response):
             return body
-        rid, blocks = body.get("request_id"), body.get("blocks")
-        if not isinstance(rid, str) or not isinstance(blocks, list):
-            return _json_error(400, "claim needs 'request_id' and 'blocks'", "BadRequestError")
-        if not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
-            return _json_error(400, "claim field 'blocks' must be a list of integer block ids",
-                               "BadRequestError")
+        refusal_400 = _claim_body_error(body)
+        if refusal_400 is not None:
+            return _json_error(400, refusal_400, "BadRequestError")
+        rid, blocks = body["request_id"], body["blocks"]
         reader = body.get("reader")
         refusal = self.core.claim(rid, blocks, reader if isinstance(reader, str) else None)
         if refusal is not None:
@@ -196,6 +213,8 @@ class Routes:
         return json_response({"engine_id": engine_id, **dropped})
 
     async def state(self, request: web.Request) -> web.Response:
+        if (refused := self._admin_refusal(request)) is not None:
+            return refused
         return json_response(self.core.assert_idle())
 
     # ---- completions -----------------------------------------------------------------
@@ -392,6 +411,19 @@ def _token_choice(
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
+
+
+def _claim_body_error(body: Any) -> str | None:
+    """What is wrong with a claim body, naming the field; None when it is usable."""
+    if not isinstance(body, dict):
+        return "claim body must be a JSON object"
+    if not isinstance(body.get("request_id"), str):
+        return "claim field 'request_id' must be a string"
+    blocks = body.get("blocks")
+    if not isinstance(blocks, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+        return "claim field 'blocks' must be a list of integer block ids"
+    return None
 
 
 def build_app(routes: Routes) -> web.Application:

@@ -78,6 +78,11 @@ class EngineSettings:
     max_body_bytes: int = 256 * 1024 * 1024  # a larger request body is a 413 (docs/engine.md)
     health_stall_seconds: float = 10.0  # /health is 503 when running work saw no step this long
     peer_cache: PeerCache = "safe"  # "vllm": peers cached by engine id, never re-handshaken
+    # the admin endpoints (GET/POST /_emulator/faults, GET /_emulator/state): off unless
+    # --enable-admin (open to any caller) or --admin-token (a caller sends it as
+    # "Authorization: Bearer TOKEN"); test fixtures and the campaign enable them
+    admin: bool = False
+    admin_token: str | None = None
     faults: Faults = field(default_factory=Faults)
     tensor_parallel_size: int = 1  # emulated ranks: KV per rank = total / N (docs/engine.md)
     tokenizer: str | None = None  # a local Hugging Face tokenizer dir; None: the builtin one
@@ -130,7 +135,7 @@ class EngineSettings:
 
 
 _OPS_FIELDS = ("retained_blocks", "max_waiting_seconds", "max_body_bytes",
-               "health_stall_seconds", "peer_cache")
+               "health_stall_seconds", "peer_cache", "admin", "admin_token")
 
 
 def ops_from_args(ns: Any) -> dict[str, Any]:

@@ -15,11 +15,12 @@ from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, StoreError, open_store
 from bidir_kv.router.upstreams import HealthChecker, Upstream, UpstreamPool
 
-__all__ = ["FLOW_KEY", "build_app"]
+__all__ = ["FLOW_KEY", "METRICS_KEY", "build_app"]
 
 log = logging.getLogger("bidir_kv.router")
 
 FLOW_KEY = web.AppKey("flow", RouterFlow)
+METRICS_KEY = web.AppKey("metrics", RouterMetrics)  # the listener counts connections here
 
 
 def build_app(
@@ -28,6 +29,7 @@ def build_app(
     """The router app; pools and store are created here, connections on startup."""
     router = _RouterApp(settings, store)
     app = web.Application(client_max_size=settings.max_body_bytes)
+    app[METRICS_KEY] = router.metrics
     app.on_startup.append(router.on_startup)
     app.on_cleanup.append(router.on_cleanup)
     app.router.add_post("/v1/chat/completions", router.chat)

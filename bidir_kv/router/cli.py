@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from bidir_kv.policy import cache_ttl_within_retention, valid_conversation_lease
 from bidir_kv.router.settings import (
@@ -18,6 +20,10 @@ from bidir_kv.router.settings import (
 )
 
 __all__ = ["build_parser", "main", "settings_from_args"]
+
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,9 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending-releases", type=int, default=d.max_pending_releases,
                    help="releases queued beyond the ones in flight; more are dropped and "
                    f"counted, D's TTL frees them (default {d.max_pending_releases})")
+    p.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="SECONDS",
+                   help="a new client connection must send its request head within this, "
+                   f"else it is closed; 0: no bound (default {d.header_timeout:g})")
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
+                   help="a kept-alive client connection with no request is closed after "
+                   f"this; 0: never (default {d.idle_timeout:g})")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="client connections open at once; one more is answered 503 and "
+                   "closed (default: half the descriptor limit, ulimit -n)")
     p.add_argument("--workers", type=int, default=d.workers,
                    help="router processes sharing the listen port (SO_REUSEPORT); above 1 "
                    f"needs a redis:// --store (default {d.workers})")
+    p.add_argument("--worker-max-deaths", type=int, default=d.worker_max_deaths,
+                   help="with --workers: more worker deaths than this within "
+                   "--worker-death-window stop the router with exit 1 (default "
+                   f"{d.worker_max_deaths})")
+    p.add_argument("--worker-death-window", type=float, default=d.worker_death_window,
+                   metavar="SECONDS", help=f"(default {d.worker_death_window:g})")
     p.add_argument("--conversation-lease", type=float, default=d.conversation_lease,
                    metavar="SECONDS",
                    help="renewable lease: free a stored turn's blocks on D once its "
@@ -154,6 +175,15 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--max-pending-releases must be >= 0, got {args.max_pending_releases}")
     if args.workers <= 0:
         raise ValueError(f"--workers must be positive, got {args.workers}")
+    if args.header_timeout < 0 or args.idle_timeout < 0:
+        raise ValueError("--header-timeout and --idle-timeout must be >= 0, got "
+                         f"{args.header_timeout:g} and {args.idle_timeout:g}")
+    if args.worker_max_deaths < 0 or args.worker_death_window <= 0:
+        raise ValueError("--worker-max-deaths must be >= 0 and --worker-death-window "
+                         f"positive, got {args.worker_max_deaths} and "
+                         f"{args.worker_death_window:g}")
+    if args.max_connections is not None and args.max_connections <= 0:
+        raise ValueError(f"--max-connections must be positive, got {args.max_connections}")
     if args.workers > 1 and args.store == "memory":
         raise ValueError(
             f"--workers {args.workers} needs a shared store: the memory store lives in one "
@@ -202,6 +232,11 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         workers=args.workers,
         conversation_lease=args.conversation_lease,
         lease_sweep_interval=args.lease_sweep_interval,
+        header_timeout=args.header_timeout,
+        idle_timeout=args.idle_timeout,
+        max_connections=args.max_connections,
+        worker_max_deaths=args.worker_max_deaths,
+        worker_death_window=args.worker_death_window,
     )
 
 
@@ -227,14 +262,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.workers > 1:
         from bidir_kv.router.workers import run_workers
 
-        return run_workers(settings.workers, lambda _index: _serve(settings, reuse_port=True))
+        return run_workers(settings.workers,
+                           lambda _index, restarts: _serve(settings, reuse_port=True,
+                                                           restarts=restarts),
+                           max_deaths=settings.worker_max_deaths,
+                           window=settings.worker_death_window)
     return _serve(settings)
 
 
-def _serve(settings: RouterSettings, *, reuse_port: bool = False) -> int:
+def _serve(settings: RouterSettings, *, reuse_port: bool = False, restarts: Any = None) -> int:
     """Bind, build the app and serve until a signal; the exit code."""
-    from aiohttp import web
-
     from bidir_kv.router.app import build_app
 
     _use_fast_loop()
@@ -247,12 +284,47 @@ def _serve(settings: RouterSettings, *, reuse_port: bool = False) -> int:
               f"{exc.strerror or exc}", file=sys.stderr)
         return 1
     app = build_app(settings)
+    if restarts is not None:  # a worker: /metrics reads the supervisor's count
+        from bidir_kv.router.app import METRICS_KEY
+
+        app[METRICS_KEY].worker_restarts.set_function(lambda: float(restarts.value))
+    with sock:
+        asyncio.run(_run(app, sock, settings))
+    return 0
+
+
+async def _run(app: web.Application, sock: socket.socket, settings: RouterSettings) -> None:
+    """Serve ``app`` on ``sock`` through the router's own listener until SIGINT/SIGTERM,
+    then stop accepting and let aiohttp finish the requests in flight."""
+    from aiohttp import web
+
+    from bidir_kv.router.app import METRICS_KEY
+    from bidir_kv.router.listener import Listener
+
     # handler_cancellation: a client that leaves cancels its handler, which closes the
     # P and D requests it was waiting on (the engines abort them).
-    with sock:
-        web.run_app(app, sock=sock, access_log=None, print=None,
-                    handle_signals=True, handler_cancellation=True)
-    return 0
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                           keepalive_timeout=settings.idle_timeout or 3600 * 24 * 365)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = runner.server
+    if server is None:  # setup() made it; only a broken aiohttp would leave it unset
+        raise RuntimeError("aiohttp's runner has no server after setup")
+    listener = Listener(sock, server, max_connections=settings.connection_bound(),
+                        header_timeout=settings.header_timeout, metrics=app[METRICS_KEY])
+    accepting = asyncio.create_task(listener.serve())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([accepting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        accepting.cancel()
+        stopping.cancel()
+        await runner.cleanup()
+    if accepting.done() and not accepting.cancelled() and accepting.exception() is not None:
+        raise accepting.exception()  # type: ignore[misc]
 
 
 def _listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:

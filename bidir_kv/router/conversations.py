@@ -91,7 +91,7 @@ class ConversationRoutes:
 def _not_found(conversation_id: str) -> web.Response:
     return error_response(
         404, f"conversation {conversation_id!r} not found: no stored turn for it (never "
-        "stored, closed, expired, or a turn of it is in flight)", "NotFoundError")
+        "stored, closed or expired)", "NotFoundError")
 
 
 class LeaseSweeper:

@@ -238,6 +238,7 @@ class RouterFlow:
                 "%s", turn.rid, NO_ID_FIX
             )
             return None
+        turn.since = self.store.now()
         try:
             taken = await self.store.take(turn.key.storage_key)
         except StoreError as exc:

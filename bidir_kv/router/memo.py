@@ -99,11 +99,19 @@ class TurnMemo:
             lease=self.lease if self.lease is not None else lease_of(params.extra),
         )
         try:
-            await self.store.put(key.storage_key, entry)
+            # a close reaches id-keyed entries only (a history key is new each turn)
+            stored = await self.store.put(key.storage_key, entry,
+                                          since=turn.since if turn.history is None else None)
         except StoreError as exc:
             m.errors.labels("store").inc()
             log.error("[%s] conv=%s: %s; turn not cached", turn.rid, conv_label(key), exc)
             self.release(turn, p_node, d_node, params, "store_error")
+            return
+        if not stored:
+            m.not_cached.labels("closed").inc()
+            log.info("[%s] conv=%s: closed while this turn was in flight; releasing D's "
+                     "blocks", turn.rid, conv_label(key))
+            self.release(turn, p_node, d_node, params, "closed")
             return
         m.stored.inc()
         self.hold(d_node.id, str(params.remote_request_id))

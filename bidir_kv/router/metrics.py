@@ -93,7 +93,25 @@ class RouterMetrics:
             registry=r,
         )
         self._add_conversation_metrics(p, r)
+        self._add_connection_metrics(p, r)
         self.cached = Gauge(p + "cached_conversations", "Live store entries", registry=r)
+
+    def _add_connection_metrics(self, p: str, r: CollectorRegistry) -> None:
+        """Client connections (bidir_kv/router/listener.py) and worker restarts."""
+        self.client_connections = Gauge(p + "client_connections", "Client connections open",
+                                        registry=r)
+        self.connections_refused = Counter(
+            p + "connections_refused", "Connections answered 503 at --max-connections",
+            registry=r)
+        self.header_timeouts = Counter(
+            p + "header_timeouts", "Connections closed without a request head in "
+            "--header-timeout", registry=r)
+        self.accept_failures = Counter(
+            p + "accept_failures", "Accepts that failed for lack of descriptors or memory",
+            ["errno"], registry=r)
+        self.worker_restarts = Gauge(
+            p + "worker_restarts", "Workers the supervisor had replaced when this worker "
+            "started (--workers)", registry=r)
 
     def _add_conversation_metrics(self, p: str, r: CollectorRegistry) -> None:
         """The renewable lease's routes and sweep (docs/router.md "Conversation lease")."""

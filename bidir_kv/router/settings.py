@@ -61,7 +61,29 @@ class RouterSettings:
     release_concurrency: int = 4  # notify-only releases of D's blocks in flight at once
     max_pending_releases: int = 1024  # queued beyond that: dropped (D's TTL frees them)
     workers: int = 1  # router processes on one port (SO_REUSEPORT); > 1 needs a Redis store
+    # a dead worker is replaced; more deaths than this within the window stop the router
+    worker_max_deaths: int = 5
+    worker_death_window: float = 60.0
     # renewable lease (docs/router.md "Conversation lease"): idle seconds for every stored
     # turn; None: the lease D advertises in its dict (bidir_kv_lease), else the fixed TTL
     conversation_lease: float | None = None
     lease_sweep_interval: float = 0.5  # seconds between checks for idle leases; 0: off
+    # client connections (docs/router.md "Slow clients"). A new connection must send its
+    # request head within header_timeout (Apache's mod_reqtimeout allows 20 s for the
+    # headers, nginx's client_header_timeout 60 s); a kept-alive connection with no request
+    # in progress is closed after idle_timeout (nginx's keepalive_timeout, 75 s, which is
+    # also aiohttp's run_app default). 0 turns either off.
+    header_timeout: float = 20.0
+    idle_timeout: float = 75.0
+    # open client connections at once; beyond: 503. None: half the process's descriptor
+    # limit (each turn in flight also holds an engine connection)
+    max_connections: int | None = None
+
+    def connection_bound(self) -> int:
+        """``max_connections``, or half the soft RLIMIT_NOFILE when it is None."""
+        if self.max_connections is not None:
+            return self.max_connections
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(16, (soft if soft != resource.RLIM_INFINITY else 65536) // 2)

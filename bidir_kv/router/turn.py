@@ -39,6 +39,9 @@ class Turn:
     # the digests of a turn recognised by its history (no id); ``key`` is then the
     # lookup key, ``None`` before the first assistant message
     history: History | None = None
+    # the store's clock when this turn took its entry: a close at or after it wins, and
+    # the turn's new entry is released instead of stored (ConversationStore.put)
+    since: float | None = None
 
     @property
     def conv(self) -> str:

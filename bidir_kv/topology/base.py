@@ -41,6 +41,9 @@ class EngineSpec:
     kv_bytes_per_token: int | None = None
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    # --enable-admin: the engines a topology starts (test fixtures, the campaign, bench)
+    # serve /_emulator/faults and /_emulator/state; a bare `bidir-kv engine` does not
+    admin: bool = True
 
 
 @dataclass(frozen=True)

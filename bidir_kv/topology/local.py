@@ -52,6 +52,8 @@ def engine_argv(spec: EngineSpec, port: int, engine_id: str) -> list[str]:
         argv += ["--kv-capacity-tokens", str(spec.kv_capacity_tokens)]
     if spec.kv_bytes_per_token:
         argv += ["--kv-bytes-per-token", str(spec.kv_bytes_per_token)]
+    if spec.admin:
+        argv.append("--enable-admin")
     return argv + list(spec.extra_args)
 
 

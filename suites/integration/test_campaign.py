@@ -37,3 +37,20 @@ def test_campaign_load_on_two_router_workers_sharing_redis(
                "load", "--router-arg=--workers=2", "--run-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "campaign: PASS" in out, out
+
+
+@pytest.mark.timeout(240)
+def test_campaign_misbehaviour_rows_on_two_workers_and_redis(
+    request: pytest.FixtureRequest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Slow clients, a killed router worker and a paused Redis: each a row that holds."""
+    if shutil.which("redis-server") is None:
+        skip_or_fail(request.config, "integration", "redis-server binary not found")
+    rc = main(["--store", "redis", "--campaigns", "faults", "--faults", "slow-clients",
+               "worker-killed", "redis-paused", "--router-arg=--workers=2", "--run-dir",
+               str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "campaign: PASS" in out, out
+    for row in ("slow clients", "router worker killed", "Redis paused"):
+        assert row in out, out
+    assert "not tried" not in out, out

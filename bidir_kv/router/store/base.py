@@ -151,8 +151,10 @@ class ConversationStore(abc.ABC):
                 self.on_evict(entry, reason)
 
     async def take(self, key: str) -> Taken:
-        """Remove and return the entry (single use); a stale one comes back as ``stale``."""
-        entry = await self._pop(key)
+        """Remove and return the entry (single use); a stale one comes back as ``stale``.
+        The key is marked as having a turn in flight until that turn's :meth:`put` (or
+        the store's TTL), so a close meanwhile is remembered (:meth:`end`)."""
+        entry = await self._pop(key, turn=True)
         if entry is None:
             return Taken(None)
         now = self.now()
@@ -164,12 +166,16 @@ class ConversationStore(abc.ABC):
         return Taken(entry, age=age)
 
     @abc.abstractmethod
-    async def _pop(self, key: str) -> Entry | None:
-        """Remove and return the entry for ``key``, fresh or not."""
+    async def _pop(self, key: str, turn: bool = False) -> Entry | None:
+        """Remove and return the entry for ``key``, fresh or not; with ``turn``, mark
+        ``key`` as having a turn in flight (cleared by :meth:`put`)."""
 
     @abc.abstractmethod
-    async def put(self, key: str, entry: Entry) -> None:
-        """Store (overwrite) the entry for ``key``."""
+    async def put(self, key: str, entry: Entry, since: float | None = None) -> bool:
+        """Store (overwrite) the entry for ``key``, unless the conversation was closed
+        at or after ``since`` (the storing turn's start, store clock): then store
+        nothing and return False (the caller frees the entry's blocks). A close
+        always wins over a turn that was in flight when it came."""
 
     @abc.abstractmethod
     async def size(self) -> int:
@@ -192,13 +198,16 @@ class ConversationStore(abc.ABC):
 
     async def end(self, key: str) -> bool:
         """Close a conversation: drop its entry now (reported as ``closed``, so D's
-        blocks are freed); False when there was none."""
-        entry = await self._pop(key)
-        if entry is None:
-            return False
+        blocks are freed) and leave a tombstone, so that a turn in flight stores no
+        new entry (:meth:`put`); False when there was neither an entry nor a turn."""
+        entry, in_flight = await self._close(key)
         self._evicted([entry], "closed")
-        return True
+        return entry is not None or in_flight
 
+    @abc.abstractmethod
+    async def _close(self, key: str) -> tuple[Entry | None, bool]:
+        """Atomically: pop the entry, record the close (now), and say whether a turn
+        of ``key`` is in flight."""
     async def ping(self) -> None:  # noqa: B027 - optional hook, nothing to check in memory
         """Raise :class:`StoreError` when the store is unreachable."""
 

@@ -22,15 +22,35 @@ class MemoryStore(ConversationStore):
         super().__init__(ttl, max_entries, now)
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._deadlines: dict[str, float] = {}
+        self._in_flight: dict[str, float] = {}  # key -> when its last turn took (store clock)
+        self._closed: dict[str, float] = {}  # key -> when it was closed (the tombstone)
 
     def _remove(self, key: str) -> Entry | None:
         self._deadlines.pop(key, None)
         return self._entries.pop(key, None)
 
-    async def _pop(self, key: str) -> Entry | None:
+    async def _pop(self, key: str, turn: bool = False) -> Entry | None:
+        if turn:
+            self._in_flight[key] = self.now()
         return self._remove(key)
 
-    async def put(self, key: str, entry: Entry) -> None:
+    async def _close(self, key: str) -> tuple[Entry | None, bool]:
+        now = self.now()
+        self._forget_marks(now)
+        self._closed[key] = now
+        return self._remove(key), key in self._in_flight
+
+    def _forget_marks(self, now: float) -> None:
+        """Marks older than the TTL mean nothing any more (a turn that never stored)."""
+        for marks in (self._in_flight, self._closed):
+            for key in [k for k, t in marks.items() if entry_is_stale(t, now, self.ttl)]:
+                del marks[key]
+
+    async def put(self, key: str, entry: Entry, since: float | None = None) -> bool:
+        self._in_flight.pop(key, None)
+        closed = self._closed.get(key)
+        if since is not None and closed is not None and closed >= since:
+            return False
         self._evicted([self._remove(key)], "replaced")
         self._entries[key] = entry
         if entry.lease is not None:
@@ -40,6 +60,7 @@ class MemoryStore(ConversationStore):
             old = self._remove(old_key)
             self.evicted_lru += 1
             self._evicted([old], "evicted")
+        return True
 
     async def renew(self, key: str) -> Renewal | None:
         entry = self._entries.get(key)

@@ -41,6 +41,27 @@ return out
 """
 
 
+# Store a turn's entry unless its conversation was closed since the turn began (the
+# tombstone KEYS[2] holds the close's time, ARGV[1] the turn's start): the check and
+# the write are one step, so a close cannot fall between them. Clears the turn's
+# in-flight mark KEYS[3]. Returns {0} when closed, else {1, old value or '', count}.
+_PUT = """
+local closed = redis.call('GET', KEYS[2])
+redis.call('DEL', KEYS[3])
+if ARGV[1] ~= '' and closed and tonumber(closed) >= tonumber(ARGV[1]) then return {0} end
+local old = redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'GET')
+redis.call('ZADD', KEYS[4], ARGV[4], KEYS[1])
+if ARGV[5] ~= '' then
+  redis.call('ZADD', KEYS[5], ARGV[5], KEYS[1])
+  redis.call('HSET', KEYS[6], KEYS[1], ARGV[6])
+else
+  redis.call('ZREM', KEYS[5], KEYS[1])
+  redis.call('HDEL', KEYS[6], KEYS[1])
+end
+return {1, old or '', redis.call('ZCARD', KEYS[4])}
+"""
+
+
 class RedisStore(ConversationStore):
     """One key per conversation (``GETDEL`` take, per-key expiry) plus a sorted-set
     index by creation time for the count, the stale sweep and the bound.
@@ -83,6 +104,10 @@ class RedisStore(ConversationStore):
     def _key(self, key: str) -> str:
         return f"{self.prefix}conv:{key}"
 
+    def _marks(self, key: str) -> tuple[str, str]:
+        """The tombstone (closed at) and in-flight (a turn took at) keys of ``key``."""
+        return f"{self.prefix}closed:{key}", f"{self.prefix}turn:{key}"
+
     async def _run(self, what: str, coro: Any) -> Any:
         from redis.exceptions import RedisError
 
@@ -94,13 +119,29 @@ class RedisStore(ConversationStore):
     async def ping(self) -> None:
         await self._run("PING", self._redis.ping())
 
-    async def _pop(self, key: str) -> Entry | None:
+    async def _pop(self, key: str, turn: bool = False) -> Entry | None:
         name = self._key(key)
         pipe = self._redis.pipeline(transaction=True)
         pipe.getdel(name)
         self._forget(pipe, [name])
+        if turn:  # marks live as long as an entry may (a turn that stores nothing)
+            pipe.set(self._marks(key)[1], repr(self.now()), px=self._mark_ms())
         raw, *_ = await self._run("GETDEL", pipe.execute())
         return None if raw is None else Entry.from_bytes(raw)
+
+    def _mark_ms(self) -> int:
+        return int((self.ttl + self.GRACE) * 1000)
+
+    async def _close(self, key: str) -> tuple[Entry | None, bool]:
+        name = self._key(key)
+        closed, in_flight = self._marks(key)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.getdel(name)
+        self._forget(pipe, [name])
+        pipe.set(closed, repr(self.now()), px=self._mark_ms())
+        pipe.exists(in_flight)
+        raw, *_, turns = await self._run("close", pipe.execute())
+        return self._decode([raw])[0] if raw is not None else None, bool(turns)
 
     def _forget(self, pipe: Any, names: list[Any]) -> None:
         """Queue removal of ``names`` from the creation index and the lease tables."""
@@ -108,22 +149,21 @@ class RedisStore(ConversationStore):
         pipe.zrem(self._leases, *names)
         pipe.hdel(self._idle, *names)
 
-    async def put(self, key: str, entry: Entry) -> None:
+    async def put(self, key: str, entry: Entry, since: float | None = None) -> bool:
         name = self._key(key)
-        pipe = self._redis.pipeline(transaction=True)
-        # GET: an entry this one overwrites (concurrent turns of one conversation) is
-        # reported, so its blocks on D are released
-        pipe.set(name, entry.to_bytes(), px=int((self.ttl + self.GRACE) * 1000), get=True)
-        pipe.zadd(self._index, {name: entry.created})
-        if entry.lease is not None:
-            pipe.zadd(self._leases, {name: lease_deadline(entry.created, entry.lease)})
-            pipe.hset(self._idle, name, repr(entry.lease))
-        else:
-            pipe.zrem(self._leases, name)
-            pipe.hdel(self._idle, name)
-        pipe.zcard(self._index)
-        old, *_, count = await self._run("SET", pipe.execute())
-        self._evicted(self._decode([old]), "replaced")
+        closed, in_flight = self._marks(key)
+        lease = "" if entry.lease is None else repr(lease_deadline(entry.created, entry.lease))
+        # the old value: an entry this one overwrites (concurrent turns of one
+        # conversation) is reported, so its blocks on D are released
+        done = await self._run("SET", self._redis.eval(
+            _PUT, 6, name, closed, in_flight, self._index, self._leases, self._idle,
+            "" if since is None else repr(since), entry.to_bytes(),
+            str(int((self.ttl + self.GRACE) * 1000)), repr(entry.created), lease,
+            "" if entry.lease is None else repr(entry.lease)))
+        if not int(done[0]):
+            return False
+        old, count = done[1], done[2]
+        self._evicted(self._decode([old or None]), "replaced")
         excess = int(count) - self.max_entries
         if excess > 0:
             popped = await self._run("ZPOPMIN", self._redis.zpopmin(self._index, excess))
@@ -132,6 +172,7 @@ class RedisStore(ConversationStore):
                 raws = await self._getdel(names)
                 self.evicted_lru += len(names)
                 self._evicted(self._decode(raws), "evicted")
+        return True
 
     async def _getdel(self, names: list[Any]) -> list[Any]:
         pipe = self._redis.pipeline(transaction=True)
