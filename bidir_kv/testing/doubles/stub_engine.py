@@ -225,8 +225,9 @@ class StubEngine:
             await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
                              + b"\n\n")
             if last and self.stream_params and self.params_apart:
-                own = {"id": rid, "object": obj, "created": 0, "model": body.get("model"),
-                       "choices": [], "kv_transfer_params": d_params}
+                own: dict[str, Any] = {"id": rid, "object": obj, "created": 0,
+                                       "model": body.get("model"), "choices": [],
+                                       "kv_transfer_params": d_params}
                 await resp.write(b"data: " + json.dumps(own, separators=(",", ":")).encode()
                                  + b"\n\n")
             if i == 0 and self.gate is not None:
