@@ -14,7 +14,7 @@ VENV=${VENV:-.venv}
 PY=${PY:-$VENV/bin/python}
 MUTMUT=${MUTMUT:-$VENV/bin/mutmut}
 CHILDREN=${MUTATION_CHILDREN:-2}
-FLOOR=${MUTATION_FLOOR:-0.80}
+FLOOR=${MUTATION_FLOOR:-0.85}
 SCOPES=("$@")
 if [ ${#SCOPES[@]} -eq 0 ]; then
   read -r -a SCOPES <<< "${MUTATION_SCOPES:-bidir_kv.policy}"
