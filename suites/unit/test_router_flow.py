@@ -101,6 +101,17 @@ async def test_miss_then_hit_wire_shape() -> None:
         assert counter(s.flow, "cache_hits") == 1
 
 
+async def test_hit_when_d_sends_params_in_a_chunk_of_their_own() -> None:
+    """D's params after the finish_reason chunk, alone: still captured, the next turn hits."""
+    async with StubStack() as s:
+        s.decode[0].params_apart = True
+        status, events = await two_turns(s)
+        assert status == 200 and b"kv_transfer_params" not in b"".join(events)
+        hit = last_params(s.prefill[0])
+        assert hit is not None and hit.do_remote_decode and hit.remote_engine_id == "d0-engine"
+        assert counter(s.flow, "cache_hits") == 1
+
+
 async def test_hit_when_d_does_not_echo_prompt_ids() -> None:
     """The router tokenizes the prompt on P itself when D's stream lacks prompt ids."""
     async with StubStack() as s:

