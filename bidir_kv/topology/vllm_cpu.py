@@ -147,6 +147,12 @@ class VllmCpuOptions:
     cores: Sequence[int] | None = None  # core per engine, in P..., D... order
     pin_servers: bool = True  # each server's whole process tree on its core (_spawn)
     logging_level: str | None = None  # VLLM_LOGGING_LEVEL, e.g. "DEBUG"
+    # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (vLLM's default 300): the engine's wait for its
+    # worker's answer to a step is a monotonic deadline, so a server kept stopped by
+    # paused() for longer than it finds the deadline past when it continues and dies
+    # (TimeoutError in the executor, EngineDeadError); the conformance tier pauses the
+    # main pair for whole operational scenarios (docs/vllm-cpu.md §10)
+    execute_model_timeout_s: int = 3600
     check_memory: bool = True
     # more PYTHONPATH entries for the servers (after the start-up fixes), e.g. the repo
     # root so ``kv_connector_module_path: bidir_kv.connector`` imports in the vLLM env
@@ -349,7 +355,8 @@ class VllmCpuTopology(Topology):
             engine_id=engine_id, visible=str(core), vllm=str(opts.venv / "bin" / "vllm"),
             kv_extra={k: v for k, v in extra.items() if k not in recipe}, kv_top=kv,
             extra_args=(*no_cache, *espec.extra_args),
-            extra_env={"VLLM_CPU_KVCACHE_SPACE": str(opts.kvcache_space_gib)},
+            extra_env={"VLLM_CPU_KVCACHE_SPACE": str(opts.kvcache_space_gib),
+                       "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(opts.execute_model_timeout_s)},
         )
 
     def argv(self, role: str, espec: EngineSpec, port: int, engine_id: str) -> list[str]:
