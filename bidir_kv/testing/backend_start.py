@@ -22,6 +22,7 @@ from bidir_kv.testing.backends import (
 )
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
+from bidir_kv.wire.fence import FENCE_KEY
 from bidir_kv.wire.params import CHAIN_KEY
 
 __all__ = ["pd_spec", "start_backend"]
@@ -65,6 +66,9 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
         _variant_starter=variant,
         _pair_starter=lambda name, pspec: LocalTopology(
             _emulating(pspec, version), run_dir / f"emulator-{name}").start(),
+        # the emulator speaks the fence by default (docs/connector.md §5)
+        p_params_extension=frozenset({FENCE_KEY}),
+        d_params_extension=frozenset({FENCE_KEY}),
     )
 
 
@@ -112,7 +116,9 @@ def _start_vllm_cpu(
             pspec, replace(opts, log_dir=run_dir / f"{name}-{tag}")).start(),
         _pause_prefill=lambda: topo.paused(topo.prefill[0]),
         _pause_node=topo.paused,
-        d_params_extension=frozenset({CHAIN_KEY}) if cfg.connector_module else frozenset(),
+        p_params_extension=frozenset({FENCE_KEY}) if cfg.connector_module else frozenset(),
+        d_params_extension=(frozenset({CHAIN_KEY, FENCE_KEY}) if cfg.connector_module
+                            else frozenset()),
     )
 
 

@@ -150,7 +150,9 @@ class PDBackend:
     _pause_prefill: Callable[[], AbstractContextManager[None]] | None = None
     _reference: EngineClient | None = None
     run_dir: Path = Path("out/conformance")
-    # keys this backend's connector adds to D's params (documented in docs/connector.md)
+    # keys this backend's connector adds to P's and to D's params (docs/connector.md):
+    # our fence (a reader's advert on P's dict, D's word on D's) and D's token chain
+    p_params_extension: frozenset[str] = frozenset()
     d_params_extension: frozenset[str] = frozenset()
 
     # ---- facts scenarios branch on ------------------------------------------------

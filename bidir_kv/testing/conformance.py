@@ -96,6 +96,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_other_backends(config, items)
     for item in items:
         backend = _backend_of(item)
         scenario = getattr(item, "originalname", item.name)
@@ -104,6 +105,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         pin = exemption_for(scenario, backend or "", params)
         if pin is not None:
             item.add_marker(pytest.mark.xfail(strict=True, reason=pin.reason))
+
+
+def _deselect_other_backends(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A parametrization marked ``only_backends(...)`` exists for those backends only:
+    on the others it is deselected, not generated and skipped."""
+    keep, drop = [], []
+    for item in items:
+        mark = item.get_closest_marker("only_backends")
+        backend = _backend_of(item)
+        if mark is not None and backend is not None and backend not in mark.args:
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def _backend_of(item: pytest.Item) -> str | None:

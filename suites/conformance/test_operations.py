@@ -107,13 +107,12 @@ class Ops:
         return self.pairs[key]
 
 
-@pytest.fixture(scope="module", params=["default", "vllm"])
+@pytest.fixture(scope="module", params=[
+    "default", pytest.param("vllm", marks=pytest.mark.only_backends("emulator"))])
 def ops(request: pytest.FixtureRequest, pd: PDBackend) -> Iterator[Ops]:
     """``default``: the backend as it is; ``vllm``: the emulator with the flags that
-    reproduce vLLM 0.32 (skipped on other backends: they are what they are)."""
+    reproduce vLLM 0.32 (not generated for other backends: they are what they are)."""
     mode = str(request.param)
-    if mode == "vllm" and pd.name != "emulator":
-        pytest.skip("the vLLM-reproducing flags are the emulator's")
     if pd.name not in TIMING:
         pytest.skip("needs a local backend that can start pairs of its own")
     ops = Ops(pd, mode, TIMING[pd.name])

@@ -27,6 +27,7 @@ def expected_keys(pd: PDBackend, node: str) -> set[str]:
         keys.add("remote_registration_generation")
     if node == "prefill":
         keys.add("remote_prefill_cached_tokens")
+        keys |= pd.p_params_extension  # e.g. our reader's fence advert (docs/connector.md)
     else:
         keys |= pd.d_params_extension  # e.g. our connector's token chain (docs/connector.md)
     return keys
