@@ -136,10 +136,13 @@ def plan_pull(
         return PullPlan(0, offered, None, Refusal.BLOCK_LAYOUT)
     verified: int | None = None
     if verify:
+        # D's chain must cover everything the dict offers. It may cover more: a router's
+        # guard lowers remote_num_tokens (and cuts the block lists) to the prefix the new
+        # prompt continues and leaves D's chain as D wrote it (docs/connector.md §3.3)
         held = HeldTokens.from_params(params)
-        ok = held is not None and held.block_size == block_size and held.num_tokens == remote
-        verified = (verified_continuation(held.chain, held.tail, held.num_tokens, prompt,
-                                          block_size) if ok and held else 0)
+        ok = held is not None and held.block_size == block_size and held.num_tokens >= remote
+        verified = (min(remote, verified_continuation(held.chain, held.tail, held.num_tokens,
+                                                      prompt, block_size)) if ok and held else 0)
     decision = pull_decision(
         prompt_tokens=len(prompt), local_hit_tokens=num_computed,
         remote_num_tokens=remote if verified is None else min(remote, verified),

@@ -172,3 +172,27 @@ def test_peer_refusal_allowlist_and_remote_prefill_on_p() -> None:
     assert peer_refusal(prefill, None, producer=True) == Refusal.REMOTE_PREFILL_ON_P
     assert peer_refusal(prefill, allow, producer=False) == Refusal.PEER_NOT_ALLOWED
     assert peer_refusal(None, allow, producer=True) is None
+
+
+def test_router_trimmed_dict_reads_the_trimmed_prefix() -> None:
+    """Our router's guard lowers ``remote_num_tokens`` (and cuts the block lists) to the
+    whole blocks the new prompt continues, leaving D's chain as D wrote it. The chain
+    still proves that prefix, so P reads it as stock vLLM would, never more."""
+    keep = 3 * BS
+    prompt = [*D[: keep + 2], 7, *D[keep + 3 :], 9]  # the history differs in block 3
+    trimmed = d_params(D, remote_num_tokens=keep,
+                       remote_block_ids=[[100 + i for i in range(keep // BS)]])
+    p = plan(trimmed, prompt)
+    assert p is not None and p.tokens == keep and p.verified == keep
+    # the router may only lower the count: never read past it even where the chain matches
+    same = [*D, 9]
+    p = plan(d_params(D, remote_num_tokens=keep,
+                      remote_block_ids=[[100 + i for i in range(keep // BS)]]), same)
+    assert p is not None and p.tokens == keep
+
+
+def test_chain_shorter_than_the_offer_reads_nothing() -> None:
+    """A dict offering more than D's chain covers is not D's word: nothing is read."""
+    p = plan(d_params(D[: 2 * BS], remote_num_tokens=len(D),
+                      remote_block_ids=[[100 + i for i in range(cdiv(len(D), BS))]]), [*D, 9])
+    assert p is not None and p.tokens == 0 and p.verified == 0
