@@ -6,6 +6,7 @@
 #        tests stay on one worker, so a module's shared topology starts once);
 #     2. conformance + hardware serially: real vLLM pairs are pinned to the cores
 #        (VllmCpuOptions.pin_servers) and must not share them with a second worker.
+#     Each run writes its per-test times to out/junit-{parallel,serial}.xml.
 # - Exit code 5 ("no tests collected") is a failure here, never a silent success; in
 #   the two-run form each run's exit code counts.
 # - Under CI=true the tiers this machine can run are required: missing infrastructure
@@ -34,9 +35,9 @@ if [ "$#" -gt 0 ]; then
   exit $?
 fi
 
-run_pytest -n "$WORKERS" --dist loadscope suites/unit suites/integration
+run_pytest -n "$WORKERS" --dist loadscope --junitxml=out/junit-parallel.xml suites/unit suites/integration
 rc_parallel=$?
-run_pytest suites/conformance suites/hardware
+run_pytest --junitxml=out/junit-serial.xml suites/conformance suites/hardware
 rc_serial=$?
 echo "ci/pytest.sh: unit+integration (xdist, $WORKERS workers) exit $rc_parallel;" \
      "conformance+hardware (serial) exit $rc_serial" >&2
