@@ -127,12 +127,12 @@ def _rows(w: WaveResult, v: Variant) -> list[str]:
     assert v.result is not None
     return [
         f"{sum(t.ok for t in w.big)}/{len(w.big)}",
-        _s(percentile([t.ttft for t in w.baseline if t.ok and t.ttft is not None], 0.5)),
+        _s(percentile([x for t in w.baseline if (x := w.first_token(t)) is not None], 0.5)),
         f"{_s(w.ttft(0.5))} / {_s(w.ttft(0.9))} / {_s(w.ttft(1.0))}",
         f"{w.waited} / {w.failed} of {len(w.probes)}",
         f"{rate} ({w.hits}/{len(w.continued)})",
         str(w.recomputed),
-        str(w.wrong),
+        "n/a (no reference)" if w.wrong is None else str(w.wrong),
         f"{r('budget')} / {r('pressure')} / {r('ttl')}",
         f"{w.seconds:.0f} s",
         "PASS" if v.result.holds else "FAIL",

@@ -92,20 +92,25 @@ class WaveResult:
     seconds: float = 0.0
 
     @staticmethod
-    def _answered(t: Turn) -> bool:
-        return t.ok and t.ttft is not None
+    def first_token(t: Turn) -> float | None:
+        """When the client had the first token: the first chunk with text, or for an
+        answer none of whose chunks had text (a greedy tiny model may generate only
+        tokens that decode to nothing), its end; ``None`` when not answered."""
+        if not t.ok:
+            return None
+        return t.ttft if t.ttft is not None else t.elapsed
 
     def ttfts(self) -> list[float]:
         """TTFT of every probe during and after the wave that was answered."""
-        return [t.ttft for t in self.probes if self._answered(t) and t.ttft is not None]
+        return [x for t in self.probes if (x := self.first_token(t)) is not None]
 
     def ttft(self, q: float) -> float | None:
         return percentile(self.ttfts(), q)
 
     @property
     def baseline_p90(self) -> float | None:
-        return percentile([t.ttft for t in self.baseline
-                           if self._answered(t) and t.ttft is not None], 0.9)
+        return percentile([x for t in self.baseline
+                           if (x := self.first_token(t)) is not None], 0.9)
 
     @property
     def wait_threshold(self) -> float:
@@ -119,8 +124,8 @@ class WaveResult:
 
     @property
     def failed(self) -> int:
-        """Probes with no answer, a non-2xx answer, or no first token."""
-        return sum(1 for t in self.probes if not self._answered(t))
+        """Probes with no answer or a non-2xx answer."""
+        return sum(1 for t in self.probes if not t.ok)
 
     @property
     def hits(self) -> int:
@@ -136,8 +141,10 @@ class WaveResult:
         return sum(1 for t, hit in self.continued if t.ok and not hit)
 
     @property
-    def wrong(self) -> int:
-        return sum(1 for t, _ in self.continued if t.correct is False)
+    def wrong(self) -> int | None:
+        """Continuing turns the oracle found wrong; ``None`` when none was checked."""
+        checked = [t.correct for t, _ in self.continued if t.correct is not None]
+        return sum(1 for c in checked if not c) if checked else None
 
     def turns(self) -> list[Turn]:
         return [*self.big, *self.probes, *(t for t, _ in self.continued)]

@@ -46,12 +46,20 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_ttft_counts_only_answered_probes_and_failures_apart() -> None:
-    w = wave([0.1, 0.1, 0.2], [ok(0.1), ok(0.5), ok(2.0), ok(30.0), failed(), failed(None),
-                               ok(None)])
+    w = wave([0.1, 0.1, 0.2], [ok(0.1), ok(0.5), ok(2.0), ok(30.0), failed(), failed(None)])
     assert w.ttfts() == [0.1, 0.5, 2.0, 30.0]
     assert (w.ttft(0.5), w.ttft(0.9), w.ttft(1.0)) == (0.5, 30.0, 30.0)
-    # a 503, no answer at all, and a 200 whose stream carried no token: three failures
-    assert w.failed == 3
+    assert w.failed == 2  # a 503 and no answer at all
+
+
+def test_an_answer_without_text_has_its_first_token_at_its_end() -> None:
+    """A stream none of whose chunks had text (the tiny model's greedy tokens may decode
+    to nothing) is answered, not failed; its first token is no later than its end."""
+    silent = Turn(0, 200, 4.5, None, None, None)
+    w = wave([0.1], [ok(0.2), silent])
+    assert w.ttfts() == [0.2, 4.5]
+    assert w.failed == 0
+    assert w.waited == 1
 
 
 def test_waited_is_above_the_floor_or_a_multiple_of_the_baseline() -> None:
@@ -76,6 +84,7 @@ def test_hit_rate_and_recomputed_turns_of_continuing_conversations() -> None:
     assert w.hit_rate == 0.25
     assert w.recomputed == 2  # answered without D's history; the failed one is no turn
     assert w.wrong == 1
+    assert wave([0.1], [ok(0.1)], [(ok(0.1), True)]).wrong is None  # no oracle: unknown
     assert not w.all_answered
     assert w.answered == len(w.turns()) - 1
     assert wave([0.1], [ok(0.1)]).hit_rate is None
