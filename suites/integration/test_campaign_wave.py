@@ -3,7 +3,7 @@
 A wave of six 2,000-token turns on a D of 8,192 tokens, with TTL 6 s. Without a budget D
 releases fenced turns under pressure only; with a budget, for the budget; the control
 (the emulator's vLLM mode) releases nothing early, only at the TTL. Times are printed,
-never asserted (docs/campaign.md "The wave").
+never asserted (docs/campaign.md "The D-full wave").
 """
 
 from __future__ import annotations
