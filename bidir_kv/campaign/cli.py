@@ -83,6 +83,11 @@ def _deployment(args: argparse.Namespace) -> Deployment:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["wave"]:  # the D-full wave side by side (campaign/sidebyside.py)
+        from bidir_kv.campaign.sidebyside import main as wave_main
+
+        return wave_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.conversations <= 0 or args.turns <= 0:
         print("bidir-kv campaign: error: --conversations and --turns must be positive",

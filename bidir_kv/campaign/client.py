@@ -83,6 +83,7 @@ class Turn:
     elapsed: float
     correct: bool | None
     error: str | None = None
+    ttft: float | None = None  # streams: seconds to the first chunk with content
 
     @property
     def ok(self) -> bool:
@@ -108,6 +109,7 @@ class Conversation:
 
     async def turn(self, clients: Clients, url: str, ref_url: str | None,
                    new: int, gen: int, *, stream: bool = True) -> Turn:
+        """One turn of ``new`` tokens more; checked by the oracle when ``ref_url`` is set."""
         prompt = self.next_prompt(new)
         t0 = time.perf_counter()
         try:
@@ -121,6 +123,6 @@ class Conversation:
         if res.ok:
             correct = await reference_ok(clients, ref_url, prompt, gen, res.token_ids)
             self.history = [*prompt, *res.token_ids]
-        t = Turn(len(self.turns), res.status, res.elapsed, correct, res.error)
+        t = Turn(len(self.turns), res.status, res.elapsed, correct, res.error, res.ttft)
         self.turns.append(t)
         return t

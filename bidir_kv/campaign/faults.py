@@ -18,21 +18,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bidir_kv.campaign.client import Clients, Conversation, body, random_tokens
+from bidir_kv.campaign.client import Clients, Conversation, body
 from bidir_kv.campaign.deploy import Deployment, children
+from bidir_kv.campaign.wave import WavePlan, WaveResult, counted_hits, run_wave
 from bidir_kv.client import ClientError, get_json, scrape
 
 __all__ = ["FAULTS", "FaultResult", "run_faults"]
 
 RECOVERY_SECONDS = 30.0
-HITS = "bidir_kv_router_cache_hits_total"
-P_READS = "vllm:nixl_xfer_time_seconds_count"  # READs P made (hits, whatever worker routed)
 SLOW_CLIENTS = 200  # connections dripping a request head during the slow-clients fault
 REDIS_PAUSE_S = 3.0
 HEALTHY = "bidir_kv_router_backend_healthy"
 FAILED_READS = "vllm:nixl_num_failed_transfers_total"
 OPENING, NEW, GEN = 160, 24, 8
-BIG_TURN = 30_000  # tokens: a handful fill D's default KV capacity
 
 
 @dataclass
@@ -43,6 +41,7 @@ class FaultResult:
     recovered: bool | None
     expected: bool = True  # what the client saw is what the fault should give
     seconds: float = 0.0
+    wave: WaveResult | None = None  # d-full: what the wave cost (campaign/wave.py)
 
     @property
     def holds(self) -> bool:
@@ -52,8 +51,9 @@ class FaultResult:
 class Ctx:
     """One session, the deployment, and conversation helpers for the fault steps."""
 
-    def __init__(self, dep: Deployment, clients: Clients) -> None:
+    def __init__(self, dep: Deployment, clients: Clients, wave: WavePlan | None = None) -> None:
         self.dep, self.clients = dep, clients
+        self.wave = wave or WavePlan()
         self.n = 0
 
     def conv(self, tag: str, cid: bool = True) -> Conversation:
@@ -102,9 +102,7 @@ class Ctx:
     def hits(self) -> float:
         """Counted hits: the router's, or P's READs when several workers each answer a
         scrape for themselves only."""
-        if self.dep.router_workers > 1:
-            return sum(scrape(u).value(P_READS) for u in self.dep.prefill_urls)
-        return scrape(self.dep.router_url).value(HITS)
+        return counted_hits(self.dep)
 
     async def router_sees_healthy(self, timeout: float = 15.0) -> float | None:
         """Seconds until the router's health checks pass every node again; ``None`` if not."""
@@ -167,22 +165,27 @@ async def d_stalled(ctx: Ctx) -> FaultResult:
 
 
 async def d_filled(ctx: Ctx) -> FaultResult:
-    """Conversations of ~30k tokens each, stored and retained on D, beyond its capacity."""
-    name = f"retained blocks fill D (10 x {BIG_TURN // 1000}k-token turns)"
+    """Big turns nobody continues, retained on D beyond its capacity, with new
+    conversations and continuing ones around them (campaign/wave.py)."""
+    plan = ctx.wave
+    name = f"retained blocks fill D ({plan.big_turns} x {plan.big_tokens:,}-token turns)"
     conv = await ctx.warm("fill")
-    statuses, slowest = [], 0.0
-    router = ctx.clients(ctx.dep.router_url)
-    for i in range(10):
-        big = ctx.conv(f"fill-big-{i}")
-        prompt = random_tokens(big.rng, BIG_TURN)
-        t0 = time.perf_counter()
-        reply = await router.post("/v1/completions", body(prompt, 4, big.cid, stream=False))
-        statuses.append(reply.status)
-        slowest = max(slowest, time.perf_counter() - t0)
-    ok = statuses.count(200)
-    saw = f"{ok}/{len(statuses)} HTTP 200, slowest {slowest:.1f} s"
+    ctx.n += 1
+    wave = await run_wave(ctx.dep, ctx.clients, plan, f"fill-{ctx.n}")
+    saw = f"{wave.answered}/{len(wave.turns())} HTTP 200; {summary(wave)}"
     return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
-                       expected=ok == len(statuses))
+                       expected=wave.all_answered, wave=wave)
+
+
+def summary(w: WaveResult) -> str:
+    """One line: new conversations' TTFT, how many waited or failed, the reuse kept."""
+    def s(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    rate = "-" if w.hit_rate is None else f"{w.hit_rate:.0%}"
+    return (f"new conversations' TTFT p50/p90/max {s(w.ttft(0.5))}/{s(w.ttft(0.9))}/"
+            f"{s(w.ttft(1.0))} s, {w.waited} waited, {w.failed} failed; "
+            f"continuing turns hit {rate}")
 
 
 async def burst_without_ids(ctx: Ctx) -> FaultResult:
@@ -347,10 +350,10 @@ FAULTS: dict[str, Callable[[Ctx], Awaitable[FaultResult]]] = {
 }
 
 
-async def _run(dep: Deployment, names: list[str]) -> list[FaultResult]:
+async def _run(dep: Deployment, names: list[str], wave: WavePlan | None) -> list[FaultResult]:
     out = []
     async with Clients() as clients:
-        ctx = Ctx(dep, clients)
+        ctx = Ctx(dep, clients, wave)
         for name in names:
             t0 = time.perf_counter()
             try:
@@ -362,5 +365,7 @@ async def _run(dep: Deployment, names: list[str]) -> list[FaultResult]:
     return out
 
 
-def run_faults(dep: Deployment, names: list[str] | None = None) -> list[FaultResult]:
-    return asyncio.run(_run(dep, list(names or FAULTS)))
+def run_faults(dep: Deployment, names: list[str] | None = None,
+               wave: WavePlan | None = None) -> list[FaultResult]:
+    """Each fault in turn; ``wave`` sizes the d-full case (default: :class:`WavePlan`)."""
+    return asyncio.run(_run(dep, list(names or FAULTS), wave))

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from bidir_kv.campaign.faults import FaultResult
 from bidir_kv.campaign.inputs import InputResult
 from bidir_kv.campaign.load import LoadResult
+from bidir_kv.campaign.sidebyside import Variant
+from bidir_kv.campaign.sidebyside import render as render_waves
 
 __all__ = ["render"]
 
@@ -76,6 +78,10 @@ def render(load: Sequence[LoadResult], faults: Sequence[FaultResult] | None,
         parts += [*_load(r, min_hit_rate), ""]
     if faults is not None:
         parts += [*_faults(faults), ""]
+        for f in faults:
+            if f.wave is not None:  # d-full: what the wave cost, in detail
+                parts += ["D-FULL WAVE", render_waves([Variant("this deployment", f)],
+                                                      f.wave.plan), ""]
     if inputs is not None:
         parts += [*_inputs(inputs), ""]
     return "\n".join(parts)
