@@ -40,7 +40,7 @@ from bidir_kv.policy.guard import (
     tail_hash,
     verified_continuation,
 )
-from bidir_kv.policy.peers import PeerAllowlist
+from bidir_kv.policy.peers import PeerAllowlist, peer_entries
 from bidir_kv.policy.placement import least_loaded, node_load
 from bidir_kv.policy.retention import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
@@ -108,6 +108,7 @@ __all__ = [
     "max_prefix_hit_blocks",
     "node_load",
     "partial_tail_tokens",
+    "peer_entries",
     "position_pairing",
     "pull_decision",
     "read_window",

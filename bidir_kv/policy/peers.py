@@ -5,15 +5,18 @@ vLLM connects to whatever ``remote_host``/``remote_port`` a request's
 connections anywhere. With ``bidir_kv_peer_allowlist`` set (engine ids and/or host
 networks), params naming a peer outside it are refused before any connection: the
 node computes the prompt itself. Unset keeps vLLM's behaviour.
+
+:func:`peer_entries` is the one rule for what a deployment we start writes there
+(``bidir-kv serve``, the topologies): each peer it knows, by its address when it has one.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PeerAllowlist"]
+__all__ = ["PeerAllowlist", "peer_entries"]
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -62,3 +65,27 @@ class PeerAllowlist:
     def describe(self) -> str:
         parts = sorted(self.engine_ids) + [str(n) for n in self.networks]
         return ", ".join(parts)
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def peer_entries(peers: Iterable[tuple[str | None, str | None]]) -> tuple[str, ...]:
+    """The allowlist entries for the peers a deployment knows, each ``(engine_id, host)``:
+    a peer whose host is an IP address is listed by that address, any other by its
+    engine id. Never both: a peer matching either entry is allowed, and params come from
+    the client, so an engine id listed beside its address would admit that id at any
+    host (anyone can copy a real D's dict and change ``remote_host``). A host that is a
+    name matches no entry (names are never resolved), hence the engine id for it.
+    Order kept, repeats dropped, a peer with neither skipped; ``()`` when none is known."""
+    out: list[str] = []
+    for engine_id, host in peers:
+        entry = host.strip("[]") if host and _is_address(host) else engine_id
+        if entry and entry not in out:
+            out.append(entry)
+    return tuple(out)

@@ -8,23 +8,35 @@
 
 Without ``--dry-run`` the node starts in the background (its own session, log to a file),
 ``/health`` is awaited, and a pidfile in ``--run-dir`` lets ``serve stop`` clean up.
+
+Every node gets ``bidir_kv_peer_allowlist`` naming its peer (``--peer-ip``, else the other
+role's engine id; ``--peer-allowlist`` / ``--no-peer-allowlist`` change it; docs/hardware.md §1).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
+from bidir_kv.policy import (
+    DEFAULT_DECODER_KV_BLOCKS_TTL,
+    DEFAULT_RECOMPUTE_THRESHOLD,
+    PeerAllowlist,
+    peer_entries,
+)
 from bidir_kv.serve.command import (
     DEFAULT_PORTS,
     DEVICES,
     NIXL_BACKENDS,
+    ServeCommand,
     ServeSpec,
     build,
 )
+from bidir_kv.wire.fence import ALLOWLIST_CONFIG_KEY
 
 __all__ = ["main", "spec_from_args"]
 
@@ -36,6 +48,15 @@ def _on_off(text: str) -> bool:
     if low not in ("on", "off", "true", "false"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
     return low in ("on", "true")
+
+
+def _allowlist_arg(text: str) -> tuple[str, ...]:
+    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    try:
+        PeerAllowlist.parse(list(entries))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return entries
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,6 +109,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="engine_id (default prefill-engine-001 / decode-engine-001)")
     p.add_argument("--no-kv-rank", dest="kv_rank", action="store_false",
                    help="leave out the recipe's kv_rank/kv_parallel_size keys")
+    allow = p.add_mutually_exclusive_group()
+    allow.add_argument("--peer-allowlist", type=_allowlist_arg, default=None, metavar="LIST",
+                       help="bidir_kv_peer_allowlist: comma-separated engine ids and/or IP "
+                       "networks this node reads KV from (default: --peer-ip, else the other "
+                       "role's engine id; with --emit kubernetes the other pod's engine id)")
+    allow.add_argument("--no-peer-allowlist", dest="peer_allow", action="store_false",
+                       help="leave bidir_kv_peer_allowlist unset: read KV from any peer the "
+                       "params name (vLLM's behaviour)")
     p.add_argument("--nixl-debug", action="store_true", help="NIXL_LOG_LEVEL=DEBUG (rail lines)")
     p.add_argument("--vllm", default="vllm", help="the vllm executable (default: on PATH)")
     p.add_argument("--dry-run", action="store_true",
@@ -105,11 +134,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _other(role: str) -> str:
+    return "decode" if role == "prefill" else "prefill"
+
+
+def _default_allowlist(ns: argparse.Namespace, peer_engine: str,
+                       peer_host: str | None) -> tuple[str, ...] | None:
+    """--no-peer-allowlist: unset; --peer-allowlist: that; else the peer serve knows, by
+    its address when it has one (bidir_kv.policy.peer_entries)."""
+    if not ns.peer_allow:
+        return None
+    if ns.peer_allowlist is not None:
+        return tuple(ns.peer_allowlist)
+    return peer_entries([(peer_engine, peer_host)])
+
+
 def spec_from_args(ns: argparse.Namespace) -> ServeSpec:
     extra = list(ns.extra)
     if extra and extra[0] == "--":
         extra = extra[1:]
     rank = (0 if ns.role == "prefill" else 1) if ns.kv_rank else None
+    peer_engine = f"{_other(ns.role)}-engine-001" if ns.role else ""
     return ServeSpec(
         role=ns.role, model=ns.model, served_model_name=ns.served_model_name, bidir=ns.bidir,
         cold_prefill=ns.cold_prefill, ip=ns.ip, host=ns.host, port=ns.port,
@@ -120,7 +165,52 @@ def spec_from_args(ns: argparse.Namespace) -> ServeSpec:
         device=ns.device, engine_id=ns.engine_id, kv_rank=rank,
         kv_parallel_size=2 if ns.kv_rank else None, visible=ns.gpus,
         nixl_debug=ns.nixl_debug, vllm=ns.vllm, extra_args=tuple(extra),
+        peer_allowlist=_default_allowlist(ns, peer_engine, ns.peer_ip),
     )
+
+
+def _passed_kv_config(extra: Sequence[str]) -> str | None:
+    """The last ``--kv-transfer-config`` among the flags after ``--`` (vLLM reads the last)."""
+    found = None
+    for i, arg in enumerate(extra):
+        if arg == "--kv-transfer-config" and i + 1 < len(extra):
+            found = extra[i + 1]
+        elif arg.startswith("--kv-transfer-config="):
+            found = arg.partition("=")[2]
+    return found
+
+
+def with_passed_config(spec: ServeSpec, ns: argparse.Namespace) -> tuple[ServeSpec, list[str]]:
+    """A ``--kv-transfer-config`` after ``--`` replaces serve's whole config (vLLM reads
+    the last flag), so its ``bidir_kv_peer_allowlist`` wins. ValueError when it clashes
+    with ``--peer-allowlist``; a note when it drops serve's default allowlist."""
+    text = _passed_kv_config(spec.extra_args)
+    if text is None:
+        return spec, []
+    try:
+        own = json.loads(text)
+        extra = own.get("kv_connector_extra_config") or {}
+        given = extra.get(ALLOWLIST_CONFIG_KEY)
+    except (ValueError, AttributeError):
+        raise ValueError("the --kv-transfer-config after -- is not a JSON object") from None
+    explicit = ns.peer_allowlist is not None
+    if explicit and given != list(ns.peer_allowlist):
+        where = "has none" if given is None else f"has {given!r}"
+        raise ValueError(
+            f"--peer-allowlist {','.join(ns.peer_allowlist)} clashes with the "
+            f"--kv-transfer-config after -- (it replaces serve's and {where}); give "
+            f"{ALLOWLIST_CONFIG_KEY} once")
+    # serve's own config is replaced: its allowlist would only mislead a reader
+    spec = replace(spec, peer_allowlist=None)
+    if given is None and ns.peer_allow:
+        return spec, [f"the --kv-transfer-config after -- replaces serve's (vLLM reads the "
+                      f"last) and sets no {ALLOWLIST_CONFIG_KEY}: this node reads KV from "
+                      "any peer; add the key to it, or pass --no-peer-allowlist"]
+    return spec, []
+
+
+def _with_notes(cmd: ServeCommand, notes: Sequence[str]) -> ServeCommand:
+    return replace(cmd, notes=(*notes, *cmd.notes)) if notes else cmd
 
 
 def _router_hint(spec: ServeSpec, peer: str | None) -> str | None:
@@ -148,16 +238,19 @@ def _stop_main(argv: Sequence[str]) -> int:
 
 
 def _emit_kubernetes(ns: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from bidir_kv.serve.kubernetes import KubeOptions, manifests, render
 
     specs = []
     for role in ("prefill", "decode"):
         one = spec_from_args(argparse.Namespace(**{**vars(ns), "role": role}))
         specs.append(replace(one, host="0.0.0.0"))
+    # Pod IPs are known only once the pods run, and a router names them by Service:
+    # each pod's default list is the other pod's engine id (docs/hardware.md §3)
+    specs = [replace(s, peer_allowlist=_default_allowlist(ns, other.engine, None))
+             for s, other in zip(specs, reversed(specs), strict=True)]
     opts = KubeOptions(image=ns.image, namespace=ns.namespace, name=ns.name, efa=ns.efa)
     try:
+        specs = [with_passed_config(s, ns)[0] for s in specs]
         print(render(manifests(specs, opts)), end="")
     except ValueError as exc:
         print(f"bidir-kv serve: {exc}", file=sys.stderr)
@@ -177,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--role is required (or --emit kubernetes for both roles)")
     spec = spec_from_args(ns)
     try:
-        cmd = build(spec)
+        spec, notes = with_passed_config(spec, ns)
+        cmd = _with_notes(build(spec), notes)
     except ValueError as exc:
         print(f"bidir-kv serve: {exc}", file=sys.stderr)
         return 2
@@ -187,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hint:
             print(f"# {hint}")
         return 0
+    for note in cmd.notes:
+        print(f"bidir-kv serve: note: {note}", file=sys.stderr)
     from bidir_kv.launch.pidfile import launch
     from bidir_kv.launch.process import ProcessFailed
 

@@ -11,6 +11,11 @@ flags a release run uses. The recipe (docs/hardware.md §1, docs/protocol.md §1
   extra ``backends``, ``bidirectional_kv_xfer`` (same on both), ``kv_recompute_threshold``,
   ``decoder_kv_blocks_ttl``;
 * ``--no-enable-prefix-caching`` on P only (``cold_prefill``).
+
+Ours on top of the recipe: ``bidir_kv_peer_allowlist`` (``peer_allowlist``), the peers the
+node reads KV from (docs/connector.md §7); its callers fill it with
+:func:`bidir_kv.policy.peer_entries`. Our connector and the emulator enforce it; stock
+NixlConnector ignores the key (its extra config is a free dict read key by key).
 """
 
 from __future__ import annotations
@@ -21,7 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
+from bidir_kv.policy import (
+    DEFAULT_DECODER_KV_BLOCKS_TTL,
+    DEFAULT_RECOMPUTE_THRESHOLD,
+    PeerAllowlist,
+)
+from bidir_kv.wire.fence import ALLOWLIST_CONFIG_KEY
 from bidir_kv.wire.ports import DEFAULT_SIDE_CHANNEL_PORT
 
 __all__ = [
@@ -79,6 +89,9 @@ class ServeSpec:
     visible: str | None = None  # GPU ids / Neuron cores / CPU cores for this node
     nixl_debug: bool = False
     vllm: str = "vllm"  # the vllm executable
+    # bidir_kv_peer_allowlist: engine ids and/or networks this node reads KV from
+    # (docs/connector.md §7); None leaves the key unset (vLLM's behaviour: any peer)
+    peer_allowlist: tuple[str, ...] | None = None
     # more kv_connector_extra_config keys / top-level keys (kv_lease_duration, ...)
     kv_extra: Mapping[str, Any] = field(default_factory=dict)
     kv_top: Mapping[str, Any] = field(default_factory=dict)
@@ -108,7 +121,7 @@ class ServeCommand:
         parts: list[str] = [shlex.join(self.argv[:3])]
         rest = list(self.argv[3:])
         while rest:
-            flag = rest.pop(0)
+            flag = shlex.quote(rest.pop(0))  # unchanged unless it holds a value (--k=v)
             if rest and flag.startswith("--") and not rest[0].startswith("--"):
                 flag = f"{flag} {shlex.quote(rest.pop(0))}"
             parts.append(flag)
@@ -117,7 +130,9 @@ class ServeCommand:
 
 
 def kv_transfer_config(spec: ServeSpec) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` object: the recipe's keys plus ``kv_extra``/``kv_top``."""
+    """The ``--kv-transfer-config`` object: the recipe's keys, ``peer_allowlist`` and
+    ``kv_extra``/``kv_top``. ValueError when ``peer_allowlist`` and a
+    ``bidir_kv_peer_allowlist`` in ``kv_extra`` disagree: neither silently wins."""
     extra: dict[str, Any] = {
         "backends": [spec.nixl_backend],
         "bidirectional_kv_xfer": spec.bidir,
@@ -125,6 +140,19 @@ def kv_transfer_config(spec: ServeSpec) -> dict[str, Any]:
         "decoder_kv_blocks_ttl": spec.decoder_kv_blocks_ttl,
         **spec.kv_extra,
     }
+    if spec.peer_allowlist is not None:
+        given = spec.kv_extra.get(ALLOWLIST_CONFIG_KEY)
+        if isinstance(given, tuple):
+            given = list(given)
+        if given is not None and given != list(spec.peer_allowlist):
+            raise ValueError(
+                f"{ALLOWLIST_CONFIG_KEY} is given twice: {list(spec.peer_allowlist)} and "
+                f"{given!r} in the kv-transfer-config's extra config; give it once")
+        try:
+            PeerAllowlist.parse(list(spec.peer_allowlist))
+        except ValueError as exc:
+            raise ValueError(f"{ALLOWLIST_CONFIG_KEY}: {exc}") from None
+        extra[ALLOWLIST_CONFIG_KEY] = list(spec.peer_allowlist)
     cfg: dict[str, Any] = {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
@@ -179,6 +207,11 @@ def _notes(spec: ServeSpec) -> tuple[str, ...]:
                      "D->P readback engages on Neuron is unverified (docs/hardware.md §2)")
     if spec.cold_prefill and spec.role == "decode":
         notes.append("--cold-prefill applies to P only: D keeps its prefix cache")
+    ours = spec.kv_top.get("kv_connector_module_path") == "bidir_kv.connector"
+    if not ours and (spec.peer_allowlist is not None or ALLOWLIST_CONFIG_KEY in spec.kv_extra):
+        notes.append(f"{ALLOWLIST_CONFIG_KEY} is enforced by bidir_kv.connector "
+                     "(kv_connector_module_path) and the emulator; stock NixlConnector "
+                     "ignores the key (docs/connector.md §7)")
     return tuple(notes)
 
 

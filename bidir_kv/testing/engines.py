@@ -122,19 +122,22 @@ def _start_pair(
     prefill_kv: dict[str, Any] | None = None,
     decode_kv: dict[str, Any] | None = None,
     kv: dict[str, Any] | None = None,
+    peer_allowlist: bool = True,
 ) -> EnginePair:
     pk = {**(kv or {}), **(prefill_kv or {})}
     dk = {**(kv or {}), **(decode_kv or {})}
     pspec = EngineSpec(kv=kv_config("prefill", **pk), transport=transport, **(prefill or {}))
     dspec = EngineSpec(kv=kv_config("decode", **dk), transport=transport, **(decode or {}))
-    topo = LocalTopology(TopologySpec(prefill=pspec, decode=dspec, routers=0), run_dir)
+    topo = LocalTopology(TopologySpec(prefill=pspec, decode=dspec, routers=0,
+                                      peer_allowlist=peer_allowlist), run_dir)
     topo.__enter__()
     return EnginePair(topo, EngineClient(topo.prefill[0]), EngineClient(topo.decode[0]))
 
 
 @pytest.fixture
 def engine_pair(run_dir: Path) -> Iterator[Callable[..., EnginePair]]:
-    """Factory: ``engine_pair(transport=..., kv={...}, prefill={...EngineSpec fields})``."""
+    """Factory: ``engine_pair(transport=..., kv={...}, prefill={...EngineSpec fields},
+    peer_allowlist=False)`` (the last: no allowlist, TopologySpec.peer_allowlist)."""
     started: list[EnginePair] = []
 
     def make(**kwargs: Any) -> EnginePair:

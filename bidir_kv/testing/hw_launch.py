@@ -34,6 +34,7 @@ from bidir_kv.fabric.probe import FabricProbe
 from bidir_kv.launch.pidfile import launch, stop
 from bidir_kv.launch.process import wait_http_ok
 from bidir_kv.launch.ssh import SshHost, SshLauncher
+from bidir_kv.policy import peer_entries
 from bidir_kv.serve.command import ServeSpec, build
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import Node
@@ -53,6 +54,14 @@ def _spec(config: pytest.Config, role: str, model: str) -> ServeSpec:
         visible=str(opt("--hw-p-gpus") if role == "prefill" else opt("--hw-d-gpus")),
         extra_args=tuple(opt("--hw-launch-arg")),
     )
+
+
+def _paired(specs: list[ServeSpec], hosts_known: bool) -> list[ServeSpec]:
+    """P and D each with the other as its peer allowlist, as ``bidir-kv serve`` lists it:
+    by address where the host is one, else by engine id (Kubernetes: pod IPs unknown)."""
+    return [replace(s, peer_allowlist=peer_entries(
+                [(other.engine, other.ip if hosts_known else None)]))
+            for s, other in zip(specs, reversed(specs), strict=True)]
 
 
 def _host_ip(host: str) -> str:
@@ -80,9 +89,9 @@ def _remote_pair(config: pytest.Config, run_dir: Path, model: str,
         if len(hosts) != 2:
             raise pytest.UsageError(
                 f"--hw-launcher ssh needs --hw-hosts P_HOST,D_HOST, got {raw!r}")
-    specs = [replace(_spec(config, role, model), host="0.0.0.0", side_channel_port=5600,
-                     ip=_host_ip(hosts[i]) if hosts else "127.0.0.1", visible=None)
-             for i, role in enumerate(("prefill", "decode"))]
+    specs = _paired([replace(_spec(config, role, model), host="0.0.0.0", side_channel_port=5600,
+                             ip=_host_ip(hosts[i]) if hosts else "127.0.0.1", visible=None)
+                     for i, role in enumerate(("prefill", "decode"))], bool(hosts))
     handles: list[NodeHandle] = []
     urls: list[str] = []
 
@@ -148,7 +157,7 @@ def launch_pair(
     launcher = config.getoption("--hw-launcher") or "local"
     if launcher != "local":
         return _remote_pair(config, run_dir, str(model), launcher)
-    specs = [_spec(config, role, str(model)) for role in ("prefill", "decode")]
+    specs = _paired([_spec(config, role, str(model)) for role in ("prefill", "decode")], True)
     pidfiles = [run_dir / f"{s.role}-{s.http_port}.pid" for s in specs]
 
     def close() -> None:

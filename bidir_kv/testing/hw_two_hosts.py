@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bidir_kv.launch.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 from bidir_kv.launch.ssh import SshLauncher, SshNode
+from bidir_kv.policy import peer_entries
 from bidir_kv.serve.command import ServeCommand, build
 from bidir_kv.testing.netns import TwoHosts
 from bidir_kv.testing.two_hosts import ssh_host
@@ -64,6 +65,8 @@ def start_pair(spec: TopologySpec, opts: object, hosts: TwoHosts, run_dir: Path,
     p_port, p_side = free_port(hosts.p_addr), free_port(hosts.p_addr)
     p_id, d_id = spec.prefill.kv.engine_id, spec.decode.kv.engine_id
     p_spec = topo.serve_spec("prefill", spec.prefill, p_port, p_id, 0, p_side)
+    if p_spec.peer_allowlist is not None:  # the topology's default names P's host for D
+        p_spec = replace(p_spec, peer_allowlist=peer_entries([(d_id, hosts.d_addr)]))
     p_env = {**topo.env(0, p_side, spec.prefill, "prefill", p_id),
              "UCX_TLS": "tcp", "UCX_NET_DEVICES": hosts.p_if}
     p_log = run_dir / f"prefill-{p_port}.log"

@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.engine.settings import DEFAULT_PROFILE, EngineSettings
 from bidir_kv.errors import TopologyError
+from bidir_kv.policy import peer_entries
 from bidir_kv.router.settings import RouterSettings
+from bidir_kv.wire.fence import ALLOWLIST_CONFIG_KEY
 
-__all__ = ["BackendUnavailable", "EngineSpec", "Node", "RouterSpec", "Topology", "TopologySpec"]
+__all__ = [
+    "BackendUnavailable",
+    "EngineSpec",
+    "Node",
+    "RouterSpec",
+    "Topology",
+    "TopologySpec",
+    "peer_allowlist",
+    "with_peer_allowlist",
+]
 
 Role = Literal["prefill", "decode", "router", "store"]
 
@@ -68,6 +81,32 @@ class TopologySpec:
     routers: int = 1
     router: RouterSpec = field(default_factory=RouterSpec)
     redis: bool = False
+    # Each P's and D's bidir_kv_peer_allowlist: the topology's own nodes of the other role
+    # (their address, or engine id where the host is a name: peer_allowlist below), unless
+    # the engine spec's kv config names one (it wins). False leaves the key unset, vLLM's
+    # behaviour: for a scenario that points a node at peers outside its topology.
+    peer_allowlist: bool = True
+
+
+def peer_allowlist(spec: TopologySpec, kv: KVTransferConfig,
+                   peers: Iterable[tuple[str | None, str | None]]) -> tuple[str, ...] | None:
+    """The list a topology gives a node whose kv config is ``kv`` and whose peers (the
+    other role's nodes, ``(engine_id, host)``) are ``peers``: ``None`` (leave ``kv`` as it
+    is) when ``spec.peer_allowlist`` is off, ``kv`` already names a list (the user's
+    wins), or the topology has no node of the other role (a lone P variant reads from a
+    D it did not start)."""
+    if not spec.peer_allowlist or ALLOWLIST_CONFIG_KEY in kv.extra:
+        return None
+    return peer_entries(peers) or None
+
+
+def with_peer_allowlist(spec: TopologySpec, kv: KVTransferConfig,
+                        peers: Iterable[tuple[str | None, str | None]]) -> KVTransferConfig:
+    """``kv`` with :func:`peer_allowlist`'s list in its extra config (if any)."""
+    entries = peer_allowlist(spec, kv, peers)
+    if entries is None:
+        return kv
+    return dataclasses.replace(kv, extra={**kv.extra, ALLOWLIST_CONFIG_KEY: list(entries)})
 
 
 @dataclass

@@ -39,6 +39,7 @@ from bidir_kv.topology.base import (
     Role,
     Topology,
     TopologySpec,
+    with_peer_allowlist,
 )
 from bidir_kv.topology.container_image import ImageBuild, ensure_image
 from bidir_kv.topology.container_manifest import IMAGE_PYTHON
@@ -106,9 +107,10 @@ class ContainerTopology(Topology):
         net.name = f"{self.prefix}-net"
         self.network = net.create()
         s = self.spec
+        pspec, dspec = self.engine_spec("prefill"), self.engine_spec("decode")
         jobs: list[tuple[Role, int, EngineSpec]] = [
-            *[("prefill", i, s.prefill) for i in range(s.num_prefill)],
-            *[("decode", i, s.decode) for i in range(s.num_decode)],
+            *[("prefill", i, pspec) for i in range(s.num_prefill)],
+            *[("decode", i, dspec) for i in range(s.num_decode)],
         ]
         # container creation is I/O-bound on the daemon: start all engines at once
         with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
@@ -181,6 +183,19 @@ class ContainerTopology(Topology):
                 **info,
             },
         )
+
+    def engine_spec(self, role: str) -> EngineSpec:
+        """The spec ``role``'s engines start with: the topology spec's, with its peer
+        allowlist (TopologySpec.peer_allowlist): the other role's engines. Their host is
+        their container name (the side-channel host, and the host the router rewrites
+        ``remote_host`` to), which no allowlist entry matches (names are never
+        resolved), so they are listed by engine id."""
+        spec = self.spec.prefill if role == "prefill" else self.spec.decode
+        other = "decode" if role == "prefill" else "prefill"
+        count = self.spec.num_decode if other == "decode" else self.spec.num_prefill
+        peers = [(f"{other}-engine-{i:03d}", self._container_name(other, i))
+                 for i in range(count)]
+        return dataclasses.replace(spec, kv=with_peer_allowlist(self.spec, spec.kv, peers))
 
     def _start_engine(self, role: Role, index: int, spec: EngineSpec) -> Node:
         name = self._container_name(role, index)

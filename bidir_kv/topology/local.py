@@ -23,6 +23,7 @@ from bidir_kv.topology.base import (
     Role,
     Topology,
     TopologySpec,
+    with_peer_allowlist,
 )
 from bidir_kv.topology.redis_server import RedisServer
 
@@ -75,10 +76,23 @@ class LocalTopology(Topology):
 
     # ---- engines -------------------------------------------------------------------
 
+    def _engine_id(self, role: str, index: int) -> str:
+        return f"{role}-engine-{index:03d}-{self._id_tag}"
+
+    def engine_spec(self, role: str) -> EngineSpec:
+        """The spec this topology starts (and restarts) ``role``'s engines with: the
+        topology spec's, with its peer allowlist (TopologySpec.peer_allowlist): every
+        engine of the other role, all on ``HOST``, so listed by that address."""
+        spec = self.spec.prefill if role == "prefill" else self.spec.decode
+        other = "decode" if role == "prefill" else "prefill"
+        count = self.spec.num_decode if other == "decode" else self.spec.num_prefill
+        peers = [(self._engine_id(other, i), HOST) for i in range(count)]
+        return dataclasses.replace(spec, kv=with_peer_allowlist(self.spec, spec.kv, peers))
+
     def _start_engine(self, role: Role, index: int, spec: EngineSpec) -> Node:
         name = f"{role}-{index}"
         port, side = free_port(HOST), free_port(HOST)
-        engine_id = f"{role}-engine-{index:03d}-{self._id_tag}"
+        engine_id = self._engine_id(role, index)
         env = dict(os.environ)
         env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=HOST, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side))
         env.update(dict(spec.env))
@@ -139,8 +153,9 @@ class LocalTopology(Topology):
     def start(self) -> LocalTopology:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         s = self.spec
-        self.prefill = [self._start_engine("prefill", i, s.prefill) for i in range(s.num_prefill)]
-        self.decode = [self._start_engine("decode", i, s.decode) for i in range(s.num_decode)]
+        pspec, dspec = self.engine_spec("prefill"), self.engine_spec("decode")
+        self.prefill = [self._start_engine("prefill", i, pspec) for i in range(s.num_prefill)]
+        self.decode = [self._start_engine("decode", i, dspec) for i in range(s.num_decode)]
         self._wait_healthy([*self.prefill, *self.decode])
         if s.routers > 0:
             store = s.router.store
@@ -168,7 +183,7 @@ class LocalTopology(Topology):
         """Stop an engine and start it again as a deploy would: same engine id, HTTP
         and side-channel ports and flags; a new process, data port and KV blocks."""
         self.procs[node.name].stop()
-        spec = self.spec.prefill if node.role == "prefill" else self.spec.decode
+        spec = self.engine_spec(node.role)
         env = dict(os.environ)
         env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=node.host,
                    VLLM_NIXL_SIDE_CHANNEL_PORT=str(node.side_channel_port))  # fmt: skip

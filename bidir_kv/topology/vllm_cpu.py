@@ -37,6 +37,7 @@ from bidir_kv.topology.base import (
     Role,
     Topology,
     TopologySpec,
+    peer_allowlist,
 )
 
 __all__ = [
@@ -176,15 +177,29 @@ class VllmCpuTopology(Topology):
     def block_size(self) -> int:
         return self.options.block_size or CPU_BLOCK_SIZE
 
+    def _plan(self) -> list[tuple[Role, int, EngineSpec]]:
+        return [
+            *(("prefill", i, self.spec.prefill) for i in range(self.spec.num_prefill)),
+            *(("decode", i, self.spec.decode) for i in range(self.spec.num_decode)),
+        ]
+
+    def engine_ids(self) -> dict[str, str]:
+        """Each server's engine id by node name: its spec's, made unique in plan order
+        (a second ``decode-engine-000`` becomes ``decode-engine-000-decode-1``)."""
+        ids: dict[str, str] = {}
+        for role, i, espec in self._plan():
+            name, engine_id = f"{role}-{i}", espec.kv.engine_id
+            if engine_id in ids.values():
+                engine_id = f"{engine_id}-{name}"
+            ids[name] = engine_id
+        return ids
+
     def start(self) -> VllmCpuTopology:
         opts = self.options
         reason = unavailable_reason(opts.venv, opts.model)
         if reason:
             raise BackendUnavailable(reason)
-        plan: list[tuple[Role, int, EngineSpec]] = [
-            *(("prefill", i, self.spec.prefill) for i in range(self.spec.num_prefill)),
-            *(("decode", i, self.spec.decode) for i in range(self.spec.num_decode)),
-        ]
+        plan = self._plan()
         n_servers = len(plan)
         avail = _mem_available()
         need = n_servers * _MIN_FREE_BYTES_PER_SERVER
@@ -195,11 +210,11 @@ class VllmCpuTopology(Topology):
             )
         cores = self._cores(n_servers)
         opts.log_dir.mkdir(parents=True, exist_ok=True)
-        used_ids: set[str] = set()
+        ids = self.engine_ids()
         t0 = time.monotonic()
         pending: list[tuple[Node, ManagedProcess, float]] = []
         for idx, (role, i, espec) in enumerate(plan):
-            node, proc = self._launch(role, i, espec, cores[idx], used_ids)
+            node, proc = self._launch(role, i, espec, cores[idx], ids[f"{role}-{i}"])
             pending.append((node, proc, time.monotonic()))
             (self.prefill if role == "prefill" else self.decode).append(node)
         deadline = t0 + opts.startup_timeout
@@ -341,6 +356,11 @@ class VllmCpuTopology(Topology):
         # P's cold prefix cache is the recipe's --cold-prefill; a D without one says so here
         no_cache = ("--no-enable-prefix-caching",) if (
             not espec.enable_prefix_caching and role != "prefill") else ()
+        # TopologySpec.peer_allowlist: the other role's servers, all on opts.host (stock
+        # vLLM ignores the key; our connector enforces it)
+        other = "decode" if role == "prefill" else "prefill"
+        peers = [(eid, opts.host) for name, eid in self.engine_ids().items()
+                 if name.startswith(f"{other}-")]
         return ServeSpec(
             role="prefill" if role == "prefill" else "decode",
             model=str(opts.model), served_model_name=espec.served_model_name,
@@ -354,6 +374,7 @@ class VllmCpuTopology(Topology):
             nixl_backend=backends[0] if backends else "UCX", device="cpu",
             engine_id=engine_id, visible=str(core), vllm=str(opts.venv / "bin" / "vllm"),
             kv_extra={k: v for k, v in extra.items() if k not in recipe}, kv_top=kv,
+            peer_allowlist=peer_allowlist(self.spec, espec.kv, peers),
             extra_args=(*no_cache, *espec.extra_args),
             extra_env={"VLLM_CPU_KVCACHE_SPACE": str(opts.kvcache_space_gib),
                        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(opts.execute_model_timeout_s)},
@@ -384,13 +405,9 @@ class VllmCpuTopology(Topology):
         return env
 
     def _launch(
-        self, role: Role, i: int, espec: EngineSpec, core: int, used_ids: set[str]
+        self, role: Role, i: int, espec: EngineSpec, core: int, engine_id: str
     ) -> tuple[Node, ManagedProcess]:
         name = f"{role}-{i}"
-        engine_id = espec.kv.engine_id
-        if engine_id in used_ids:
-            engine_id = f"{engine_id}-{name}"
-        used_ids.add(engine_id)
         port, side = free_port(self.options.host), free_port(self.options.host)
         log_path = self.options.log_dir / f"{name}-{port}.log"
         proc = self._spawn(name, role, espec, port, engine_id, core, side, log_path)

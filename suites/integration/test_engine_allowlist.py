@@ -2,7 +2,8 @@
 
 Real ``bidir-kv engine`` processes on loopback. A listener on another loopback address
 (127.0.0.2) stands in for a host outside the deployment: with the allowlist set it must
-see no connection, and the request is still answered (no 5xx).
+see no connection, and the request is still answered (no 5xx). A topology sets the
+allowlist itself (``TopologySpec.peer_allowlist``, on by default): its own peers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.testing.engines import EnginePair, random_prompt
+from bidir_kv.testing.engines import EnginePair, random_prompt, sources
 
 Factory = Callable[..., EnginePair]
 REFUSED = "bidir_kv:peer_refused_reqs_total"
@@ -105,11 +106,44 @@ def test_params_naming_a_host_outside_the_allowlist_open_no_connection(
     assert pr.ok and (pair.p.metrics() - p0).value(REFUSED) == 2
 
 
+def test_a_topology_pair_reads_only_from_its_own_peers_by_default(
+    engine_pair: Factory, outsider: Listener
+) -> None:
+    """No allowlist given: the topology lists each node's peers by their address
+    (127.0.0.1). Params naming 127.0.0.2 open no connection and are answered, whether
+    they name a stranger or copy the pair's own D dict with only the host changed (an
+    engine id is no proof of where a peer is); the pair's own D is read as before."""
+    pair = engine_pair(prefill={"enable_prefix_caching": False})  # P's reads stay visible
+    for which in ("p", "d"):
+        assert "Peer allowlist: KV is read only from 127.0.0.1/32" in _log(pair, which)
+    rng = random.Random("topology-default")
+    prompt = random_prompt(rng, 200)
+    _, d1 = pair.turn(prompt, 8)
+    assert d1 is not None and d1.ok and d1.params is not None
+    prompt2 = [*prompt, *d1.token_ids, *random_prompt(rng, 3)]
+    copied = d1.params.for_prefill_hit().with_fields(remote_host="127.0.0.2",
+                                                     remote_port=outsider.port)
+    p0, _ = pair.snap()
+    for params in (_foreign_d_params(outsider.port), copied):
+        r = pair.p.complete(prompt2, 1, params)
+        assert r.ok, (r.status, r.error)  # answered, no 5xx
+    assert outsider.accepted == 0
+    assert (pair.p.metrics() - p0).value(REFUSED) == 2
+    # the pair's own D, at its own address: read, not refused
+    p1, _ = pair.snap()
+    pr = pair.p.complete(prompt2, 1, d1.params.for_prefill_hit())
+    assert pr.ok, (pr.status, pr.error)
+    delta = pair.p.metrics() - p1
+    assert delta.value(REFUSED) == 0
+    assert sources(delta)["external_kv_transfer"] == d1.params.remote_num_tokens, sources(delta)
+
+
 def test_without_an_allowlist_p_connects_where_params_say(
     engine_pair: Factory, outsider: Listener
 ) -> None:
     """The negative control (vLLM's behaviour, said once at start): the listener sees P."""
-    pair = engine_pair(kv={"kv_load_failure_policy": "recompute"})
+    # the topology's own allowlist off: this pair must be open to show what open does
+    pair = engine_pair(kv={"kv_load_failure_policy": "recompute"}, peer_allowlist=False)
     prompt = random_prompt(random.Random("no-allowlist"), 200)
     r = pair.p.complete(prompt, 1, _foreign_d_params(outsider.port))
     assert r.ok, (r.status, r.error)

@@ -154,7 +154,7 @@ def _restart(pair: EnginePair, which: str) -> None:
     HTTP and side-channel ports, new data port and blocks."""
     topo = pair.topo
     node = topo.prefill[0] if which == "p" else topo.decode[0]
-    spec = topo.spec.prefill if which == "p" else topo.spec.decode
+    spec = topo.engine_spec(node.role)  # the topology's, peer allowlist included
     topo.process(node.name).stop()
     env = dict(os.environ)
     env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=node.host,

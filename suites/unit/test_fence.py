@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from bidir_kv.engine.fencewords import FenceTable
-from bidir_kv.policy import PeerAllowlist, RetentionLedger, retention_budget_blocks
+from bidir_kv.policy import (
+    PeerAllowlist,
+    RetentionLedger,
+    peer_entries,
+    retention_budget_blocks,
+)
 from bidir_kv.wire.fence import (
     FENCE_KEY,
     advertises_fence,
@@ -78,6 +83,20 @@ def test_allowlist_matches_engine_ids_and_networks_never_names() -> None:
     for bad in ("10.0.0.0/8", [], [""], [3], {"a": 1}):
         with pytest.raises(ValueError):
             PeerAllowlist.parse(bad)
+
+
+def test_peer_entries_list_a_peer_by_its_address_else_by_its_engine_id() -> None:
+    """What serve and the topologies write: never both for one peer (either admits)."""
+    assert peer_entries([("d-1", "10.0.0.2")]) == ("10.0.0.2",)
+    assert peer_entries([("d-1", "[fd00::2]"), ("d-2", "::1")]) == ("fd00::2", "::1")
+    assert peer_entries([("d-1", "decode-host"), ("d-2", None)]) == ("d-1", "d-2")
+    assert peer_entries([("d-1", "127.0.0.1"), ("d-2", "127.0.0.1"), ("d-3", "h"),
+                         ("d-3", "h2")]) == ("127.0.0.1", "d-3")  # order kept, no repeats
+    assert peer_entries([(None, None), (None, "name"), ("", "")]) == ()
+    assert peer_entries([]) == ()
+    allow = PeerAllowlist.parse(list(peer_entries([("d-1", "10.0.0.2")])))
+    assert allow is not None and allow.allows("stranger", "10.0.0.2")
+    assert not allow.allows("d-1", "10.0.0.3")  # the id alone, at another host: refused
 
 
 def test_connector_turns_budget_pressure_and_slots() -> None:

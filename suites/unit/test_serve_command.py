@@ -4,6 +4,7 @@ knobs that change them."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -124,3 +125,125 @@ def test_extra_flags_pass_through_after_double_dash(capsys: pytest.CaptureFixtur
     assert main(["--role", "decode", "--model", "m", "--dry-run", "--",
                  "--gpu-memory-utilization", "0.9"]) == 0
     assert "--gpu-memory-utilization 0.9" in capsys.readouterr().out
+
+
+# ---- the peer allowlist (docs/connector.md §7, docs/hardware.md §1) ------------------
+
+ALLOW = "bidir_kv_peer_allowlist"
+
+
+def _dry_run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[dict], str]:
+    """(exit status, every --kv-transfer-config of the dry run in order, the output)."""
+    rc = main(["--model", "m", "--dry-run", *args])
+    captured = capsys.readouterr()
+    out = captured.out
+    words = shlex.split(out.replace("\\\n", " "), comments=True)
+    configs = [json.loads(words[i + 1] if w == "--kv-transfer-config" else w.partition("=")[2])
+               for i, w in enumerate(words) if w.partition("=")[0] == "--kv-transfer-config"]
+    return rc, configs, out + captured.err
+
+
+@pytest.mark.parametrize("role,ip,peer,expected", [
+    ("prefill", P_IP, D_IP, [D_IP]),
+    ("decode", D_IP, P_IP, [P_IP]),
+    ("prefill", P_IP, None, ["decode-engine-001"]),  # no address known: the peer's id
+    ("decode", D_IP, None, ["prefill-engine-001"]),
+    ("prefill", P_IP, "d-node", ["decode-engine-001"]),  # a name matches no entry
+])
+def test_each_node_lists_its_peer_by_default(
+    capsys: pytest.CaptureFixture[str], role: str, ip: str, peer: str | None,
+    expected: list[str],
+) -> None:
+    rc, configs, out = _dry_run(capsys, "--role", role, "--ip", ip,
+                                *(("--peer-ip", peer) if peer else ()))
+    assert rc == 0 and len(configs) == 1
+    assert configs[0]["kv_connector_extra_config"][ALLOW] == expected
+    # stock NixlConnector is what serve starts: the dry run says the key is not enforced
+    assert "stock NixlConnector ignores the key" in out
+
+
+def test_an_explicit_allowlist_replaces_the_default(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, configs, _ = _dry_run(capsys, "--role", "prefill", "--peer-ip", D_IP,
+                              "--peer-allowlist", "10.0.0.0/24, decode-a,decode-b")
+    assert rc == 0
+    assert configs[0]["kv_connector_extra_config"][ALLOW] == ["10.0.0.0/24", "decode-a",
+                                                             "decode-b"]
+
+
+def test_no_peer_allowlist_leaves_the_key_unset(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, configs, out = _dry_run(capsys, "--role", "prefill", "--peer-ip", D_IP,
+                                "--no-peer-allowlist")
+    assert rc == 0 and ALLOW not in configs[0]["kv_connector_extra_config"]
+    assert "ignores the key" not in out
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--peer-allowlist", ","), "non-empty list"),
+    (("--peer-allowlist", "a", "--no-peer-allowlist"), "not allowed with"),
+])
+def test_bad_allowlist_flags_are_refused(capsys: pytest.CaptureFixture[str],
+                                         args: tuple[str, ...], says: str) -> None:
+    with pytest.raises(SystemExit):
+        main(["--role", "prefill", "--model", "m", "--dry-run", *args])
+    assert says in capsys.readouterr().err
+
+
+def _own(allow: list[str] | None) -> str:
+    extra: dict[str, object] = {"bidirectional_kv_xfer": True}
+    if allow is not None:
+        extra[ALLOW] = allow
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                       "kv_connector_extra_config": extra})
+
+
+def test_the_users_own_config_wins(capsys: pytest.CaptureFixture[str]) -> None:
+    """A --kv-transfer-config after -- replaces serve's (vLLM reads the last flag): its
+    allowlist is the one in force, and serve's own config no longer names one."""
+    rc, configs, out = _dry_run(capsys, "--role", "prefill", "--peer-ip", D_IP, "--",
+                                "--kv-transfer-config", _own(["10.9.0.0/16"]))
+    assert rc == 0 and len(configs) == 2
+    assert ALLOW not in configs[0]["kv_connector_extra_config"]
+    assert configs[-1]["kv_connector_extra_config"][ALLOW] == ["10.9.0.0/16"]
+    assert "sets no" not in out
+    # the same value given twice is no clash
+    rc, configs, _ = _dry_run(capsys, "--role", "prefill", "--peer-allowlist", "10.9.0.0/16",
+                              "--", f"--kv-transfer-config={_own(['10.9.0.0/16'])}")
+    assert rc == 0 and configs[-1]["kv_connector_extra_config"][ALLOW] == ["10.9.0.0/16"]
+
+
+def test_the_users_own_config_without_a_list_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, configs, out = _dry_run(capsys, "--role", "prefill", "--peer-ip", D_IP, "--",
+                                "--kv-transfer-config", _own(None))
+    assert rc == 0 and ALLOW not in configs[-1]["kv_connector_extra_config"]
+    assert f"sets no {ALLOW}: this node reads KV from any peer" in out
+
+
+@pytest.mark.parametrize("own", [["10.9.0.0/16"], None])
+def test_an_explicit_list_and_the_users_config_clash_loudly(
+    capsys: pytest.CaptureFixture[str], own: list[str] | None,
+) -> None:
+    rc, configs, out = _dry_run(capsys, "--role", "prefill", "--peer-allowlist", "decode-a",
+                                "--", "--kv-transfer-config", _own(own))
+    assert rc == 2 and configs == []
+    assert "--peer-allowlist decode-a clashes with the --kv-transfer-config after --" in out
+
+
+def test_the_builder_refuses_two_different_lists() -> None:
+    spec = ServeSpec(role="prefill", model="m", peer_allowlist=("decode-a",),
+                     kv_extra={ALLOW: ["decode-b"]})
+    with pytest.raises(ValueError, match=f"{ALLOW} is given twice"):
+        build(spec)
+    same = ServeSpec(role="prefill", model="m", peer_allowlist=("decode-a",),
+                     kv_extra={ALLOW: ("decode-a",)})
+    kv = json.loads(str(argv_value(build(same).argv, "--kv-transfer-config")))
+    assert kv["kv_connector_extra_config"][ALLOW] == ["decode-a"]
+    with pytest.raises(ValueError, match=ALLOW):
+        build(ServeSpec(role="prefill", model="m", peer_allowlist=()))
+
+
+def test_our_connector_needs_no_note() -> None:
+    ours = build(ServeSpec(role="prefill", model="m", peer_allowlist=(D_IP,),
+                           kv_top={"kv_connector_module_path": "bidir_kv.connector"}))
+    assert not any("ignores the key" in n for n in ours.notes)
+    stock = build(ServeSpec(role="prefill", model="m", peer_allowlist=(D_IP,)))
+    assert any("ignores the key" in n for n in stock.notes)

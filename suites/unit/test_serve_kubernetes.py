@@ -57,3 +57,40 @@ def test_role_is_still_required_without_emit(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         main(["--model", "m", "--dry-run"])
     assert "--role is required" in capsys.readouterr().err
+
+
+def _allowlists(text: str) -> dict[str, object]:
+    """Each pod's bidir_kv_peer_allowlist (None: unset), by role."""
+    out: dict[str, object] = {}
+    for doc in _docs(text):
+        if doc["kind"] != "Pod":
+            continue
+        argv = doc["spec"]["containers"][0]["command"]
+        kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        out[doc["metadata"]["labels"]["bidir-kv/role"]] = \
+            kv["kv_connector_extra_config"].get("bidir_kv_peer_allowlist")
+    return out
+
+
+@pytest.mark.parametrize("args,expected", [
+    # pod IPs are unknown until the pods run, and the router names them by Service:
+    # each pod lists the other's engine id
+    ((), {"prefill": ["decode-engine-001"], "decode": ["prefill-engine-001"]}),
+    (("--peer-allowlist", "10.244.0.0/16,decode-engine-001"),
+     {"prefill": ["10.244.0.0/16", "decode-engine-001"],
+      "decode": ["10.244.0.0/16", "decode-engine-001"]}),
+    (("--no-peer-allowlist",), {"prefill": None, "decode": None}),
+])
+def test_pods_list_their_peer(capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
+                              expected: dict[str, object]) -> None:
+    assert main(["--emit", "kubernetes", "--model", "m", "--peer-ip", "10.0.0.9", *args]) == 0
+    assert _allowlists(capsys.readouterr().out) == expected
+
+
+def test_pods_refuse_a_clashing_list(capsys: pytest.CaptureFixture[str]) -> None:
+    own = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"bidir_kv_peer_allowlist": ["x"]}})
+    assert main(["--emit", "kubernetes", "--model", "m", "--peer-allowlist", "y", "--",
+                 "--kv-transfer-config", own]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "clashes" in captured.err
