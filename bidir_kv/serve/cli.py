@@ -180,7 +180,7 @@ def _passed_kv_config(extra: Sequence[str]) -> str | None:
     return found
 
 
-def with_passed_config(spec: ServeSpec, ns: argparse.Namespace) -> tuple[ServeSpec, list[str]]:
+def _with_passed_config(spec: ServeSpec, ns: argparse.Namespace) -> tuple[ServeSpec, list[str]]:
     """A ``--kv-transfer-config`` after ``--`` replaces serve's whole config (vLLM reads
     the last flag), so its ``bidir_kv_peer_allowlist`` wins. ValueError when it clashes
     with ``--peer-allowlist``; a note when it drops serve's default allowlist."""
@@ -250,7 +250,7 @@ def _emit_kubernetes(ns: argparse.Namespace) -> int:
              for s, other in zip(specs, reversed(specs), strict=True)]
     opts = KubeOptions(image=ns.image, namespace=ns.namespace, name=ns.name, efa=ns.efa)
     try:
-        specs = [with_passed_config(s, ns)[0] for s in specs]
+        specs = [_with_passed_config(s, ns)[0] for s in specs]
         print(render(manifests(specs, opts)), end="")
     except ValueError as exc:
         print(f"bidir-kv serve: {exc}", file=sys.stderr)
@@ -270,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--role is required (or --emit kubernetes for both roles)")
     spec = spec_from_args(ns)
     try:
-        spec, notes = with_passed_config(spec, ns)
+        spec, notes = _with_passed_config(spec, ns)
         cmd = _with_notes(build(spec), notes)
     except ValueError as exc:
         print(f"bidir-kv serve: {exc}", file=sys.stderr)
