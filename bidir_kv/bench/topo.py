@@ -293,8 +293,15 @@ def _start_router(
     except BaseException:
         proc.stop()
         raise
-    topo.routers.append(
-        Node(role="router", name="router-0", host="127.0.0.1", port=port, log_path=str(log))
+    topo.routers.append(  # its PID goes into the manifest with the engines' (which are ours)
+        Node(
+            role="router",
+            name="router-0",
+            host="127.0.0.1",
+            port=port,
+            log_path=str(log),
+            info={"pid": proc.pid},
+        )
     )
     return proc
 

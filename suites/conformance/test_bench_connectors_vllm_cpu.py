@@ -94,7 +94,8 @@ def test_ctrl_c_in_our_connectors_leg_stops_every_node(tmp_path: Path, request) 
     assert stock_run["requests"] == 4 and stock_run["errors"] == 0, stock_run
     nodes = [n for leg in ("on", "on+bidir-kv") for n in m["nodes"][leg].values()]
     assert len(nodes) == 6  # P, D and the router of each leg
-    assert [n["pid"] for n in nodes if n["pid"] and _alive(int(n["pid"]))] == []
+    assert all(n["pid"] for n in nodes)  # the router's too
+    assert [n["pid"] for n in nodes if _alive(int(n["pid"]))] == []
     assert [n["url"] for n in nodes if _listening(n["url"])] == []
     # P and D of our leg loaded bidir_kv.connector (its start-up line); stock's did not
     logs = {leg: {n["role"]: Path(n["log"]).read_text(errors="replace")
