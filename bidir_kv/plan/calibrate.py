@@ -193,7 +193,13 @@ def fit_input(result: ResultDir) -> FitInput:
     ttft = tuple(
         TtftInput(r.point, r.leg, r.input_tokens_mean, r.ttft_mean * 1e3, r.prefill_ms * 1e3)
         for r in summarize_result(result, min_turn=1).rows
-        if r.prefill_ms and r.ttft_n and r.input_tokens_mean and not r.errors
+        # the reference legs only: an ON leg of another connector (on+bidir-kv) is a
+        # comparison, not more of the same cost model
+        if r.leg in ("off", "on")
+        and r.prefill_ms
+        and r.ttft_n
+        and r.input_tokens_mean
+        and not r.errors
     )
     return FitInput(
         source=f"calibrated from {result.path}",

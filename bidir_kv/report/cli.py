@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bidir_kv.bench.compare import connector_table
 from bidir_kv.bench.results import ResultError, load_result
 from bidir_kv.bench.summary import Summary, ratio_rows, summarize_result
 from bidir_kv.plan.predict import predict
@@ -24,7 +25,9 @@ def render_dir(path: Path, out: Path | None = None, min_turn: int = 2) -> tuple[
     md = render_markdown(summary, predict(summary), [str(p) for p in plots])
     report_path = out_dir / "report.md"
     report_path.write_text(md)
-    return report_path, ratio_table(summary)
+    table = ratio_table(summary)
+    connectors = connector_table(summary)
+    return report_path, f"{table}\n\n{connectors}" if connectors else table
 
 
 def ratio_table(summary: Summary) -> str:

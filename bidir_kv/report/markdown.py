@@ -11,8 +11,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.bench.compare import connector_points
 from bidir_kv.bench.split import on_prefill_split
 from bidir_kv.bench.summary import Summary, ratio_rows
+from bidir_kv.bench.topo import leg_feature
 from bidir_kv.plan.calibrate import CheckRow
 from bidir_kv.plan.predict import Prediction
 from bidir_kv.plan.tail import tail_text
@@ -42,6 +44,13 @@ def _run_lines(m: Mapping[str, Any]) -> list[str]:
         f"- clients: {m.get('num_clients')}, max active conversations "
         f"{m.get('max_active_conversations')}",
     ]
+    legs = m.get("leg_connectors") or {}
+    if legs:
+        lines.append(
+            "- KV connector per leg: "
+            + ", ".join(f"`{leg}` {conn}" for leg, conn in legs.items())
+            + " (stock: vLLM's NixlConnector; bidir-kv: `bidir_kv.connector`)"
+        )
     if not m.get("complete", True):
         lines.append("- **partial result**: the run was interrupted; missing points are absent")
     cap = m.get("client_capacity")
@@ -101,6 +110,7 @@ def render_markdown(
             f"| {r.tokens_external:.0f} | {r.tokens_local_compute:.0f} | {r.expired:.0f} "
             f"| {r.failed:.0f} | {r.errors} |"
         )
+    lines += _connector_lines(summary)
     lines += _overhead_lines(summary)
     lines += _prediction_lines(prediction)
     if plots:
@@ -108,6 +118,43 @@ def render_markdown(
         lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     lines.append("")
     return "\n".join(lines)
+
+
+def _connector_lines(summary: Summary) -> list[str]:
+    """Each connector's ON leg beside the reference's (``bench/compare.py``)."""
+    points = connector_points(summary)
+    if not points:
+        return []
+    ref = summary.result.connector_of("on") or "the reference"
+    lines = [
+        "",
+        f"## Connectors side by side (ratio = leg / `on`, the {ref} connector)",
+        "",
+        f"TTFT from the client and P's prefill duration from the router log (each request's "
+        f"P leg: HTTP to P, any D→P read, compute), median and p90 over turns ≥ "
+        f"{summary.min_turn}; vLLM's mean is P's own `vllm:request_prefill_time_seconds` "
+        "over every turn. A ratio above 1 means the leg is slower than `on`.",
+        "",
+        "| prefix tokens | leg | connector | TTFT median ms | TTFT p90 ms | P prefill median ms"
+        " | P prefill p90 ms | P legs | vLLM P prefill mean ms |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for cp in points:
+        for f in cp.legs:
+            scope = " (all turns)" if f.prefill_all_turns else ""
+            lines.append(
+                f"| {cp.point} | `{f.leg}` | {f.connector or 'n/a'} | {_fmt(f.ttft_median, '.1f')}"
+                f" | {_fmt(f.ttft_p90, '.1f')} | {_fmt(f.prefill_median, '.1f')}{scope}"
+                f" | {_fmt(f.prefill_p90, '.1f')} | {f.prefill_n}"
+                f" | {_fmt(f.engine_prefill_ms, '.2f')} |"
+            )
+        for r in cp.ratios:
+            lines.append(
+                f"| {cp.point} | **`{r.leg}` / `{r.reference}`** | | "
+                f"**{_fmt(r.ttft_median, '.3f')}×** | **{_fmt(r.ttft_p90, '.3f')}×** "
+                f"| **{_fmt(r.prefill_median, '.3f')}×** | **{_fmt(r.prefill_p90, '.3f')}×** | | |"
+            )
+    return lines
 
 
 def _overhead_lines(summary: Summary) -> list[str]:
@@ -121,7 +168,7 @@ def _overhead_lines(summary: Summary) -> list[str]:
     ]
     for r in summary.rows:
         ov = point_overhead_of(summary, r.leg, r.point)
-        sp = on_prefill_split(summary, r.point) if r.leg == "on" else None
+        sp = on_prefill_split(summary, r.point, r.leg) if leg_feature(r.leg) == "on" else None
         share = ov.get("own_cpu_share")
         lines.append(
             f"| {r.leg} | {r.point} | {_fmt(sp[0] if sp else None, '.1f')} "
