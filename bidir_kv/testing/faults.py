@@ -12,6 +12,10 @@ reports the fault set) and otherwise fails the test with a message starting
 its effect against a deadline (:mod:`bidir_kv.testing.poll`).
 
 Processes are read from ``/proc`` (Linux; the tiers that inject these faults run there).
+
+A test expected to fail (``xfail``, e.g. a conformance pin) whose fault did not take
+effect fails instead of counting as the expected failure: it showed nothing about the
+defect it pins (the hook is in :mod:`bidir_kv.testing.plugin`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ take the fault, each fails with a clear message. The processes are real and chea
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -287,7 +289,7 @@ class _Link:
             self.sock = socket.socket()
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.sock.bind(("127.0.0.1", self.port))
-            self.sock.listen(16)
+            self.sock.listen(512)
 
     def down(self) -> None:
         if self.sock is not None:
@@ -297,9 +299,12 @@ class _Link:
     def passes(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                return True
+                pass
         except OSError:
             return False
+        if self.sock is not None:  # take it off the accept queue: polls never fill it
+            self.sock.accept()[0].close()
+        return True
 
 
 @pytest.fixture
@@ -371,3 +376,36 @@ def test_an_emulator_fault_not_reported_back_fails() -> None:
     assert str(err.value) == (f"{FAULT_NOT_APPLIED}: d0 reports faults "
                               "{'stall': False, 'fail_reads': '<absent>'} after being asked for "
                               "{'stall': True, 'fail_reads': 2}")  # fmt: skip
+
+
+# ---- an expected failure is no cover -----------------------------------------------------
+
+_XFAIL = """
+import pytest
+from bidir_kv.testing.faults import restart_node, confirm_faults
+
+
+@pytest.mark.xfail(strict=True, reason="a pinned defect")
+def test_pinned_but_the_fault_did_nothing():
+    confirm_faults("d0", {"stall": True}, {"stall": False})
+
+
+@pytest.mark.xfail(strict=True, reason="a pinned defect")
+def test_pinned_and_failing_for_its_defect():
+    assert False, "the defect"
+"""
+
+
+def test_an_xfail_test_whose_fault_did_not_take_effect_fails(tmp_path: Path) -> None:
+    (tmp_path / "test_inner.py").write_text(_XFAIL)
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "bidir_kv.testing.plugin",
+         "-q", "-rfx", "-o", "addopts=", str(tmp_path / "test_inner.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(repo)})
+    text = out.stdout
+    assert "1 failed, 1 xfailed" in text, text
+    assert "FAILED test_inner.py::test_pinned_but_the_fault_did_nothing" in text, text
+    assert f"FaultNotApplied: {FAULT_NOT_APPLIED}: d0 reports faults" in text, text
+    assert "XFAIL test_inner.py::test_pinned_and_failing_for_its_defect" in text, text
