@@ -378,6 +378,12 @@ def test_an_emulator_fault_not_reported_back_fails() -> None:
                               "{'stall': True, 'fail_reads': 2}")  # fmt: skip
 
 
+def test_the_campaign_fails_its_rows_with_the_same_words() -> None:
+    from bidir_kv.campaign.faults import NOT_APPLIED as CAMPAIGN_NOT_APPLIED
+
+    assert CAMPAIGN_NOT_APPLIED == FAULT_NOT_APPLIED
+
+
 # ---- an expected failure is no cover -----------------------------------------------------
 
 _XFAIL = """
