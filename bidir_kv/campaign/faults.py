@@ -134,9 +134,9 @@ def _running(pid: int) -> bool:
     return process_state(pid) not in (None, "Z", "X")
 
 
-async def _until(condition: Callable[[], bool], timeout: float = EFFECT_SECONDS) -> bool:
-    """Poll ``condition`` until it holds (True) or ``timeout`` passes (False)."""
-    deadline = time.monotonic() + timeout
+async def _until(condition: Callable[[], bool]) -> bool:
+    """Poll ``condition`` until it holds (True) or EFFECT_SECONDS pass (False)."""
+    deadline = time.monotonic() + EFFECT_SECONDS
     while not condition():
         if time.monotonic() >= deadline:
             return False

@@ -384,6 +384,31 @@ def test_the_campaign_fails_its_rows_with_the_same_words() -> None:
     assert CAMPAIGN_NOT_APPLIED == FAULT_NOT_APPLIED
 
 
+def test_a_campaign_row_whose_redis_pause_did_nothing_fails(
+    tmp_path: Path, started: list[ManagedProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from bidir_kv.campaign import faults as campaign
+
+    redis = _tree(tmp_path, "redis")
+    started.append(redis)
+    real_kill = os.kill
+    monkeypatch.setattr(campaign.os, "kill",  # a SIGSTOP that goes nowhere
+                        lambda pid, sig: None if sig == signal.SIGSTOP else real_kill(pid, sig))
+    monkeypatch.setattr(campaign, "EFFECT_SECONDS", 0.3)
+
+    async def warm(tag: str) -> None:
+        return None
+
+    ctx = SimpleNamespace(dep=SimpleNamespace(redis_pid=lambda: redis.pid), warm=warm)
+    row = asyncio.run(campaign.redis_paused(ctx))  # type: ignore[arg-type]
+    assert not row.holds
+    assert row.saw == (f"{FAULT_NOT_APPLIED}: Redis (pid {redis.pid}) is in state S, not "
+                       "stopped, 0.3 s after SIGSTOP")
+
+
 # ---- an expected failure is no cover -----------------------------------------------------
 
 _XFAIL = """
