@@ -108,9 +108,11 @@ class Deployment:
         except TransportError:
             return False
 
-    def restart(self, role: str, index: int = 0) -> None:
+    def restart(self, role: str, index: int = 0) -> tuple[int | None, int | None]:
         """Stop one engine and start it again as a deploy would: same engine id, same
-        HTTP and side-channel ports, a new process (new data port, empty memory)."""
+        HTTP and side-channel ports, a new process (new data port, empty memory).
+        Returns the old and the new process ids (the fault checks the one is gone and
+        the other runs)."""
         topo = self.topology
         if topo is None:
             raise RuntimeError("restart needs an emulated topology this campaign started")
@@ -128,6 +130,8 @@ class Deployment:
         topo.procs[proc.name] = proc  # stopped with the topology
         proc.start()
         wait_http_ok(node.url + "/health", 60, alive=proc)
+        node.info["pid"] = proc.pid
+        return old.pid, proc.pid
 
     def close(self) -> None:
         try:

@@ -22,10 +22,15 @@ from bidir_kv.campaign.client import Clients, Conversation, body
 from bidir_kv.campaign.deploy import Deployment, children
 from bidir_kv.campaign.wave import WavePlan, WaveResult, counted_hits, run_wave
 from bidir_kv.client import ClientError, get_json, scrape
+from bidir_kv.launch.process import process_state
 
 __all__ = ["FAULTS", "FaultResult", "run_faults"]
 
 RECOVERY_SECONDS = 30.0
+# what a row says when its fault did not happen (the same words as the test tiers'
+# bidir_kv.testing.faults, which this layer cannot import): the row then fails
+NOT_APPLIED = "fault did not take effect"
+EFFECT_SECONDS = 10.0  # how long a fault's effect (a process gone, stopped) may take
 SLOW_CLIENTS = 200  # connections dripping a request head during the slow-clients fault
 REDIS_PAUSE_S = 3.0
 HEALTHY = "bidir_kv_router_backend_healthy"
@@ -123,12 +128,36 @@ class Ctx:
         return out
 
 
+def _running(pid: int) -> bool:
+    return process_state(pid) not in (None, "Z", "X")
+
+
+async def _until(condition: Callable[[], bool]) -> bool:
+    """Poll ``condition`` until it holds (True) or EFFECT_SECONDS pass (False)."""
+    deadline = time.monotonic() + EFFECT_SECONDS
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def _not_applied(name: str, what: str) -> FaultResult:
+    """The row of a fault that did not happen: it fails (nothing was judged)."""
+    return FaultResult(name, f"{NOT_APPLIED}: {what}", None, None, expected=False)
+
+
 async def _restart(ctx: Ctx, role: str) -> FaultResult:
     name = f"{'P' if role == 'prefill' else 'D'} restarted (same engine id)"
     if not ctx.dep.local:
         return FaultResult(name, "not tried (external deployment)", None, None)
     conv = await ctx.warm(role)
-    ctx.dep.restart(role)  # in this thread: a child is tied to the thread that started it
+    # in this thread: a child is tied to the thread that started it
+    old, new = ctx.dep.restart(role)
+    if old is None or _running(old):
+        return _not_applied(name, f"the old process (pid {old}) still runs")
+    if new is None or new == old or not _running(new):
+        return _not_applied(name, f"no new process runs (pid {new})")
     seen = await ctx.router_sees_healthy()
     t = await ctx.turn(conv)
     saw = t.seen + ("" if t.correct is not False else ", wrong answer") + (
@@ -153,6 +182,10 @@ async def d_stalled(ctx: Ctx) -> FaultResult:
     if not ctx.faults(d, stall=True):
         return FaultResult(name, "not tried (no fault endpoint)", None, None)
     try:
+        reported = get_json(d + "/_emulator/faults").get("stall")
+        if reported is not True:
+            return _not_applied(name, f"D reports stall={reported!r} after being asked for "
+                                "stall=True")
         t = await ctx.turn(conv)
     finally:
         ctx.faults(d, stall=False)
@@ -300,6 +333,9 @@ async def worker_killed(ctx: Ctx) -> FaultResult:
     conv = await ctx.warm("worker")
     victim = min(workers)
     os.kill(victim, signal.SIGKILL)
+    if not await _until(lambda: not _running(victim)):
+        return _not_applied(name, f"worker {victim} still runs {EFFECT_SECONDS:g} s after "
+                            "SIGKILL")
     turns = [await ctx.turn(conv) for _ in range(3)]
     deadline = time.monotonic() + 15
     replaced = False
@@ -326,12 +362,21 @@ async def redis_paused(ctx: Ctx) -> FaultResult:
         return FaultResult(name, "not tried (no Redis store this campaign started)", None, None)
     conv = await ctx.warm("redis")
     os.kill(pid, signal.SIGSTOP)
-    resume = asyncio.get_running_loop().call_later(REDIS_PAUSE_S, os.kill, pid, signal.SIGCONT)
     try:
-        t = await ctx.turn(conv)
+        if not await _until(lambda: process_state(pid) == "T"):
+            return _not_applied(name, f"Redis (pid {pid}) is in state {process_state(pid)}, "
+                                f"not stopped, {EFFECT_SECONDS:g} s after SIGSTOP")
+        resume = asyncio.get_running_loop().call_later(REDIS_PAUSE_S, os.kill, pid,
+                                                       signal.SIGCONT)
+        try:
+            t = await ctx.turn(conv)
+        finally:
+            resume.cancel()
     finally:
-        resume.cancel()
         os.kill(pid, signal.SIGCONT)
+    if not await _until(lambda: process_state(pid) != "T"):
+        return _not_applied(name, f"Redis (pid {pid}) is still stopped {EFFECT_SECONDS:g} s "
+                            "after SIGCONT")
     saw = f"{t.seen} after {t.elapsed:.1f} s" + (", wrong answer" if t.correct is False else "")
     return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
                        expected=t.status == 200 and t.correct is not False)

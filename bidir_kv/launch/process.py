@@ -21,7 +21,14 @@ from pathlib import Path
 from bidir_kv.client import NodeClient, TransportError
 from bidir_kv.errors import TopologyError
 
-__all__ = ["ManagedProcess", "ProcessFailed", "free_port", "wait_http_ok"]
+__all__ = [
+    "ManagedProcess",
+    "ProcessFailed",
+    "free_port",
+    "process_state",
+    "process_tree",
+    "wait_http_ok",
+]
 
 
 def _child_setup(cpus: frozenset[int] | None) -> None:
@@ -48,6 +55,48 @@ def _die_with_parent() -> None:
     pr_set_pdeathsig = 1
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
+_GONE = ("Z", "X")  # a zombie (exited, not yet reaped) or a dead task: it runs no more
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, process group) of ``pid``, or None when there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold ")"
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def process_state(pid: int) -> str | None:
+    """``pid``'s state letter in ``/proc/PID/stat`` (R, S, D, T stopped, Z zombie, ...), or
+    None when no such process exists."""
+    st = _stat(pid)
+    return None if st is None else st[0]
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """Every live process of ``pid``'s tree and its state: ``pid``, its descendants and the
+    members of its process group (a node started by :class:`ManagedProcess` leads its own
+    group, which every signal to the node reaches); zombies left out."""
+    table: dict[int, tuple[str, int, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None:
+            table[int(entry.name)] = st
+    children: dict[int, list[int]] = {}
+    for p, (_, parent, _) in table.items():
+        children.setdefault(parent, []).append(p)
+    members = {p for p, (_, _, group) in table.items() if group == pid}
+    todo, seen = [pid], set()
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo += children.get(current, [])
+    members |= seen
+    return {p: table[p][0] for p in sorted(members) if p in table and table[p][0] not in _GONE}
 
 
 class ProcessFailed(TopologyError):

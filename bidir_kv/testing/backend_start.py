@@ -20,6 +20,7 @@ from bidir_kv.testing.backends import (
     BackendConfig,
     PDBackend,
 )
+from bidir_kv.testing.faults import pause_process
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
 from bidir_kv.wire.fence import FENCE_KEY
@@ -114,8 +115,10 @@ def _start_vllm_cpu(
         _variant_starter=variant,
         _pair_starter=lambda tag, pspec: VllmCpuTopology(
             pspec, replace(opts, log_dir=run_dir / f"{name}-{tag}")).start(),
-        _pause_prefill=lambda: topo.paused(topo.prefill[0]),
-        _pause_node=topo.paused,
+        # SIGSTOP, checked: every process of the server's tree stopped, and running
+        # again after (bidir_kv/testing/faults.py)
+        _pause_prefill=lambda: pause_process(topo.process(topo.prefill[0].name)),
+        _pause_node=lambda node: pause_process(topo.process(node.name)),
         p_params_extension=frozenset({FENCE_KEY}) if cfg.connector_module else frozenset(),
         d_params_extension=(frozenset({CHAIN_KEY, FENCE_KEY}) if cfg.connector_module
                             else frozenset()),

@@ -28,6 +28,7 @@ from bidir_kv.policy import (
     DEFAULT_RECOMPUTE_THRESHOLD,
 )
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.testing.faults import restart_node
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import (
     BackendUnavailable,
@@ -126,9 +127,10 @@ class VariantPair:
     decode: EngineClient
 
     def restart(self, role: str) -> None:
-        """Restart P or D as a deploy would (same engine id and ports, new process)."""
+        """Restart P or D as a deploy would (same engine id and ports, new process);
+        checked: the old process is gone and a new one serves (``restart_node``)."""
         node = (self.topology.prefill if role == "prefill" else self.topology.decode)[0]
-        self.topology.restart(node)
+        restart_node(self.topology, node)
 
 
 @dataclass
@@ -145,9 +147,9 @@ class PDBackend:
     description: dict[str, Any] = field(default_factory=dict)
     _variant_starter: Callable[[str, EngineSpec], Topology] | None = None
     _pair_starter: Callable[[str, TopologySpec], Topology] | None = None
-    _pause_node: Callable[[Node], AbstractContextManager[None]] | None = None
+    _pause_node: Callable[[Node], AbstractContextManager[object]] | None = None
     # pauses the main P while a variant runs (vllm-cpu: one core per server)
-    _pause_prefill: Callable[[], AbstractContextManager[None]] | None = None
+    _pause_prefill: Callable[[], AbstractContextManager[object]] | None = None
     _reference: EngineClient | None = None
     run_dir: Path = Path("out/conformance")
     # keys this backend's connector adds to P's and to D's params (docs/connector.md):

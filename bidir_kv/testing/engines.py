@@ -23,6 +23,7 @@ from bidir_kv.config import KVTransferConfig
 from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL, DEFAULT_RECOMPUTE_THRESHOLD
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.scrape import MetricsSnapshot, tokens_by_source
+from bidir_kv.testing.faults import confirm_faults
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import EngineSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology
@@ -104,9 +105,13 @@ class EnginePair:
         return out
 
     def set_faults(self, which: str, **faults: Any) -> dict[str, Any]:
+        """Set emulator faults on P or D; the node must report them set (else the test
+        fails: ``fault did not take effect``)."""
         client = self.p if which == "p" else self.d
         reply = client.http.post("/_emulator/faults", faults, timeout=10)
-        return reply.raise_for_status().json_object()
+        now = reply.raise_for_status().json_object()
+        confirm_faults(client.node.name, faults, now)
+        return now
 
 
 def sources(delta: MetricsSnapshot) -> dict[str, int]:

@@ -8,11 +8,12 @@ each other). Tier gating (``skip_or_fail``) lives in :mod:`bidir_kv.testing.gati
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
+from bidir_kv.testing.faults import FaultNotApplied
 from bidir_kv.testing.gating import REQUIRE_ENV
 
 TIERS = {
@@ -181,6 +182,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             idx = parts.index("suites")
             if idx + 1 < len(parts) and parts[idx + 1] in TIERS:
                 item.add_marker(getattr(pytest.mark, parts[idx + 1]))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A test expected to fail (``xfail``: a conformance pin) whose injected fault did not
+    take effect fails instead (bidir_kv/testing/faults.py): it showed nothing about the
+    defect. Runs around pytest's own xfail handling (``tryfirst``: the outermost
+    wrapper), so it sees the report after an expected failure became ``xfailed``."""
+    rep = yield
+    if call.excinfo is not None and call.excinfo.errisinstance(FaultNotApplied) \
+            and hasattr(rep, "wasxfail"):
+        rep.outcome = "failed"
+        del rep.wasxfail
+    return rep
 
 
 @pytest.fixture(scope="session")

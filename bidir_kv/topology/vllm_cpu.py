@@ -17,13 +17,12 @@ defaults are in ``docs/vllm-cpu.md`` and ``docs/conformance.md``:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,24 +238,20 @@ class VllmCpuTopology(Topology):
         for proc in procs:
             proc.stop(self.options.stop_timeout)
 
-    @contextlib.contextmanager
-    def paused(self, node: Node) -> Iterator[None]:
-        """Stop ``node``'s process group (SIGSTOP) for the block, then continue it.
+    def process(self, name: str) -> ManagedProcess:
+        """The running server process of node ``name``; the conformance tier pauses a
+        server through it (SIGSTOP, :func:`bidir_kv.testing.faults.pause_process`).
 
-        Why: with one core per server, a third server (a P variant) shares a core with
-        an idle one whose NIXL progress thread busy-polls (docs/conformance.md); it took
-        about twice as long to start (201 s vs 92-110 s measured). A stopped server uses
-        no CPU and keeps its state, its sockets and its NIXL registrations; requests to
-        it wait until it continues.
+        Why pause: with one core per server, a third server (a P variant) shares a core
+        with an idle one whose NIXL progress thread busy-polls (docs/conformance.md); it
+        took about twice as long to start (201 s vs 92-110 s measured). A stopped server
+        uses no CPU and keeps its state, its sockets and its NIXL registrations; requests
+        to it wait until it continues.
         """
-        proc = next((p for p in self._procs if p.name == node.name), None)
+        proc = next((p for p in self._procs if p.name == name), None)
         if proc is None or proc.returncode is not None:
-            raise ValueError(f"{node.name} is not a running server of this topology")
-        proc.send_signal(signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            proc.send_signal(signal.SIGCONT)
+            raise ValueError(f"{name} is not a running server of this topology")
+        return proc
 
     def restart(self, node: Node) -> None:
         """Stop ``node``'s server and start it again as a deploy would: same engine id,

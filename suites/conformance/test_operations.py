@@ -30,6 +30,7 @@ from bidir_kv.client import Completion, TransportError
 from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.backends import PDBackend, PromptFactory, VariantPair
+from bidir_kv.testing.faults import confirm_logged
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import start_router_process
@@ -269,12 +270,20 @@ def test_release_during_read_is_recomputed(ops: Ops, prompts: PromptFactory) -> 
                         decode_extra=((FAULT_RELEASE_CONFIG_KEY, True),),
                         decode_prefix_caching=False), ops.pd.block_size
     drained(pair, ops.timing.ttl + 30)
+    d_log = pair.decode.node.log_path
+    assert d_log is not None
+    mark = Path(d_log).stat().st_size
     first = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
     assert first.d is not None and first.d.ok and first.d.params is not None, \
         stalled("the first turn", first, pair, ops.timing)
     assert FENCE_KEY in first.d.params.extra, "D exported no fence word"
     prompt = [*first.sequence, *prompts.tokens(40)]
     t = turn(pair, prompt, ops.timing.window, first.d.params)
+    # the fault took effect: D released the turn (the emulator when P claims the read,
+    # our connector right after exporting it), as D's log says
+    confirm_logged("D's release of the fenced turn", d_log, "fault release_on_claim: "
+                   "releasing" if ops.pd.name == "emulator" else "(fault injection;",
+                   since=mark)
     assert t.d is not None and t.d.ok, stalled("the turn after the release", t, pair, ops.timing)
     assert t.d.token_ids == reference(pair.prefill, t.prompt, GEN)
     assert pair.prefill.node.log_path is not None

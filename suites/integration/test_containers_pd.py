@@ -18,12 +18,14 @@ import pytest
 
 from bidir_kv.client import scrape, settled_metrics
 from bidir_kv.scrape import MetricsSnapshot
+from bidir_kv.testing.faults import cut_link, kill_container
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import bidirectional_config, chat
 from bidir_kv.topology.base import EngineSpec, Node, RouterSpec, TopologySpec
-from bidir_kv.topology.container import ContainerTopology
+from bidir_kv.topology.container import HTTP_PORT, ContainerTopology
+from bidir_kv.topology.container_manifest import IMAGE_PYTHON
 
 TOKENS = "vllm:prompt_tokens_by_source_total"
 BYTES = "vllm:nixl_bytes_transferred_sum"
@@ -123,21 +125,22 @@ def test_cut_p_to_d_link_falls_back_to_recompute_with_the_same_answer(
     assert t1.status == 200
     msgs2 = _next(msgs, t1.text, 2)
 
-    # P can no longer open (or use) connections to D; D still reaches P and the router
-    topo.block_outbound(p.name, d.name)
-    p0, r0 = scrape(p.url), scrape(url)
-    t2 = chat(url, msgs2, "conv-cut")
-    assert t2.status == 200, t2.raw
-    dp, dr = _delta(p, p0), scrape(url) - r0
-    assert dr.value(OFFERS) == 1  # the router did try reuse ...
-    assert dr.value(HITS) == 0  # ... which pulled nothing, so it is no hit
-    assert dr.value(FALLBACKS) >= 1  # ... P failed the read, the router retried as a miss
-    assert dp.value(FAILED) >= 1
-    assert dp.value(TOKENS, source="external_kv_transfer") == 0
-    assert dp.value(TOKENS, source="local_compute") > 0
+    # P can no longer open (or use) connections to D; D still reaches P and the router.
+    # Checked: a connection from P's container to D fails while cut, works once healed.
+    with cut_link(f"{p.name} -> {d.name}", lambda: topo.block_outbound(p.name, d.name),
+                  topo.unblock_all, lambda: _reaches(topo, p.name, d.name)):
+        p0, r0 = scrape(p.url), scrape(url)
+        t2 = chat(url, msgs2, "conv-cut")
+        assert t2.status == 200, t2.raw
+        dp, dr = _delta(p, p0), scrape(url) - r0
+        assert dr.value(OFFERS) == 1  # the router did try reuse ...
+        assert dr.value(HITS) == 0  # ... which pulled nothing, so it is no hit
+        assert dr.value(FALLBACKS) >= 1  # ... P failed the read, the router retried as a miss
+        assert dp.value(FAILED) >= 1
+        assert dp.value(TOKENS, source="external_kv_transfer") == 0
+        assert dp.value(TOKENS, source="local_compute") > 0
 
     # the link heals: the next turn pulls again
-    topo.unblock_all()
     msgs3 = _next(msgs2, t2.text, 3)
     p1 = scrape(p.url)
     t3 = chat(url, msgs3, "conv-cut")
@@ -174,8 +177,7 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
     home = served[0]
     other = next(n for n in topo.decode if n is not home)
 
-    topo.kill(home.name)  # SIGKILL: D's retained blocks are gone with it
-    assert topo.status(home.name) == "exited"
+    kill_container(topo, home.name)  # SIGKILL, checked: D's retained blocks are gone with it
     if noticed:
         _wait_health(url, "decode", f"{home.name}:8000", up=False)
 
@@ -196,6 +198,14 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
     assert dp.value(TOKENS, source="external_kv_transfer") == 0  # nothing left to pull
     assert do.value(TOKENS) > 0  # the surviving D served the turn
     assert _reference(url, [msgs, msgs2]) == [t1.text, t2.text]
+
+
+def _reaches(topo: ContainerTopology, src: str, dst: str) -> bool:
+    """Whether a TCP connection from ``src``'s container to ``dst``'s HTTP port opens."""
+    code, _ = topo.container(src).exec_run(
+        [IMAGE_PYTHON, "-c", "import socket, sys; socket.create_connection("
+         "(sys.argv[1], int(sys.argv[2])), timeout=2).close()", dst, str(HTTP_PORT)])
+    return bool(code == 0)
 
 
 def _wait_health(router_url: str, role: str, node: str, up: bool, timeout: float = 30.0) -> None:
@@ -223,13 +233,15 @@ def test_prefill_pulled_off_the_network_and_back(container_topology: Factory) ->
     assert t1.status == 200
     msgs2 = _next(msgs, t1.text, 2)
 
-    topo.disconnect(p.name)
-    _wait_health(url, "prefill", p_id, up=False)
-    down = chat(url, msgs2, "conv-net", timeout=30)
-    assert down.status == 503
-    assert p.name in str(down.error)
+    # checked: the router's container cannot connect to P while P is off, and can after
+    with cut_link(f"the network to {p.name}", lambda: topo.disconnect(p.name),
+                  lambda: topo.reconnect(p.name), lambda: _reaches(topo, topo.routers[0].name,
+                                                                   p.name)):
+        _wait_health(url, "prefill", p_id, up=False)
+        down = chat(url, msgs2, "conv-net", timeout=30)
+        assert down.status == 503
+        assert p.name in str(down.error)
 
-    topo.reconnect(p.name)
     _wait_health(url, "prefill", p_id, up=True)
     t2 = chat(url, msgs2, "conv-net")
     assert t2.status == 200, t2.raw

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.client import scrape
+from bidir_kv.testing.faults import confirm_faults, restart_node, stop_process
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import (
     chat,
@@ -53,7 +54,8 @@ def test_the_emulator_frees_what_a_dropped_reader_claimed(topo: Any) -> None:
     assert answer == {"engine_id": "nobody", "aborted": 0, "freed_blocks": 0,
                       "peers_dropped": 0}
     # P ignores D's "read done" notification: the blocks D claimed stay leased on P
-    post(p.url, "/_emulator/faults", {"drop_notifications": 1.0})
+    confirm_faults(p.name, {"drop_notifications": 1.0},
+                   post(p.url, "/_emulator/faults", {"drop_notifications": 1.0})[1])
     conv = conversation_id("drop")
     assert chat(topo.router_url, long_opening(conv), conv).status == 200
     status, answer = post(p.url, "/drop_peer", {"engine_id": engine_id(d)})
@@ -73,12 +75,12 @@ def test_the_router_tells_d_when_its_probe_sees_p_die(topo: Any) -> None:
     p, d, url = topo.prefill[0], topo.decode[0], topo.router_url
     conv = conversation_id("die")
     assert chat(url, long_opening(conv), conv).status == 200  # the router learns engine ids
-    topo.process(p.name).stop()
+    stop_process(topo.process(p.name))  # checked: P's process (and its group) is gone
     wait_for(lambda: router_counter(url, "drop_peer", outcome="sent") == 1, 15,
              "the router to call D's /drop_peer")
     assert scrape(d.url).value(DROPS) == 1
     log = Path(str(d.log_path)).read_text()
     assert f"drop_peer {engine_id(p)}: " in log and "'peers_dropped': 1" in log, log[-2000:]
-    topo.restart(p)  # same engine id: nothing more to announce
+    restart_node(topo, p)  # same engine id: nothing more to announce; a new pid serves
     wait_for(lambda: chat(url, long_opening(conv), conv).status == 200, 15, "P back")
     assert router_counter(url, "drop_peer", outcome="sent") == 1

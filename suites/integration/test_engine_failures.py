@@ -18,6 +18,7 @@ import pytest
 
 from bidir_kv.client import TransportError
 from bidir_kv.testing.engines import EnginePair, random_prompt, sources
+from bidir_kv.testing.faults import confirm_counter_rose, stop_process
 from bidir_kv.testing.poll import wait_for
 
 FAILED = "vllm:nixl_num_failed_transfers_total"
@@ -88,6 +89,8 @@ def test_failed_read_follows_failure_policy(engine_pair: Factory, policy: str) -
     prompt2 = [*prompt, *d1.token_ids, *random_prompt(rng, 50)]
     p0 = pair.p.metrics()
     pr = pair.p.complete(prompt2, 1, d1.params.for_prefill_hit(), timeout=30)
+    confirm_counter_rose("P's failed transfers", lambda: pair.p.metrics().value(FAILED),
+                         p0.value(FAILED))  # the READ did fail
     dp = pair.p.metrics() - p0
     assert dp.value(FAILED) == 1
     if policy == "fail":
@@ -210,10 +213,12 @@ def test_d_gone_between_turns_follows_failure_policy(engine_pair: Factory, polic
     """A real (not injected) failure: D's process is gone when P tries to read from it."""
     pair = engine_pair(prefill=NO_P_CACHE, prefill_kv={"kv_load_failure_policy": policy})
     rng, prompt, d1 = _history(pair, f"d-gone-{policy}")
-    pair.topo.process("decode-0").stop()
+    stop_process(pair.topo.process("decode-0"))
     prompt2 = [*prompt, *d1.token_ids, *random_prompt(rng, 50)]
     p0 = pair.p.metrics()
     pr = pair.p.complete(prompt2, 1, d1.params.for_prefill_hit(), timeout=60)
+    confirm_counter_rose("P's failed transfers", lambda: pair.p.metrics().value(FAILED),
+                         p0.value(FAILED))  # the READ from the dead D did fail
     dp = pair.p.metrics() - p0
     assert dp.value(FAILED) == 1
     if policy == "fail":

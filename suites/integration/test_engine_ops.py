@@ -7,22 +7,18 @@ Real ``bidir-kv engine`` processes on loopback. D's KV capacity is made small
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import random
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from bidir_kv.client import Completion
-from bidir_kv.launch.process import ManagedProcess, wait_http_ok
 from bidir_kv.testing.engines import EnginePair, random_prompt
+from bidir_kv.testing.faults import restart_node
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
-from bidir_kv.topology.local import engine_argv
 
 Factory = Callable[..., EnginePair]
 EVICTED = "vllm:nixl_num_kv_evicted_reqs_total"
@@ -151,21 +147,12 @@ def test_health_sees_a_stalled_step_loop(engine_pair: Factory) -> None:
 
 def _restart(pair: EnginePair, which: str) -> None:
     """Stop P or D and start a new process as a deploy would: same engine id, same
-    HTTP and side-channel ports, new data port and blocks."""
+    HTTP and side-channel ports, new data port and blocks (checked: the old process is
+    gone and a new one serves)."""
     topo = pair.topo
     node = topo.prefill[0] if which == "p" else topo.decode[0]
-    spec = topo.engine_spec(node.role)  # the topology's, peer allowlist included
-    topo.process(node.name).stop()
-    env = dict(os.environ)
-    env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=node.host,
-               VLLM_NIXL_SIDE_CHANNEL_PORT=str(node.side_channel_port))  # fmt: skip
-    log = Path(str(node.log_path)).with_suffix(".restarted.log")
-    argv = engine_argv(spec, node.port, node.info["engine_id"])
-    proc = ManagedProcess(f"{node.name}-restarted", argv, log, env=env)
-    topo.procs[proc.name] = proc  # the topology stops it on close
-    proc.start()
-    wait_http_ok(node.url + "/health", 30, alive=proc)
-    client = EngineClient(dataclasses.replace(node, log_path=str(log)))
+    restart_node(topo, node)
+    client = EngineClient(node)
     if which == "p":
         pair.p = client
     else:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bidir_kv.testing.faults import pause_process
 from bidir_kv.testing.poll import wait_for
 
 SCRIPT = """
@@ -62,9 +63,9 @@ def test_a_stopped_process_ends_on_sigterm_not_after_the_timeout(tmp_path: Path)
     proc = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"],
                           tmp_path / "sleeper.log").start()
     try:
-        proc.send_signal(signal.SIGSTOP)
-        # SIGTERM ends it (-15); SIGKILL after the timeout would give -9
-        assert proc.stop(timeout=60) == -signal.SIGTERM
+        with pause_process(proc):  # checked: the process is stopped (state T)
+            # SIGTERM ends it (-15); SIGKILL after the timeout would give -9
+            assert proc.stop(timeout=60) == -signal.SIGTERM
     finally:
         proc.stop(1)
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from bidir_kv.client import scrape
+from bidir_kv.testing.faults import confirm_counter_rose
 from bidir_kv.testing.router import (
     RouterProcess,
     chat,
@@ -23,6 +25,8 @@ from bidir_kv.testing.router import (
     router_counter,
 )
 from bidir_kv.testing.router_faults import Faults, router_for
+
+FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,10 @@ def test_failed_pull_on_d_is_answered_as_a_miss(
     rp = router_for(topo, router_process, [d])
     engine_faults(d, {"fail_transfers": 1.0})
     msgs = long_opening(conversation_id("pullfail"))
+    failed = scrape(d.url).value(FAILED_TRANSFERS)
     res = chat(rp.url, msgs, conversation_id("pullfail"), stream=stream)
+    confirm_counter_rose("D's failed transfers", lambda: scrape(d.url).value(FAILED_TRANSFERS),
+                         failed)  # D's pull did fail
     assert res.status == 200 and res.error is None, res.raw[:300]
     assert res.text == oracle(topo, msgs)
     assert router_counter(rp.url, "fallbacks", cause="decode_pull") == 1

@@ -13,6 +13,7 @@ import pytest
 
 from bidir_kv.client import scrape
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.testing.faults import confirm_faults, stop_process
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import (
@@ -113,7 +114,8 @@ def test_decode_dying_mid_stream_gives_an_sse_error_and_drops_the_entry(
             req = urllib.request.Request(d.url + "/_emulator/faults",
                                          data=json.dumps({"exit_after_tokens": 3}).encode(),
                                          headers={"Content-Type": "application/json"})
-            urllib.request.urlopen(req, timeout=10).close()
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                confirm_faults(d.name, {"exit_after_tokens": 3}, json.loads(resp.read()))
         msgs = _story("dies")
         res = chat(topo.router_url, msgs, "dies")
         assert res.status == 200  # headers were sent before D died
@@ -162,8 +164,8 @@ def test_two_replicas_on_redis_alternate_turns_and_survive_a_restart(
             answer = res.text
         assert router_counter(r1, "cache_hits") == 1 and router_counter(r0, "cache_hits") == 1
         # restart: a new router process on the same Redis keeps the conversation
-        topo.process("router-0").stop()
-        topo.process("router-1").stop()
+        stop_process(topo.process("router-0"))  # checked: both replicas are gone
+        stop_process(topo.process("router-1"))
         assert topo.redis is not None
         fresh = start_router_process(
             run_dir, [(p.host, p.port) for p in topo.prefill],
@@ -187,7 +189,7 @@ def test_memory_store_loses_conversations_on_restart(
     with _local(request)(_spec(), run_dir) as topo:
         msgs = _story("restart-mem")
         answer = chat(topo.router_url, msgs, "rm").text
-        topo.process("router-0").stop()
+        stop_process(topo.process("router-0"))
         fresh = start_router_process(
             run_dir, [(p.host, p.port) for p in topo.prefill],
             [(d.host, d.port) for d in topo.decode], name="router-mem-restarted",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import threading
 import urllib.error
@@ -26,6 +25,7 @@ from bidir_kv.client import scrape
 from bidir_kv.launch.process import free_port
 from bidir_kv.protocol import params_from_request
 from bidir_kv.testing.doubles.stub_engine import StubEngine
+from bidir_kv.testing.faults import kill_pid
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import RouterProcess
 from bidir_kv.topology.redis_server import RedisServer
@@ -127,7 +127,7 @@ def test_killed_worker_is_replaced_and_conversations_keep_hitting(
                   for i in range(16)]
         wait_for(lambda: len(engines.p.received) - asked >= 16, timeout=20,
                  what="16 turns at P")
-        os.kill(victim, signal.SIGKILL)
+        kill_pid(victim, "router worker")  # SIGKILL, checked gone
         results = [f.result() for f in flight]
     engines.p.prefill_delay = 0.0
     done = [s for s, _ in results if s == 200]
@@ -154,7 +154,7 @@ def test_worker_exiting_on_its_own_is_replaced_and_counted(
         redis_server: RedisServer) -> None:
     router = _router(router_process, engines, redis_server)
     victim = min(_workers(router))
-    os.kill(victim, signal.SIGTERM)  # the worker drains and exits 0 by itself
+    kill_pid(victim, "router worker", signal.SIGTERM, timeout=20)  # drains, exits 0 itself
     wait_for(lambda: len(_workers(router)) == 2 and victim not in _workers(router),
              timeout=20, what="the worker replaced")
     wait_for(lambda: _restarts(router.url) == 1.0, timeout=10, what="restarts == 1")
@@ -182,10 +182,10 @@ def test_too_many_deaths_stop_the_router_with_exit_1(
         redis_server: RedisServer) -> None:
     router = _router(router_process, engines, redis_server, "--worker-max-deaths", "1")
     first = min(_workers(router))
-    os.kill(first, signal.SIGKILL)
+    kill_pid(first, "router worker")
     wait_for(lambda: len(_workers(router)) == 2 and first not in _workers(router),
              timeout=20, what="the first death replaced")
-    os.kill(min(_workers(router)), signal.SIGKILL)
+    kill_pid(min(_workers(router)), "router worker")
     wait_for(lambda: router.proc.returncode is not None, timeout=30, what="the router exits")
     assert router.proc.returncode == 1
     assert "router workers died within" in router.log()

@@ -122,15 +122,11 @@ def test_an_unusable_client_fails_fast_naming_why() -> None:
         client.complete([5, 6, 7], 1, timeout=2)
 
 
-def test_vllm_cpu_pause_names_a_node_it_does_not_run(tmp_path: Path) -> None:
-    from bidir_kv.topology.base import Node
-
+def test_vllm_cpu_process_names_a_node_it_does_not_run(tmp_path: Path) -> None:
     topo = VllmCpuTopology(TopologySpec(prefill=EngineSpec(), decode=EngineSpec()),
                            VllmCpuOptions(log_dir=tmp_path))
-    stranger = Node(role="prefill", name="prefill-0", host="127.0.0.1", port=9)
-    with pytest.raises(ValueError, match="prefill-0 is not a running server"), \
-            topo.paused(stranger):
-        pass
+    with pytest.raises(ValueError, match="prefill-0 is not a running server"):
+        topo.process("prefill-0")
 
 
 def _load_site_fixes() -> ModuleType:
