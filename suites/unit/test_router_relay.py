@@ -256,6 +256,10 @@ def test_the_first_untracked_delta_is_the_one_reported() -> None:
     relay.process_event(data({"choices": [{"delta": {"reasoning_content": "hm"}}]}), SEP)
     relay.process_event(data({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]}), SEP)
     assert relay.result.untracked == "reasoning_content"
+    every = {"reasoning": "hm", "tool_calls": [{"index": 0}], "function_call": {"name": "f"}}
+    other = StreamRelay(keep_params=False, collect_ids=False, strip_ids=False)
+    other.process_event(data({"choices": [{"delta": every}]}), SEP)
+    assert other.result.untracked == "reasoning"
 
 
 def test_terminal_chunk_records_whether_it_carried_the_params_key() -> None:
