@@ -295,6 +295,9 @@ def test_hardware_terms_and_notes() -> None:
     assert (pm.block_size, pm.rank_gbytes_per_s) == (32, pytest.approx(8.8))
     c = CostModel.from_hardware(qwen, Hardware())
     assert c.source == "hardware" and c.sources == ()
+    hw = Hardware()
+    assert c.recompute_us_per_token_ctx == pytest.approx(
+        qwen.context_flops_per_token() * 1000 / hw.flops_per_s * 1e6, rel=1e-12)
     assert c.notes[0] == "qwen3-32b: GQA, 64 layers, 32.0B active of 32.8B params"
     d = c.to_dict()
     assert d["notes"] == list(c.notes) and d["sources"] == []
@@ -329,3 +332,28 @@ def test_ttft_rows_edges() -> None:
     assert one.prompt_tokens == 1
     with pytest.raises(PlanError, match=r"^prompt length must be > 0, got 0$"):
         ttft_rows(c, [0], new_tokens=1, threshold=0)
+
+
+def test_cost_terms_at_their_edges() -> None:
+    with pytest.raises(PlanError, match=r"^xfer_us_per_token must be >= 0, got nan$"):
+        CostModel(1.0, 0.0, math.nan, 0.0, kv_bytes_per_token=1.0)
+    with pytest.raises(PlanError, match=r"^recompute cost must be > 0 \(both recompute terms"):
+        CostModel(0.0, 0.0, 1.0, 0.0, kv_bytes_per_token=1.0)
+    ctx_only = CostModel(0.0, 0.5, 1.0, 0.0, kv_bytes_per_token=1.0)  # attention alone: a cost
+    assert ctx_only.recompute_us(-5) == 0.0 and ctx_only.pull_us(0) == 0.0
+    timed = CostModel(1.0, 0.0, 1.0, 0.0, kv_bytes_per_token=1.0, decode_ttft_fixed_us=900.0,
+                      decode_ttft_us_per_token=2.0, prefill_fixed_us=7000.0)  # fmt: skip
+    assert timed.decode_ttft_us(0) == 900.0 and timed.decode_ttft_us(10) == 920.0
+    (row,) = ttft_rows(timed, [100], new_tokens=10, threshold=10**6, fixed_us=50.0)
+    assert row.off_ms == pytest.approx((100 * 1.0 + 50.0 + 7000.0 + 900.0 + 200.0) / 1e3)
+    assert row.ratio == 1.0  # no pull: both legs the same
+    tiny = CostModel(1e-4, 0.0, 1.0, 0.0, kv_bytes_per_token=1.0)  # under a µs in all
+    (row,) = ttft_rows(tiny, [1], new_tokens=1, threshold=10**6)
+    assert row.ratio == 1.0
+
+
+def test_break_even_root_without_cancellation() -> None:
+    # q n² + lin n − o = 0 with lin² ≫ 4qo: the root is o/lin to 12 digits; the other
+    # form of the root (disc − lin) / 2q loses 5 of them
+    c = CostModel(2.0, 2e-9, 1.0, 1.0, kv_bytes_per_token=1.0)  # lin = 1, q = 1e-12, o = 1
+    assert break_even_tokens(c) == pytest.approx(1 / (1 + 1e-12), rel=1e-12)

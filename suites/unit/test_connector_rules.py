@@ -188,3 +188,13 @@ def test_peer_refusal_allowlist_and_remote_prefill_on_p() -> None:
     assert peer_refusal(prefill, None, producer=True) == Refusal.REMOTE_PREFILL_ON_P
     assert peer_refusal(prefill, allow, producer=False) == Refusal.PEER_NOT_ALLOWED
     assert peer_refusal(None, allow, producer=True) is None
+
+
+def test_a_chain_for_another_token_count_is_unverified() -> None:
+    # D's chain covers all of D; its dict claims a block less: nothing is proved
+    p = plan(d_params(D, remote_num_tokens=len(D) - BS), [*D, 9])
+    assert p is not None and (p.verified, p.tokens) == (0, 0)
+
+
+def test_no_tokens_to_read_leaves_ds_lists_whole() -> None:
+    assert positional_remote_blocks([[1, 2, 3], [4]], 2 * BS, 0, BS) == [[1, 2, 3], [4]]
