@@ -284,6 +284,9 @@ def test_a_terminal_looking_chunk_that_is_none_loses_only_its_params_key() -> No
     assert keep.process_event(odd, SEP) == odd + SEP
     spaced = b'data: {"choices": [], "finish_reason": "stop"}'  # no params key: left as sent
     assert relay.process_event(spaced, SEP) == spaced + SEP
+    # a params key deeper in the chunk is not D's: the chunk passes whole
+    nested = b'data: {"choices":[],"x":{"kv_transfer_params":{"a":1}}}'
+    assert relay.process_event(nested, SEP) == nested + SEP
 
 
 def test_terminal_chunk_with_invalid_params_or_json() -> None:
@@ -376,7 +379,7 @@ def _events(raw: bytes) -> list[Any]:
 
 def test_synthesize_sse_chat_every_field() -> None:
     body = {"id": "x", "created": 1, "model": "m", "object": "chat.completion", "choices": [
-        {"index": 0, "finish_reason": "tool_calls", "stop_reason": None, "logprobs": None,
+        {"index": 3, "finish_reason": "tool_calls", "stop_reason": None, "logprobs": None,
          "token_ids": [3], "message": {"role": "assistant", "tool_calls": [], "content": "hi",
                                        "reasoning_content": None, "function_call": {"n": 1}}},
         {"finish_reason": "stop", "message": {"content": "yo", "tool_calls": [
@@ -386,7 +389,7 @@ def test_synthesize_sse_chat_every_field() -> None:
     assert raw.startswith(b'data: {"id":"x","created":1,"model":"m","object":"chat.completion.')
     assert _events(raw) == [
         {"id": "x", "created": 1, "model": "m", "object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": "hi", "function_call": {"n": 1}},
+            {"index": 3, "delta": {"role": "assistant", "content": "hi", "function_call": {"n": 1}},
              "logprobs": None, "finish_reason": "tool_calls", "stop_reason": None,
              "token_ids": [3]},
             {"index": 0, "delta": {"role": "assistant", "content": "yo", "tool_calls": [
