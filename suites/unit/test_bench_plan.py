@@ -339,8 +339,9 @@ def test_cost_terms_at_their_edges() -> None:
         CostModel(1.0, 0.0, math.nan, 0.0, kv_bytes_per_token=1.0)
     with pytest.raises(PlanError, match=r"^recompute cost must be > 0 \(both recompute terms"):
         CostModel(0.0, 0.0, 1.0, 0.0, kv_bytes_per_token=1.0)
-    ctx_only = CostModel(0.0, 0.5, 1.0, 0.0, kv_bytes_per_token=1.0)  # attention alone: a cost
-    assert ctx_only.recompute_us(-5) == 0.0 and ctx_only.pull_us(0) == 0.0
+    ctx_only = CostModel(0.0, 0.5, 1.0, 2500.0, kv_bytes_per_token=1.0)  # attention alone
+    assert ctx_only.recompute_us(-5) == 0.0 and ctx_only.pull_us(0) == 0.0  # no fixed part
+    assert ctx_only.pull_us(1) == 2501.0
     timed = CostModel(1.0, 0.0, 1.0, 0.0, kv_bytes_per_token=1.0, decode_ttft_fixed_us=900.0,
                       decode_ttft_us_per_token=2.0, prefill_fixed_us=7000.0)  # fmt: skip
     assert timed.decode_ttft_us(0) == 900.0 and timed.decode_ttft_us(10) == 920.0
@@ -357,3 +358,11 @@ def test_break_even_root_without_cancellation() -> None:
     # form of the root (disc − lin) / 2q loses 5 of them
     c = CostModel(2.0, 2e-9, 1.0, 1.0, kv_bytes_per_token=1.0)  # lin = 1, q = 1e-12, o = 1
     assert break_even_tokens(c) == pytest.approx(1 / (1 + 1e-12), rel=1e-12)
+
+
+def test_ttft_rows_ps_own_hit_is_none() -> None:
+    # block size 1: every token is a block, so P's hit must be 0 for the whole history
+    c = cost(b=0.5)
+    (row,) = ttft_rows(c, [1000], new_tokens=100, threshold=0, block_size=1)
+    assert row.pulls
+    assert row.on_ms == pytest.approx((c.pull_us(900) + c.recompute_us(100, 900)) / 1e3)
