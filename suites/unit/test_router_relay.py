@@ -364,6 +364,8 @@ def test_digest_response_without_choices_or_ids() -> None:
     gen_only = StreamRelay(keep_params=False, collect_ids=True, strip_ids=False)
     gen_only.digest_response({"choices": [{"token_ids": [5], "finish_reason": "length"}]})
     assert gen_only.result.generated_ids is None and gen_only.result.finish_reason == "length"
+    stripped = StreamRelay(keep_params=False, collect_ids=True, strip_ids=True)
+    assert stripped.digest_response({"choices": [{"text": "x"}]}) == {"choices": [{"text": "x"}]}
     with pytest.raises(TypeError, match=r"^decode answer is not a JSON object$"):
         relay.digest_response([1])
 
