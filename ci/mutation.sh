@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing (`make mutation`, the nightly job; never `make test`: it is slow).
 #   ci/mutation.sh [SCOPE...]   SCOPE: a dotted package or module of [tool.mutmut]
-#                               only_mutate (default: $MUTATION_SCOPES)
+#                               only_mutate (default: $MUTATION_SCOPES, else every one)
 # mutmut mutates a copy of bidir_kv in mutants/ and runs, for each mutant, only the
 # unit tests nearest the code ([tool.mutmut] in pyproject.toml) that reach the mutated
 # function. Then bidir_kv.tools.mutation_score writes out/mutation/{score.json,
@@ -15,9 +15,12 @@ PY=${PY:-$VENV/bin/python}
 MUTMUT=${MUTMUT:-$VENV/bin/mutmut}
 CHILDREN=${MUTATION_CHILDREN:-2}
 FLOOR=${MUTATION_FLOOR:-0.85}
+# every file of [tool.mutmut] only_mutate, as a scope of its own (policy/ is one)
+ALL_SCOPES="bidir_kv.policy bidir_kv.protocol bidir_kv.router.identity bidir_kv.router.guard \
+bidir_kv.router.store.memory bidir_kv.router.relay bidir_kv.connector.rules bidir_kv.plan.planner"
 SCOPES=("$@")
 if [ ${#SCOPES[@]} -eq 0 ]; then
-  read -r -a SCOPES <<< "${MUTATION_SCOPES:-bidir_kv.policy}"
+  read -r -a SCOPES <<< "${MUTATION_SCOPES:-$ALL_SCOPES}"
 fi
 patterns=()
 scope_args=()
@@ -26,6 +29,7 @@ for s in "${SCOPES[@]}"; do
   scope_args+=(--scope "$s")
 done
 rm -rf mutants  # a fresh copy: a result never comes from an older tree
+mkdir -p out
 "$MUTMUT" run --max-children "$CHILDREN" "${patterns[@]}" >out/mutation-run.log 2>&1
 rc=$?
 if [ $rc -ne 0 ]; then

@@ -20,6 +20,7 @@ from bidir_kv.plan.planner import (
     CostModel,
     Hardware,
     PlanError,
+    TtlRow,
     Workload,
     break_even_tokens,
     recommend_threshold,
@@ -249,3 +250,119 @@ def test_plan_cli_prints_a_plan(capsys) -> None:
     assert "MLA" in capsys.readouterr().out
     assert plan_main([]) == 2
     assert "exactly one cost source" in capsys.readouterr().err
+
+
+def test_recommend_threshold_reasons_name_every_pull_term() -> None:
+    calibrated = CostModel(30.0, 0.0, 1.5, 2500.0, kv_bytes_per_token=1000.0,
+                           xfer_us_per_descriptor=0.5, descriptors_per_token=10.0,
+                           pull_after_us_per_token=2.0)  # fmt: skip
+    t, why = recommend_threshold(calibrated, block_size=16)
+    assert t == 128 and "a pull costs 2500 µs fixed + 8.500 µs/token (bytes 1.500, " \
+        "descriptors 5.000, P's work around the READ 2.000), recompute costs 30.000" in why
+    t, why = recommend_threshold(CostModel(30.0, 0.0, 1.5, 2500.0, kv_bytes_per_token=1000.0))
+    assert t == 96 and "+ 1.500 µs/token, recompute costs 30.000 µs/token" in why
+    never, why = recommend_threshold(CostModel(1.0, 0.0, 2.0, 2500.0, kv_bytes_per_token=1.0))
+    assert never is None and why == (
+        "pulling never pays: per-token transfer (2.00 µs) is not cheaper than recompute — keep "
+        "bidirectional_kv_xfer off, or make pulls cheaper (bandwidth, fewer descriptors)")
+    # a pull that costs nothing fixed pays from the first token: at least 1, a whole block
+    free = CostModel(30.0, 0.0, 1.5, 0.0, kv_bytes_per_token=1.0)
+    assert recommend_threshold(free, block_size=1)[0] == 1
+    assert recommend_threshold(free, block_size=16)[0] == 16
+
+
+def _row(ttl: float, miss: float, gib: float) -> TtlRow:
+    return TtlRow(ttl, miss, held_tokens=0.0, held_gib=gib, held_gib_per_gpu=gib / 8)
+
+
+def test_recommend_ttl_each_branch() -> None:
+    rows = [_row(480, 0.01, 40.0), _row(60, 0.2, 5.0), _row(120, 0.05, 10.0),
+            _row(240, 0.03, 20.0)]  # fmt: skip
+    best, why = recommend_ttl(rows, miss_target=0.05)  # exactly on the target: meets it
+    assert best.ttl_s == 120 and why.startswith("the smallest TTL whose expiry miss rate (5.0%)")
+    best, why = recommend_ttl(rows, miss_target=0.001, kv_budget_gib=25.0)  # none meets it
+    assert best.ttl_s == 240 and "the largest one that fits misses 3.0%" in why
+    best, why = recommend_ttl(rows, miss_target=0.05, kv_budget_gib=1.0)  # none fits
+    assert best.ttl_s == 60
+    assert why.startswith("even the smallest TTL exceeds the KV memory budget; add D capacity. ")
+    with pytest.raises(PlanError, match=r"^no TTL candidates$"):
+        recommend_ttl([], miss_target=0.05)
+
+
+def test_hardware_terms_and_notes() -> None:
+    qwen = shape("qwen3-32b")
+    pm = Hardware(block_size=32, rails_per_gpu=2).pull_model(qwen)
+    assert (pm.block_size, pm.rank_gbytes_per_s) == (32, pytest.approx(8.8))
+    c = CostModel.from_hardware(qwen, Hardware())
+    assert c.source == "hardware" and c.sources == ()
+    hw = Hardware()
+    assert c.recompute_us_per_token_ctx == pytest.approx(
+        qwen.context_flops_per_token() * 1000 / hw.flops_per_s * 1e6, rel=1e-12)
+    assert c.notes[0] == "qwen3-32b: GQA, 64 layers, 32.0B active of 32.8B params"
+    d = c.to_dict()
+    assert d["notes"] == list(c.notes) and d["sources"] == []
+    assert set(d) == set(CostModel.__dataclass_fields__)
+
+
+def test_bad_figures_are_refused_by_name_and_the_edges_allowed() -> None:
+    # the per-pull terms may be 0 (a target without them); every other figure may not
+    Hardware(per_descriptor_us=0, pull_overhead_us=0, step_us=0, handshake_us=0, mfu=1.0)
+    with pytest.raises(PlanError, match=r"^hardware figure gpus must be > 0, got 0$"):
+        Hardware(gpus=0)
+    with pytest.raises(PlanError, match=r"^mfu is a fraction in \(0, 1\]$"):
+        Hardware(mfu=1.5)
+    gap = Distribution.parse("const:60")
+    one_turn = Workload(1e-6, 1, 100, 10, 10, gap)  # a single turn is a workload
+    with pytest.raises(PlanError, match=r"^conversation rate must be > 0$"):
+        Workload(0.0, 2, 100, 10, 10, gap)
+    with pytest.raises(PlanError, match=r"^turns must be >= 1$"):
+        Workload(1.0, 0, 100, 10, 10, gap)
+    (row,) = ttl_rows(cost(), one_turn, [30.0])  # 8 GPUs unless told
+    # no next turn to miss, however long the gap
+    assert row.miss_fraction == 0.0 and row.held_gib_per_gpu == pytest.approx(row.held_gib / 8)
+    with pytest.raises(PlanError, match=r"^TTL must be > 0, got 0$"):
+        ttl_rows(cost(), one_turn, [0])
+
+
+def test_ttft_rows_edges() -> None:
+    c = cost(b=0.5)
+    short, one = ttft_rows(c, [100, 1], new_tokens=150, threshold=0)  # nothing else common
+    assert (short.history_tokens, short.pulls) == (0, False)
+    assert short.off_ms == pytest.approx(c.recompute_us(100) / 1e3) == short.on_ms
+    assert one.prompt_tokens == 1
+    with pytest.raises(PlanError, match=r"^prompt length must be > 0, got 0$"):
+        ttft_rows(c, [0], new_tokens=1, threshold=0)
+
+
+def test_cost_terms_at_their_edges() -> None:
+    with pytest.raises(PlanError, match=r"^xfer_us_per_token must be >= 0, got nan$"):
+        CostModel(1.0, 0.0, math.nan, 0.0, kv_bytes_per_token=1.0)
+    with pytest.raises(PlanError, match=r"^recompute cost must be > 0 \(both recompute terms"):
+        CostModel(0.0, 0.0, 1.0, 0.0, kv_bytes_per_token=1.0)
+    ctx_only = CostModel(0.0, 0.5, 1.0, 2500.0, kv_bytes_per_token=1.0)  # attention alone
+    assert ctx_only.recompute_us(-5) == 0.0 and ctx_only.pull_us(0) == 0.0  # no fixed part
+    assert ctx_only.pull_us(1) == 2501.0
+    timed = CostModel(1.0, 0.0, 1.0, 0.0, kv_bytes_per_token=1.0, decode_ttft_fixed_us=900.0,
+                      decode_ttft_us_per_token=2.0, prefill_fixed_us=7000.0)  # fmt: skip
+    assert timed.decode_ttft_us(0) == 900.0 and timed.decode_ttft_us(10) == 920.0
+    (row,) = ttft_rows(timed, [100], new_tokens=10, threshold=10**6, fixed_us=50.0)
+    assert row.off_ms == pytest.approx((100 * 1.0 + 50.0 + 7000.0 + 900.0 + 200.0) / 1e3)
+    assert row.ratio == 1.0  # no pull: both legs the same
+    tiny = CostModel(1e-4, 0.0, 1.0, 0.0, kv_bytes_per_token=1.0)  # under a µs in all
+    (row,) = ttft_rows(tiny, [1], new_tokens=1, threshold=10**6)
+    assert row.ratio == 1.0
+
+
+def test_break_even_root_without_cancellation() -> None:
+    # q n² + lin n − o = 0 with lin² ≫ 4qo: the root is o/lin to 12 digits; the other
+    # form of the root (disc − lin) / 2q loses 5 of them
+    c = CostModel(2.0, 2e-9, 1.0, 1.0, kv_bytes_per_token=1.0)  # lin = 1, q = 1e-12, o = 1
+    assert break_even_tokens(c) == pytest.approx(1 / (1 + 1e-12), rel=1e-12)
+
+
+def test_ttft_rows_ps_own_hit_is_none() -> None:
+    # block size 1: every token is a block, so P's hit must be 0 for the whole history
+    c = cost(b=0.5)
+    (row,) = ttft_rows(c, [1000], new_tokens=100, threshold=0, block_size=1)
+    assert row.pulls
+    assert row.on_ms == pytest.approx((c.pull_us(900) + c.recompute_us(100, 900)) / 1e3)

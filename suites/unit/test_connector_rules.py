@@ -91,6 +91,22 @@ def test_refusals_answer_local_compute(refusal: Refusal, params: dict[str, objec
                                        kw: dict[str, object]) -> None:
     p = plan(params, [*D, 9], **kw)
     assert p is not None and p.tokens == 0 and p.reason == refusal
+    assert p.offered == len(D) and p.verified is None  # what stock vLLM would have loaded
+
+
+def test_layout_allows_one_block_more_than_the_tokens_need() -> None:
+    # D allocates for its computed tokens plus at most one block for the sampled token
+    need = cdiv(len(D), BS)
+    one_more = plan(d_params(D, remote_block_ids=[list(range(need + 1))]), [*D, 9])
+    assert one_more is not None and one_more.reason != Refusal.BLOCK_LAYOUT
+    assert one_more.tokens == len(D)
+    two_more = plan(d_params(D, remote_block_ids=[list(range(need + 2))]), [*D, 9])
+    assert two_more is not None and two_more.reason == Refusal.BLOCK_LAYOUT
+
+
+def test_null_remote_num_tokens_offers_nothing() -> None:
+    p = plan(d_params(D, remote_num_tokens=None), [*D, 9], bidirectional=False)
+    assert p is not None and (p.tokens, p.offered) == (0, 0)
 
 
 def test_below_threshold_is_not_read() -> None:
@@ -196,3 +212,7 @@ def test_chain_shorter_than_the_offer_reads_nothing() -> None:
     p = plan(d_params(D[: 2 * BS], remote_num_tokens=len(D),
                       remote_block_ids=[[100 + i for i in range(cdiv(len(D), BS))]]), [*D, 9])
     assert p is not None and p.tokens == 0 and p.verified == 0
+
+
+def test_no_tokens_to_read_leaves_ds_lists_whole() -> None:
+    assert positional_remote_blocks([[1, 2, 3], [4]], 2 * BS, 0, BS) == [[1, 2, 3], [4]]

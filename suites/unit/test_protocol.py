@@ -526,3 +526,50 @@ def test_round_trip_with_arbitrary_unknown_keys(extra: dict[str, Any], base: dic
 def test_might_be_terminal_on_truncated_payloads(raw: bytes) -> None:
     # a key with no value after it cannot prove a terminal chunk
     assert not might_be_terminal(raw)
+
+
+# ---- exact messages, the compact wire form, SSE line edges ------------------------------
+
+
+def test_a_bad_value_is_described_as_json_and_cut_at_60_characters() -> None:
+    def problem(value: Any) -> str:
+        with pytest.raises(ProtocolError) as exc:
+            KVTransferParams.parse({"remote_engine_id": value})
+        return exc.value.problem
+
+    assert problem(["a"]) == 'must be a string, got list ["a"]'  # JSON, not Python's repr
+    assert problem({1, 2}) == "must be a string, got set {1, 2}"  # not JSON: repr
+    whole = ["x" * 56]  # 60 characters as JSON: kept whole
+    assert problem(whole) == "must be a string, got list " + json.dumps(whole)
+    cut = ["x" * 57]  # 61 characters: the first 57, then "..."
+    assert problem(cut) == "must be a string, got list " + json.dumps(cut)[:57] + "..."
+    with pytest.raises(ProtocolError) as exc:
+        KVTransferParams.parse({"remote_host": 5})
+    assert str(exc.value) == "kv_transfer_params.remote_host: must be a string, got int 5"
+    with pytest.raises(ProtocolError) as exc:
+        KVTransferParams.parse(D_NODE).with_remote_host(5)  # type: ignore[arg-type]
+    assert str(exc.value) == "kv_transfer_params.remote_host: must be a string, got int 5"
+
+
+def test_to_json_is_compact() -> None:
+    assert KVTransferParams.parse({"do_remote_decode": True, "remote_port": 1}).to_json() == \
+        '{"do_remote_decode":true,"remote_port":1}'  # fmt: skip
+
+
+def test_sse_data_lines_keep_their_payload_exactly() -> None:
+    lines = [b"data: tail \r\n", b"data: 1+1=X\n", b"data:\tx", b"data: Xy", b"data:  two"]
+    assert list(iter_sse_data(lines)) == [b"tail ", b"1+1=X", b"\tx", b"Xy", b"two"]
+
+
+def test_a_payload_that_cannot_be_terminal_is_not_parsed() -> None:
+    assert scan_terminal_chunk(b"not json, and no finish_reason") is None
+    with pytest.raises(ProtocolError, match="chunk is not valid JSON"):
+        scan_terminal_chunk(b'{"finish_reason":"stop"')
+
+
+def test_terminal_chunk_without_params_key_is_copied_without_it() -> None:
+    tc = scan_terminal_chunk(b'{"choices":[{"finish_reason":"stop"}]}')
+    assert tc is not None and tc.params is None
+    assert tc.without_params() == {"choices": [{"finish_reason": "stop"}]}
+    assert tc.with_params(None) == {"choices": [{"finish_reason": "stop"}],
+                                    "kv_transfer_params": None}  # fmt: skip

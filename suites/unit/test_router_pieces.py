@@ -10,7 +10,15 @@ from bidir_kv.policy import cache_ttl_within_retention, entry_is_stale
 from bidir_kv.protocol import KVTransferParams, ProtocolError
 from bidir_kv.router.failures import Cause, Leg, UpstreamFailure, failure_label
 from bidir_kv.router.guard import judge_continuation, release_params
-from bidir_kv.router.identity import ANONYMOUS_TENANT, IdentityError, conversation_key
+from bidir_kv.router.identity import (
+    ANONYMOUS_TENANT,
+    IdentityError,
+    cache_salt_for,
+    conversation_key,
+    log_safe,
+    path_conversation_key,
+    tenant_digest,
+)
 from bidir_kv.router.relay import StreamRelay, synthesize_sse
 from bidir_kv.router.sse import event_end, strip_null_params, take_int_list, untracked_delta
 from bidir_kv.router.store import Entry, MemoryStore
@@ -55,6 +63,54 @@ def test_bad_conversation_id_is_an_error() -> None:
         conversation_key({"conversation_id": 5}, {})
     with pytest.raises(IdentityError, match="longer than"):
         conversation_key({"conversation_id": "x" * 600}, {})
+
+
+def test_conversation_id_length_limit_and_error_names() -> None:
+    assert conversation_key({"conversation_id": "x" * 512}, {}) is not None  # the limit itself
+    with pytest.raises(IdentityError, match="must be a string, got int"):
+        conversation_key({"conversation_id": 5}, {})
+    with pytest.raises(IdentityError, match=r"^X-Session-ID header is longer than 512"):
+        conversation_key({}, {"X-Session-ID": "s" * 513})
+    with pytest.raises(IdentityError, match=r"^prompt_cache_key must be a string"):
+        conversation_key({"prompt_cache_key": 7}, {})
+    key = conversation_key({}, {"X-Session-ID": "s"})
+    assert key is not None and key.source == "X-Session-ID"
+
+
+def test_tenant_digest_is_stable_and_takes_any_header_text() -> None:
+    # a store entry outlives a deploy (Redis): the digest must not change between versions
+    assert tenant_digest("Bearer alice") == "9d7cce461e4b2f090a3d686b"
+    assert tenant_digest(None) == tenant_digest("") == ANONYMOUS_TENANT
+    # aiohttp decodes a header's non-UTF-8 bytes as lone surrogates: still one tenant each
+    odd = tenant_digest("Bearer \udcff")
+    assert len(odd) == 24 and odd != tenant_digest("Bearer \udcfe")
+
+
+def test_cache_salt_per_tenant_none_for_anonymous() -> None:
+    assert cache_salt_for(ANONYMOUS_TENANT) is None
+    assert cache_salt_for("9d7cce461e4b2f090a3d686b") == "tenant-9d7cce461e4b2f090a3d686b"
+
+
+def test_path_conversation_key_is_the_callers_tenant() -> None:
+    key = path_conversation_key("c1", {"Authorization": "Bearer alice"})
+    assert (key.tenant, key.conversation_id, key.source) == (tenant_digest("Bearer alice"), "c1",
+                                                             "path")
+    assert key.storage_key == conversation_key({"conversation_id": "c1"},
+                                               {"Authorization": "Bearer alice"}).storage_key  # type: ignore[union-attr]
+    with pytest.raises(IdentityError, match=r"^the conversation id in the path is empty$"):
+        path_conversation_key("", {})
+    with pytest.raises(IdentityError, match=r"^the conversation id in the path is longer"):
+        path_conversation_key("x" * 513, {})
+
+
+def test_log_safe_escapes_what_could_forge_a_line_and_cuts() -> None:
+    assert log_safe("conv-1") == "conv-1"
+    assert log_safe("a\nforged line") == "a\\nforged line"
+    assert log_safe("a\\nb") == "a\\\\nb"  # a literal backslash-n cannot pass for an escape
+    assert log_safe("caf\u00e9") == "caf\u00e9"  # printable text is kept as it is
+    assert log_safe("x" * 200) == "x" * 200
+    assert log_safe("x" * 201) == "x" * 200 + "..."
+    assert log_safe("abcdef", limit=3) == "abc..."
 
 
 # ---- SSE byte helpers -------------------------------------------------------------
@@ -192,6 +248,37 @@ def test_guard_rejects_shorter_prompt_and_unverifiable() -> None:
     assert judge_continuation(p, d[:10], d, block_size=16).reason == "unverifiable"
 
 
+def test_guard_boundaries_nothing_held_one_token_and_exact_lengths() -> None:
+    p = KVTransferParams.parse(D_PARAMS)  # r = 40
+    d = list(range(40))
+    nothing = judge_continuation(p.with_fields(remote_num_tokens=0), None, d, block_size=16)
+    assert nothing.params is not None and nothing.params.num_remote_tokens == 0
+    assert (nothing.reason, nothing.reusable_tokens) == ("nothing-to-reuse", 0)
+    one = judge_continuation(p.with_fields(remote_num_tokens=1), [5], [5, 6], block_size=16)
+    assert (one.reason, one.reusable_tokens) == ("continuation", 1)
+    # D's sequence and the prompt exactly r long: a continuation, all r reusable
+    exact = judge_continuation(p, d, d, block_size=16)
+    assert exact.accepted and (exact.reason, exact.reusable_tokens) == ("continuation", 40)
+    # a prompt as long as r that differs is a mismatch, not a shorter prompt
+    other = [*d[:39], 999]
+    assert judge_continuation(p, d, other, block_size=None).reason == "mismatch"
+
+
+def test_guard_trim_counts_whole_blocks_up_to_ds_list() -> None:
+    p = KVTransferParams.parse(D_PARAMS)  # r = 40 over blocks [7, 8, 9]
+    d = list(range(41))
+    v = judge_continuation(p, d, [*d[:20], 555, *d[21:40]], block_size=16)
+    assert (v.reason, v.reusable_tokens) == ("trimmed-mismatch", 16)
+    # the whole of D's (short) list reusable: kept, not refused
+    two = p.with_fields(remote_block_ids=[[7, 8]])
+    v = judge_continuation(two, d, [*d[:35], 555, *d[36:40]], block_size=16)
+    assert v.params is not None and v.params.remote_block_ids == [[7, 8]]
+    assert (v.reason, v.reusable_tokens) == ("trimmed-mismatch", 32)
+    # a change inside the first block leaves no whole block: refused
+    v = judge_continuation(p, d, [555, *d[1:40]], block_size=16)
+    assert (v.params, v.reason) == (None, "mismatch")
+
+
 def test_with_remote_host_is_with_fields_without_revalidation() -> None:
     p = KVTransferParams.parse(D_PARAMS)
     assert p.with_remote_host("10.1.1.1") == p.with_fields(remote_host="10.1.1.1")
@@ -231,6 +318,42 @@ async def test_memory_store_single_use_ttl_and_lru() -> None:
     assert (await store.take("c")).entry is None
     now[0] = 200.0
     assert await store.sweep() == 2 and await store.size() == 0
+
+
+async def test_memory_store_reports_every_entry_it_drops_with_the_reason() -> None:
+    now = [100.0]
+    store = MemoryStore(ttl=10, max_entries=1, now=lambda: now[0])
+    dropped: list[tuple[float, str]] = []
+    store.on_evict = lambda e, why: dropped.append((e.created, why))
+    await store.put("a", _entry(100.0))
+    await store.put("a", _entry(101.0))  # the same conversation again: the first replaced
+    await store.put("b", _entry(102.0))  # over the bound: the oldest evicted
+    await store.put("c", _entry(103.0))
+    assert dropped == [(100.0, "replaced"), (101.0, "evicted"), (102.0, "evicted")]
+    assert store.evicted_lru == 2
+    now[0] = 120.0
+    assert (await store.take("c")).stale and store.evicted_stale == 1
+    await store.put("d", _entry(105.0))
+    assert await store.sweep() == 1 and store.evicted_stale == 2
+    assert dropped[-2:] == [(103.0, "stale"), (105.0, "stale")]
+    taken = await store.take("d")  # swept: gone, not a stale entry any more
+    assert taken.entry is None and not taken.stale
+
+
+async def test_memory_store_close_wins_over_the_turn_in_flight() -> None:
+    now = [100.0]
+    store = MemoryStore(ttl=10, max_entries=4, now=lambda: now[0])
+    await store.put("a", _entry(100.0))
+    started = now[0]
+    assert (await store.take("a")).entry is not None  # the turn starts
+    assert await store.end("a")  # closed while the turn runs (no entry, a turn in flight)
+    assert not await store.put("a", _entry(101.0), since=started)  # its store is refused
+    assert (await store.take("a")).entry is None
+    now[0] = 101.0
+    assert await store.end("b") is False  # neither an entry nor a turn
+    assert not await store.put("b", _entry(101.0), since=101.0)  # closed at the turn's start
+    assert await store.put("b", _entry(102.0), since=101.5)  # a turn that began after
+    assert await store.put("a", _entry(102.0))  # no start given: stored
 
 
 def test_entry_round_trip() -> None:
