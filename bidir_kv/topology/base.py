@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,8 +22,8 @@ __all__ = [
     "RouterSpec",
     "Topology",
     "TopologySpec",
+    "engine_spec_with_peers",
     "peer_allowlist",
-    "with_peer_allowlist",
 ]
 
 Role = Literal["prefill", "decode", "router", "store"]
@@ -100,13 +100,20 @@ def peer_allowlist(spec: TopologySpec, kv: KVTransferConfig,
     return peer_entries(peers) or None
 
 
-def with_peer_allowlist(spec: TopologySpec, kv: KVTransferConfig,
-                        peers: Iterable[tuple[str | None, str | None]]) -> KVTransferConfig:
-    """``kv`` with :func:`peer_allowlist`'s list in its extra config (if any)."""
-    entries = peer_allowlist(spec, kv, peers)
+def engine_spec_with_peers(spec: TopologySpec, role: str,
+                           peer: Callable[[str, int], tuple[str | None, str | None]]) -> EngineSpec:
+    """The spec ``role``'s engines start with: ``spec``'s, with :func:`peer_allowlist`'s
+    list (if any) in its kv config. ``peer(other_role, index)`` gives each node of the
+    other role as ``(engine_id, host)``; the topology knows how it names them."""
+    espec = spec.prefill if role == "prefill" else spec.decode
+    other = "decode" if role == "prefill" else "prefill"
+    count = spec.num_decode if other == "decode" else spec.num_prefill
+    kv = espec.kv
+    entries = peer_allowlist(spec, kv, [peer(other, i) for i in range(count)])
     if entries is None:
-        return kv
-    return dataclasses.replace(kv, extra={**kv.extra, ALLOWLIST_CONFIG_KEY: list(entries)})
+        return espec
+    kv = dataclasses.replace(kv, extra={**kv.extra, ALLOWLIST_CONFIG_KEY: list(entries)})
+    return dataclasses.replace(espec, kv=kv)
 
 
 @dataclass

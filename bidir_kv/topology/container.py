@@ -39,7 +39,7 @@ from bidir_kv.topology.base import (
     Role,
     Topology,
     TopologySpec,
-    with_peer_allowlist,
+    engine_spec_with_peers,
 )
 from bidir_kv.topology.container_image import ImageBuild, ensure_image
 from bidir_kv.topology.container_manifest import IMAGE_PYTHON
@@ -190,12 +190,9 @@ class ContainerTopology(Topology):
         their container name (the side-channel host, and the host the router rewrites
         ``remote_host`` to), which no allowlist entry matches (names are never
         resolved), so they are listed by engine id."""
-        spec = self.spec.prefill if role == "prefill" else self.spec.decode
-        other = "decode" if role == "prefill" else "prefill"
-        count = self.spec.num_decode if other == "decode" else self.spec.num_prefill
-        peers = [(f"{other}-engine-{i:03d}", self._container_name(other, i))
-                 for i in range(count)]
-        return dataclasses.replace(spec, kv=with_peer_allowlist(self.spec, spec.kv, peers))
+        return engine_spec_with_peers(
+            self.spec, role, lambda r, i: (f"{r}-engine-{i:03d}", self._container_name(r, i))
+        )
 
     def _start_engine(self, role: Role, index: int, spec: EngineSpec) -> Node:
         name = self._container_name(role, index)

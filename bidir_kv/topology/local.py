@@ -23,7 +23,7 @@ from bidir_kv.topology.base import (
     Role,
     Topology,
     TopologySpec,
-    with_peer_allowlist,
+    engine_spec_with_peers,
 )
 from bidir_kv.topology.redis_server import RedisServer
 
@@ -83,11 +83,7 @@ class LocalTopology(Topology):
         """The spec this topology starts (and restarts) ``role``'s engines with: the
         topology spec's, with its peer allowlist (TopologySpec.peer_allowlist): every
         engine of the other role, all on ``HOST``, so listed by that address."""
-        spec = self.spec.prefill if role == "prefill" else self.spec.decode
-        other = "decode" if role == "prefill" else "prefill"
-        count = self.spec.num_decode if other == "decode" else self.spec.num_prefill
-        peers = [(self._engine_id(other, i), HOST) for i in range(count)]
-        return dataclasses.replace(spec, kv=with_peer_allowlist(self.spec, spec.kv, peers))
+        return engine_spec_with_peers(self.spec, role, lambda r, i: (self._engine_id(r, i), HOST))
 
     def _start_engine(self, role: Role, index: int, spec: EngineSpec) -> Node:
         name = f"{role}-{index}"
