@@ -22,7 +22,7 @@ from bidir_kv.campaign.client import Clients, Conversation, body
 from bidir_kv.campaign.deploy import Deployment, children
 from bidir_kv.campaign.wave import WavePlan, WaveResult, counted_hits, run_wave
 from bidir_kv.client import ClientError, get_json, scrape
-from bidir_kv.launch.process import process_state
+from bidir_kv.launch.process import process_running, process_state
 
 __all__ = ["FAULTS", "FaultResult", "run_faults"]
 
@@ -128,10 +128,6 @@ class Ctx:
         return out
 
 
-def _running(pid: int) -> bool:
-    return process_state(pid) not in (None, "Z", "X")
-
-
 async def _until(condition: Callable[[], bool]) -> bool:
     """Poll ``condition`` until it holds (True) or EFFECT_SECONDS pass (False)."""
     deadline = time.monotonic() + EFFECT_SECONDS
@@ -154,9 +150,9 @@ async def _restart(ctx: Ctx, role: str) -> FaultResult:
     conv = await ctx.warm(role)
     # in this thread: a child is tied to the thread that started it
     old, new = ctx.dep.restart(role)
-    if old is None or _running(old):
+    if old is None or process_running(old):
         return _not_applied(name, f"the old process (pid {old}) still runs")
-    if new is None or new == old or not _running(new):
+    if new is None or new == old or not process_running(new):
         return _not_applied(name, f"no new process runs (pid {new})")
     seen = await ctx.router_sees_healthy()
     t = await ctx.turn(conv)
@@ -333,7 +329,7 @@ async def worker_killed(ctx: Ctx) -> FaultResult:
     conv = await ctx.warm("worker")
     victim = min(workers)
     os.kill(victim, signal.SIGKILL)
-    if not await _until(lambda: not _running(victim)):
+    if not await _until(lambda: not process_running(victim)):
         return _not_applied(name, f"worker {victim} still runs {EFFECT_SECONDS:g} s after "
                             "SIGKILL")
     turns = [await ctx.turn(conv) for _ in range(3)]

@@ -25,6 +25,7 @@ __all__ = [
     "ManagedProcess",
     "ProcessFailed",
     "free_port",
+    "process_running",
     "process_state",
     "process_tree",
     "wait_http_ok",
@@ -75,6 +76,12 @@ def process_state(pid: int) -> str | None:
     None when no such process exists."""
     st = _stat(pid)
     return None if st is None else st[0]
+
+
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process; a zombie (or a dead task) runs no more, though its
+    parent has not reaped it yet."""
+    return process_state(pid) not in (None, "Z", "X")
 
 
 def process_tree(pid: int) -> dict[int, str]:

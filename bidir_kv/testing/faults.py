@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 from bidir_kv.client import NodeClient, TransportError
 from bidir_kv.errors import CheckFailure
-from bidir_kv.launch.process import ManagedProcess, process_state, process_tree
+from bidir_kv.launch.process import ManagedProcess, process_running, process_state, process_tree
 from bidir_kv.testing.poll import WaitTimeout, wait_for
 from bidir_kv.topology.base import Node, Topology
 
@@ -59,11 +59,6 @@ class FaultNotApplied(CheckFailure):
 
 def _fail(what: str) -> NoReturn:
     raise FaultNotApplied(f"{FAULT_NOT_APPLIED}: {what}")
-
-
-def _running(pid: int) -> bool:
-    state = process_state(pid)
-    return state is not None and state not in ("Z", "X")  # a zombie runs no more
 
 
 def _holds(condition: Callable[[], object], timeout: float) -> bool:
@@ -123,12 +118,12 @@ def _check_running(action: str, proc: ManagedProcess) -> int:
 def kill_pid(pid: int, name: str, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
     """Signal a process that is not ours to reap (a router's worker) as a fault: it must be
     running before, and gone (exited, reaped or a zombie) within ``timeout`` after."""
-    if not _running(pid):
+    if not process_running(pid):
         _fail(f"kill of {name} (pid {pid}): it was not running (state "
               f"{process_state(pid) or 'gone'})")
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    if not _holds(lambda: not _running(pid), timeout):
+    if not _holds(lambda: not process_running(pid), timeout):
         _fail(f"{name} (pid {pid}) still runs {timeout:g} s after signal "
               f"{signal.Signals(sig).name}")
 
@@ -160,12 +155,12 @@ def restart_node(topo: Topology, node: Node, timeout: float = 60.0) -> int:
               "shown")
     topo.restart(node)
     new = node.info.get("pid")
-    if _running(old):
+    if process_running(old):
         _fail(f"restart of {node.name}: the old process (pid {old}) still runs"
               + ("" if new != old else " and no new one was started"))
     if new is None or new == old:
         _fail(f"restart of {node.name}: no new process was started (pid {old} is gone)")
-    if not _running(new):
+    if not process_running(new):
         _fail(f"restart of {node.name}: the new process (pid {new}) is not running "
               f"(state {process_state(new) or 'gone'})")
 

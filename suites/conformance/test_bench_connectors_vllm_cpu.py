@@ -9,7 +9,6 @@ result and no server of either leg running. Timings are not asserted (docs/conne
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from bidir_kv.launch.process import process_running
 from bidir_kv.testing.gating import skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,18 +30,6 @@ def _manifest(out: Path) -> dict:
         return json.loads((out / "manifest.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is gone for our purposes (its parent has not reaped it yet)
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def _listening(url: str) -> bool:
@@ -95,7 +83,7 @@ def test_ctrl_c_in_our_connectors_leg_stops_every_node(tmp_path: Path, request) 
     nodes = [n for leg in ("on", "on+bidir-kv") for n in m["nodes"][leg].values()]
     assert len(nodes) == 6  # P, D and the router of each leg
     assert all(n["pid"] for n in nodes)  # the router's too
-    assert [n["pid"] for n in nodes if _alive(int(n["pid"]))] == []
+    assert [n["pid"] for n in nodes if process_running(int(n["pid"]))] == []
     assert [n["url"] for n in nodes if _listening(n["url"])] == []
     # P and D of our leg loaded bidir_kv.connector (its start-up line); stock's did not
     logs = {leg: {n["role"]: Path(n["log"]).read_text(errors="replace")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bidir_kv.launch.process import process_running
 from bidir_kv.testing.faults import pause_process
 from bidir_kv.testing.poll import wait_for
 
@@ -23,19 +24,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie still answers kill(0); treat it as gone
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux-only")
 def test_child_dies_when_the_starter_is_sigkilled(tmp_path: Path) -> None:
     starter = subprocess.Popen(
@@ -46,10 +34,10 @@ def test_child_dies_when_the_starter_is_sigkilled(tmp_path: Path) -> None:
     try:
         assert starter.stdout is not None
         child = int(starter.stdout.readline())
-        assert _alive(child)
+        assert process_running(child)
         starter.send_signal(signal.SIGKILL)
         starter.wait(10)
-        wait_for(lambda: not _alive(child), 10,
+        wait_for(lambda: not process_running(child), 10,
                  f"child {child} to end with its SIGKILLed starter", interval=0.05)
     finally:
         if starter.poll() is None:
