@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bidir_kv.errors import TopologyError
-from bidir_kv.launch.process import ManagedProcess
+from bidir_kv.launch.process import ManagedProcess, process_tree
 from bidir_kv.testing.poll import WaitTimeout, wait_for
 
 __all__ = ["SSHD", "SshAccess", "TwoHosts", "TwoHostsUnavailable", "unavailable_reason"]
@@ -186,6 +186,22 @@ class TwoHosts:
         out = subprocess.run(["ip", "netns", "pids", self.d_ns], capture_output=True,
                              text=True, timeout=30)
         return [int(w) for w in out.stdout.split() if w.isdigit()]
+
+    def wait_ssh_sessions_closed(self, timeout: float = 15.0) -> list[int]:
+        """Wait until sshd has no per-connection process left, then return the PIDs in D's
+        namespace. A refused login is reported to the client before sshd's connection
+        process has exited, so a count taken right after it can see that process; a session
+        that never ends (a program still running under it) fails the wait, naming it."""
+        sshd = self._sshd
+        assert sshd is not None and sshd.pid is not None, "sshd is not running"
+        listener = sshd.pid
+
+        def sessions() -> dict[int, str]:
+            return {p: s for p, s in process_tree(listener).items() if p != listener}
+
+        wait_for(lambda: not sessions(), timeout,
+                 f"sshd's connection processes in {self.d_ns} to exit", interval=0.05)
+        return self.pids_in_d()
 
     def kill_leftovers(self) -> list[int]:
         """SIGKILL whatever still runs in D's namespace; returns the PIDs it found."""

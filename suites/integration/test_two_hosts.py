@@ -120,7 +120,7 @@ def test_bad_ssh_target_fails_once_in_one_line_and_leaves_nothing(
     target = (good.__class__(hosts.d_addr, user="root", options=hosts.bad_ssh.options)
               if case == "refused login" else good.__class__(hosts.spare_addr, user="root",
                                                              options=good.options))
-    before = sorted(hosts.pids_in_d())
+    before = sorted(hosts.wait_ssh_sessions_closed())
     spec = node_spec("decode", hosts.d_addr, hosts.d_addr, 8200, 5601)
     remote = run_dir / "remote"
     with pytest.raises(LaunchFailed) as failure:
@@ -130,7 +130,8 @@ def test_bad_ssh_target_fails_once_in_one_line_and_leaves_nothing(
     assert "\n" not in text and text.startswith(f"ssh root@{target.host}: "), text
     cause = "Permission denied" if case == "refused login" else "No route to host"
     assert cause in text, text
-    assert sorted(hosts.pids_in_d()) == before
+    # nothing started, and no sshd session left behind by the failed connection
+    assert sorted(hosts.wait_ssh_sessions_closed()) == before
     assert not remote.exists()
 
 
