@@ -240,6 +240,13 @@ def _stop_main(argv: Sequence[str]) -> int:
 def _emit_kubernetes(ns: argparse.Namespace) -> int:
     from bidir_kv.serve.kubernetes import KubeOptions, manifests, render
 
+    if ns.engine_id is not None:
+        # one id for two engines: the pods' allowlists and the router could not tell
+        # P from D, and each pod would admit itself as its own peer
+        print(f"bidir-kv serve: --engine-id {ns.engine_id!r} names one engine, but --emit "
+              "kubernetes writes two pods (prefill and decode) that need different ids; "
+              "leave it out (prefill-engine-001 and decode-engine-001)", file=sys.stderr)
+        return 2
     specs = []
     for role in ("prefill", "decode"):
         one = spec_from_args(argparse.Namespace(**{**vars(ns), "role": role}))

@@ -94,3 +94,10 @@ def test_pods_refuse_a_clashing_list(capsys: pytest.CaptureFixture[str]) -> None
                  "--kv-transfer-config", own]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "clashes" in captured.err
+
+
+def test_one_engine_id_for_both_pods_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--emit", "kubernetes", "--model", "m", "--engine-id", "eng-7"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "--engine-id 'eng-7'" in captured.err and "two pods" in captured.err
