@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bidir_kv.bench.overhead import LOAD_LIMIT, OVERHEAD_LIMIT
+from bidir_kv.bench.phase import overlapped_turns
 from bidir_kv.bench.summary import Summary, ratio_rows
 from bidir_kv.plan.predict import predict, prediction_cost
 
@@ -29,6 +30,9 @@ class Headline:
     # else the ON leg's measured prefill (router)
     foreign_load_per_core: float | None  # load average per core not ours, worst leg
     problems: list[str] = field(default_factory=list)
+    # OFF turns at this point whose TTFT overlapped another client's, of those measured
+    # (None: one client); it tells which phase state the OFF figure ran in
+    off_overlapped: tuple[int, int] | None = None
 
     @property
     def overhead_share(self) -> float | None:
@@ -69,6 +73,13 @@ def emulated_on_prefill_ms(summary: Summary, point: int) -> float | None:
     return (cost.pull_us(h) + cost.recompute_us(on.input_tokens_mean - h, h)) / 1e3
 
 
+def _off_overlapped(summary: Summary, point: int) -> tuple[int, int] | None:
+    recs = (summary.result.points.get(("off", point)) or ([], {}))[0]
+    if len({r.client_id for r in recs}) < 2:
+        return None
+    return overlapped_turns(recs, summary.min_turn)
+
+
 def headline(summary: Summary) -> Headline | None:
     """The longest point's OFF/ON and the reasons not to trust it (empty: trust it)."""
     rows = ratio_rows(summary)
@@ -87,6 +98,7 @@ def headline(summary: Summary) -> Headline | None:
         engine_cpu_ms=ov_on.get("prefill_cpu_ms_per_request"),
         on_prefill_ms=emulated if emulated else (on.prefill_ms if on else None),
         foreign_load_per_core=max(known) if known else None,
+        off_overlapped=_off_overlapped(summary, point),
     )
     if h.ratio is None or math.isnan(h.ratio):
         h.problems.append("no OFF/ON ratio at this point")
@@ -119,6 +131,11 @@ def headline_text(h: Headline | None) -> str:
     )
     if h.foreign_load_per_core is not None:
         facts += f"; foreign load {h.foreign_load_per_core:.2f} per core"
+    if h.off_overlapped is not None and h.off_overlapped[1]:
+        n, of = h.off_overlapped
+        facts += (f"; OFF turns overlapping another client's on P: {n} of {of} "
+                  f"({'overlapped' if n > of / 2 else 'staggered'} clients, "
+                  "docs/benchmarking.md \"Three idle runs\")")
     ratio = "n/a" if h.ratio is None else f"{h.ratio:.2f}×"
     if h.reliable:
         return f"headline: OFF/ON TTFT at {h.point} tokens = {ratio} ({facts})"
