@@ -25,7 +25,11 @@ from bidir_kv.policy import (
 from bidir_kv.wire.fence import ALLOWLIST_CONFIG_KEY
 from bidir_kv.wire.params import LEASE_CONFIG_KEY, configured_lease
 
-__all__ = ["ConfigError", "KVTransferConfig", "LoadFailurePolicy"]
+__all__ = ["CONNECTOR_MODULE_PATH", "ConfigError", "KVTransferConfig", "LoadFailurePolicy"]
+
+# ``kv_connector_module_path`` that loads our connector into vLLM: the package exports
+# ``NixlConnector`` as its BidirKVConnector, so ``kv_connector`` keeps vLLM's name
+CONNECTOR_MODULE_PATH = "bidir_kv.connector"
 
 LoadFailurePolicy = Literal["fail", "recompute"]
 _CONNECTORS = ("NixlConnector",)

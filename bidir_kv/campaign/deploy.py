@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.client import TransportError, fetch
-from bidir_kv.config import KVTransferConfig
+from bidir_kv.config import CONNECTOR_MODULE_PATH, KVTransferConfig
 from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.topology.base import EngineSpec, Node, RouterSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology, engine_argv
@@ -227,7 +227,7 @@ class VllmOptions:
     run_dir: Path = Path("out/campaign")
 
 
-CONNECTOR_MODULE = "bidir_kv.connector"
+CONNECTOR_MODULE = CONNECTOR_MODULE_PATH
 
 
 def start_vllm_cpu(opts: VllmOptions) -> Deployment:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from bidir_kv.config import CONNECTOR_MODULE_PATH
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_RECOMPUTE_THRESHOLD,
@@ -29,6 +30,7 @@ from bidir_kv.policy import (
     peer_entries,
 )
 from bidir_kv.serve.command import (
+    CONNECTORS,
     DEFAULT_PORTS,
     DEVICES,
     NIXL_BACKENDS,
@@ -105,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", default=None, metavar="IDS",
                    help="accelerators for this node: CUDA_VISIBLE_DEVICES, "
                    "NEURON_RT_VISIBLE_CORES or VLLM_CPU_OMP_THREADS_BIND by --device")
+    p.add_argument("--connector", choices=CONNECTORS, default="stock",
+                   help="stock: vLLM's NixlConnector (default); bidir-kv: ours, loaded by "
+                   f"kv_connector_module_path {CONNECTOR_MODULE_PATH} (fenced early release, "
+                   "retention budget, peer allowlist; it must import in vLLM's Python)")
     p.add_argument("--engine-id", default=None,
                    help="engine_id (default prefill-engine-001 / decode-engine-001)")
     p.add_argument("--no-kv-rank", dest="kv_rank", action="store_false",
@@ -164,7 +170,7 @@ def spec_from_args(ns: argparse.Namespace) -> ServeSpec:
         decoder_kv_blocks_ttl=ns.decoder_kv_blocks_ttl, nixl_backend=ns.nixl_backend,
         device=ns.device, engine_id=ns.engine_id, kv_rank=rank,
         kv_parallel_size=2 if ns.kv_rank else None, visible=ns.gpus,
-        nixl_debug=ns.nixl_debug, vllm=ns.vllm, extra_args=tuple(extra),
+        nixl_debug=ns.nixl_debug, vllm=ns.vllm, extra_args=tuple(extra), connector=ns.connector,
         peer_allowlist=_default_allowlist(ns, peer_engine, ns.peer_ip),
     )
 
@@ -193,6 +199,13 @@ def _with_passed_config(spec: ServeSpec, ns: argparse.Namespace) -> tuple[ServeS
         given = extra.get(ALLOWLIST_CONFIG_KEY)
     except (ValueError, AttributeError):
         raise ValueError("the --kv-transfer-config after -- is not a JSON object") from None
+    module = own.get("kv_connector_module_path")
+    if ns.connector == "bidir-kv" and module != CONNECTOR_MODULE_PATH:
+        where = "has none" if module is None else f"has {module!r}"
+        raise ValueError(
+            f"--connector bidir-kv clashes with the --kv-transfer-config after -- (it "
+            f"replaces serve's and {where}); add \"kv_connector_module_path\": "
+            f"\"{CONNECTOR_MODULE_PATH}\" to it, or leave --connector out")
     explicit = ns.peer_allowlist is not None
     if explicit and given != list(ns.peer_allowlist):
         where = "has none" if given is None else f"has {given!r}"
@@ -262,6 +275,10 @@ def _emit_kubernetes(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bidir-kv serve: {exc}", file=sys.stderr)
         return 2
+    if ns.connector == "bidir-kv":
+        print(f"bidir-kv serve: note: the pods load kv_connector_module_path "
+              f"{CONNECTOR_MODULE_PATH}; the image ({ns.image}) must contain bidir-kv",
+              file=sys.stderr)
     return 0
 
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from bidir_kv.config import CONNECTOR_MODULE_PATH
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_RECOMPUTE_THRESHOLD,
@@ -49,6 +50,7 @@ Device = Literal["cuda", "neuron", "cpu"]
 ServeRole = Literal["prefill", "decode"]
 DEVICES: tuple[Device, ...] = ("cuda", "neuron", "cpu")
 NIXL_BACKENDS = ("UCX", "LIBFABRIC")
+CONNECTORS = ("stock", "bidir-kv")  # vLLM's NixlConnector, ours (bidir_kv.connector)
 DEFAULT_PORTS: dict[str, int] = {"prefill": 8100, "decode": 8200}  # the recipe's ports
 # The env var that picks the accelerators a server sees: CUDA's, and the one the vLLM
 # Neuron plug-in declares as its device control variable (its platform.py).
@@ -89,6 +91,9 @@ class ServeSpec:
     visible: str | None = None  # GPU ids / Neuron cores / CPU cores for this node
     nixl_debug: bool = False
     vllm: str = "vllm"  # the vllm executable
+    # "stock": vLLM's NixlConnector; "bidir-kv": ours, through kv_connector_module_path
+    # (it must import in vLLM's Python; docs/connector.md)
+    connector: str = "stock"
     # bidir_kv_peer_allowlist: engine ids and/or networks this node reads KV from
     # (docs/connector.md §7); None leaves the key unset (vLLM's behaviour: any peer)
     peer_allowlist: tuple[str, ...] | None = None
@@ -163,6 +168,12 @@ def kv_transfer_config(spec: ServeSpec) -> dict[str, Any]:
         cfg["kv_rank"] = spec.kv_rank
     if spec.kv_parallel_size is not None:
         cfg["kv_parallel_size"] = spec.kv_parallel_size
+    if spec.connector == "bidir-kv":
+        given = spec.kv_top.get("kv_connector_module_path", CONNECTOR_MODULE_PATH)
+        if given != CONNECTOR_MODULE_PATH:
+            raise ValueError(f"connector bidir-kv loads kv_connector_module_path "
+                             f"{CONNECTOR_MODULE_PATH!r}, but the config gives {given!r}")
+        cfg["kv_connector_module_path"] = CONNECTOR_MODULE_PATH
     cfg.update(spec.kv_top)
     cfg["kv_connector_extra_config"] = extra
     return cfg
@@ -196,6 +207,9 @@ def _check(spec: ServeSpec) -> None:
         )
     if spec.tp < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {spec.tp}")
+    if spec.connector not in CONNECTORS:
+        raise ValueError(
+            f"connector must be one of {', '.join(CONNECTORS)}, got {spec.connector!r}")
     if spec.decoder_kv_blocks_ttl <= 0:
         raise ValueError(f"decoder_kv_blocks_ttl must be > 0, got {spec.decoder_kv_blocks_ttl}")
 
@@ -207,7 +221,12 @@ def _notes(spec: ServeSpec) -> tuple[str, ...]:
                      "D->P readback engages on Neuron is unverified (docs/hardware.md §2)")
     if spec.cold_prefill and spec.role == "decode":
         notes.append("--cold-prefill applies to P only: D keeps its prefix cache")
-    ours = spec.kv_top.get("kv_connector_module_path") == "bidir_kv.connector"
+    ours = (spec.connector == "bidir-kv"
+            or spec.kv_top.get("kv_connector_module_path") == CONNECTOR_MODULE_PATH)
+    if ours:
+        notes.append(f"kv_connector_module_path {CONNECTOR_MODULE_PATH}: the package must "
+                     "import in vLLM's own Python (pip install bidir-kv into vLLM's "
+                     "environment or image; docs/connector.md)")
     if not ours and (spec.peer_allowlist is not None or ALLOWLIST_CONFIG_KEY in spec.kv_extra):
         notes.append(f"{ALLOWLIST_CONFIG_KEY} is enforced by bidir_kv.connector "
                      "(kv_connector_module_path) and the emulator; stock NixlConnector "

@@ -109,7 +109,11 @@ def test_devices_pick_their_visibility_variable_and_buffer() -> None:
 @pytest.mark.parametrize("bad,match", [({"device": "tpu"}, "device"),
                                        ({"nixl_backend": "TCP"}, "backend"),
                                        ({"tp": 0}, "tensor parallel"),
-                                       ({"decoder_kv_blocks_ttl": 0}, "decoder_kv_blocks_ttl")])
+                                       ({"decoder_kv_blocks_ttl": 0}, "decoder_kv_blocks_ttl"),
+                                       ({"connector": "lmcache"}, "connector must be one of"),
+                                       ({"connector": "bidir-kv",
+                                         "kv_top": {"kv_connector_module_path": "x.y"}},
+                                        "gives 'x.y'")])
 def test_bad_knobs_are_refused_by_name(bad: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build(ServeSpec(role="prefill", model="m", **bad))  # type: ignore[arg-type]
@@ -247,3 +251,32 @@ def test_our_connector_needs_no_note() -> None:
     assert not any("ignores the key" in n for n in ours.notes)
     stock = build(ServeSpec(role="prefill", model="m", peer_allowlist=(D_IP,)))
     assert any("ignores the key" in n for n in stock.notes)
+
+
+# ---- --connector: ours through kv_connector_module_path (docs/connector.md) -----------
+
+
+def test_connector_flag_loads_ours_on_both_roles(capsys: pytest.CaptureFixture[str]) -> None:
+    for role in ("prefill", "decode"):
+        rc, configs, out = _dry_run(capsys, "--role", role, "--connector", "bidir-kv")
+        assert rc == 0 and len(configs) == 1
+        assert configs[0]["kv_connector_module_path"] == "bidir_kv.connector"
+        assert configs[0]["kv_connector"] == "NixlConnector"  # vLLM's checks stay in force
+        assert "must import in vLLM's own Python" in out and "ignores the key" not in out
+    rc, configs, out = _dry_run(capsys, "--role", "prefill")  # default: stock
+    assert rc == 0 and "kv_connector_module_path" not in configs[0]
+
+
+def test_connector_flag_and_the_users_config_must_agree(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    own = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
+    rc, configs, out = _dry_run(capsys, "--role", "prefill", "--connector", "bidir-kv", "--",
+                                "--kv-transfer-config", own)
+    assert rc == 2 and not configs
+    assert "--connector bidir-kv clashes" in out and "has none" in out
+    ours = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                       "kv_connector_module_path": "bidir_kv.connector"})
+    rc, configs, _ = _dry_run(capsys, "--role", "prefill", "--connector", "bidir-kv", "--",
+                              "--kv-transfer-config", ours)
+    assert rc == 0 and configs[-1]["kv_connector_module_path"] == "bidir_kv.connector"

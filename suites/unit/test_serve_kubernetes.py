@@ -101,3 +101,15 @@ def test_one_engine_id_for_both_pods_is_refused(capsys: pytest.CaptureFixture[st
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "--engine-id 'eng-7'" in captured.err and "two pods" in captured.err
+
+
+def test_our_connector_in_pods_names_the_image(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--emit", "kubernetes", "--model", "m", "--connector", "bidir-kv",
+                 "--image", "img:2"]) == 0
+    captured = capsys.readouterr()
+    for doc in _docs(captured.out):
+        if doc["kind"] == "Pod":
+            argv = doc["spec"]["containers"][0]["command"]
+            kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+            assert kv["kv_connector_module_path"] == "bidir_kv.connector"
+    assert "the image (img:2) must contain bidir-kv" in captured.err
