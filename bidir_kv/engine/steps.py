@@ -37,6 +37,10 @@ from bidir_kv.policy import blocks_for_tokens, max_prefix_hit_blocks
 __all__ = ["StepLoop"]
 
 logger = logging.getLogger("bidir_kv.engine")
+# a step that starts at most this late after the previous one's modelled end continues
+# its timeline (the loop's own wake-up and emitting made it late); a later start (a pause
+# of the process) is not made up
+_CATCH_UP_S = 0.005
 _BUILTIN_VOCAB = Vocab(range(WORD_BASE, VOCAB_SIZE), EOS)
 
 
@@ -68,6 +72,9 @@ class StepLoop:
         self._received: list[Callable[[], None]] = []  # pulls over, taken at the next step
         self.heartbeat = time.perf_counter()  # last time the loop made progress
         self.chains = ChainMemo(settings.block_size)  # prompt chains reuse earlier turns'
+        # modelled end of the last step; None: the engine went idle since (the next step's
+        # timeline starts when it does)
+        self._step_end: float | None = None
 
     # ---- submission ----------------------------------------------------------------
 
@@ -226,6 +233,7 @@ class StepLoop:
             resolve()
         self._admit()
         if not self.running:
+            self._step_end = None
             self.wake.clear()
             if not self._received:
                 await self.wake.wait()
@@ -241,7 +249,16 @@ class StepLoop:
         return max(0.0, now - self.heartbeat)
 
     async def _step(self) -> None:
+        """One step, lasting what the profile says from where the previous step ended.
+
+        A real engine's steps follow each other on the device; here the loop's own work
+        between steps (waking from the sleep, emitting, admitting) and the event loop's
+        millisecond timer make each step start a little late. Steps are therefore paced
+        against the previous step's modelled end, not against their own start, so a
+        decode's inter-token latency is the profile's instead of the profile's plus the
+        loop's overhead (docs/engine.md "Scheduling")."""
         t0 = time.perf_counter()
+        start = t0 if self._step_end is None else max(self._step_end, t0 - _CATCH_UP_S)
         budget = self.settings.effective_max_num_batched_tokens
         emitted: list[tuple[Request, int]] = []
         decodes = [r for r in self.running if r.num_computed >= r.prompt_len]
@@ -253,8 +270,9 @@ class StepLoop:
             emitted.append((r, self._sample(r)))
         prefill_tokens, modelled = self._prefill_chunks(budget, emitted)
         modelled += self.settings.profile.decode_step_seconds(len(decodes))
-        wait = modelled - (time.perf_counter() - t0) + self.faults.stall_seconds
-        await asyncio.sleep(max(0.0, wait))
+        end = start + modelled + self.faults.stall_seconds
+        await asyncio.sleep(max(0.0, end - time.perf_counter()))
+        self._step_end = end
         if prefill_tokens or decodes:
             self.num_steps += 1
             self.metrics.iteration_tokens.labels(**self.metrics.labels).observe(

@@ -95,3 +95,64 @@ def test_d_part_of_ttft_replaces_the_wire_model_for_d_pulls() -> None:
     # D's part less the decode step the step loop spends itself, time-scaled
     assert part.decode_pull_seconds(5000) == pytest.approx((1000 + 10_000 - 500) * 2e-6)
     assert part.decode_pull_seconds(0) == pytest.approx((1000 - 500) * 2e-6)
+
+
+class _Clock:
+    """A virtual clock for the step loop: each sleep wakes ``late`` seconds after its
+    deadline (the event loop's millisecond timer), and everything the loop does between
+    sleeps costs nothing, so the test sees only how steps are paced."""
+
+    def __init__(self, late: float) -> None:
+        self.now, self.late = 100.0, late
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds) + self.late
+
+
+def test_decode_steps_keep_the_profiles_pace_however_late_each_wake_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    from bidir_kv.engine import steps
+
+    prof = CostProfile("dec", decode_us_per_step=4000.0, kv_bytes_per_token=LAYERS * 4,
+                       num_layers=LAYERS)  # fmt: skip
+    clock = _Clock(late=0.0008)  # each wake-up 0.8 ms late: 20 % of a 4 ms step
+    loop = _loop(prof, budget=64)
+    req = _running(loop, "r", 16, 1, ignore_eos=True)
+    req.blocks = list(range(1, 21))  # room for 320 tokens
+    req.num_computed, req.max_tokens = 16, 10_000  # decoding, never finishing here
+    req.tokens.append(200)  # the first token, sampled at the prefill's end
+    req.output.append(200)
+
+    async def scenario() -> tuple[float, float]:
+        monkeypatch.setattr(steps.time, "perf_counter", clock.perf_counter)
+        monkeypatch.setattr(steps.asyncio, "sleep", clock.sleep)
+        t0 = clock.now
+        for _ in range(100):
+            await loop._step()
+        busy = clock.now - t0
+        # the engine goes idle (the loop waits for work), then work comes 5 s later
+        loop.running.clear()
+        idle = asyncio.ensure_future(loop.iterate())
+        yielded = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(yielded.set_result, None)
+        await yielded  # iterate() is now waiting for work
+        clock.now += 5.0
+        loop.running.append(req)
+        loop.wake.set()
+        await idle
+        t1 = clock.now
+        await loop._step()
+        return busy, clock.now - t1
+
+    busy, after_idle = asyncio.run(scenario())
+    # 100 steps of 4 ms: each wake-up's lateness is made up by the next step instead of
+    # adding up (100 × 4.8 ms = 480 ms when each step was timed from its own start)
+    assert busy == pytest.approx(0.400 + clock.late, abs=1e-9)
+    # an idle engine starts a new timeline: no credit for the time it waited
+    assert after_idle == pytest.approx(0.004 + clock.late, abs=1e-9)
