@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bidir_kv.launch.pidfile import read_record
-from bidir_kv.launch.process import free_port
+from bidir_kv.launch.process import free_port, process_running
 
 
 def _shim(tmp_path: Path) -> Path:
@@ -34,13 +34,6 @@ def _serve(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120, check=False)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_serve_starts_waits_and_stop_cleans_up(tmp_path: Path) -> None:
@@ -64,9 +57,9 @@ def test_serve_starts_waits_and_stop_cleans_up(tmp_path: Path) -> None:
         assert Path(record.log).stat().st_size > 0  # the node logs to its file
         stopped = _serve("stop", "--run-dir", str(run_dir), "--timeout", "20")
         assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout
-        assert _gone(record.pid) and not pidfile.exists()
+        assert not process_running(record.pid) and not pidfile.exists()
     finally:
-        if record is not None and not _gone(record.pid):
+        if record is not None and process_running(record.pid):
             os.killpg(record.pid, 9)
 
 

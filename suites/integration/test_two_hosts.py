@@ -30,7 +30,7 @@ from bidir_kv.fabric.counters import (
     read_counters,
 )
 from bidir_kv.fabric.probe import local_probe
-from bidir_kv.launch.process import free_port
+from bidir_kv.launch.process import free_port, process_running
 from bidir_kv.launch.remote import LaunchFailed
 from bidir_kv.launch.ssh import SshLauncher, SshNode
 from bidir_kv.serve.command import ServeSpec
@@ -164,12 +164,6 @@ def test_interrupted(ssh_launch, two_hosts):
 '''
 
 
-def _gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -192,9 +186,9 @@ def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(
                  "the inner run's second node")
         assert proc.poll() is None, proc.communicate()[0]
         failing = int((out / "failing.pid").read_text())
-        assert _gone(failing), "the failed test's node still runs"
+        assert not process_running(failing), "the failed test's node still runs"
         interrupted = int((out / "interrupted.pid").read_text())
-        assert not _gone(interrupted)
+        assert process_running(interrupted)
         proc.send_signal(sig)
         text = proc.communicate(timeout=120)[0]
     finally:
@@ -206,7 +200,7 @@ def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert "planted failure" in text and "KeyboardInterrupt" in text, text
-    assert _gone(interrupted), f"the interrupted test's node still runs\n{text}"
+    assert not process_running(interrupted), f"the interrupted test's node still runs\n{text}"
 
 
 def test_doctor_fabric_check_sees_the_read_cross_the_veth_and_not_loopback(
