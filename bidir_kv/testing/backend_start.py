@@ -10,12 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.config import CONNECTOR_MODULE_PATH
 from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL
 from bidir_kv.testing.backends import (
     _REPO,
     BACKEND_CONFIG,
     CONNECTOR_BACKEND,
-    CONNECTOR_MODULE,
     EMULATOR_CONFIG,
     BackendConfig,
     PDBackend,
@@ -167,7 +167,7 @@ def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBacken
         if reason:
             raise BackendUnavailable(reason)
         if name == CONNECTOR_BACKEND:
-            cfg = replace(cfg, connector_module=CONNECTOR_MODULE)
+            cfg = replace(cfg, connector_module=CONNECTOR_MODULE_PATH)
         return _start_vllm_cpu(cfg, run_dir, bool(options.get("compiled")), name)
     if name == "external":
         ext_cfg = replace(cfg, block_size=int(options.get("block_size") or cfg.block_size),

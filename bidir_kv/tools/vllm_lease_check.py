@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.client import fetch, scrape
+from bidir_kv.config import CONNECTOR_MODULE_PATH
 from bidir_kv.launch.process import free_port, wait_http_ok
 from bidir_kv.policy import cache_ttl_below_retention
-from bidir_kv.testing.backends import _REPO, CONNECTOR_MODULE, BackendConfig
+from bidir_kv.testing.backends import _REPO, BackendConfig
 from bidir_kv.topology.base import EngineSpec, TopologySpec
 from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
 
@@ -108,7 +109,7 @@ def scenario(c: Check) -> None:
 
 
 def main() -> int:
-    cfg = BackendConfig(connector_module=CONNECTOR_MODULE, decoder_ttl=D_TTL)
+    cfg = BackendConfig(connector_module=CONNECTOR_MODULE_PATH, decoder_ttl=D_TTL)
     spec = TopologySpec(routers=0, prefill=EngineSpec(kv=cfg.kv("prefill", "p-000")),
                         decode=EngineSpec(kv=cfg.kv("decode", "d-000",
                                                     bidir_kv_lease_seconds=LEASE)))
