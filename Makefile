@@ -37,6 +37,7 @@ $(STAMP): pyproject.toml
 
 lint: venv
 	$(VENV)/bin/ruff check bidir_kv suites fixtures conftest.py
+	$(VENV)/bin/ruff format --check bidir_kv suites fixtures conftest.py
 	@# the layering contracts of [tool.importlinter] in pyproject.toml
 	$(VENV)/bin/lint-imports --no-cache
 	@# P and D as Kubernetes pods, against Kubernetes' schemas (offline; kubernetes-validate)

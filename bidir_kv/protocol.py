@@ -21,10 +21,19 @@ from bidir_kv.errors import KVTransferError
 from bidir_kv.wire.ids import BlockIds, EngineId, RequestId
 
 __all__ = [
-    "KNOWN_FIELDS", "REQUIRED_REMOTE_FIELDS", "KVTransferParams", "ParamsKind", "ProtocolError",
-    "TerminalChunk", "iter_sse_data", "might_be_terminal", "params_from_request",
-    "params_from_response", "parse_kv_transfer_params", "scan_terminal_chunk",
-]  # fmt: skip
+    "KNOWN_FIELDS",
+    "REQUIRED_REMOTE_FIELDS",
+    "KVTransferParams",
+    "ParamsKind",
+    "ProtocolError",
+    "TerminalChunk",
+    "iter_sse_data",
+    "might_be_terminal",
+    "params_from_request",
+    "params_from_response",
+    "parse_kv_transfer_params",
+    "scan_terminal_chunk",
+]
 
 _MISSING: Final = object()
 

@@ -37,8 +37,15 @@ NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 NOTIFS_AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"
 CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 # the counters a P/D turn is judged by (scraped cheaply: only these lines are parsed)
-WATCHED = (TOKENS_BY_SOURCE, NIXL_BYTES, NIXL_XFERS, NIXL_FAILED, NIXL_EXPIRED,
-           NOTIFS_AFTER_EXPIRY, CACHED_BY_SOURCE)
+WATCHED = (
+    TOKENS_BY_SOURCE,
+    NIXL_BYTES,
+    NIXL_XFERS,
+    NIXL_FAILED,
+    NIXL_EXPIRED,
+    NOTIFS_AFTER_EXPIRY,
+    CACHED_BY_SOURCE,
+)
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]

@@ -76,8 +76,10 @@ def plan_conversations(w: LeaseWorkload) -> list[ConversationPlan]:
     rng = random.Random(w.seed)
     out = []
     for i in range(w.conversations):
-        pauses = tuple(Pause(min(w.think_max, rng.expovariate(1 / w.think_mean)),
-                             rng.random() < w.present) for _ in range(w.turns - 1))
+        pauses = tuple(
+            Pause(min(w.think_max, rng.expovariate(1 / w.think_mean)), rng.random() < w.present)
+            for _ in range(w.turns - 1)
+        )
         out.append(ConversationPlan(i * w.stagger, pauses, rng.random() < w.close))
     return out
 
@@ -111,8 +113,17 @@ def _post(url: str, body: dict[str, Any] | None, method: str = "POST") -> tuple[
 class _Client(threading.Thread):
     """One user: turns, pauses (keep-alives when present, on the lease leg), ending."""
 
-    def __init__(self, url: str, conv: str, plan: ConversationPlan, w: LeaseWorkload,
-                 lease_leg: bool, t0: float, result: LegResult, lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        url: str,
+        conv: str,
+        plan: ConversationPlan,
+        w: LeaseWorkload,
+        lease_leg: bool,
+        t0: float,
+        result: LegResult,
+        lock: threading.Lock,
+    ) -> None:
         super().__init__(daemon=True)
         self.url, self.conv, self.plan, self.w = url, conv, plan, w
         self.lease_leg, self.t0, self.result, self.lock = lease_leg, t0, result, lock
@@ -121,12 +132,22 @@ class _Client(threading.Thread):
         time.sleep(max(0.0, self.t0 + self.plan.start - time.monotonic()))
         messages: list[dict[str, str]] = []
         for turn in range(self.w.turns):
-            text = (f"Conversation {self.conv}, turn {turn}: tell me about rivers, "
-                    "castles and the dragons that guard them. ") * 3
+            text = (
+                f"Conversation {self.conv}, turn {turn}: tell me about rivers, "
+                "castles and the dragons that guard them. "
+            ) * 3
             messages.append({"role": "user", "content": text})
-            status, obj = _post(self.url + "/v1/chat/completions", {
-                "model": "tiny", "messages": messages, "max_tokens": self.w.max_tokens,
-                "temperature": 0, "stream": False, "conversation_id": self.conv})
+            status, obj = _post(
+                self.url + "/v1/chat/completions",
+                {
+                    "model": "tiny",
+                    "messages": messages,
+                    "max_tokens": self.w.max_tokens,
+                    "temperature": 0,
+                    "stream": False,
+                    "conversation_id": self.conv,
+                },
+            )
             with self.lock:
                 self.result.turns += 1
                 self.result.errors += status != 200
@@ -155,8 +176,9 @@ def _d_state(d_url: str) -> tuple[int, int]:
     return int(st["usable_blocks"]) - int(st["free_blocks"]), int(st["retained"])
 
 
-def _integrate(d_url: str, block_size: int, stop: threading.Event,
-               result: LegResult, grace: float) -> None:
+def _integrate(
+    d_url: str, block_size: int, stop: threading.Event, result: LegResult, grace: float
+) -> None:
     """Integrate D's used blocks until D holds nothing after ``stop`` (at most ``grace``
     seconds after it: a block D never frees would otherwise keep it going)."""
     last = time.monotonic()
@@ -178,11 +200,18 @@ def _topology_spec(w: LeaseWorkload, lease_leg: bool) -> Any:
     from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
 
     def kv(role: str, **extra: Any) -> KVTransferConfig:
-        return KVTransferConfig.from_dict({
-            "kv_connector": "NixlConnector", "kv_buffer_device": "cpu",
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_connector_extra_config": {"bidirectional_kv_xfer": True,
-                                          "decoder_kv_blocks_ttl": w.ttl, **extra}})
+        return KVTransferConfig.from_dict(
+            {
+                "kv_connector": "NixlConnector",
+                "kv_buffer_device": "cpu",
+                "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                "kv_connector_extra_config": {
+                    "bidirectional_kv_xfer": True,
+                    "decoder_kv_blocks_ttl": w.ttl,
+                    **extra,
+                },
+            }
+        )
 
     d_extra = {LEASE_CONFIG_KEY: w.lease} if lease_leg else {}
     return TopologySpec(
@@ -190,9 +219,10 @@ def _topology_spec(w: LeaseWorkload, lease_leg: bool) -> Any:
         # would otherwise cover it and the hit rate would say nothing about D's KV)
         prefill=EngineSpec(kv=kv("prefill"), transport="tcp", enable_prefix_caching=False),
         decode=EngineSpec(kv=kv("decode", **d_extra), transport="tcp"),
-        router=RouterSpec(cache_ttl=scaled_cache_ttl(w.ttl, UPSTREAM_CACHE_TTL),
-                          extra_args=("--lease-sweep-interval", "0.2", "--log-level",
-                                      "warning")),
+        router=RouterSpec(
+            cache_ttl=scaled_cache_ttl(w.ttl, UPSTREAM_CACHE_TTL),
+            extra_args=("--lease-sweep-interval", "0.2", "--log-level", "warning"),
+        ),
     )
 
 
@@ -206,12 +236,17 @@ def run_leg(w: LeaseWorkload, lease_leg: bool, run_dir: Path) -> LegResult:
     with LocalTopology(spec, run_dir / result.leg.replace(" ", "-")) as topo:
         d_url, url = topo.decode[0].url, topo.router_url
         stop, lock = threading.Event(), threading.Lock()
-        sampler = threading.Thread(target=_integrate, daemon=True,
-                                   args=(d_url, spec.decode.block_size, stop, result, w.ttl + 10))
+        sampler = threading.Thread(
+            target=_integrate,
+            daemon=True,
+            args=(d_url, spec.decode.block_size, stop, result, w.ttl + 10),
+        )
         t0 = time.monotonic()
         sampler.start()
-        clients = [_Client(url, f"c{i}", p, w, lease_leg, t0, result, lock)
-                   for i, p in enumerate(plan_conversations(w))]
+        clients = [
+            _Client(url, f"c{i}", p, w, lease_leg, t0, result, lock)
+            for i, p in enumerate(plan_conversations(w))
+        ]
         for c in clients:
             c.start()
         for c in clients:
@@ -222,8 +257,10 @@ def run_leg(w: LeaseWorkload, lease_leg: bool, run_dir: Path) -> LegResult:
         snap = scrape(url)
         result.hits = snap.value("bidir_kv_router_cache_hits_total")
         result.lease_expiries = snap.value("bidir_kv_router_lease_expiries_total")
-        result.misses = {r: snap.value("bidir_kv_router_cache_misses_total", reason=r)
-                         for r in ("not_found", "stale", "guard", "not_pulled")}
+        result.misses = {
+            r: snap.value("bidir_kv_router_cache_misses_total", reason=r)
+            for r in ("not_found", "stale", "guard", "not_pulled")
+        }
     result.reusable_turns = w.conversations * (w.turns - 1)
     return result
 
@@ -233,23 +270,38 @@ def render(w: LeaseWorkload, fixed: LegResult, lease: LegResult) -> str:
         return f"{a / b:.2f}x" if b else "-"
 
     rows = [
-        ("held KV token-seconds on D", f"{fixed.held_token_seconds:,.0f}",
-         f"{lease.held_token_seconds:,.0f}",
-         ratio(lease.held_token_seconds, fixed.held_token_seconds)),
-        ("held turn-seconds on D", f"{fixed.held_turn_seconds:,.1f}",
-         f"{lease.held_turn_seconds:,.1f}", ratio(lease.held_turn_seconds,
-                                                  fixed.held_turn_seconds)),
-        ("hit rate", f"{fixed.hit_rate:.0%} ({fixed.hits:.0f}/{fixed.reusable_turns})",
-         f"{lease.hit_rate:.0%} ({lease.hits:.0f}/{lease.reusable_turns})",
-         ratio(lease.hit_rate, fixed.hit_rate)),
-        ("keep-alives / closes / lease expiries", "-",
-         f"{lease.keepalives} / {lease.closes} / {lease.lease_expiries:.0f}", ""),
+        (
+            "held KV token-seconds on D",
+            f"{fixed.held_token_seconds:,.0f}",
+            f"{lease.held_token_seconds:,.0f}",
+            ratio(lease.held_token_seconds, fixed.held_token_seconds),
+        ),
+        (
+            "held turn-seconds on D",
+            f"{fixed.held_turn_seconds:,.1f}",
+            f"{lease.held_turn_seconds:,.1f}",
+            ratio(lease.held_turn_seconds, fixed.held_turn_seconds),
+        ),
+        (
+            "hit rate",
+            f"{fixed.hit_rate:.0%} ({fixed.hits:.0f}/{fixed.reusable_turns})",
+            f"{lease.hit_rate:.0%} ({lease.hits:.0f}/{lease.reusable_turns})",
+            ratio(lease.hit_rate, fixed.hit_rate),
+        ),
+        (
+            "keep-alives / closes / lease expiries",
+            "-",
+            f"{lease.keepalives} / {lease.closes} / {lease.lease_expiries:.0f}",
+            "",
+        ),
         ("errors", str(fixed.errors), str(lease.errors), ""),
         ("leg wall time, s", f"{fixed.seconds:.1f}", f"{lease.seconds:.1f}", ""),
     ]
-    head = (f"{w.conversations} conversations x {w.turns} turns, think ~Exp({w.think_mean:g} s) "
-            f"<= {w.think_max:g} s, present {w.present:.0%}, close {w.close:.0%}; D TTL "
-            f"{w.ttl:g} s, lease {w.lease:g} s, keep-alive every {w.keepalive_every:g} s")
+    head = (
+        f"{w.conversations} conversations x {w.turns} turns, think ~Exp({w.think_mean:g} s) "
+        f"<= {w.think_max:g} s, present {w.present:.0%}, close {w.close:.0%}; D TTL "
+        f"{w.ttl:g} s, lease {w.lease:g} s, keep-alive every {w.keepalive_every:g} s"
+    )
     lines = [head, "", "| | fixed TTL | lease | lease / fixed |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return "\n".join(lines)
@@ -258,14 +310,32 @@ def render(w: LeaseWorkload, fixed: LegResult, lease: LegResult) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bidir-kv bench lease", description=__doc__.split("\n")[0])
     d = LeaseWorkload()
-    for name, kind in (("conversations", int), ("turns", int), ("think_mean", float),
-                       ("think_max", float), ("present", float), ("close", float),
-                       ("stagger", float), ("ttl", float), ("lease", float),
-                       ("keepalive_every", float), ("max_tokens", int), ("seed", int)):
-        ap.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(d, name),
-                        help=f"(default {getattr(d, name)})")
-    ap.add_argument("--out", type=Path, default=Path("out/bench-lease"),
-                    help="run directory: node logs and result.json (default out/bench-lease)")
+    for name, kind in (
+        ("conversations", int),
+        ("turns", int),
+        ("think_mean", float),
+        ("think_max", float),
+        ("present", float),
+        ("close", float),
+        ("stagger", float),
+        ("ttl", float),
+        ("lease", float),
+        ("keepalive_every", float),
+        ("max_tokens", int),
+        ("seed", int),
+    ):
+        ap.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=getattr(d, name),
+            help=f"(default {getattr(d, name)})",
+        )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/bench-lease"),
+        help="run directory: node logs and result.json (default out/bench-lease)",
+    )
     return ap
 
 
@@ -273,15 +343,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     w = LeaseWorkload(**{k: v for k, v in vars(args).items() if k != "out"})
     if w.turns < 2 or w.conversations < 1 or not valid_conversation_lease(w.lease):
-        print("bidir-kv bench lease: need --turns >= 2, --conversations >= 1 and a "
-              "positive --lease", flush=True)
+        print(
+            "bidir-kv bench lease: need --turns >= 2, --conversations >= 1 and a positive --lease",
+            flush=True,
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     fixed = run_leg(w, False, args.out)
     lease = run_leg(w, True, args.out)
     table = render(w, fixed, lease)
     print(table)
-    (args.out / "result.json").write_text(json.dumps(
-        {"workload": asdict(w), "legs": [asdict(fixed), asdict(lease)], "table": table},
-        indent=1))
+    (args.out / "result.json").write_text(
+        json.dumps(
+            {"workload": asdict(w), "legs": [asdict(fixed), asdict(lease)], "table": table},
+            indent=1,
+        )
+    )
     return 0

@@ -26,8 +26,9 @@ def overlapped_turns(records: Sequence[RequestRecord], min_turn: int) -> tuple[i
     """(measured turns whose time to first token overlapped another client's by more than
     :data:`OVERLAP_SHARE` of it, measured turns). Measured: ``ok`` and ``turn >=
     min_turn``; every ``ok`` request of any turn can be the one overlapping."""
-    spans = sorted((r.start_time_ms, r.start_time_ms + r.ttft_ms, r.client_id)
-                   for r in records if r.ok)
+    spans = sorted(
+        (r.start_time_ms, r.start_time_ms + r.ttft_ms, r.client_id) for r in records if r.ok
+    )
     starts = [s for s, _, _ in spans]
     longest = max((e - s for s, e, _ in spans), default=0.0)
     measured = [r for r in records if r.ok and r.turn >= min_turn]
@@ -36,8 +37,9 @@ def overlapped_turns(records: Sequence[RequestRecord], min_turn: int) -> tuple[i
         a, b = r.start_time_ms, r.start_time_ms + r.ttft_ms
         lo = bisect.bisect_left(starts, a - longest)
         hi = bisect.bisect_left(starts, b)
-        shared = max((min(b, e) - max(a, s) for s, e, c in spans[lo:hi] if c != r.client_id),
-                     default=0.0)
+        shared = max(
+            (min(b, e) - max(a, s) for s, e, c in spans[lo:hi] if c != r.client_id), default=0.0
+        )
         if shared > OVERLAP_SHARE * (b - a):
             hits += 1
     return hits, len(measured)

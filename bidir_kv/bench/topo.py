@@ -275,18 +275,32 @@ def _start_router(
 
     port = free_port()
     argv = [
-        sys.executable, "-m", "bidir_kv", "proxy",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--prefiller-hosts", *(n.host for n in topo.prefill),
-        "--prefiller-ports", *(str(n.port) for n in topo.prefill),
-        "--decoder-hosts", *(n.host for n in topo.decode),
-        "--decoder-ports", *(str(n.port) for n in topo.decode),
-        "--cache-ttl", str(rspec.cache_ttl),
-        "--decoder-kv-blocks-ttl", str(decoder_ttl),
-        "--decode-stream", rspec.decode_stream,
-        "--block-size", str(getattr(topo, "block_size", None) or topo.spec.prefill.block_size),
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefiller-hosts",
+        *(n.host for n in topo.prefill),
+        "--prefiller-ports",
+        *(str(n.port) for n in topo.prefill),
+        "--decoder-hosts",
+        *(n.host for n in topo.decode),
+        "--decoder-ports",
+        *(str(n.port) for n in topo.decode),
+        "--cache-ttl",
+        str(rspec.cache_ttl),
+        "--decoder-kv-blocks-ttl",
+        str(decoder_ttl),
+        "--decode-stream",
+        rspec.decode_stream,
+        "--block-size",
+        str(getattr(topo, "block_size", None) or topo.spec.prefill.block_size),
         *rspec.extra_args,
-    ]  # fmt: skip
+    ]
     proc = ManagedProcess("router-0", argv, log).start()
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", 30.0, alive=proc)

@@ -33,9 +33,27 @@ __all__ = [
 TokenCounter = Callable[[str], int]
 
 _SYLLABLES = (
-    "ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "fa",
-    "gu", "he", "jo", "ve", "zu", "bi", "ro", "sa", "te", "nu",
-)  # fmt: skip
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "su",
+    "ta",
+    "ri",
+    "po",
+    "de",
+    "fa",
+    "gu",
+    "he",
+    "jo",
+    "ve",
+    "zu",
+    "bi",
+    "ro",
+    "sa",
+    "te",
+    "nu",
+)
 
 
 class WorkloadError(ConfigError):

@@ -33,36 +33,73 @@ DECODE_TIMEOUT = 30.0
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bidir-kv campaign", description=__doc__)
     p.add_argument("--campaigns", nargs="+", choices=CAMPAIGNS, default=list(CAMPAIGNS))
-    p.add_argument("--conversations", type=int, default=LoadPlan.conversations,
-                   help="load: conversations, all at once")
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=LoadPlan.conversations,
+        help="load: conversations, all at once",
+    )
     p.add_argument("--turns", type=int, default=LoadPlan.turns, help="load: turns each")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-hit-rate", type=float, default=0.99,
-                   help="load: lowest hit rate on turns >= 2 that passes (default 0.99)")
-    p.add_argument("--faults", nargs="+", choices=list(FAULTS), default=list(FAULTS),
-                   help="faults to inject (default: all)")
+    p.add_argument(
+        "--min-hit-rate",
+        type=float,
+        default=0.99,
+        help="load: lowest hit rate on turns >= 2 that passes (default 0.99)",
+    )
+    p.add_argument(
+        "--faults",
+        nargs="+",
+        choices=list(FAULTS),
+        default=list(FAULTS),
+        help="faults to inject (default: all)",
+    )
     g = p.add_argument_group("emulated topology (the default)")
     g.add_argument("--store", choices=("memory", "redis"), default="memory")
-    g.add_argument("--profile", default=DEFAULT_PROFILE,
-                   help="emulator cost profile (a shipped name or a JSON path)")
+    g.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help="emulator cost profile (a shipped name or a JSON path)",
+    )
     g.add_argument("--transport", default="tcp", help="emulator KV transport (tcp | nixl)")
-    g.add_argument("--run-dir", type=Path, default=None,
-                   help="logs of every node (default: a fresh temporary directory)")
-    g.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
-                   help="extra flag for the router (repeatable, e.g. --router-arg=--workers=2)")
-    g.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
-                   help="extra flag for both emulated engines (repeatable), e.g. "
-                   "--engine-arg=--peer-cache=vllm to see a fault as vLLM 0.32 meets it")
+    g.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="logs of every node (default: a fresh temporary directory)",
+    )
+    g.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for the router (repeatable, e.g. --router-arg=--workers=2)",
+    )
+    g.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for both emulated engines (repeatable), e.g. "
+        "--engine-arg=--peer-cache=vllm to see a fault as vLLM 0.32 meets it",
+    )
     e = p.add_argument_group("an existing deployment")
     e.add_argument("--router-url", default=None)
     e.add_argument("--prefill-url", nargs="+", default=[])
     e.add_argument("--decode-url", nargs="+", default=[])
-    e.add_argument("--reference-url", default=None,
-                   help="a non-disaggregated engine serving the same model (the oracle); "
-                   "without it answers are not checked")
+    e.add_argument(
+        "--reference-url",
+        default=None,
+        help="a non-disaggregated engine serving the same model (the oracle); "
+        "without it answers are not checked",
+    )
     e.add_argument("--router-pid", type=int, default=None, help="for the router's RSS")
-    e.add_argument("--router-workers", type=int, default=1,
-                   help="the router's --workers (above 1 the hit rate comes from P's READs)")
+    e.add_argument(
+        "--router-workers",
+        type=int,
+        default=1,
+        help="the router's --workers (above 1 the hit rate comes from P's READs)",
+    )
     return p
 
 
@@ -70,16 +107,31 @@ def _deployment(args: argparse.Namespace) -> Deployment:
     if args.router_url:
         if not args.prefill_url or not args.decode_url:
             raise ValueError("--router-url needs --prefill-url and --decode-url")
-        return external(args.router_url, args.prefill_url, args.decode_url,
-                        args.reference_url, args.router_pid, args.router_workers)
+        return external(
+            args.router_url,
+            args.prefill_url,
+            args.decode_url,
+            args.reference_url,
+            args.router_pid,
+            args.router_workers,
+        )
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="bidir-kv-campaign-"))
-    print(f"campaign: emulated 1P1D + router (store {args.store}, profile {args.profile}); "
-          f"logs in {run_dir}", flush=True)
+    print(
+        f"campaign: emulated 1P1D + router (store {args.store}, profile {args.profile}); "
+        f"logs in {run_dir}",
+        flush=True,
+    )
     router_args = ("--decode-timeout", str(DECODE_TIMEOUT), *args.router_arg)
-    return start_emulated(EmulatedOptions(store=args.store, profile=args.profile,
-                                          transport=args.transport, router_args=router_args,
-                                          engine_args=tuple(args.engine_arg),
-                                          run_dir=run_dir))
+    return start_emulated(
+        EmulatedOptions(
+            store=args.store,
+            profile=args.profile,
+            transport=args.transport,
+            router_args=router_args,
+            engine_args=tuple(args.engine_arg),
+            run_dir=run_dir,
+        )
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,8 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return wave_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.conversations <= 0 or args.turns <= 0:
-        print("bidir-kv campaign: error: --conversations and --turns must be positive",
-              file=sys.stderr)
+        print(
+            "bidir-kv campaign: error: --conversations and --turns must be positive",
+            file=sys.stderr,
+        )
         return 2
     try:
         dep = _deployment(args)
@@ -115,8 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         dep.close()
     print(render(load, faults, inputs, args.min_hit_rate))
-    failed = (sum(1 for r in load if not r.holds(args.min_hit_rate))
-              + sum(1 for f in faults or [] if not f.holds)
-              + sum(1 for i in inputs or [] if not i.ok))
+    failed = (
+        sum(1 for r in load if not r.holds(args.min_hit_rate))
+        + sum(1 for f in faults or [] if not f.holds)
+        + sum(1 for i in inputs or [] if not i.ok)
+    )
     print("campaign: " + ("PASS" if not failed else f"FAIL ({failed} rows)"))
     return 0 if not failed else 1

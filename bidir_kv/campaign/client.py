@@ -25,10 +25,17 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(BYTE_BASE, VOCAB_SIZE) for _ in range(n)]
 
 
-def body(prompt: list[int], max_tokens: int, conv: str | None, *, stream: bool = True,
-         model: str = "tiny") -> dict[str, Any]:
-    return token_body(model, prompt, max_tokens, stream=stream, conversation_id=conv,
-                      include_usage=True)
+def body(
+    prompt: list[int],
+    max_tokens: int,
+    conv: str | None,
+    *,
+    stream: bool = True,
+    model: str = "tiny",
+) -> dict[str, Any]:
+    return token_body(
+        model, prompt, max_tokens, stream=stream, conversation_id=conv, include_usage=True
+    )
 
 
 class Clients:
@@ -47,14 +54,19 @@ class Clients:
     async def __aenter__(self) -> Clients:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         for client in self._by_url.values():
             await client.aclose()
 
 
-async def post(clients: Clients, url: str, payload: dict[str, Any],
-               timeout: float = 120.0) -> Completion:
+async def post(
+    clients: Clients, url: str, payload: dict[str, Any], timeout: float = 120.0
+) -> Completion:
     """POST to ``{url}/v1/completions``; a non-2xx answer is returned, no answer (or a
     stream that ends without a ``finish_reason``) raises :class:`ClientError`."""
     out = await clients(url).complete(payload, timeout=timeout)
@@ -63,8 +75,9 @@ async def post(clients: Clients, url: str, payload: dict[str, Any],
     return out
 
 
-async def reference_ok(clients: Clients, ref_url: str | None, prompt: list[int],
-                       max_tokens: int, got: list[int]) -> bool | None:
+async def reference_ok(
+    clients: Clients, ref_url: str | None, prompt: list[int], max_tokens: int, got: list[int]
+) -> bool | None:
     """Whether ``got`` equals the reference engine's answer; ``None`` without a reference."""
     if ref_url is None:
         return None
@@ -107,16 +120,29 @@ class Conversation:
     def next_prompt(self, new: int) -> list[int]:
         return [*self.history, *random_tokens(self.rng, new)]
 
-    async def turn(self, clients: Clients, url: str, ref_url: str | None,
-                   new: int, gen: int, *, stream: bool = True) -> Turn:
+    async def turn(
+        self,
+        clients: Clients,
+        url: str,
+        ref_url: str | None,
+        new: int,
+        gen: int,
+        *,
+        stream: bool = True,
+    ) -> Turn:
         """One turn of ``new`` tokens more; checked by the oracle when ``ref_url`` is set."""
         prompt = self.next_prompt(new)
         t0 = time.perf_counter()
         try:
             res = await post(clients, url, body(prompt, gen, self.cid, stream=stream))
         except ClientError as exc:
-            t = Turn(len(self.turns), None, time.perf_counter() - t0, None,
-                     f"{type(exc).__name__}: {exc}")
+            t = Turn(
+                len(self.turns),
+                None,
+                time.perf_counter() - t0,
+                None,
+                f"{type(exc).__name__}: {exc}",
+            )
             self.turns.append(t)
             return t
         correct = None

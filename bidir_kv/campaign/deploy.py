@@ -23,8 +23,14 @@ from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.topology.base import EngineSpec, Node, RouterSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology, engine_argv
 
-__all__ = ["Deployment", "EmulatedOptions", "VllmOptions", "read_rss_bytes", "start_emulated",
-           "start_vllm_cpu"]
+__all__ = [
+    "Deployment",
+    "EmulatedOptions",
+    "VllmOptions",
+    "read_rss_bytes",
+    "start_emulated",
+    "start_vllm_cpu",
+]
 
 
 def read_rss_bytes(pid: int) -> int | None:
@@ -121,12 +127,18 @@ class Deployment:
         old = topo.procs[node.name]
         old.stop()
         env = dict(os.environ)
-        env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=node.host,
-                   VLLM_NIXL_SIDE_CHANNEL_PORT=str(node.side_channel_port))  # fmt: skip
+        env.update(
+            VLLM_NIXL_SIDE_CHANNEL_HOST=node.host,
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(node.side_channel_port),
+        )
         starts = sum(1 for name in topo.procs if name.startswith(node.name)) + 1
         log = Path(str(node.log_path)).with_suffix(f".{starts}.log")
-        proc = ManagedProcess(f"{node.name}-{starts}", engine_argv(spec, node.port,
-                              node.info["engine_id"]), log, env=env)
+        proc = ManagedProcess(
+            f"{node.name}-{starts}",
+            engine_argv(spec, node.port, node.info["engine_id"]),
+            log,
+            env=env,
+        )
         topo.procs[proc.name] = proc  # stopped with the topology
         proc.start()
         wait_http_ok(node.url + "/health", 60, alive=proc)
@@ -164,37 +176,45 @@ class EmulatedOptions:
 
 
 def _kv(role: str, **extra: Any) -> KVTransferConfig:
-    return KVTransferConfig.from_dict({
-        "kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"bidirectional_kv_xfer": True, **extra},
-    })
+    return KVTransferConfig.from_dict(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"bidirectional_kv_xfer": True, **extra},
+        }
+    )
 
 
 def start_emulated(opts: EmulatedOptions) -> Deployment:
     """Start 1PnD + router (+ Redis) and a reference engine; the caller closes it."""
-    engine = EngineSpec(profile=opts.profile, transport=opts.transport,
-                        extra_args=opts.engine_args)
+    engine = EngineSpec(profile=opts.profile, transport=opts.transport, extra_args=opts.engine_args)
     both = dict(opts.kv_extra)
-    router = RouterSpec(extra_args=("--health-interval", "0.5", "--log-level", "warning",
-                                    *opts.router_args))
+    router = RouterSpec(
+        extra_args=("--health-interval", "0.5", "--log-level", "warning", *opts.router_args)
+    )
     if opts.router_cache_ttl is not None:
         router = dataclasses.replace(router, cache_ttl=opts.router_cache_ttl)
     spec = TopologySpec(
         num_decode=opts.num_decode,
-        prefill=dataclasses.replace(engine, kv=_kv("kv_producer", **both),
-                                    enable_prefix_caching=False),
-        decode=dataclasses.replace(engine, kv=_kv("kv_consumer", **both,
-                                                  **dict(opts.decode_kv_extra)),
-                                   kv_capacity_tokens=opts.decode_capacity_tokens,
-                                   extra_args=(*opts.engine_args, *opts.decode_args)),
+        prefill=dataclasses.replace(
+            engine, kv=_kv("kv_producer", **both), enable_prefix_caching=False
+        ),
+        decode=dataclasses.replace(
+            engine,
+            kv=_kv("kv_consumer", **both, **dict(opts.decode_kv_extra)),
+            kv_capacity_tokens=opts.decode_capacity_tokens,
+            extra_args=(*opts.engine_args, *opts.decode_args),
+        ),
         router=router,
         redis=opts.store == "redis",
     )
     topo = LocalTopology(spec, opts.run_dir / "topology", timeout=60)
     ref = None
     if opts.reference:
-        ref_spec = TopologySpec(num_prefill=1, num_decode=0, routers=0,
-                                prefill=EngineSpec(profile=opts.profile))
+        ref_spec = TopologySpec(
+            num_prefill=1, num_decode=0, routers=0, prefill=EngineSpec(profile=opts.profile)
+        )
         ref = LocalTopology(ref_spec, opts.run_dir / "reference", timeout=60)
     dep = Deployment("", [], [], topology=topo, reference=ref)
     try:
@@ -241,25 +261,38 @@ def start_vllm_cpu(opts: VllmOptions) -> Deployment:
 
     def kv(role: str, engine_id: str, **extra: Any) -> KVTransferConfig:
         top: dict[str, Any] = {
-            "kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_buffer_device": "cpu",
             "engine_id": engine_id,
             "kv_load_failure_policy": "recompute" if opts.connector else "fail",
-            "kv_connector_extra_config": {"bidirectional_kv_xfer": True,
-                                          "decoder_kv_blocks_ttl": opts.ttl, **extra}}
+            "kv_connector_extra_config": {
+                "bidirectional_kv_xfer": True,
+                "decoder_kv_blocks_ttl": opts.ttl,
+                **extra,
+            },
+        }
         if opts.connector:
             top["kv_connector_module_path"] = CONNECTOR_MODULE_PATH
         return KVTransferConfig.from_dict(top)
 
     spec = TopologySpec(
-        prefill=EngineSpec(kv=kv("kv_producer", "prefill-wave"), enable_prefix_caching=False,
-                           max_model_len=opts.max_model_len),
-        decode=EngineSpec(kv=kv("kv_consumer", "decode-wave", **dict(opts.decode_kv_extra)),
-                          max_model_len=opts.max_model_len,
-                          extra_args=("--num-gpu-blocks-override", str(opts.decode_blocks))),
-        routers=0)
+        prefill=EngineSpec(
+            kv=kv("kv_producer", "prefill-wave"),
+            enable_prefix_caching=False,
+            max_model_len=opts.max_model_len,
+        ),
+        decode=EngineSpec(
+            kv=kv("kv_consumer", "decode-wave", **dict(opts.decode_kv_extra)),
+            max_model_len=opts.max_model_len,
+            extra_args=("--num-gpu-blocks-override", str(opts.decode_blocks)),
+        ),
+        routers=0,
+    )
     repo = Path(__file__).resolve().parents[2]  # our connector imports from this checkout
-    vopts = VllmCpuOptions(log_dir=opts.run_dir / "vllm",
-                           python_path=(repo,) if opts.connector else ())
+    vopts = VllmCpuOptions(
+        log_dir=opts.run_dir / "vllm", python_path=(repo,) if opts.connector else ()
+    )
     topo = VllmCpuTopology(spec, vopts)
     dep = Deployment("", [], [], logs_count=True)
     dep.closers.append(topo.close)
@@ -279,13 +312,37 @@ def start_vllm_cpu(opts: VllmOptions) -> Deployment:
 
 def _router(p: Node, d: Node, opts: VllmOptions, block_size: int) -> tuple[ManagedProcess, int]:
     port = free_port()
-    argv = [sys.executable, "-m", "bidir_kv", "proxy", "--host", "127.0.0.1",
-            "--port", str(port), "--prefiller-hosts", p.host, "--prefiller-ports", str(p.port),
-            "--decoder-hosts", d.host, "--decoder-ports", str(d.port),
-            "--cache-ttl", str(opts.router_cache_ttl),
-            "--decoder-kv-blocks-ttl", str(opts.ttl), "--decode-stream", "never",
-            "--block-size", str(block_size), "--health-interval", "0.5",
-            "--log-level", "warning", *opts.router_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefiller-hosts",
+        p.host,
+        "--prefiller-ports",
+        str(p.port),
+        "--decoder-hosts",
+        d.host,
+        "--decoder-ports",
+        str(d.port),
+        "--cache-ttl",
+        str(opts.router_cache_ttl),
+        "--decoder-kv-blocks-ttl",
+        str(opts.ttl),
+        "--decode-stream",
+        "never",
+        "--block-size",
+        str(block_size),
+        "--health-interval",
+        "0.5",
+        "--log-level",
+        "warning",
+        *opts.router_args,
+    ]
     proc = ManagedProcess("router-0", argv, opts.run_dir / "router.log").start()
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", 30.0, alive=proc)
@@ -304,13 +361,23 @@ def _workers(argv: tuple[str, ...]) -> int:
     return 1
 
 
-def external(router_url: str, prefill: list[str], decode: list[str],
-             reference: str | None, router_pid: int | None, workers: int = 1) -> Deployment:
+def external(
+    router_url: str,
+    prefill: list[str],
+    decode: list[str],
+    reference: str | None,
+    router_pid: int | None,
+    workers: int = 1,
+) -> Deployment:
     """A deployment someone else started (nothing is restarted or stalled)."""
-    return Deployment(router_url.rstrip("/"), [u.rstrip("/") for u in prefill],
-                      [u.rstrip("/") for u in decode],
-                      reference.rstrip("/") if reference else None, router_pid=router_pid,
-                      router_workers=workers)
+    return Deployment(
+        router_url.rstrip("/"),
+        [u.rstrip("/") for u in prefill],
+        [u.rstrip("/") for u in decode],
+        reference.rstrip("/") if reference else None,
+        router_pid=router_pid,
+        router_workers=workers,
+    )
 
 
 def node_of(url: str) -> Node:

@@ -63,12 +63,13 @@ class Ctx:
 
     def conv(self, tag: str, cid: bool = True) -> Conversation:
         self.n += 1
-        return Conversation(f"fault-{tag}-{self.n}-{time.time_ns()}" if cid else None,
-                            random.Random(f"{tag}-{self.n}"))
+        return Conversation(
+            f"fault-{tag}-{self.n}-{time.time_ns()}" if cid else None,
+            random.Random(f"{tag}-{self.n}"),
+        )
 
     async def turn(self, conv: Conversation, new: int = NEW, gen: int = GEN) -> Any:
-        return await conv.turn(self.clients, self.dep.router_url, self.dep.reference_url,
-                               new, gen)
+        return await conv.turn(self.clients, self.dep.router_url, self.dep.reference_url, new, gen)
 
     async def warm(self, tag: str) -> Conversation:
         conv = self.conv(tag)
@@ -85,8 +86,9 @@ class Ctx:
     def failed_reads(self) -> float:
         """READs that failed on every engine (a D still reading a dead P's memory
         recomputes, so the client never notices; this counter does)."""
-        return sum(scrape(u).value(FAILED_READS)
-                   for u in [*self.dep.prefill_urls, *self.dep.decode_urls])
+        return sum(
+            scrape(u).value(FAILED_READS) for u in [*self.dep.prefill_urls, *self.dep.decode_urls]
+        )
 
     async def recovered(self) -> bool:
         """A fresh two-turn conversation: correct, its second turn a hit, no READ failed."""
@@ -98,8 +100,13 @@ class Ctx:
             h0 = self.hits()
             second = await self.turn(conv)
             hit = self.hits() > h0
-            if first.status == second.status == 200 and first.correct is not False \
-                    and second.correct is not False and hit and self.failed_reads() == f0:
+            if (
+                first.status == second.status == 200
+                and first.correct is not False
+                and second.correct is not False
+                and hit
+                and self.failed_reads() == f0
+            ):
                 return True
             await asyncio.sleep(0.5)
         return False
@@ -156,9 +163,15 @@ async def _restart(ctx: Ctx, role: str) -> FaultResult:
         return _not_applied(name, f"no new process runs (pid {new})")
     seen = await ctx.router_sees_healthy()
     t = await ctx.turn(conv)
-    saw = t.seen + ("" if t.correct is not False else ", wrong answer") + (
-        "; router never saw it healthy" if seen is None else
-        f" (router saw it healthy {seen:.1f} s after it was up)")
+    saw = (
+        t.seen
+        + ("" if t.correct is not False else ", wrong answer")
+        + (
+            "; router never saw it healthy"
+            if seen is None
+            else f" (router saw it healthy {seen:.1f} s after it was up)"
+        )
+    )
     nxt = t.status == 200 and t.correct is not False and await ctx.next_correct(conv)
     return FaultResult(name, saw, nxt, await ctx.recovered(), expected=t.status == 200)
 
@@ -180,17 +193,25 @@ async def d_stalled(ctx: Ctx) -> FaultResult:
     try:
         reported = get_json(d + "/_emulator/faults").get("stall")
         if reported is not True:
-            return _not_applied(name, f"D reports stall={reported!r} after being asked for "
-                                "stall=True")
+            return _not_applied(
+                name, f"D reports stall={reported!r} after being asked for stall=True"
+            )
         t = await ctx.turn(conv)
     finally:
         ctx.faults(d, stall=False)
     seen = await ctx.router_sees_healthy()
     saw = f"{t.seen} after {t.elapsed:.1f} s" + (
-        "; router never saw D healthy again" if seen is None else
-        f"; D healthy again {seen:.1f} s after the stall ended")
-    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
-                       expected=t.status in (503, 504))
+        "; router never saw D healthy again"
+        if seen is None
+        else f"; D healthy again {seen:.1f} s after the stall ended"
+    )
+    return FaultResult(
+        name,
+        saw,
+        await ctx.next_correct(conv),
+        await ctx.recovered(),
+        expected=t.status in (503, 504),
+    )
 
 
 async def d_filled(ctx: Ctx) -> FaultResult:
@@ -202,19 +223,28 @@ async def d_filled(ctx: Ctx) -> FaultResult:
     ctx.n += 1
     wave = await run_wave(ctx.dep, ctx.clients, plan, f"fill-{ctx.n}")
     saw = f"{wave.answered}/{len(wave.turns())} HTTP 200; {summary(wave)}"
-    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
-                       expected=wave.all_answered, wave=wave)
+    return FaultResult(
+        name,
+        saw,
+        await ctx.next_correct(conv),
+        await ctx.recovered(),
+        expected=wave.all_answered,
+        wave=wave,
+    )
 
 
 def summary(w: WaveResult) -> str:
     """One line: new conversations' TTFT, how many waited or failed, the reuse kept."""
+
     def s(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
     rate = "-" if w.hit_rate is None else f"{w.hit_rate:.0%}"
-    return (f"new conversations' TTFT p50/p90/max {s(w.ttft(0.5))}/{s(w.ttft(0.9))}/"
-            f"{s(w.ttft(1.0))} s, {w.waited} waited, {w.failed} failed; "
-            f"continuing turns hit {rate}")
+    return (
+        f"new conversations' TTFT p50/p90/max {s(w.ttft(0.5))}/{s(w.ttft(0.9))}/"
+        f"{s(w.ttft(1.0))} s, {w.waited} waited, {w.failed} failed; "
+        f"continuing turns hit {rate}"
+    )
 
 
 async def burst_without_ids(ctx: Ctx) -> FaultResult:
@@ -237,10 +267,16 @@ async def burst_without_ids(ctx: Ctx) -> FaultResult:
             freed = ctx.state(d).get("retained", 0) <= before
             await asyncio.sleep(0.1)
     ok = statuses.count(200)
-    saw = f"{ok}/32 HTTP 200 and correct" + ("" if freed is None else
-                                             f", D released them: {'yes' if freed else 'no'}")
-    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
-                       expected=ok == 32 and freed is not False)
+    saw = f"{ok}/32 HTTP 200 and correct" + (
+        "" if freed is None else f", D released them: {'yes' if freed else 'no'}"
+    )
+    return FaultResult(
+        name,
+        saw,
+        await ctx.next_correct(conv),
+        await ctx.recovered(),
+        expected=ok == 32 and freed is not False,
+    )
 
 
 async def client_gone(ctx: Ctx) -> FaultResult:
@@ -262,9 +298,15 @@ async def client_gone(ctx: Ctx) -> FaultResult:
     finally:
         ctx.faults(d, stall_seconds=0.0)
     saw = ("first chunk, then left" if got_first else "no chunk") + (
-        "" if idle is None else f"; D's request aborted: {'yes' if idle else 'no'}")
-    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
-                       expected=got_first and idle is not False)
+        "" if idle is None else f"; D's request aborted: {'yes' if idle else 'no'}"
+    )
+    return FaultResult(
+        name,
+        saw,
+        await ctx.next_correct(conv),
+        await ctx.recovered(),
+        expected=got_first and idle is not False,
+    )
 
 
 async def _wait_idle(ctx: Ctx, url: str, timeout: float = 10.0) -> bool:
@@ -286,7 +328,7 @@ async def _drip(host: str, port: int, stop: asyncio.Event) -> None:
         return
     try:
         for i in range(3600):
-            writer.write(head[i:i + 1] if i < len(head) else b"a")
+            writer.write(head[i : i + 1] if i < len(head) else b"a")
             await writer.drain()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
@@ -304,8 +346,9 @@ async def slow_clients(ctx: Ctx) -> FaultResult:
     conv = await ctx.warm("slow")
     host, _, port = ctx.dep.router_url.removeprefix("http://").rpartition(":")
     stop = asyncio.Event()
-    flood = [asyncio.create_task(_drip(host, int(port.split("/")[0]), stop))
-             for _ in range(SLOW_CLIENTS)]
+    flood = [
+        asyncio.create_task(_drip(host, int(port.split("/")[0]), stop)) for _ in range(SLOW_CLIENTS)
+    ]
     try:
         turns = [await ctx.turn(conv) for _ in range(3)]
     finally:
@@ -314,8 +357,9 @@ async def slow_clients(ctx: Ctx) -> FaultResult:
     ok = sum(t.status == 200 and t.correct is not False for t in turns)
     slowest = max(t.elapsed for t in turns)
     saw = f"{ok}/3 turns HTTP 200 and correct beside them, slowest {slowest:.1f} s"
-    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
-                       expected=ok == 3)
+    return FaultResult(
+        name, saw, await ctx.next_correct(conv), await ctx.recovered(), expected=ok == 3
+    )
 
 
 async def worker_killed(ctx: Ctx) -> FaultResult:
@@ -324,14 +368,14 @@ async def worker_killed(ctx: Ctx) -> FaultResult:
     pid = ctx.dep.router_pid
     workers = children(pid) if pid is not None else []
     if pid is None or ctx.dep.router_workers < 2 or len(workers) < 2:
-        return FaultResult(name, "not tried (needs a router with --workers >= 2 and its pid)",
-                           None, None)
+        return FaultResult(
+            name, "not tried (needs a router with --workers >= 2 and its pid)", None, None
+        )
     conv = await ctx.warm("worker")
     victim = min(workers)
     os.kill(victim, signal.SIGKILL)
     if not await _until(lambda: not process_running(victim)):
-        return _not_applied(name, f"worker {victim} still runs {EFFECT_SECONDS:g} s after "
-                            "SIGKILL")
+        return _not_applied(name, f"worker {victim} still runs {EFFECT_SECONDS:g} s after SIGKILL")
     turns = [await ctx.turn(conv) for _ in range(3)]
     deadline = time.monotonic() + 15
     replaced = False
@@ -344,10 +388,17 @@ async def worker_killed(ctx: Ctx) -> FaultResult:
     # it (never an HTTP error), and the client's next connection goes to a live worker
     cut = sum(t.status is None for t in turns)
     last_ok = turns[-1].status == 200 and turns[-1].correct is not False
-    saw = f"{ok}/3 turns HTTP 200 and correct after it ({cut} cut with its connection); " \
+    saw = (
+        f"{ok}/3 turns HTTP 200 and correct after it ({cut} cut with its connection); "
         f"worker replaced: {'yes' if replaced else 'no'}"
-    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
-                       expected=ok + cut == 3 and last_ok and replaced)
+    )
+    return FaultResult(
+        name,
+        saw,
+        await ctx.next_correct(conv),
+        await ctx.recovered(),
+        expected=ok + cut == 3 and last_ok and replaced,
+    )
 
 
 async def redis_paused(ctx: Ctx) -> FaultResult:
@@ -360,10 +411,12 @@ async def redis_paused(ctx: Ctx) -> FaultResult:
     os.kill(pid, signal.SIGSTOP)
     try:
         if not await _until(lambda: process_state(pid) == "T"):
-            return _not_applied(name, f"Redis (pid {pid}) is in state {process_state(pid)}, "
-                                f"not stopped, {EFFECT_SECONDS:g} s after SIGSTOP")
-        resume = asyncio.get_running_loop().call_later(REDIS_PAUSE_S, os.kill, pid,
-                                                       signal.SIGCONT)
+            return _not_applied(
+                name,
+                f"Redis (pid {pid}) is in state {process_state(pid)}, "
+                f"not stopped, {EFFECT_SECONDS:g} s after SIGSTOP",
+            )
+        resume = asyncio.get_running_loop().call_later(REDIS_PAUSE_S, os.kill, pid, signal.SIGCONT)
         try:
             t = await ctx.turn(conv)
         finally:
@@ -371,11 +424,17 @@ async def redis_paused(ctx: Ctx) -> FaultResult:
     finally:
         os.kill(pid, signal.SIGCONT)
     if not await _until(lambda: process_state(pid) != "T"):
-        return _not_applied(name, f"Redis (pid {pid}) is still stopped {EFFECT_SECONDS:g} s "
-                            "after SIGCONT")
+        return _not_applied(
+            name, f"Redis (pid {pid}) is still stopped {EFFECT_SECONDS:g} s after SIGCONT"
+        )
     saw = f"{t.seen} after {t.elapsed:.1f} s" + (", wrong answer" if t.correct is False else "")
-    return FaultResult(name, saw, await ctx.next_correct(conv), await ctx.recovered(),
-                       expected=t.status == 200 and t.correct is not False)
+    return FaultResult(
+        name,
+        saw,
+        await ctx.next_correct(conv),
+        await ctx.recovered(),
+        expected=t.status == 200 and t.correct is not False,
+    )
 
 
 FAULTS: dict[str, Callable[[Ctx], Awaitable[FaultResult]]] = {
@@ -406,7 +465,8 @@ async def _run(dep: Deployment, names: list[str], wave: WavePlan | None) -> list
     return out
 
 
-def run_faults(dep: Deployment, names: list[str] | None = None,
-               wave: WavePlan | None = None) -> list[FaultResult]:
+def run_faults(
+    dep: Deployment, names: list[str] | None = None, wave: WavePlan | None = None
+) -> list[FaultResult]:
     """Each fault in turn; ``wave`` sizes the d-full case (default: :class:`WavePlan`)."""
     return asyncio.run(_run(dep, list(names or FAULTS), wave))

@@ -25,8 +25,12 @@ FORGED = "FORGED ERROR bidir_kv.router: everything is on fire"
 
 
 def _good(**extra: object) -> dict[str, object]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}],
-            "max_tokens": 4, **extra}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 4,
+        **extra,
+    }
 
 
 @dataclass(frozen=True)
@@ -44,14 +48,21 @@ def _json(name: str, **extra: object) -> BadInput:
 
 _DEEP = 100_000
 INPUTS: tuple[BadInput, ...] = (
-    BadInput("deep nesting (100k)", b'{"model": "tiny", "messages": ' + b"[" * _DEEP
-             + b"]" * _DEEP + b"}"),
-    BadInput("lone surrogate \\ud800",
-             b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
-    BadInput("invalid UTF-8 byte",
-             b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff"}]}'),
-    BadInput("unknown charset", json.dumps(_good()).encode(),
-             "application/json; charset=x-klingon"),
+    BadInput(
+        "deep nesting (100k)",
+        b'{"model": "tiny", "messages": ' + b"[" * _DEEP + b"]" * _DEEP + b"}",
+    ),
+    BadInput(
+        "lone surrogate \\ud800",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+    ),
+    BadInput(
+        "invalid UTF-8 byte",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff"}]}',
+    ),
+    BadInput(
+        "unknown charset", json.dumps(_good()).encode(), "application/json; charset=x-klingon"
+    ),
     BadInput("not JSON", b'{"model": "tiny", "messages": ['),
     BadInput("JSON array body", b"[1, 2, 3]"),
     _json('"stream": "false"', stream="false"),
@@ -65,8 +76,7 @@ INPUTS: tuple[BadInput, ...] = (
     _json('stream_options "usage"', stream=True, stream_options="usage"),
     BadInput("no messages", b'{"model": "tiny"}'),
     BadInput("no prompt", b'{"model": "tiny"}', path="/v1/completions"),
-    _json("newline in conversation_id", conversation_id=f"c1\n{FORGED}\r\x1b[31m",
-          max_tokens=2),
+    _json("newline in conversation_id", conversation_id=f"c1\n{FORGED}\r\x1b[31m", max_tokens=2),
 )
 _ID_INPUT = INPUTS[-1].name
 
@@ -84,8 +94,9 @@ def _post(url: str, item: BadInput) -> int | None:
     """The answer's status; ``None`` when none came."""
     with NodeClient(url, timeout=60) as client:
         try:
-            return client.request("POST", item.path, content=item.data,
-                                  headers={"Content-Type": item.content_type}).status
+            return client.request(
+                "POST", item.path, content=item.data, headers={"Content-Type": item.content_type}
+            ).status
         except TransportError:
             return None
 
@@ -96,9 +107,11 @@ def oversize(url: str, timeout: float = 10.0) -> tuple[int | None, float]:
     t0 = time.perf_counter()
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\n"
-                         b"Content-Length: 1000000000\r\n\r\n{")
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                b"Content-Length: 1000000000\r\n\r\n{"
+            )
             reply = sock.recv(4096)
     except OSError:
         return None, time.perf_counter() - t0
@@ -125,8 +138,9 @@ def _judge(target: str, item: BadInput, status: int | None) -> bool:
     return 400 <= status < 500
 
 
-def _one_target(target: str, url: str, p_urls: list[str],
-                log_check: Callable[[], bool] | None) -> list[InputResult]:
+def _one_target(
+    target: str, url: str, p_urls: list[str], log_check: Callable[[], bool] | None
+) -> list[InputResult]:
     out = []
     for item in INPUTS:
         before = [_prompt_tokens(u) for u in p_urls] if target == "router" else []
@@ -146,13 +160,11 @@ def _one_target(target: str, url: str, p_urls: list[str],
     # an engine that reads on (vLLM) gets 2 s
     status, seconds = oversize(url, 10.0 if target == "router" else 2.0)
     if target == "router":
-        out.append(InputResult(target, OVERSIZE, status, status == 413,
-                               f"{seconds * 1000:.0f} ms"))
+        out.append(InputResult(target, OVERSIZE, status, status == 413, f"{seconds * 1000:.0f} ms"))
     elif status is None:  # vLLM has no body limit and reads on: shown, not judged
         out.append(InputResult(target, OVERSIZE, status, True, "no early 413, not judged"))
     else:  # the emulated engine refuses by Content-Length (--max-body-bytes)
-        out.append(InputResult(target, OVERSIZE, status, status == 413,
-                               f"{seconds * 1000:.0f} ms"))
+        out.append(InputResult(target, OVERSIZE, status, status == 413, f"{seconds * 1000:.0f} ms"))
     return out
 
 
@@ -162,8 +174,7 @@ def _log_check(path: str | None) -> Callable[[], bool] | None:
 
     def check() -> bool:
         text = Path(path).read_text(errors="replace")
-        return not any(line.startswith(FORGED) for line in text.splitlines()) \
-            and "\x1b" not in text
+        return not any(line.startswith(FORGED) for line in text.splitlines()) and "\x1b" not in text
 
     return check
 

@@ -75,8 +75,7 @@ class LoadResult:
 
     def holds(self, min_hit_rate: float) -> bool:
         rate = self.hit_rate
-        return (self.failed == 0 and not self.wrong
-                and (rate is None or rate >= min_hit_rate))
+        return self.failed == 0 and not self.wrong and (rate is None or rate >= min_hit_rate)
 
 
 def _value(url: str, name: str) -> float | None:
@@ -97,15 +96,22 @@ def _delta(before: list[float | None], after: list[float | None]) -> float | Non
 
 async def _drive(dep: Deployment, plan: LoadPlan, tag: str) -> list[Turn]:
     rng = random.Random(plan.seed)
-    convs = [Conversation(f"load-{tag}-{i}", random.Random(rng.random()))
-             for i in range(plan.conversations)]
+    convs = [
+        Conversation(f"load-{tag}-{i}", random.Random(rng.random()))
+        for i in range(plan.conversations)
+    ]
     async with Clients() as session:
 
         async def one(conv: Conversation) -> None:
             for turn in range(plan.turns):
                 lo, hi = plan.opening if turn == 0 else plan.new
-                await conv.turn(session, dep.router_url, dep.reference_url,
-                                conv.rng.randint(lo, hi), conv.rng.randint(*plan.gen))
+                await conv.turn(
+                    session,
+                    dep.router_url,
+                    dep.reference_url,
+                    conv.rng.randint(lo, hi),
+                    conv.rng.randint(*plan.gen),
+                )
 
         await asyncio.gather(*(one(c) for c in convs))
     return [t for c in convs for t in c.turns]

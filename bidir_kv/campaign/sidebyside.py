@@ -73,28 +73,41 @@ class Variant:
 
 def _emulated(variant: str, args: argparse.Namespace, run_dir: Path) -> Deployment:
     ttl = args.ttl
-    return start_emulated(EmulatedOptions(
-        run_dir=run_dir, reference=True,
-        router_args=("--decode-timeout", str(ttl + 30.0)),
-        kv_extra=(("decoder_kv_blocks_ttl", ttl),),
-        decode_kv_extra=((BUDGET_CONFIG_KEY, args.budget),) if variant == "budget" else (),
-        decode_args=EMULATOR_PIN if variant == "stock" else (),
-        decode_capacity_tokens=args.capacity_tokens,
-        router_cache_ttl=scaled_cache_ttl(ttl, UPSTREAM_CACHE_TTL)))
+    return start_emulated(
+        EmulatedOptions(
+            run_dir=run_dir,
+            reference=True,
+            router_args=("--decode-timeout", str(ttl + 30.0)),
+            kv_extra=(("decoder_kv_blocks_ttl", ttl),),
+            decode_kv_extra=((BUDGET_CONFIG_KEY, args.budget),) if variant == "budget" else (),
+            decode_args=EMULATOR_PIN if variant == "stock" else (),
+            decode_capacity_tokens=args.capacity_tokens,
+            router_cache_ttl=scaled_cache_ttl(ttl, UPSTREAM_CACHE_TTL),
+        )
+    )
 
 
 def _vllm(variant: str, args: argparse.Namespace, run_dir: Path) -> Deployment:
-    blocks = VLLM_DECODE_BLOCKS if args.capacity_tokens is None \
-        else args.capacity_tokens // 128 + 1
-    return start_vllm_cpu(VllmOptions(
-        connector=variant != "stock", decode_blocks=blocks, ttl=args.ttl,
-        router_cache_ttl=scaled_cache_ttl(args.ttl, UPSTREAM_CACHE_TTL),
-        decode_kv_extra=((BUDGET_CONFIG_KEY, args.budget),) if variant == "budget" else (),
-        router_args=("--decode-timeout", str(args.ttl + 30.0)), run_dir=run_dir))
+    blocks = VLLM_DECODE_BLOCKS if args.capacity_tokens is None else args.capacity_tokens // 128 + 1
+    return start_vllm_cpu(
+        VllmOptions(
+            connector=variant != "stock",
+            decode_blocks=blocks,
+            ttl=args.ttl,
+            router_cache_ttl=scaled_cache_ttl(args.ttl, UPSTREAM_CACHE_TTL),
+            decode_kv_extra=((BUDGET_CONFIG_KEY, args.budget),) if variant == "budget" else (),
+            router_args=("--decode-timeout", str(args.ttl + 30.0)),
+            run_dir=run_dir,
+        )
+    )
 
 
-def run_variant(name: str, args: argparse.Namespace, plan: WavePlan,
-                start: Callable[[str, argparse.Namespace, Path], Deployment]) -> Variant:
+def run_variant(
+    name: str,
+    args: argparse.Namespace,
+    plan: WavePlan,
+    start: Callable[[str, argparse.Namespace, Path], Deployment],
+) -> Variant:
     """One variant on a fresh deployment; a start-up failure is reported, not raised."""
     v = Variant(name)
     before, t0 = os.getloadavg()[0], time.perf_counter()
@@ -162,67 +175,124 @@ def render(variants: Sequence[Variant], plan: WavePlan, thresholds: bool = True)
     cells = []
     for v in variants:
         w = v.wave
-        cells.append(_rows(w, v) if w is not None
-                     else [f"not run: {v.error or 'no wave'}"] + ["-"] * (len(HEAD) - 1))
+        cells.append(
+            _rows(w, v)
+            if w is not None
+            else [f"not run: {v.error or 'no wave'}"] + ["-"] * (len(HEAD) - 1)
+        )
     for i, head in enumerate(HEAD):
         lines.append(f"| {head} | " + " | ".join(c[i] for c in cells) + " |")
     if thresholds:
-        marks = ", ".join(f"{v.name} {v.wave.wait_threshold:.2f} s" for v in variants
-                          if v.wave is not None)
-        lines += ["", f"waited: TTFT above max({plan.wait_floor:g} s, {plan.wait_factor:g} x "
-                  f"the variant's p90 before the wave): {marks}"]
+        marks = ", ".join(
+            f"{v.name} {v.wave.wait_threshold:.2f} s" for v in variants if v.wave is not None
+        )
+        lines += [
+            "",
+            f"waited: TTFT above max({plan.wait_floor:g} s, {plan.wait_factor:g} x "
+            f"the variant's p90 before the wave): {marks}",
+        ]
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="bidir-kv campaign wave",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="bidir-kv campaign wave", description=__doc__.split("\n")[0])
     ap.add_argument("--deployment", choices=DEPLOYMENTS, default="emulator")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    ap.add_argument("--budget", type=float, default=0.5,
-                    help="the budget variant's bidir_kv_retention_budget (default 0.5)")
-    ap.add_argument("--ttl", type=float, default=30.0,
-                    help="D's decoder_kv_blocks_ttl in every variant, s (default 30)")
-    ap.add_argument("--capacity-tokens", type=int, default=None,
-                    help="D's KV capacity (default: the emulator's 262,144; vllm-cpu "
-                    f"{(VLLM_DECODE_BLOCKS - 1) * 128:,} in {VLLM_DECODE_BLOCKS} blocks)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0.5,
+        help="the budget variant's bidir_kv_retention_budget (default 0.5)",
+    )
+    ap.add_argument(
+        "--ttl",
+        type=float,
+        default=30.0,
+        help="D's decoder_kv_blocks_ttl in every variant, s (default 30)",
+    )
+    ap.add_argument(
+        "--capacity-tokens",
+        type=int,
+        default=None,
+        help="D's KV capacity (default: the emulator's 262,144; vllm-cpu "
+        f"{(VLLM_DECODE_BLOCKS - 1) * 128:,} in {VLLM_DECODE_BLOCKS} blocks)",
+    )
     d = WavePlan()
-    for flag, name in (("--big-turns", "big_turns"), ("--big-tokens", "big_tokens"),
-                       ("--continuing", "continuing"), ("--probe-tokens", "probe_tokens")):
-        ap.add_argument(flag, type=int, default=None,
-                        help=f"(default {getattr(d, name)}; vllm-cpu "
-                        f"{getattr(VLLM_PLAN, name)})")
-    ap.add_argument("--run-dir", type=Path, default=None,
-                    help="logs of every node and wave.json (default: a fresh temporary "
-                    "directory)")
+    for flag, name in (
+        ("--big-turns", "big_turns"),
+        ("--big-tokens", "big_tokens"),
+        ("--continuing", "continuing"),
+        ("--probe-tokens", "probe_tokens"),
+    ):
+        ap.add_argument(
+            flag,
+            type=int,
+            default=None,
+            help=f"(default {getattr(d, name)}; vllm-cpu {getattr(VLLM_PLAN, name)})",
+        )
+    ap.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="logs of every node and wave.json (default: a fresh temporary directory)",
+    )
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     plan = VLLM_PLAN if args.deployment == "vllm-cpu" else WavePlan()
-    changes = {k: getattr(args, k) for k in ("big_turns", "big_tokens", "continuing",
-                                             "probe_tokens") if getattr(args, k) is not None}
+    changes = {
+        k: getattr(args, k)
+        for k in ("big_turns", "big_tokens", "continuing", "probe_tokens")
+        if getattr(args, k) is not None
+    }
     plan = dataclasses.replace(plan, **changes)
-    if parse_budget(args.budget)[0] is None or args.ttl <= 0 or plan.big_turns < 1 \
-            or plan.big_tokens < 1 or plan.continuing < 0 or plan.probe_tokens < 1:
-        print("bidir-kv campaign wave: error: need --budget in (0, 1], a positive --ttl, "
-              "--big-turns, --big-tokens and --probe-tokens, and --continuing >= 0",
-              file=sys.stderr)
+    if (
+        parse_budget(args.budget)[0] is None
+        or args.ttl <= 0
+        or plan.big_turns < 1
+        or plan.big_tokens < 1
+        or plan.continuing < 0
+        or plan.probe_tokens < 1
+    ):
+        print(
+            "bidir-kv campaign wave: error: need --budget in (0, 1], a positive --ttl, "
+            "--big-turns, --big-tokens and --probe-tokens, and --continuing >= 0",
+            file=sys.stderr,
+        )
         return 2
     args.run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="bidir-kv-wave-"))
     start = _vllm if args.deployment == "vllm-cpu" else _emulated
-    print(f"wave on {args.deployment}: {plan.big_turns} x {plan.big_tokens:,}-token turns, "
-          f"D's TTL {args.ttl:g} s; logs in {args.run_dir}", flush=True)
+    print(
+        f"wave on {args.deployment}: {plan.big_turns} x {plan.big_tokens:,}-token turns, "
+        f"D's TTL {args.ttl:g} s; logs in {args.run_dir}",
+        flush=True,
+    )
     variants = [run_variant(name, args, plan, start) for name in args.variants]
     table = render(variants, plan)
     print(table)
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    (args.run_dir / "wave.json").write_text(json.dumps({
-        "deployment": args.deployment, "ttl": args.ttl, "budget": args.budget,
-        "plan": dataclasses.asdict(plan), "table": table,
-        "variants": [{"name": v.name, "error": v.error, "load": v.load,
-                      "seconds": v.seconds,
-                      "wave": dataclasses.asdict(v.wave) if v.wave is not None else None}
-                     for v in variants]}, indent=1))
+    (args.run_dir / "wave.json").write_text(
+        json.dumps(
+            {
+                "deployment": args.deployment,
+                "ttl": args.ttl,
+                "budget": args.budget,
+                "plan": dataclasses.asdict(plan),
+                "table": table,
+                "variants": [
+                    {
+                        "name": v.name,
+                        "error": v.error,
+                        "load": v.load,
+                        "seconds": v.seconds,
+                        "wave": dataclasses.asdict(v.wave) if v.wave is not None else None,
+                    }
+                    for v in variants
+                ],
+            },
+            indent=1,
+        )
+    )
     return 0

@@ -36,8 +36,15 @@ from bidir_kv.campaign.client import Clients, Conversation, Turn
 from bidir_kv.campaign.deploy import Deployment
 from bidir_kv.client import ClientError, scrape
 
-__all__ = ["REASONS", "WavePlan", "WaveResult", "count_log_lines", "counted_hits",
-           "percentile", "run_wave"]
+__all__ = [
+    "REASONS",
+    "WavePlan",
+    "WaveResult",
+    "count_log_lines",
+    "counted_hits",
+    "percentile",
+    "run_wave",
+]
 
 HITS = "bidir_kv_router_cache_hits_total"
 P_READS = "vllm:nixl_xfer_time_seconds_count"  # READs P made (hits, whatever worker routed)
@@ -109,8 +116,7 @@ class WaveResult:
 
     @property
     def baseline_p90(self) -> float | None:
-        return percentile([x for t in self.baseline
-                           if (x := self.first_token(t)) is not None], 0.9)
+        return percentile([x for t in self.baseline if (x := self.first_token(t)) is not None], 0.9)
 
     @property
     def wait_threshold(self) -> float:
@@ -209,8 +215,9 @@ def _releases(dep: Deployment) -> dict[str, float] | None:
     return out
 
 
-def _delta(before: dict[str, float] | None,
-           after: dict[str, float] | None) -> dict[str, float] | None:
+def _delta(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, float] | None:
     if before is None or after is None:
         return None
     return {k: after[k] - before[k] for k in REASONS if k in before and k in after}
@@ -256,14 +263,16 @@ async def run_wave(dep: Deployment, clients: Clients, plan: WavePlan, tag: str) 
         going_on = keep[i % len(keep)] if keep else None
         h0, d0 = counted_hits(dep), _discards(dep)
         big, new, cont = await asyncio.gather(
-            conv("big").turn(clients, url, None, plan.big_tokens, plan.big_gen), probe(),
-            going_on.turn(clients, url, ref, plan.new_tokens, plan.gen) if going_on
-            else none())
+            conv("big").turn(clients, url, None, plan.big_tokens, plan.big_gen),
+            probe(),
+            going_on.turn(clients, url, ref, plan.new_tokens, plan.gen) if going_on else none(),
+        )
         res.big.append(big)
         res.probes.append(new)
         if cont is not None:  # only a continuing turn can hit or be discarded
-            res.continued.append((cont, cont.ok and counted_hits(dep) > h0
-                                  and _discards(dep) == d0))
+            res.continued.append(
+                (cont, cont.ok and counted_hits(dep) > h0 and _discards(dep) == d0)
+            )
     for c in keep:
         cont_after = await go_on(c)
         if cont_after is not None:

@@ -21,8 +21,9 @@ __all__ = ["within"]
 T = TypeVar("T")
 
 
-def within(seconds: float, call: Callable[[], T], *, what: str = "request",
-           url: str | None = None) -> T:
+def within(
+    seconds: float, call: Callable[[], T], *, what: str = "request", url: str | None = None
+) -> T:
     """``call()``'s result if it returns within ``seconds``; its exception if it raises;
     else :class:`RequestTimeout` naming ``what`` (and ``url``)."""
     if seconds <= 0:

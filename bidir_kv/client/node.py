@@ -82,15 +82,17 @@ class Reply:
         try:
             return json.loads(self.content)
         except ValueError as exc:
-            raise MalformedResponse(f"answer is not JSON: {self.content[:80]!r}",
-                                    url=self.url) from exc
+            raise MalformedResponse(
+                f"answer is not JSON: {self.content[:80]!r}", url=self.url
+            ) from exc
 
     def json_object(self) -> dict[str, Any]:
         """The decoded body, which must be a JSON object."""
         obj = self.json()
         if not isinstance(obj, dict):
-            raise MalformedResponse(f"answer is not a JSON object: {self.content[:80]!r}",
-                                    url=self.url)
+            raise MalformedResponse(
+                f"answer is not a JSON object: {self.content[:80]!r}", url=self.url
+            )
         return obj
 
 
@@ -120,8 +122,13 @@ def _metrics(text: str, names: Sequence[str] | None) -> MetricsSnapshot:
 class _NodeBase:
     """What the sync and async clients share: everything but waiting for bytes."""
 
-    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.headers = dict(headers or {})
@@ -131,15 +138,26 @@ class _NodeBase:
         return f"{type(self).__name__}({self.url})"
 
     def _options(self) -> dict[str, Any]:
-        return {"timeout": self.timeout, "follow_redirects": False, "verify": _tls(),
-                "headers": self.headers}
+        return {
+            "timeout": self.timeout,
+            "follow_redirects": False,
+            "verify": _tls(),
+            "headers": self.headers,
+        }
 
     def _target(self, path: str) -> str:
         return self.url + path
 
-    def _build(self, http: httpx.Client | httpx.AsyncClient, method: str, path: str,
-               body: Any, content: bytes | None, headers: Mapping[str, str] | None,
-               timeout: float | None) -> httpx.Request:
+    def _build(
+        self,
+        http: httpx.Client | httpx.AsyncClient,
+        method: str,
+        path: str,
+        body: Any,
+        content: bytes | None,
+        headers: Mapping[str, str] | None,
+        timeout: float | None,
+    ) -> httpx.Request:
         hdrs = dict(headers or {})
         if body is not None:
             content = json.dumps(body).encode()
@@ -147,8 +165,13 @@ class _NodeBase:
         url = self._parsed.get(path)
         if url is None:
             url = self._parsed[path] = httpx.URL(self._target(path))
-        return http.build_request(method, url, content=content, headers=hdrs,
-                                  timeout=self.timeout if timeout is None else timeout)
+        return http.build_request(
+            method,
+            url,
+            content=content,
+            headers=hdrs,
+            timeout=self.timeout if timeout is None else timeout,
+        )
 
     @staticmethod
     def _reply(resp: httpx.Response, content: bytes) -> Reply:
@@ -163,9 +186,14 @@ class NodeClient(_NodeBase):
     """Blocking client of one node; thread-safe, one connection pool. ``transport``
     replaces the network (a unit test's ``httpx.MockTransport``)."""
 
-    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 headers: Mapping[str, str] | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         super().__init__(url, timeout=timeout, headers=headers)
         self._http = httpx.Client(transport=transport, **self._options())
 
@@ -175,13 +203,24 @@ class NodeClient(_NodeBase):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
-    def request(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
-                headers: Mapping[str, str] | None = None,
-                timeout: float | None = None) -> Reply:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Reply:
         """One request, the whole answer read, any status returned."""
         url = self._target(path)
         with translated(url):
@@ -199,14 +238,20 @@ class NodeClient(_NodeBase):
         """GET, require a 2xx, return the decoded body."""
         return self.get(path, timeout=timeout).raise_for_status().json()
 
-    def metrics(self, names: Sequence[str] | None = None, *,
-                timeout: float | None = None) -> MetricsSnapshot:
+    def metrics(
+        self, names: Sequence[str] | None = None, *, timeout: float | None = None
+    ) -> MetricsSnapshot:
         """Scrape ``/metrics`` (only ``names`` when given)."""
         return _metrics(self.get("/metrics", timeout=timeout).raise_for_status().text, names)
 
-    def complete(self, body: Mapping[str, Any], *, path: str = COMPLETIONS_PATH,
-                 headers: Mapping[str, str] | None = None,
-                 timeout: float | None = None) -> Completion:
+    def complete(
+        self,
+        body: Mapping[str, Any],
+        *,
+        path: str = COMPLETIONS_PATH,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Completion:
         """POST a completion (or, with ``path=CHAT_PATH``, chat) body; streamed when the
         body says ``stream``. A non-2xx answer is returned (``raise_for_status``)."""
         stream = bool(body.get("stream"))
@@ -235,9 +280,14 @@ class NodeClient(_NodeBase):
 class AsyncNodeClient(_NodeBase):
     """The same client for asyncio callers (bench, campaign); one pool, no connection cap."""
 
-    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 headers: Mapping[str, str] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         super().__init__(url, timeout=timeout, headers=headers)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self._http = httpx.AsyncClient(limits=limits, transport=transport, **self._options())
@@ -248,13 +298,24 @@ class AsyncNodeClient(_NodeBase):
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.aclose()
 
-    async def request(self, method: str, path: str, *, json: Any = None,
-                      content: bytes | None = None, headers: Mapping[str, str] | None = None,
-                      timeout: float | None = None) -> Reply:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Reply:
         url = self._target(path)
         with translated(url):
             req = self._build(self._http, method, path, json, content, headers, timeout)
@@ -270,14 +331,16 @@ class AsyncNodeClient(_NodeBase):
     async def get_json(self, path: str, *, timeout: float | None = None) -> Any:
         return (await self.get(path, timeout=timeout)).raise_for_status().json()
 
-    async def metrics(self, names: Sequence[str] | None = None, *,
-                      timeout: float | None = None) -> MetricsSnapshot:
+    async def metrics(
+        self, names: Sequence[str] | None = None, *, timeout: float | None = None
+    ) -> MetricsSnapshot:
         reply = (await self.get("/metrics", timeout=timeout)).raise_for_status()
         return _metrics(reply.text, names)
 
     @contextlib.asynccontextmanager
-    async def open_stream(self, path: str, body: Mapping[str, Any], *,
-                          timeout: float | None = None) -> AsyncIterator[AsyncIterator[bytes]]:
+    async def open_stream(
+        self, path: str, body: Mapping[str, Any], *, timeout: float | None = None
+    ) -> AsyncIterator[AsyncIterator[bytes]]:
         """POST ``body`` and yield its ``data:`` payloads as they come; leaving the block
         closes the connection, read to the end or not (a client that goes away).
         A non-2xx answer raises :class:`HTTPStatusError`."""
@@ -293,9 +356,14 @@ class AsyncNodeClient(_NodeBase):
             finally:
                 await resp.aclose()
 
-    async def complete(self, body: Mapping[str, Any], *, path: str = COMPLETIONS_PATH,
-                       headers: Mapping[str, str] | None = None,
-                       timeout: float | None = None) -> Completion:
+    async def complete(
+        self,
+        body: Mapping[str, Any],
+        *,
+        path: str = COMPLETIONS_PATH,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Completion:
         """:meth:`NodeClient.complete`, awaited."""
         stream = bool(body.get("stream"))
         url = self._target(path)
@@ -334,8 +402,9 @@ def get_json(url: str, *, timeout: float = 10.0) -> Any:
     return fetch(url, timeout=timeout).raise_for_status().json()
 
 
-def scrape(base_url: str, *, timeout: float = 10.0,
-           names: Sequence[str] | None = None) -> MetricsSnapshot:
+def scrape(
+    base_url: str, *, timeout: float = 10.0, names: Sequence[str] | None = None
+) -> MetricsSnapshot:
     """GET ``{base_url}/metrics`` and parse it (only ``names`` when given)."""
     with NodeClient(base_url, timeout=timeout) as client:
         return client.metrics(names)

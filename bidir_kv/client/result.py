@@ -150,11 +150,9 @@ class StreamReader:
         try:
             obj = json.loads(data)
         except ValueError as exc:
-            raise MalformedResponse(f"SSE chunk is not JSON: {data[:80]!r}", url=out.url) \
-                from exc
+            raise MalformedResponse(f"SSE chunk is not JSON: {data[:80]!r}", url=out.url) from exc
         if not isinstance(obj, dict):
-            raise MalformedResponse(f"SSE chunk is not a JSON object: {data[:80]!r}",
-                                    url=out.url)
+            raise MalformedResponse(f"SSE chunk is not a JSON object: {data[:80]!r}", url=out.url)
         index = out.chunks
         out.chunks += 1
         has_params = "kv_transfer_params" in obj
@@ -182,8 +180,9 @@ class StreamReader:
             out.content_chunks += 1
             if out.ttft is None:
                 out.ttft = now - out.start
-                out.first_chunk_tokens = len(first_ids) if isinstance(first_ids, list) \
-                    and first_ids else 1
+                out.first_chunk_tokens = (
+                    len(first_ids) if isinstance(first_ids, list) and first_ids else 1
+                )
         usage = obj.get("usage")
         if usage and isinstance(usage, dict):
             out.usage = usage

@@ -31,10 +31,17 @@ __all__ = [
 ]
 
 
-def token_body(model: str, prompt: Sequence[int], max_tokens: int,
-               params: KVTransferParams | None = None, *, stream: bool = False,
-               conversation_id: str | None = None, include_usage: bool = False,
-               extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def token_body(
+    model: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    params: KVTransferParams | None = None,
+    *,
+    stream: bool = False,
+    conversation_id: str | None = None,
+    include_usage: bool = False,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """A greedy token-id ``/v1/completions`` body (``include_usage`` asks a stream for it)."""
     body: dict[str, Any] = {
         "model": model,
@@ -70,22 +77,33 @@ class TokenClient:
     def _check_usable(self) -> None:
         """Called before every request (a subclass may refuse)."""
 
-    def body(self, prompt: Sequence[int], max_tokens: int,
-             params: KVTransferParams | None = None, *, stream: bool = False,
-             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def body(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        params: KVTransferParams | None = None,
+        *,
+        stream: bool = False,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         return token_body(self.model, prompt, max_tokens, params, stream=stream, extra=extra)
 
-    def complete(self, prompt: Sequence[int], max_tokens: int,
-                 params: KVTransferParams | None = None, *, stream: bool = False,
-                 extra: dict[str, Any] | None = None,
-                 timeout: float | None = None) -> Completion:
+    def complete(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        params: KVTransferParams | None = None,
+        *,
+        stream: bool = False,
+        extra: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Completion:
         """One completion; a non-2xx answer is returned, no answer raises
         :class:`~bidir_kv.client.errors.TransportError`."""
         body = self.body(prompt, max_tokens, params, stream=stream, extra=extra)
         return self.post(COMPLETIONS_PATH, body, timeout=timeout)
 
-    def post(self, path: str, body: Mapping[str, Any],
-             timeout: float | None = None) -> Completion:
+    def post(self, path: str, body: Mapping[str, Any], timeout: float | None = None) -> Completion:
         self._check_usable()
         return self.http.complete(body, path=path, timeout=timeout)
 
@@ -125,8 +143,9 @@ class PDTurn:
         return [*self.prompt, *self.d.token_ids]
 
 
-def settled_metrics(client: TokenClient, timeout: float = 5.0, interval: float = 0.05) -> \
-        MetricsSnapshot:
+def settled_metrics(
+    client: TokenClient, timeout: float = 5.0, interval: float = 0.05
+) -> MetricsSnapshot:
     """Scrape until two consecutive snapshots agree (stats land a step after a response)."""
     deadline = time.monotonic() + timeout
     prev = client.metrics(WATCHED)

@@ -30,8 +30,11 @@ __all__ = [
     "check_vllm_version",
 ]
 
-_LAZY = {"BidirKVConnector": "BidirKVConnector", "NixlConnector": "BidirKVConnector",
-         "BidirKVScheduler": "BidirKVScheduler"}  # fmt: skip
+_LAZY = {
+    "BidirKVConnector": "BidirKVConnector",
+    "NixlConnector": "BidirKVConnector",
+    "BidirKVScheduler": "BidirKVScheduler",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -59,8 +59,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
 
 from bidir_kv.connector.worker import BidirKVWorker  # noqa: E402
 
-__all__ = ["VERIFY_KEY", "VLLM_RELEASE", "BidirKVConnector", "BidirKVScheduler",
-           "lease_from_config"]
+__all__ = [
+    "VERIFY_KEY",
+    "VLLM_RELEASE",
+    "BidirKVConnector",
+    "BidirKVScheduler",
+    "lease_from_config",
+]
 
 VERIFY_KEY = "bidir_kv_verify_continuation"  # kv_connector_extra_config; default True
 # A child of vLLM's "vllm" logger, so our lines get vLLM's handler, format and level
@@ -101,8 +106,11 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         self._refused_peers: set[tuple[Any, ...]] = set()
         self.num_peer_refused = 0
         if self._allow is None:
-            log.info("bidir-kv: %s is unset: KV is read from any peer that "
-                     "kv_transfer_params name (vLLM's behaviour).", ALLOWLIST_CONFIG_KEY)
+            log.info(
+                "bidir-kv: %s is unset: KV is read from any peer that "
+                "kv_transfer_params name (vLLM's behaviour).",
+                ALLOWLIST_CONFIG_KEY,
+            )
         else:
             log.info("bidir-kv: peer allowlist: KV is read only from %s.", self._allow.describe())
         self._init_fence(kv, kv_cache_config)
@@ -112,9 +120,12 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         warning each and stock behaviour."""
         fence = kv.get_from_extra_config(FENCE_CONFIG_KEY, True)
         if not isinstance(fence, bool):
-            log.warning("bidir-kv: kv_connector_extra_config.%s must be true or false, got "
-                        "%r; running without the fence (stock behaviour).", FENCE_CONFIG_KEY,
-                        fence)
+            log.warning(
+                "bidir-kv: kv_connector_extra_config.%s must be true or false, got "
+                "%r; running without the fence (stock behaviour).",
+                FENCE_CONFIG_KEY,
+                fence,
+            )
             fence = False
         self._fence = fence and bool(self.is_bidirectional_kv_xfer_enabled)
         self._budget, problem = parse_budget(kv.get_from_extra_config(BUDGET_CONFIG_KEY, None))
@@ -134,23 +145,30 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         self._fault_release = kv.get_from_extra_config(FAULT_RELEASE_CONFIG_KEY, False) is True
         self._scribble: dict[str, list[int]] = {}
         if self._fault_release and self._fence:
-            log.warning("bidir-kv: fault injection %s: every fenced turn is released and "
-                        "overwritten right after it is exported.", FAULT_RELEASE_CONFIG_KEY)
+            log.warning(
+                "bidir-kv: fault injection %s: every fenced turn is released and "
+                "overwritten right after it is exported.",
+                FAULT_RELEASE_CONFIG_KEY,
+            )
 
     def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
         """Our worker said, on its handshake payload, whether its fence words are
         registered and where; the served payload is vLLM's (msgspec encodes fields only)."""
         if self._fence:
             ok = len(metadata) == 1 and all(
-                getattr(m, "bidir_fence_ok", False) for m in metadata.values())
+                getattr(m, "bidir_fence_ok", False) for m in metadata.values()
+            )
             if ok:
                 self._fence_base = getattr(next(iter(metadata.values())), "bidir_fence_base", None)
                 self._fence_reads = True
             else:
-                log.warning("bidir-kv: the fence is off: %s; retained turns are kept until "
-                            "P's notification or the TTL (stock behaviour).",
-                            "it runs with one worker (TP 1) only" if len(metadata) != 1
-                            else "the fence words could not be registered")
+                log.warning(
+                    "bidir-kv: the fence is off: %s; retained turns are kept until "
+                    "P's notification or the TTL (stock behaviour).",
+                    "it runs with one worker (TP 1) only"
+                    if len(metadata) != 1
+                    else "the fence words could not be registered",
+                )
                 self._fence = False
         super().set_xfer_handshake_metadata(metadata)
 
@@ -166,10 +184,13 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
             self._refuse_peer(request, refused)
             return 0, False
         plan = plan_pull(
-            request.kv_transfer_params, list(request.prompt_token_ids or ()),
-            num_computed_tokens, self.block_size,
+            request.kv_transfer_params,
+            list(request.prompt_token_ids or ()),
+            num_computed_tokens,
+            self.block_size,
             bidirectional=bool(self.is_bidirectional_kv_xfer_enabled),
-            host_buffer=bool(self.use_host_buffer), threshold=self.kv_recompute_threshold,
+            host_buffer=bool(self.use_host_buffer),
+            threshold=self.kv_recompute_threshold,
             verify=self._verify,
         )
         if plan is None:
@@ -181,22 +202,32 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         self._hits[request.request_id] = num_computed_tokens
         return plan.tokens, True
 
-    def update_state_after_alloc(
-        self, request: Any, blocks: Any, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         self._asked.discard(request.request_id)
-        if (self._fence_reads and num_external_tokens > 0 and is_d_params(params)
-                and not params.get("_remote_blocks_processed")):
+        if (
+            self._fence_reads
+            and num_external_tokens > 0
+            and is_d_params(params)
+            and not params.get("_remote_blocks_processed")
+        ):
             word, base = word_of(params), word_base(params)
             if word is not None and base is not None:
-                self._fence_checks[request.request_id] = (*word, base,
-                                                          str(params["remote_engine_id"]))
+                self._fence_checks[request.request_id] = (
+                    *word,
+                    base,
+                    str(params["remote_engine_id"]),
+                )
         hit = self._hits.pop(request.request_id, None)
-        if (hit is not None and num_external_tokens > 0 and is_d_params(params)
-                and not params.get("_remote_blocks_processed")):
+        if (
+            hit is not None
+            and num_external_tokens > 0
+            and is_d_params(params)
+            and not params.get("_remote_blocks_processed")
+        ):
             params["remote_block_ids"] = positional_remote_blocks(
-                params["remote_block_ids"], hit, num_external_tokens, self.block_size)
+                params["remote_block_ids"], hit, num_external_tokens, self.block_size
+            )
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -233,13 +264,16 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
                 self._release(rid, "fault", rid)
         elif not fenced and params.get("remote_engine_id") not in self._stock_readers:
             self._stock_readers.add(params.get("remote_engine_id"))
-            log.info("bidir-kv: turns prefilled by engine %s are not fenced (its dict does "
-                     "not advertise the fence); they are kept until its notification or the "
-                     "TTL, as vLLM keeps them (logged once per engine).",
-                     params.get("remote_engine_id"))
+            log.info(
+                "bidir-kv: turns prefilled by engine %s are not fenced (its dict does "
+                "not advertise the fence); they are kept until its notification or the "
+                "TTL, as vLLM keeps them (logged once per engine).",
+                params.get("remote_engine_id"),
+            )
         if self._budget is not None and self._total_blocks:
-            for victim in self._turns.over_budget(self._budget, self._total_blocks, keep=rid,
-                                                  releasing=self._releasing):
+            for victim in self._turns.over_budget(
+                self._budget, self._total_blocks, keep=rid, releasing=self._releasing
+            ):
                 self._release(victim, "budget", rid)
 
     def _pressure(self, waiting: str) -> None:
@@ -253,11 +287,18 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         self._releasing.add(victim)
         self._to_release.add(victim)
         self.num_released_early[reason] += 1
-        why = {"budget": "over the retention budget", "fault": "fault injection",
-               "pressure": "a request is waiting for KV blocks"}[reason]
-        log.info("bidir-kv: releasing fenced retained turn %s before its TTL (%s; for "
-                 "request %s); its fence word changes before its blocks are freed.",
-                 victim, why, for_request)
+        why = {
+            "budget": "over the retention budget",
+            "fault": "fault injection",
+            "pressure": "a request is waiting for KV blocks",
+        }[reason]
+        log.info(
+            "bidir-kv: releasing fenced retained turn %s before its TTL (%s; for "
+            "request %s); its fence word changes before its blocks are freed.",
+            victim,
+            why,
+            for_request,
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
@@ -286,14 +327,22 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
             return
         self._refused_peers.add((why, *peer))
         if why == Refusal.REMOTE_PREFILL_ON_P:
-            text = ("this is a prefill node (kv_role kv_producer) and was given "
-                    "do_remote_prefill params")
+            text = (
+                "this is a prefill node (kv_role kv_producer) and was given "
+                "do_remote_prefill params"
+            )
         else:
             allowed = self._allow.describe() if self._allow is not None else ""
             text = f"the peer is outside {ALLOWLIST_CONFIG_KEY} ({allowed})"
-        log.warning("bidir-kv: request %s: not connecting to engine %s at %s:%s: %s; "
-                    "computing locally (logged once per peer).", request.request_id,
-                    peer[0], peer[1], params.get("remote_port"), text)
+        log.warning(
+            "bidir-kv: request %s: not connecting to engine %s at %s:%s: %s; "
+            "computing locally (logged once per peer).",
+            request.request_id,
+            peer[0],
+            peer[1],
+            params.get("remote_port"),
+            text,
+        )
 
     @staticmethod
     def _log_plan(req_id: RequestId, plan: PullPlan) -> None:
@@ -301,9 +350,15 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
             level = logging.WARNING if plan.reason == Refusal.FEATURE_OFF else logging.INFO
             log.log(level, "bidir-kv: request %s: %s.", req_id, _WHY[Refusal(plan.reason)])
         elif plan.capped:
-            log.info("bidir-kv: request %s: the prompt continues D's sequence for %d tokens "
-                     "only; reading %d of the %d tokens stock vLLM would read (vLLM issue "
-                     "#43094).", req_id, plan.verified, plan.tokens, plan.offered)
+            log.info(
+                "bidir-kv: request %s: the prompt continues D's sequence for %d tokens "
+                "only; reading %d of the %d tokens stock vLLM would read (vLLM issue "
+                "#43094).",
+                req_id,
+                plan.verified,
+                plan.tokens,
+                plan.offered,
+            )
         else:
             log.debug("bidir-kv: request %s: %s, %d tokens.", req_id, plan.reason, plan.tokens)
 
@@ -319,7 +374,8 @@ class BidirKVConnector(NixlPullConnector):
             # vLLM's scheduler built by super() has started nothing yet (its handshake
             # listener starts with set_xfer_handshake_metadata), so replacing it is safe.
             self.connector_scheduler = BidirKVScheduler(
-                vllm_config, self.engine_id, kv_cache_config)
+                vllm_config, self.engine_id, kv_cache_config
+            )
         elif self.connector_worker is not None:
             # the worker holds a NIXL agent already: change its class, not the object
             self.connector_worker.__class__ = BidirKVWorker

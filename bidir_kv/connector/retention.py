@@ -63,7 +63,11 @@ class RetainedTurns:
         return turn is not None and turn.slot is not None
 
     def over_budget(
-        self, budget: float, total_blocks: int, *, keep: str = "",
+        self,
+        budget: float,
+        total_blocks: int,
+        *,
+        keep: str = "",
         releasing: set[str] | frozenset[str] = frozenset(),
     ) -> list[str]:
         """Oldest fenced turns to release so retained blocks fit the budget (turns

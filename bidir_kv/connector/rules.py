@@ -32,8 +32,14 @@ from bidir_kv.policy import (
 from bidir_kv.wire.ids import BlockIds
 from bidir_kv.wire.params import HeldTokens
 
-__all__ = ["PullPlan", "Refusal", "is_d_params", "peer_refusal", "plan_pull",
-           "positional_remote_blocks"]
+__all__ = [
+    "PullPlan",
+    "Refusal",
+    "is_d_params",
+    "peer_refusal",
+    "plan_pull",
+    "positional_remote_blocks",
+]
 
 _REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
@@ -93,7 +99,8 @@ def peer_refusal(
     if prefill and producer:
         return Refusal.REMOTE_PREFILL_ON_P
     if allowlist is not None and not allowlist.allows(
-            params.get("remote_engine_id"), params.get("remote_host")):
+        params.get("remote_engine_id"), params.get("remote_host")
+    ):
         return Refusal.PEER_NOT_ALLOWED
     return None
 
@@ -141,12 +148,20 @@ def plan_pull(
         # prompt continues and leaves D's chain as D wrote it (docs/connector.md §3.3)
         held = HeldTokens.from_params(params)
         ok = held is not None and held.block_size == block_size and held.num_tokens >= remote
-        verified = (min(remote, verified_continuation(held.chain, held.tail, held.num_tokens,
-                                                      prompt, block_size)) if ok and held else 0)
+        verified = (
+            min(
+                remote,
+                verified_continuation(held.chain, held.tail, held.num_tokens, prompt, block_size),
+            )
+            if ok and held
+            else 0
+        )
     decision = pull_decision(
-        prompt_tokens=len(prompt), local_hit_tokens=num_computed,
+        prompt_tokens=len(prompt),
+        local_hit_tokens=num_computed,
         remote_num_tokens=remote if verified is None else min(remote, verified),
-        block_size=block_size, threshold=threshold,
+        block_size=block_size,
+        threshold=threshold,
     )
     return PullPlan(decision.tokens, offered, verified, str(decision.reason))
 

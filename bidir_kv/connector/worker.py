@@ -80,17 +80,24 @@ class BidirKVWorker(NixlPullConnectorWorker):
         scratch = self._bidir_scratch
         try:
             descs = self.nixl_wrapper.get_reg_descs(
-                [(words.ctypes.data, words.nbytes, 0, ""),
-                 (scratch.ctypes.data, scratch.nbytes, 0, "")], _MEM)
+                [
+                    (words.ctypes.data, words.nbytes, 0, ""),
+                    (scratch.ctypes.data, scratch.nbytes, 0, ""),
+                ],
+                _MEM,
+            )
             self.nixl_wrapper.register_memory(descs, backends=self.nixl_backends)
             self._registered_descs.append(descs)  # vLLM deregisters them at shutdown
             local = self.nixl_wrapper.get_xfer_descs(
-                [(scratch.ctypes.data + 8 * i, 8, 0) for i in range(_SCRATCH)], _MEM)
-            self._bidir_scratch_dlist = self.nixl_wrapper.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", local)
+                [(scratch.ctypes.data + 8 * i, 8, 0) for i in range(_SCRATCH)], _MEM
+            )
+            self._bidir_scratch_dlist = self.nixl_wrapper.prep_xfer_dlist("NIXL_INIT_AGENT", local)
         except Exception as exc:
-            log.warning("bidir-kv: the fence words could not be registered with NIXL (%s); "
-                        "running without the fence (stock behaviour).", exc)
+            log.warning(
+                "bidir-kv: the fence words could not be registered with NIXL (%s); "
+                "running without the fence (stock behaviour).",
+                exc,
+            )
             return
         self._bidir_words = words
 
@@ -111,8 +118,11 @@ class BidirKVWorker(NixlPullConnectorWorker):
             held = rid in self._reqs_to_send or rid in self._reqs_to_process
             self._bidir_bump(rid)
             if rid in scribble:  # fault injection: the blocks' next owner writes them
-                log.warning("bidir-kv: fault: released turn %s and overwrote %d block "
-                            "region(s).", rid, self._bidir_scribble(scribble[rid]))
+                log.warning(
+                    "bidir-kv: fault: released turn %s and overwrote %d block region(s).",
+                    rid,
+                    self._bidir_scribble(scribble[rid]),
+                )
             if held:  # not already notified or reaped: report it once, as sent
                 self._reqs_to_send.pop(rid, None)
                 self._reqs_to_process.discard(rid)
@@ -166,8 +176,11 @@ class BidirKVWorker(NixlPullConnectorWorker):
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
         done, failed = super()._pop_done_transfers(transfers)
         checks: dict[str, tuple[int, int, int, str]] | None = getattr(self, "_bidir_checks", None)
-        if checks is None or transfers is not self._recving_transfers or (
-                not checks and not self._bidir_reads):
+        if (
+            checks is None
+            or transfers is not self._recving_transfers
+            or (not checks and not self._bidir_reads)
+        ):
             return done, failed
         for rid in failed:
             checks.pop(rid, None)
@@ -194,8 +207,11 @@ class BidirKVWorker(NixlPullConnectorWorker):
             if value == gen:
                 done.add(rid)
             else:
-                why = (f"its fence word changed during the read ({gen} -> {value})"
-                       if value is not None else f"its fence word READ ended in {state}")
+                why = (
+                    f"its fence word changed during the read ({gen} -> {value})"
+                    if value is not None
+                    else f"its fence word READ ended in {state}"
+                )
                 self._bidir_discard(rid, engine, why)
                 failed.add(rid)
         return done, failed
@@ -210,13 +226,15 @@ class BidirKVWorker(NixlPullConnectorWorker):
             remote = self._bidir_remote.get((engine, base))
             if remote is None:
                 descs = self.nixl_wrapper.get_xfer_descs(
-                    [(base + 8 * i, 8, 0) for i in range(FENCE_SLOTS)], _MEM)
+                    [(base + 8 * i, 8, 0) for i in range(FENCE_SLOTS)], _MEM
+                )
                 remote = self.nixl_wrapper.prep_xfer_dlist(name, descs)
                 self._bidir_remote[(engine, base)] = remote
             idx = self._bidir_scratch_free.popleft()
             self._bidir_scratch[idx] = 0
             handle = self.nixl_wrapper.make_prepped_xfer(
-                "READ", self._bidir_scratch_dlist, [idx], remote, [slot])
+                "READ", self._bidir_scratch_dlist, [idx], remote, [slot]
+            )
             self.nixl_wrapper.transfer(handle)
         except Exception as exc:
             log.warning("bidir-kv: fence word READ of engine %s failed to post: %s", engine, exc)
@@ -226,6 +244,11 @@ class BidirKVWorker(NixlPullConnectorWorker):
 
     def _bidir_discard(self, rid: str, engine: str, why: str) -> None:
         self.num_fence_discarded += 1
-        log.warning("bidir-kv: fence: engine %s may have released the blocks request %s "
-                    "read: %s; discarding the read (recomputed under kv_load_failure_policy "
-                    "recompute).", engine, rid, why)
+        log.warning(
+            "bidir-kv: fence: engine %s may have released the blocks request %s "
+            "read: %s; discarding the read (recomputed under kv_load_failure_policy "
+            "recompute).",
+            engine,
+            rid,
+            why,
+        )

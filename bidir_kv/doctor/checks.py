@@ -30,8 +30,18 @@ from bidir_kv.fabric.probe import FabricProbe
 from bidir_kv.policy import EXPIRY_SAFETY_MARGIN, cache_ttl_within_retention
 from bidir_kv.scrape import NIXL_EXPIRED, NIXL_FAILED, MetricsSnapshot
 
-__all__ = ["CHECK_NAMES", "DEFAULT_REQUEST_TIMEOUT", "Answer", "Context", "Result", "Status",
-           "get", "host_checks", "node_checks", "router_checks"]
+__all__ = [
+    "CHECK_NAMES",
+    "DEFAULT_REQUEST_TIMEOUT",
+    "Answer",
+    "Context",
+    "Result",
+    "Status",
+    "get",
+    "host_checks",
+    "node_checks",
+    "router_checks",
+]
 
 Status = Literal["PASS", "WARN", "FAIL"]
 EXPIRED = NIXL_EXPIRED
@@ -40,7 +50,8 @@ DECLINE_LINE = "Declining expired remote read"
 LAPSE_LINE = "Releasing expired KV blocks for request"  # a lease reaped on this node
 RAIL_LINES = (re.compile(r"Created rail \d+ \(device="), re.compile(r"mapped to rail"))
 TCP_FALLBACK = re.compile(
-    r"(fall(ing)?\s*back.{0,40}\b(tcp|sockets)\b|provider[=: ]+(tcp|sockets)\b)", re.IGNORECASE)
+    r"(fall(ing)?\s*back.{0,40}\b(tcp|sockets)\b|provider[=: ]+(tcp|sockets)\b)", re.IGNORECASE
+)
 DEFAULT_REQUEST_TIMEOUT = 10.0  # seconds one request may take, all of it
 CLOCK_WARN_S, CLOCK_FAIL_S = 1.0, EXPIRY_SAFETY_MARGIN  # P declines this close to a deadline
 
@@ -83,14 +94,21 @@ def get(url: str, timeout: float = 10.0) -> Answer:
         return Answer(None, problem=f"answered nothing usable ({why[:200]})")
     if 300 <= reply.status < 400:
         where = reply.headers.get("location", "nowhere")
-        return Answer(reply.status, None, reply.headers,
-                      f"answered {reply.status}, redirecting to {where[:120]} (not followed)")
+        return Answer(
+            reply.status,
+            None,
+            reply.headers,
+            f"answered {reply.status}, redirecting to {where[:120]} (not followed)",
+        )
     try:
         body = reply.json()
     except MalformedResponse:
-        return Answer(reply.status, None, reply.headers,
-                      f"answered {reply.status} with a body that is not JSON "
-                      f"({reply.content[:60]!r})")
+        return Answer(
+            reply.status,
+            None,
+            reply.headers,
+            f"answered {reply.status} with a body that is not JSON ({reply.content[:60]!r})",
+        )
     return Answer(reply.status, body, reply.headers)
 
 
@@ -142,8 +160,12 @@ class Context:
         if key not in self.cache:
             left = self.left()
             try:
-                self.cache[key] = within(left, lambda: scrape(url, timeout=left),
-                                         what="GET /metrics", url=url + "/metrics")
+                self.cache[key] = within(
+                    left,
+                    lambda: scrape(url, timeout=left),
+                    what="GET /metrics",
+                    url=url + "/metrics",
+                )
             except ClientError as exc:  # no answer, not 2xx, not in time
                 self.cache[key] = None
                 why = str(exc).removesuffix(f" ({url}/metrics)")
@@ -205,8 +227,12 @@ def check_nodes(ctx: Context) -> Result:
             return Result(name, "FAIL", f"{role} {url}/health {what}", fix)
         answer = ctx.get(url + "/v1/models")
         if answer.problem is not None or answer.status != 200:
-            return Result(name, "FAIL", f"{role} {url}/v1/models "
-                          f"{answer.problem or f'answered {answer.status}'}", fix)
+            return Result(
+                name,
+                "FAIL",
+                f"{role} {url}/v1/models {answer.problem or f'answered {answer.status}'}",
+                fix,
+            )
         try:
             models[role] = _models(answer.body)
         except ValueError as exc:
@@ -231,7 +257,7 @@ def _version(ctx: Context, role: str, url: str) -> tuple[str | None, str | None]
     body = answer.body
     got = body.get("version") if isinstance(body, dict) else None
     if not isinstance(got, str) or not got:
-        return None, f"{where} answered {str(body)[:80]!r}, not {{\"version\": \"X.Y.Z\"}}"
+        return None, f'{where} answered {str(body)[:80]!r}, not {{"version": "X.Y.Z"}}'
     return got, None
 
 
@@ -242,13 +268,19 @@ def check_versions(ctx: Context) -> Result:
     for role, url in (("P", ctx.prefill_url), ("D", ctx.decode_url)):
         got[role], wrong = _version(ctx, role, url)
         if wrong is not None:
-            return Result(name, "FAIL", wrong, "a vLLM server answers /version with "
-                          '{"version": "X.Y.Z"}: is this URL a vLLM node?')
+            return Result(
+                name,
+                "FAIL",
+                wrong,
+                "a vLLM server answers /version with "
+                '{"version": "X.Y.Z"}: is this URL a vLLM node?',
+            )
     for role in ("prefill", "decode"):
         text = ctx.log_text(role) or ""
         if re.search(r"compatibility check failed|incompatible", text, re.IGNORECASE):
-            return Result(name, "FAIL", f"{role} log reports a failed NIXL compatibility check",
-                          fix)
+            return Result(
+                name, "FAIL", f"{role} log reports a failed NIXL compatibility check", fix
+            )
     if got["P"] and got["D"] and got["P"] != got["D"]:
         return Result(name, "FAIL", f"P runs vLLM {got['P']}, D runs {got['D']}", fix)
     if not (got["P"] and got["D"]):
@@ -265,13 +297,18 @@ def _counter(ctx: Context, url: str, name: str) -> float:
 
 def _unreadable(ctx: Context, name: str, url: str) -> Result:
     role = "P" if url == ctx.prefill_url else "D" if url == ctx.decode_url else "router"
-    return Result(name, "FAIL", f"{role} {url}/metrics {ctx.metrics_problem(url)}: "
-                  "this check reads it", "the node must serve Prometheus text on /metrics")
+    return Result(
+        name,
+        "FAIL",
+        f"{role} {url}/metrics {ctx.metrics_problem(url)}: this check reads it",
+        "the node must serve Prometheus text on /metrics",
+    )
 
 
 def needs_metrics(check: Callable[[Context], Result]) -> Callable[[Context], Result]:
     """A check that reads counters: a /metrics it cannot read is its FAIL, never a PASS
     on zeros."""
+
     @functools.wraps(check)
     def checked(ctx: Context) -> Result:
         try:
@@ -289,24 +326,41 @@ def check_expired(ctx: Context) -> Result:
     read them within ``kv_lease_duration`` (each logs LAPSE_LINE). Only the first is a
     TTL problem; the second is :func:`check_lapsed_leases`'s."""
     name = "expired reads"
-    fix = ("D's blocks lapsed between turns: raise decoder_kv_blocks_ttl on D and keep the "
-           "router's --cache-ttl below it")
+    fix = (
+        "D's blocks lapsed between turns: raise decoder_kv_blocks_ttl on D and keep the "
+        "router's --cache-ttl below it"
+    )
     on_p = _counter(ctx, ctx.prefill_url, EXPIRED)
     p_log = ctx.log_text("prefill")
     if p_log is None:
         if on_p:
-            return Result(name, "FAIL", f"P: {on_p:.0f} expired requests ({EXPIRED}): declined "
-                          "reads or P's own lapsed leases; pass --prefill-log to tell them "
-                          "apart", fix)
+            return Result(
+                name,
+                "FAIL",
+                f"P: {on_p:.0f} expired requests ({EXPIRED}): declined "
+                "reads or P's own lapsed leases; pass --prefill-log to tell them "
+                "apart",
+                fix,
+            )
     else:
         declines = p_log.count(DECLINE_LINE)
         if declines:
-            return Result(name, "FAIL", f"P declined {declines} reads of D's blocks as expired "
-                          f"('{DECLINE_LINE}' in P's log; {EXPIRED} = {on_p:.0f})", fix)
+            return Result(
+                name,
+                "FAIL",
+                f"P declined {declines} reads of D's blocks as expired "
+                f"('{DECLINE_LINE}' in P's log; {EXPIRED} = {on_p:.0f})",
+                fix,
+            )
     on_d = _counter(ctx, ctx.decode_url, EXPIRED)
     if on_d:
-        return Result(name, "WARN", f"D freed {on_d:.0f} requests' blocks unread at the TTL "
-                      "(turns that never came back, or came back too late)", fix)
+        return Result(
+            name,
+            "WARN",
+            f"D freed {on_d:.0f} requests' blocks unread at the TTL "
+            "(turns that never came back, or came back too late)",
+            fix,
+        )
     return Result(name, "PASS", "P declined no read as expired; D freed no blocks unread")
 
 
@@ -316,15 +370,21 @@ def check_lapsed_leases(ctx: Context) -> Result:
     (a cancelled request), or D could not start its read in time (overloaded, stalled).
     Neither loses KV a later turn needs, so it is a WARN; many of them are worth a look."""
     name = "P leases lapsed"
-    fix = ("check that D keeps up (queue, CPU) and that every P answer gets its D leg; "
-           "raise kv_lease_duration on P if D is slow to start reads")
+    fix = (
+        "check that D keeps up (queue, CPU) and that every P answer gets its D leg; "
+        "raise kv_lease_duration on P if D is slow to start reads"
+    )
     p_log = ctx.log_text("prefill")
     if p_log is None:
         return Result(name, "PASS", "not checked: no P log given (--prefill-log)")
     lapsed = p_log.count(LAPSE_LINE)
     if lapsed:
-        return Result(name, "WARN", f"P freed {lapsed} prefills' blocks that D never read "
-                      f"('{LAPSE_LINE}' in P's log)", fix)
+        return Result(
+            name,
+            "WARN",
+            f"P freed {lapsed} prefills' blocks that D never read ('{LAPSE_LINE}' in P's log)",
+            fix,
+        )
     return Result(name, "PASS", "D read every prefill P held for it")
 
 
@@ -352,25 +412,44 @@ def check_clock(ctx: Context) -> Result:
         try:
             stamp = email.utils.parsedate_to_datetime(date).timestamp()
         except (TypeError, ValueError, IndexError, OverflowError):
-            return Result(name, "FAIL", f"{role} {url}/health sends an invalid Date header "
-                          f"{date[:60]!r}", "the node's HTTP server must send an RFC 9110 Date")
+            return Result(
+                name,
+                "FAIL",
+                f"{role} {url}/health sends an invalid Date header {date[:60]!r}",
+                "the node's HTTP server must send an RFC 9110 Date",
+            )
         stamps.append(stamp - t0)
     offset = abs(stamps[0] - stamps[1])
     skew = ctx.cache.get("deadline_skew")
     if skew is not None and abs(skew) > CLOCK_FAIL_S:
-        return Result(name, "FAIL", f"D's exported deadline is {skew:+.1f} s off this host's "
-                      f"clock + TTL (P declines {CLOCK_FAIL_S:g} s before it)", fix)
+        return Result(
+            name,
+            "FAIL",
+            f"D's exported deadline is {skew:+.1f} s off this host's "
+            f"clock + TTL (P declines {CLOCK_FAIL_S:g} s before it)",
+            fix,
+        )
     if offset > CLOCK_FAIL_S:
         return Result(name, "FAIL", f"HTTP Date headers differ by {offset:.1f} s", fix)
     if offset > CLOCK_WARN_S:
         return Result(name, "WARN", f"HTTP Date headers differ by {offset:.1f} s", fix)
-    return Result(name, "PASS", f"Date headers within {CLOCK_WARN_S:g} s"
-                  + (f"; D's deadline {skew:+.1f} s from expected" if skew is not None else ""))
+    return Result(
+        name,
+        "PASS",
+        f"Date headers within {CLOCK_WARN_S:g} s"
+        + (f"; D's deadline {skew:+.1f} s from expected" if skew is not None else ""),
+    )
 
 
 def node_checks() -> list[Callable[[Context], Result]]:
-    return [check_nodes, check_versions, check_expired, check_lapsed_leases, check_failed,
-            check_clock]
+    return [
+        check_nodes,
+        check_versions,
+        check_expired,
+        check_lapsed_leases,
+        check_failed,
+        check_clock,
+    ]
 
 
 # ---- router -----------------------------------------------------------------------
@@ -396,11 +475,17 @@ def check_router_ttl(ctx: Context) -> Result:
     try:
         ttl, d_ttl = float(cfg.get("cache_ttl", 0)), float(d_ttl)
     except (TypeError, ValueError):
-        return Result(name, "FAIL", f"router {ctx.router_url}/health config: cache_ttl "
-                      f"{cfg.get('cache_ttl')!r} or D's TTL {d_ttl!r} is not a number", fix)
+        return Result(
+            name,
+            "FAIL",
+            f"router {ctx.router_url}/health config: cache_ttl "
+            f"{cfg.get('cache_ttl')!r} or D's TTL {d_ttl!r} is not a number",
+            fix,
+        )
     if not cache_ttl_within_retention(ttl, float(d_ttl)):
-        return Result(name, "FAIL", f"router --cache-ttl {ttl:g} s >= D's TTL {float(d_ttl):g} s",
-                      fix)
+        return Result(
+            name, "FAIL", f"router --cache-ttl {ttl:g} s >= D's TTL {float(d_ttl):g} s", fix
+        )
     return Result(name, "PASS", f"router {ttl:g} s < D {float(d_ttl):g} s")
 
 
@@ -411,8 +496,13 @@ def check_router_ids(ctx: Context) -> Result:
         return Result(name, "WARN", "no router given: not checked")
     snap = ctx.metrics(ctx.router_url)
     if snap is None:
-        return Result(name, "FAIL", f"router {ctx.router_url}/metrics "
-                      f"{ctx.metrics_problem(ctx.router_url)}: this check reads it", fix)
+        return Result(
+            name,
+            "FAIL",
+            f"router {ctx.router_url}/metrics "
+            f"{ctx.metrics_problem(ctx.router_url)}: this check reads it",
+            fix,
+        )
     no_id = snap.value("bidir_kv_router_cache_misses_total", reason="no_id")
     hits = snap.value("bidir_kv_router_cache_hits_total")
     if no_id and not hits:
@@ -434,11 +524,15 @@ def check_efa(ctx: Context) -> Result:
     fix = "install the EFA software and use EFA-enabled interfaces, else NIXL runs over TCP"
     exe = shutil.which("fi_info")
     if exe is None:
-        return Result(name, "WARN", "fi_info not found: not an EFA host, or libfabric missing",
-                      fix)
+        return Result(name, "WARN", "fi_info not found: not an EFA host, or libfabric missing", fix)
     try:
-        out = subprocess.run([exe, "-p", "efa", "-t", "FI_EP_RDM"], capture_output=True,
-                             text=True, timeout=30, check=False)
+        out = subprocess.run(
+            [exe, "-p", "efa", "-t", "FI_EP_RDM"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Result(name, "FAIL", f"fi_info failed: {exc}", fix)
     if out.returncode != 0 or "provider: efa" not in out.stdout:
@@ -456,13 +550,15 @@ def check_rails(ctx: Context) -> Result:
     for role, text in given.items():
         hit = TCP_FALLBACK.search(text)
         if hit:
-            return Result(name, "FAIL", f"{role} log: NIXL fell back to TCP ({hit.group(0)!r})",
-                          fix)
+            return Result(
+                name, "FAIL", f"{role} log: NIXL fell back to TCP ({hit.group(0)!r})", fix
+            )
     counts = {role: [len(p.findall(t)) for p in RAIL_LINES] for role, t in given.items()}
     if not any(sum(c) for c in counts.values()):
         return Result(name, "WARN", "no rail lines in the logs", fix)
-    return Result(name, "PASS", ", ".join(f"{r}: {c[0]} rails, {c[1]} mappings"
-                                          for r, c in counts.items()))
+    return Result(
+        name, "PASS", ", ".join(f"{r}: {c[0]} rails, {c[1]} mappings" for r, c in counts.items())
+    )
 
 
 def host_checks(ctx: Context) -> list[Callable[[Context], Result]]:

@@ -22,9 +22,18 @@ from bidir_kv.policy import ROOT_HASH
 from bidir_kv.protocol import KVTransferParams, ProtocolError, params_from_request
 
 __all__ = [
-    "ApiError", "ParsedRequest", "chat_logprobs", "completion_logprobs", "error_body",
-    "logprob_entries", "now_s", "parse_request", "render_prompt", "salt_root", "usage",
-]  # fmt: skip
+    "ApiError",
+    "ParsedRequest",
+    "chat_logprobs",
+    "completion_logprobs",
+    "error_body",
+    "logprob_entries",
+    "now_s",
+    "parse_request",
+    "render_prompt",
+    "salt_root",
+    "usage",
+]
 
 
 class ApiError(IntakeError):
@@ -211,8 +220,10 @@ def logprob_entries(
         lp, alts = emulated_logprobs(t, start + i, max(0, top - 1))
         text = tokenizer.decode([t], skip_special_tokens=False)
         ranked = [(text, lp)] if top else []
-        ranked += [(tokenizer.decode([a], skip_special_tokens=False), lp - 0.5 * (k + 1))
-                   for k, a in enumerate(alts)]  # fmt: skip
+        ranked += [
+            (tokenizer.decode([a], skip_special_tokens=False), lp - 0.5 * (k + 1))
+            for k, a in enumerate(alts)
+        ]
         out.append((text, lp, ranked))
     return out
 

@@ -76,8 +76,10 @@ async def run_engine(settings: EngineSettings, stop: asyncio.Event) -> None:
         try:
             await site.start()
         except OSError as exc:
-            raise OSError(f"HTTP server cannot listen on {settings.host}:{settings.port}: "
-                          f"{exc.strerror or exc}") from None  # fmt: skip
+            raise OSError(
+                f"HTTP server cannot listen on {settings.host}:{settings.port}: "
+                f"{exc.strerror or exc}"
+            ) from None
         await worker.start(core.on_notification, http_port=_bound_port(runner, settings.port))
         core.start()
         routes.ready = True
@@ -109,8 +111,10 @@ def _log_ready(
     )
     allow = settings.kv.peer_allowlist
     if allow is None:
-        logger.info("bidir_kv_peer_allowlist is unset: KV is read from any peer that "
-                    "kv_transfer_params name (vLLM's behaviour)")
+        logger.info(
+            "bidir_kv_peer_allowlist is unset: KV is read from any peer that "
+            "kv_transfer_params name (vLLM's behaviour)"
+        )
     else:
         logger.info("Peer allowlist: KV is read only from %s", allow.describe())
     for note in emulation_notes(settings, worker.agent.backend):
@@ -135,9 +139,7 @@ def emulation_notes(settings: EngineSettings, backend: str) -> list[str]:
             f"kv_buffer_device={kv.kv_buffer_device!r}: emulated; the KV pool is host memory"
         )
     if list(kv.backends) != ["UCX"]:
-        notes.append(
-            f"NIXL backends {list(kv.backends)}: emulated; KV moves over {backend}"
-        )
+        notes.append(f"NIXL backends {list(kv.backends)}: emulated; KV moves over {backend}")
     return notes
 
 

@@ -58,12 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=_default("enable_chunked_prefill"),
     )
-    p.add_argument("-tp", "--tensor-parallel-size", type=int,
-                   default=_default("tensor_parallel_size"),
-                   help="emulated ranks: KV bytes per rank = total / N (one process)")
-    p.add_argument("--tokenizer", default=_default("tokenizer"), metavar="DIR",
-                   help="a local Hugging Face tokenizer directory (tokenizer.json); "
-                   "default: the builtin tokenizer")
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=_default("tensor_parallel_size"),
+        help="emulated ranks: KV bytes per rank = total / N (one process)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=_default("tokenizer"),
+        metavar="DIR",
+        help="a local Hugging Face tokenizer directory (tokenizer.json); "
+        "default: the builtin tokenizer",
+    )
     for flag in ("--dtype", "--gpu-memory-utilization", "--seed", "--uvicorn-log-level"):
         p.add_argument(flag, default=None, help="accepted, no effect in the emulator")
     p.add_argument("--enforce-eager", action="store_true", help="accepted, no effect")
@@ -114,28 +122,52 @@ def _add_emulator_flags(group: argparse._ArgumentGroup) -> None:
     # operations (issue 16): safe defaults; "pin" and "vllm" reproduce vLLM 0.32
     from bidir_kv.engine.settings import PeerCache, RetainedBlocks
 
-    group.add_argument("--retained-blocks", choices=get_args(RetainedBlocks),
-                       default=_default("retained_blocks"),
-                       help="evict retained turns before new work waits, or pin them to TTL")
-    group.add_argument("--max-waiting-seconds", type=float, metavar="S",
-                       default=_default("max_waiting_seconds"),
-                       help="a request queued this long fails with 503 (0: wait forever)")
-    group.add_argument("--max-body-bytes", type=int, metavar="N",
-                       default=_default("max_body_bytes"),
-                       help="a larger request body is a 413 (bidir-kv only; vLLM has no limit)")
-    group.add_argument("--health-stall-seconds", type=float, metavar="S",
-                       default=_default("health_stall_seconds"),
-                       help="/health is 503 when running work saw no step this long")
-    group.add_argument("--enable-admin", dest="admin", action="store_true",
-                       help="serve /_emulator/faults and /_emulator/state to any caller "
-                       "(off by default: 403)")
-    group.add_argument("--admin-token", default=os.environ.get("BIDIR_KV_ADMIN_TOKEN"),
-                       metavar="TOKEN",
-                       help="serve them to callers sending 'Authorization: Bearer TOKEN' "
-                       "(default: $BIDIR_KV_ADMIN_TOKEN)")
-    group.add_argument("--peer-cache", choices=get_args(PeerCache),
-                       default=_default("peer_cache"),
-                       help="safe: re-handshake a restarted peer; vllm: keep it by engine id")
+    group.add_argument(
+        "--retained-blocks",
+        choices=get_args(RetainedBlocks),
+        default=_default("retained_blocks"),
+        help="evict retained turns before new work waits, or pin them to TTL",
+    )
+    group.add_argument(
+        "--max-waiting-seconds",
+        type=float,
+        metavar="S",
+        default=_default("max_waiting_seconds"),
+        help="a request queued this long fails with 503 (0: wait forever)",
+    )
+    group.add_argument(
+        "--max-body-bytes",
+        type=int,
+        metavar="N",
+        default=_default("max_body_bytes"),
+        help="a larger request body is a 413 (bidir-kv only; vLLM has no limit)",
+    )
+    group.add_argument(
+        "--health-stall-seconds",
+        type=float,
+        metavar="S",
+        default=_default("health_stall_seconds"),
+        help="/health is 503 when running work saw no step this long",
+    )
+    group.add_argument(
+        "--enable-admin",
+        dest="admin",
+        action="store_true",
+        help="serve /_emulator/faults and /_emulator/state to any caller (off by default: 403)",
+    )
+    group.add_argument(
+        "--admin-token",
+        default=os.environ.get("BIDIR_KV_ADMIN_TOKEN"),
+        metavar="TOKEN",
+        help="serve them to callers sending 'Authorization: Bearer TOKEN' "
+        "(default: $BIDIR_KV_ADMIN_TOKEN)",
+    )
+    group.add_argument(
+        "--peer-cache",
+        choices=get_args(PeerCache),
+        default=_default("peer_cache"),
+        help="safe: re-handshake a restarted peer; vllm: keep it by engine id",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,8 +190,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _check_sizes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    names = ("tensor_parallel_size", "block_size", "max_model_len", "kv_capacity_tokens",
-             "max_num_seqs")  # fmt: skip
+    names = (
+        "tensor_parallel_size",
+        "block_size",
+        "max_model_len",
+        "kv_capacity_tokens",
+        "max_num_seqs",
+    )
     for name in names:
         if getattr(ns, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")

@@ -143,7 +143,9 @@ class ConnectorWorker:
 
     def local_metadata(self) -> EngineMetadata:
         env: dict[str, Any] = {
-            "envelope": _ENVELOPE, "agent": self.agent.metadata(), "http_port": self.http_port
+            "envelope": _ENVELOPE,
+            "agent": self.agent.metadata(),
+            "http_port": self.http_port,
         }
         if self.tp_size != 1:  # absent means 1: a TP 1 handshake is unchanged
             env["tp_size"] = self.tp_size
@@ -191,9 +193,12 @@ class ConnectorWorker:
                 logger.info(
                     "Engine %s at %s:%d restarted or re-registered (generation %d -> %d); "
                     "handshaking again",
-                    known.engine_id, host, port, known.info.meta.registration_generation,
+                    known.engine_id,
+                    host,
+                    port,
+                    known.info.meta.registration_generation,
                     generation,
-                )  # fmt: skip
+                )
             peer = await self._handshake(host, port, engine_id)
             self._peers[key] = peer
         if not by_engine_id and generation is not None:
@@ -214,8 +219,9 @@ class ConnectorWorker:
         for key, cached in list(self._peers.items()):
             if cached is peer:
                 del self._peers[key]
-                logger.info("Dropping cached peer %s; the next request handshakes again",
-                            peer.engine_id)  # fmt: skip
+                logger.info(
+                    "Dropping cached peer %s; the next request handshakes again", peer.engine_id
+                )
 
     def drop_engine(self, engine_id: EngineId) -> int:
         """Forget every cached handshake with ``engine_id`` (``POST /drop_peer``); how many."""
@@ -223,8 +229,7 @@ class ConnectorWorker:
         for key in keys:
             del self._peers[key]
         if keys:
-            logger.info("Dropped peer %s on request; the next request handshakes again",
-                        engine_id)
+            logger.info("Dropped peer %s on request; the next request handshakes again", engine_id)
         return len(keys)
 
     async def _handshake(self, host: str, port: int, engine_id: EngineId | None) -> Peer:
@@ -311,9 +316,7 @@ class ConnectorWorker:
         if self.faults.roll(self.faults.delay_transfers) and self.faults.delay_seconds > 0:
             await asyncio.sleep(self.faults.delay_seconds)
         local_rows, remote_rows = self.rank_rows(local), self.rank_rows(remote)
-        res = await self.agent.read(
-            peer.agent_name, local_rows, remote_rows, notification.encode()
-        )
+        res = await self.agent.read(peer.agent_name, local_rows, remote_rows, notification.encode())
         if floor is None and self.transfer_floor is not None:
             floor = self.transfer_floor(tokens)
         if floor is not None:

@@ -50,8 +50,10 @@ class Faults:
             if f.name in ("fail_transfers", "delay_transfers", "drop_notifications"):
                 if not 0.0 <= v <= 1.0:
                     raise FaultError(f"{f.name}: must be a fraction in [0, 1], got {v}")
-            elif f.name in ("exit_on_request", "exit_after_tokens", "delay_seconds",
-                            "stall_seconds") and v < 0:  # fmt: skip
+            elif (
+                f.name in ("exit_on_request", "exit_after_tokens", "delay_seconds", "stall_seconds")
+                and v < 0
+            ):
                 raise FaultError(f"{f.name}: must be >= 0, got {v}")
 
     def update(self, changes: Any) -> None:
@@ -97,8 +99,11 @@ def add_fault_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fault-drop-notifications", type=float, default=0.0, metavar="FRACTION")
     g.add_argument("--fault-stall-seconds", type=float, default=0.0, metavar="S")
     g.add_argument("--fault-stall", action="store_true", help="no scheduler steps until cleared")
-    g.add_argument("--fault-release-on-claim", action="store_true",
-                   help="D releases a fenced turn and rewrites its blocks while it is read")
+    g.add_argument(
+        "--fault-release-on-claim",
+        action="store_true",
+        help="D releases a fenced turn and rewrites its blocks while it is read",
+    )
     g.add_argument("--fault-seed", type=int, default=0)
 
 

@@ -92,8 +92,12 @@ def fence_enabled(extra: Mapping[str, Any], *, pinned: bool) -> bool:
     that is not a boolean is one warning and no fence (stock behaviour)."""
     enabled = extra.get(FENCE_CONFIG_KEY, True)
     if not isinstance(enabled, bool):
-        logger.warning("kv_connector_extra_config.%s must be true or false, got %r; running "
-                       "without the fence (stock behaviour)", FENCE_CONFIG_KEY, enabled)
+        logger.warning(
+            "kv_connector_extra_config.%s must be true or false, got %r; running "
+            "without the fence (stock behaviour)",
+            FENCE_CONFIG_KEY,
+            enabled,
+        )
         return False
     return enabled and not pinned
 

@@ -23,41 +23,101 @@ from typing import Any
 
 __all__ = ["HONOURED", "NO_EFFECT", "NUMERIC_NO_EFFECT", "REFUSED", "refused_field"]
 
-HONOURED = frozenset({
-    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stream",
-    "stream_options", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-    "min_tokens", "seed", "logprobs", "top_logprobs", "skip_special_tokens",
-    "add_generation_prompt", "add_special_tokens", "chat_template_kwargs", "cache_salt",
-    "kv_transfer_params", "return_token_ids",
-})  # fmt: skip
+HONOURED = frozenset(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "stream",
+        "stream_options",
+        "stop",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "ignore_eos",
+        "min_tokens",
+        "seed",
+        "logprobs",
+        "top_logprobs",
+        "skip_special_tokens",
+        "add_generation_prompt",
+        "add_special_tokens",
+        "chat_template_kwargs",
+        "cache_salt",
+        "kv_transfer_params",
+        "return_token_ids",
+    }
+)
 
 # Numbers the emulated model does not use (greedy, deterministic decoding).
-NUMERIC_NO_EFFECT = frozenset({
-    "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-    "repetition_penalty", "length_penalty", "priority", "stream_interval",
-    "routed_experts_prompt_start", "thinking_token_budget",
-})  # fmt: skip
+NUMERIC_NO_EFFECT = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "length_penalty",
+        "priority",
+        "stream_interval",
+        "routed_experts_prompt_start",
+        "thinking_token_budget",
+    }
+)
 
-NO_EFFECT = NUMERIC_NO_EFFECT | frozenset({
-    "user", "request_id", "session_id", "spaces_between_special_tokens",
-    "truncation_side", "parallel_tool_calls", "include_reasoning", "reasoning_effort",
-    "media_io_kwargs", "mm_processor_kwargs",
-})  # fmt: skip
+NO_EFFECT = NUMERIC_NO_EFFECT | frozenset(
+    {
+        "user",
+        "request_id",
+        "session_id",
+        "spaces_between_special_tokens",
+        "truncation_side",
+        "parallel_tool_calls",
+        "include_reasoning",
+        "reasoning_effort",
+        "media_io_kwargs",
+        "mm_processor_kwargs",
+    }
+)
 
 # field -> extra neutral values besides None / False / "" / [] / {}
 REFUSED: Mapping[str, tuple[Any, ...]] = {
-    "echo": (), "documents": (), "suffix": (), "logit_bias": (),
+    "echo": (),
+    "documents": (),
+    "suffix": (),
+    "logit_bias": (),
     "response_format": ({"type": "text"},),
-    "tools": (), "tool_choice": ("none", "auto"), "use_beam_search": (),
-    "prompt_logprobs": (), "logprob_token_ids": (), "allowed_token_ids": (),
-    "bad_words": (), "continue_final_message": (), "chat_template": (),
-    "truncate_prompt_tokens": (), "structured_outputs": (), "guided_json": (),
-    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "best_of": (1,),
-    "return_tokens_as_token_ids": (), "return_token_offsets": (),
-    "return_prompt_text": (), "mm_payload": (), "return_mm_kwargs": (),
-    "ec_transfer_params": (), "vllm_xargs": (), "repetition_detection": (),
-    "prompt_embeds": (), "watermarking": (),
-}  # fmt: skip
+    "tools": (),
+    "tool_choice": ("none", "auto"),
+    "use_beam_search": (),
+    "prompt_logprobs": (),
+    "logprob_token_ids": (),
+    "allowed_token_ids": (),
+    "bad_words": (),
+    "continue_final_message": (),
+    "chat_template": (),
+    "truncate_prompt_tokens": (),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "best_of": (1,),
+    "return_tokens_as_token_ids": (),
+    "return_token_offsets": (),
+    "return_prompt_text": (),
+    "mm_payload": (),
+    "return_mm_kwargs": (),
+    "ec_transfer_params": (),
+    "vllm_xargs": (),
+    "repetition_detection": (),
+    "prompt_embeds": (),
+    "watermarking": (),
+}
 
 
 def _neutral(key: str, value: Any) -> bool:

@@ -24,5 +24,6 @@ def verified_tokens(
     """Tokens at the start of ``prompt`` whose KV the owner provably holds
     (``policy.verified_continuation``; ``prompt_chain`` is ``block_hashes(prompt)``,
     which the engine keeps)."""
-    return verified_continuation(owner.chain, owner.tail, owner.num_tokens, prompt,
-                                 block_size, prompt_hashes=prompt_chain)
+    return verified_continuation(
+        owner.chain, owner.tail, owner.num_tokens, prompt, block_size, prompt_hashes=prompt_chain
+    )

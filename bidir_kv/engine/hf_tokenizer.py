@@ -33,8 +33,15 @@ from bidir_kv.errors import ConfigError
 __all__ = ["HFTokenizer", "IncrementalDetokenizer", "TokenizerLoadError"]
 
 # The named special tokens transformers hands a chat template as variables.
-_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                    "cls_token", "mask_token")  # fmt: skip
+_TEMPLATE_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 _REPLACEMENT = "\ufffd"
 
 
@@ -62,18 +69,25 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None,
-            separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # transformers' variant: no HTML escaping, non-ASCII kept (jinja's own escapes both)
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _environment() -> jinja2.Environment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )  # fmt: skip
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -211,9 +225,12 @@ class HFTokenizer:
             words = []
             for i in range(self.vocab_size):
                 text = self._tok.decode([i], skip_special_tokens=True)
-                if len(text) > 1 and text[0] == " " and text[1:].isalpha() and self._tok.encode(
-                    text, add_special_tokens=False
-                ).ids == [i]:
+                if (
+                    len(text) > 1
+                    and text[0] == " "
+                    and text[1:].isalpha()
+                    and self._tok.encode(text, add_special_tokens=False).ids == [i]
+                ):
                     words.append(i)
             self._word_ids = tuple(words)
         return self._word_ids
@@ -231,8 +248,9 @@ class HFTokenizer:
             raise ChatTemplateError(f"the tokenizer at {self.path} has no chat_template")
         variables: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens}
         variables.update(template_vars)
-        variables.update(messages=_template_messages(messages),
-                         add_generation_prompt=add_generation_prompt)  # fmt: skip
+        variables.update(
+            messages=_template_messages(messages), add_generation_prompt=add_generation_prompt
+        )
         try:
             return self._template.render(**variables)
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:

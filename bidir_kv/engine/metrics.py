@@ -16,18 +16,64 @@ from bidir_kv.engine.transport.base import ReadResult
 
 __all__ = ["EngineMetrics", "TransferWindow"]
 
-_TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                 5.0, 10.0)  # fmt: skip
+_TIME_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 _BYTE_BUCKETS = tuple(float(2**k) for k in range(10, 33, 2))
 # the tiers vLLM 0.32 labels vllm:prompt_tokens_cached_by_source with (CacheHitSource);
 # the emulator fills "device" and "p2p", the others stay 0 as on a NixlConnector engine
 CACHE_TIERS = ("device", "host", "p2p", "disk", "external_unspecified")
 _DESC_BUCKETS = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0)
 # vLLM's tokens-per-engine-step buckets (vllm/v1/metrics: powers of two to 16384)
-_ITER_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
-                 8192.0, 16384.0)  # fmt: skip
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_ITER_BUCKETS = (
+    1.0,
+    8.0,
+    16.0,
+    32.0,
+    64.0,
+    128.0,
+    256.0,
+    512.0,
+    1024.0,
+    2048.0,
+    4096.0,
+    8192.0,
+    16384.0,
+)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 @dataclass
@@ -94,9 +140,9 @@ class EngineMetrics:
         self.window = TransferWindow()
         self._create_children()
         if ranks > 1:  # emulator-only, absent at TP 1 so its scrape is unchanged
-            self._gauge(
-                "bidir_kv:tensor_parallel_size", "Emulated tensor-parallel ranks."
-            ).labels(**self.labels).set(ranks)
+            self._gauge("bidir_kv:tensor_parallel_size", "Emulated tensor-parallel ranks.").labels(
+                **self.labels
+            ).set(ranks)
 
     def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
         return Counter(name, doc, [*self.labels, *extra], registry=self.registry)
@@ -143,7 +189,8 @@ class EngineMetrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end latency.", _TTFT_BUCKETS)
         # one observation per engine step that computed tokens: its count is the step count
         self.iteration_tokens = hist(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
             _ITER_BUCKETS,
         )
         self.running = self._gauge("vllm:num_requests_running", "Running.")
@@ -208,13 +255,30 @@ class EngineMetrics:
 
     def _create_children(self) -> None:
         # children exist from the start, so every series scrapes as 0 before first use
-        for m in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
-                  self.prefix_cache_hits, self.external_queries, self.external_hits,
-                  self.ttft, self.e2e, self.iteration_tokens, self.xfer_time, self.post_time,
-                  self.bytes_transferred,
-                  self.num_descriptors, self.failed_transfers, self.failed_notifications,
-                  self.kv_expired, self.kv_evicted, self.notifs_after_expiry, self.kv_mismatch,
-                  self.guard_rejected, self.fence_discarded, self.peer_refused):  # fmt: skip
+        for m in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.external_queries,
+            self.external_hits,
+            self.ttft,
+            self.e2e,
+            self.iteration_tokens,
+            self.xfer_time,
+            self.post_time,
+            self.bytes_transferred,
+            self.num_descriptors,
+            self.failed_transfers,
+            self.failed_notifications,
+            self.kv_expired,
+            self.kv_evicted,
+            self.notifs_after_expiry,
+            self.kv_mismatch,
+            self.guard_rejected,
+            self.fence_discarded,
+            self.peer_refused,
+        ):
             m.labels(**self.labels)
         for reason in ("budget", "pressure"):
             self.released_early.labels(**self.labels, reason=reason)

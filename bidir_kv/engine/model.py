@@ -53,8 +53,24 @@ BYTE_BASE = 5
 WORD_BASE = BYTE_BASE + 256
 VOCAB_SIZE = 1024
 
-_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "pa", "de", "zu", "fe",
-              "go", "bi", "lu", "so")  # fmt: skip
+_SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "ru",
+    "ta",
+    "vo",
+    "shi",
+    "pa",
+    "de",
+    "zu",
+    "fe",
+    "go",
+    "bi",
+    "lu",
+    "so",
+)
 
 
 def _make_words(n: int) -> tuple[str, ...]:

@@ -99,7 +99,8 @@ class HandleOwner:
             word = self._fence_word(req)
             if word is not None:
                 req.out_params = KVTransferParams.build(
-                    **{**req.out_params.to_dict(), FENCE_KEY: word_to_wire(*word)})
+                    **{**req.out_params.to_dict(), FENCE_KEY: word_to_wire(*word)}
+                )
             self._over_budget(req.request_id)
         else:
             self.blocks.free(keep)
@@ -115,10 +116,13 @@ class HandleOwner:
             reader = req.params.remote_engine_id if req.params else None
             if reader not in self._stock_readers:
                 self._stock_readers.add(reader)
-                logger.info("Fence: turns prefilled by engine %s are not fenced (its dict "
-                            "does not advertise the fence); they are kept until its "
-                            "notification or the TTL, as vLLM keeps them (logged once per "
-                            "engine)", reader)
+                logger.info(
+                    "Fence: turns prefilled by engine %s are not fenced (its dict "
+                    "does not advertise the fence); they are kept until its "
+                    "notification or the TTL, as vLLM keeps them (logged once per "
+                    "engine)",
+                    reader,
+                )
             return None
         word = fence.export(req.request_id)
         if word is not None:
@@ -188,8 +192,11 @@ class HandleOwner:
         READ is under way, and reuses the blocks (new bytes) before the reader is done,
         which is exactly the race the fence exists for."""
         rel = self.ledger.evict(request_id)
-        logger.warning("fault release_on_claim: releasing fenced turn %s (%d blocks) during "
-                       "its read", request_id, len(rel.blocks))
+        logger.warning(
+            "fault release_on_claim: releasing fenced turn %s (%d blocks) during its read",
+            request_id,
+            len(rel.blocks),
+        )
         self._release(request_id, list(rel.blocks))
         self.blocks.reuse_free(rel.blocks)  # the blocks' next owner writes them
 
@@ -350,9 +357,14 @@ class HandleOwner:
             if rid == keep_id:
                 continue
             rel = self.ledger.evict(rid)
-            logger.info("Releasing fenced retained turn %s (%d blocks): retained turns hold "
-                        "more than the retention budget (%.2f of %d blocks)", rid,
-                        len(rel.blocks), self.budget, self.blocks.num_usable_blocks)
+            logger.info(
+                "Releasing fenced retained turn %s (%d blocks): retained turns hold "
+                "more than the retention budget (%.2f of %d blocks)",
+                rid,
+                len(rel.blocks),
+                self.budget,
+                self.blocks.num_usable_blocks,
+            )
             self.metrics.inc(self.metrics.released_early, reason="budget")
             self._release(rid, list(rel.blocks))
 

@@ -125,9 +125,12 @@ class PullReader:
                 "Peer allowlist: request %s names engine %s at %s:%s, which is not in "
                 "bidir_kv_peer_allowlist (%s); computing locally, no connection opened "
                 "(logged once per peer)",
-                req.request_id, p.remote_engine_id, p.remote_host, p.remote_port,
+                req.request_id,
+                p.remote_engine_id,
+                p.remote_host,
+                p.remote_port,
                 self.allowlist.describe(),
-            )  # fmt: skip
+            )
         return False
 
     def _readback(self, req: Request, hit: int, params: KVTransferParams) -> bool:
@@ -245,9 +248,7 @@ class PullReader:
                 self._pull_resolved(req, hit, 0, failed=False)
                 return
             floor = (
-                self.settings.profile.decode_pull_seconds(req.prompt_len)
-                if from_prefill
-                else None
+                self.settings.profile.decode_pull_seconds(req.prompt_len) if from_prefill else None
             )
             res = await self.worker.read(peer, local, remote, done, tokens=count, floor=floor)
             if not from_prefill and not await self._fence_holds(req, peer, p):
@@ -284,9 +285,12 @@ class PullReader:
         if word is None or not self.worker.can_check_fence(peer):
             if self.worker.fence is not None and peer.engine_id not in self._unfenced_owners:
                 self._unfenced_owners.add(peer.engine_id)
-                logger.info("Fence: engine %s exports no fence word we can read; its turns "
-                            "are read as vLLM reads them (it must not release them early; "
-                            "logged once per engine)", peer.engine_id)
+                logger.info(
+                    "Fence: engine %s exports no fence word we can read; its turns "
+                    "are read as vLLM reads them (it must not release them early; "
+                    "logged once per engine)",
+                    peer.engine_id,
+                )
             return True
         slot, gen = word
         try:
@@ -301,8 +305,11 @@ class PullReader:
         logger.warning(
             "Fence: engine %s released request %s while %s read it: %s; discarding the "
             "read and recomputing",
-            params.remote_engine_id, params.remote_request_id, req.request_id, why,
-        )  # fmt: skip
+            params.remote_engine_id,
+            params.remote_request_id,
+            req.request_id,
+            why,
+        )
         return False
 
     def _guarded_count(

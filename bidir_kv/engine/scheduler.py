@@ -137,12 +137,18 @@ class EngineCore:
         """``POST /drop_peer`` (vLLM PR #56341): a paired engine is gone. Abort the
         requests whose params name it (queued or reading from it), free the handles it
         claimed and will never report read, and forget its handshake."""
-        named = [req for req in (*self.steps.waiting, *self.reader.reading)
-                 if req.params is not None and req.params.remote_engine_id == engine_id]
+        named = [
+            req
+            for req in (*self.steps.waiting, *self.reader.reading)
+            if req.params is not None and req.params.remote_engine_id == engine_id
+        ]
         for req in named:
             self.steps.abort(req)
-        return {"aborted": len(named), "freed_blocks": self.owner.drop_reader(engine_id),
-                "peers_dropped": self.worker.drop_engine(engine_id)}
+        return {
+            "aborted": len(named),
+            "freed_blocks": self.owner.drop_reader(engine_id),
+            "peers_dropped": self.worker.drop_engine(engine_id),
+        }
 
     def handle_tokens(self, request_id: RequestId) -> HeldTokens | None:
         return self.owner.handle_tokens(request_id)

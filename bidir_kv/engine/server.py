@@ -114,7 +114,9 @@ class Routes:
         try:
             if "messages" in body:
                 text = render_prompt(
-                    self.tok, body["messages"], body.get("add_generation_prompt") is not False,
+                    self.tok,
+                    body["messages"],
+                    body.get("add_generation_prompt") is not False,
                     body.get("chat_template_kwargs") or {},
                 )
                 tokens = self.tok.encode(text, body.get("add_special_tokens") is True)
@@ -122,13 +124,18 @@ class Routes:
                 special = body.get("add_special_tokens") is not False
                 tokens = self.tok.encode(body["prompt"], special)
             else:
-                return _json_error(400, "/tokenize needs 'prompt' (string) or 'messages'",
-                                   "BadRequestError")  # fmt: skip
+                return _json_error(
+                    400, "/tokenize needs 'prompt' (string) or 'messages'", "BadRequestError"
+                )
         except ChatTemplateError as exc:
             return error_response_for(exc)
         strs = self.tok.token_strs(tokens) if body.get("return_token_strs") is True else None
-        body = {"count": len(tokens), "max_model_len": self.core.settings.max_model_len,
-                "tokens": tokens, "token_strs": strs}  # fmt: skip
+        body = {
+            "count": len(tokens),
+            "max_model_len": self.core.settings.max_model_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
         return json_response(body)
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -160,10 +167,18 @@ class Routes:
             sent = request.headers.get("Authorization", "")
             if hmac.compare_digest(sent.encode(), f"Bearer {settings.admin_token}".encode()):
                 return None
-            return _json_error(401, f"{request.path} needs 'Authorization: Bearer <token>' "
-                               "(the engine's --admin-token)", "AuthenticationError")
-        return _json_error(403, f"{request.path} is an admin endpoint, off on this engine: "
-                           "start it with --enable-admin or --admin-token", "PermissionDenied")
+            return _json_error(
+                401,
+                f"{request.path} needs 'Authorization: Bearer <token>' "
+                "(the engine's --admin-token)",
+                "AuthenticationError",
+            )
+        return _json_error(
+            403,
+            f"{request.path} is an admin endpoint, off on this engine: "
+            "start it with --enable-admin or --admin-token",
+            "PermissionDenied",
+        )
 
     async def faults_get(self, request: web.Request) -> web.Response:
         if (refused := self._admin_refusal(request)) is not None:
@@ -239,11 +254,18 @@ class Routes:
             pr = parse_request(body, chat=chat, tokenizer=self.tok, served_names=self.names)
         except ApiError as exc:
             return error_response_for(exc)
-        if pr.params is not None and pr.params.do_remote_prefill and (
-                self.core.settings.kv.kv_role == "kv_producer"):
-            return _json_error(400, "kv_transfer_params.do_remote_prefill: this is a prefill "
-                               "node (kv_role kv_producer); it does not pull a remote "
-                               "prefill", "BadRequestError")
+        if (
+            pr.params is not None
+            and pr.params.do_remote_prefill
+            and (self.core.settings.kv.kv_role == "kv_producer")
+        ):
+            return _json_error(
+                400,
+                "kv_transfer_params.do_remote_prefill: this is a prefill "
+                "node (kv_role kv_producer); it does not pull a remote "
+                "prefill",
+                "BadRequestError",
+            )
         base = request.headers.get("X-Request-Id")
         prefix = "chatcmpl" if chat else "cmpl"
         rid = self.core.new_request_id(prefix, base)
@@ -371,7 +393,8 @@ class Routes:
                 tok = nxt
             if req.error is not None:
                 await resp.write(
-                    _sse(error_body(500, "Internal server error", "InternalServerError")))
+                    _sse(error_body(500, "Internal server error", "InternalServerError"))
+                )
             if pr.include_usage:
                 u = usage(req.prompt_len, len(req.output), self.core.usage_cached_tokens(req))
                 c: dict[str, Any] = {
@@ -421,7 +444,8 @@ def _claim_body_error(body: Any) -> str | None:
         return "claim field 'request_id' must be a string"
     blocks = body.get("blocks")
     if not isinstance(blocks, list) or not all(
-            isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+        isinstance(b, int) and not isinstance(b, bool) for b in blocks
+    ):
         return "claim field 'blocks' must be a list of integer block ids"
     return None
 

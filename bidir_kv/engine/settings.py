@@ -134,8 +134,15 @@ class EngineSettings:
         )
 
 
-_OPS_FIELDS = ("retained_blocks", "max_waiting_seconds", "max_body_bytes",
-               "health_stall_seconds", "peer_cache", "admin", "admin_token")
+_OPS_FIELDS = (
+    "retained_blocks",
+    "max_waiting_seconds",
+    "max_body_bytes",
+    "health_stall_seconds",
+    "peer_cache",
+    "admin",
+    "admin_token",
+)
 
 
 def ops_from_args(ns: Any) -> dict[str, Any]:

@@ -135,8 +135,12 @@ class StepLoop:
         why = self._waiting_reason(late[0])
         for req in late:
             self.waiting.remove(req)
-            logger.warning("Request %s waited %.1f s for %s; failing it", req.request_id,
-                           now - req.arrival, why)  # fmt: skip
+            logger.warning(
+                "Request %s waited %.1f s for %s; failing it",
+                req.request_id,
+                now - req.arrival,
+                why,
+            )
             req.error = RequestError(
                 503,
                 f"request waited {now - req.arrival:.1f} s for {why} and was given up "
@@ -283,9 +287,7 @@ class StepLoop:
         self.metrics.running.labels(**self.metrics.labels).set(len(self.running))
         self.metrics.kv_usage.labels(**self.metrics.labels).set(self.blocks.usage())
 
-    def _prefill_chunks(
-        self, budget: int, emitted: list[tuple[Request, int]]
-    ) -> tuple[int, float]:
+    def _prefill_chunks(self, budget: int, emitted: list[tuple[Request, int]]) -> tuple[int, float]:
         """Spend what the decodes left on prefills, in running order (vLLM V1: running
         requests first, then waiting ones in the budget left, a prefill that does not
         fit chunked to it); returns the tokens computed and their modelled seconds.

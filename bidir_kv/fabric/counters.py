@@ -70,28 +70,36 @@ class Counter:
             raise FabricFailure(f"cannot read {self.label} ({self.path}): {exc}") from None
 
 
-def efa_counters(devices: Sequence[str] | None = None, *, name: str = "rdma_read_bytes",
-                 root: Path = EFA_ROOT) -> list[Counter]:
+def efa_counters(
+    devices: Sequence[str] | None = None, *, name: str = "rdma_read_bytes", root: Path = EFA_ROOT
+) -> list[Counter]:
     """``name`` of every port of ``devices`` (default: every device under ``root`` with
     such a counter — on an EFA host, the EFA devices). Raises :class:`FabricFailure`
     naming what is missing when a requested device has no such counter, or none has."""
-    names = sorted(devices) if devices is not None else (
-        sorted(p.name for p in root.iterdir()) if root.is_dir() else [])
+    names = (
+        sorted(devices)
+        if devices is not None
+        else (sorted(p.name for p in root.iterdir()) if root.is_dir() else [])
+    )
     out: list[Counter] = []
     for dev in names:
         found = sorted((root / dev / "ports").glob(f"*/hw_counters/{name}"))
         if not found and devices is not None:
-            raise FabricFailure(f"device {dev} has no {name} counter under "
-                                f"{root / dev / 'ports'}/*/hw_counters")
+            raise FabricFailure(
+                f"device {dev} has no {name} counter under {root / dev / 'ports'}/*/hw_counters"
+            )
         out += [Counter(f"{dev} port {p.parents[1].name} {name}", p) for p in found]
     if not out:
-        raise FabricFailure(f"no device under {root} counts {name}: no EFA device here "
-                            "(or its driver does not expose hw_counters)")
+        raise FabricFailure(
+            f"no device under {root} counts {name}: no EFA device here "
+            "(or its driver does not expose hw_counters)"
+        )
     return out
 
 
-def interface_counters(interface: str, *, name: str = "rx_bytes",
-                       root: Path = NET_ROOT) -> list[Counter]:
+def interface_counters(
+    interface: str, *, name: str = "rx_bytes", root: Path = NET_ROOT
+) -> list[Counter]:
     """``statistics/name`` of one network interface."""
     path = root / interface / "statistics" / name
     if not path.exists():
@@ -113,8 +121,9 @@ def _listing(delta: Mapping[str, int]) -> str:
     return ", ".join(f"{k} +{v:,}" for k, v in delta.items())
 
 
-def gate_fabric(delta: Mapping[str, int], expected_bytes: float, overhead: float,
-                *, what: str = "the fabric") -> int:
+def gate_fabric(
+    delta: Mapping[str, int], expected_bytes: float, overhead: float, *, what: str = "the fabric"
+) -> int:
     """``expected_bytes <= sum(delta) <= expected_bytes × overhead``; returns the sum.
 
     ``what`` says where the bytes should have gone ("P's EFA devices", "P's interface
@@ -127,13 +136,19 @@ def gate_fabric(delta: Mapping[str, int], expected_bytes: float, overhead: float
     total = sum(delta.values())
     need = f"{expected_bytes:,.0f} KV bytes expected (×{overhead:g} overhead allowed)"
     if total == 0:
-        raise FabricFailure(f"counters flat on {what} while the reads moved {need}: "
-                            f"{_listing(delta)}; the reads did not cross it (TCP fallback, "
-                            "shared memory on one host, or other devices)")
+        raise FabricFailure(
+            f"counters flat on {what} while the reads moved {need}: "
+            f"{_listing(delta)}; the reads did not cross it (TCP fallback, "
+            "shared memory on one host, or other devices)"
+        )
     if total < expected_bytes:
-        raise FabricFailure(f"{total:,} bytes counted on {what} < {need}: {_listing(delta)}; "
-                            "part of the reads went another way")
+        raise FabricFailure(
+            f"{total:,} bytes counted on {what} < {need}: {_listing(delta)}; "
+            "part of the reads went another way"
+        )
     if total > expected_bytes * overhead:
-        raise FabricFailure(f"{total:,} bytes counted on {what} > {need}: {_listing(delta)}; "
-                            "other traffic on it hides the reads")
+        raise FabricFailure(
+            f"{total:,} bytes counted on {what} > {need}: {_listing(delta)}; "
+            "other traffic on it hides the reads"
+        )
     return total

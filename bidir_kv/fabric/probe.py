@@ -98,26 +98,35 @@ def remote_probe(spec: str, host: SshHost, overhead: float | None = None) -> Fab
     """A probe of counters on P's host through ssh (one round trip per reading)."""
     kind, arg = parse_spec(spec)
     if kind == "efa":
-        pattern = (" ".join(f"{EFA_ROOT}/{d}/ports/*/hw_counters/rdma_read_bytes" for d in arg)
-                   if arg else f"{EFA_ROOT}/*/ports/*/hw_counters/rdma_read_bytes")
+        pattern = (
+            " ".join(f"{EFA_ROOT}/{d}/ports/*/hw_counters/rdma_read_bytes" for d in arg)
+            if arg
+            else f"{EFA_ROOT}/*/ports/*/hw_counters/rdma_read_bytes"
+        )
         listing = run_ssh(host, f"ls -1 {pattern} 2>/dev/null", 60).stdout.split()
         if not listing:
-            raise FabricFailure(f"no rdma_read_bytes counter on {host.destination} "
-                                f"({pattern}): no EFA device there")
-        counters = [Counter(f"{p.split('/')[4]} port {p.split('/')[6]} rdma_read_bytes",
-                            Path(p)) for p in listing]
+            raise FabricFailure(
+                f"no rdma_read_bytes counter on {host.destination} ({pattern}): no EFA device there"
+            )
+        counters = [
+            Counter(f"{p.split('/')[4]} port {p.split('/')[6]} rdma_read_bytes", Path(p))
+            for p in listing
+        ]
     else:
         assert arg is not None
-        counters = [Counter(f"{arg[0]} rx_bytes",
-                            Path(f"/sys/class/net/{arg[0]}/statistics/rx_bytes"))]
+        counters = [
+            Counter(f"{arg[0]} rx_bytes", Path(f"/sys/class/net/{arg[0]}/statistics/rx_bytes"))
+        ]
     script = "cat " + " ".join(shlex.quote(str(c.path)) for c in counters)
 
     def read() -> dict[str, int]:
         out = run_ssh(host, script, 60)
         values = out.stdout.split()
         if out.returncode != 0 or len(values) != len(counters):
-            raise FabricFailure(f"reading counters on {host.destination} failed: "
-                                f"{out.stderr.strip() or out.stdout.strip()}")
+            raise FabricFailure(
+                f"reading counters on {host.destination} failed: "
+                f"{out.stderr.strip() or out.stdout.strip()}"
+            )
         return {c.label: int(v) for c, v in zip(counters, values, strict=True)}
 
     devices = "EFA devices" if kind == "efa" else f"interface {counters[0].label.split()[0]}"

@@ -25,10 +25,19 @@ from bidir_kv.intake.errors import InputError
 __all__ = ["MAX_JSON_DEPTH", "check_charset", "decode_json", "read_capped"]
 
 MAX_JSON_DEPTH: Final = 64  # nesting levels of objects/arrays a request may use
-_UNICODE_CODECS: Final = frozenset({
-    "utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le",
-    "utf-32-be", "ascii",
-})  # fmt: skip
+_UNICODE_CODECS: Final = frozenset(
+    {
+        "utf-8",
+        "utf-8-sig",
+        "utf-16",
+        "utf-16-le",
+        "utf-16-be",
+        "utf-32",
+        "utf-32-le",
+        "utf-32-be",
+        "ascii",
+    }
+)
 
 
 def check_charset(charset: str | None) -> None:
@@ -40,8 +49,10 @@ def check_charset(charset: str | None) -> None:
     except LookupError:
         name = None
     if name not in _UNICODE_CODECS:
-        raise InputError(415, f"unsupported charset {charset!r} in Content-Type: JSON "
-                         "request bodies must be UTF-8")
+        raise InputError(
+            415,
+            f"unsupported charset {charset!r} in Content-Type: JSON request bodies must be UTF-8",
+        )
 
 
 async def read_capped(request: web.Request, max_bytes: int, limit_name: str) -> bytes:
@@ -51,8 +62,10 @@ async def read_capped(request: web.Request, max_bytes: int, limit_name: str) -> 
     check_charset(request.charset)
     length = request.content_length
     if length is not None and length > max_bytes:
-        raise InputError(413, f"request body of {length} bytes exceeds the limit of "
-                         f"{max_bytes} bytes ({limit_name})")
+        raise InputError(
+            413,
+            f"request body of {length} bytes exceeds the limit of {max_bytes} bytes ({limit_name})",
+        )
     buf = bytearray()
     while True:
         chunk = await request.content.readany()
@@ -60,8 +73,9 @@ async def read_capped(request: web.Request, max_bytes: int, limit_name: str) -> 
             return bytes(buf)
         buf += chunk
         if len(buf) > max_bytes:
-            raise InputError(413, f"request body exceeds the limit of {max_bytes} bytes "
-                             f"({limit_name})")
+            raise InputError(
+                413, f"request body exceeds the limit of {max_bytes} bytes ({limit_name})"
+            )
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
@@ -71,8 +85,9 @@ def decode_json(raw: bytes) -> dict[str, Any]:
     except RecursionError:
         raise _too_deep() from None
     except UnicodeDecodeError as exc:
-        raise InputError(400, f"request body is not valid {_encoding(raw)}: {exc.reason} "
-                         f"at byte {exc.start}") from None
+        raise InputError(
+            400, f"request body is not valid {_encoding(raw)}: {exc.reason} at byte {exc.start}"
+        ) from None
     except ValueError as exc:
         raise InputError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -122,5 +137,7 @@ def _check_string(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         code = ord(text[exc.start])
-        raise InputError(400, f"request body has an invalid code point U+{code:04X} (a "
-                         "lone surrogate) in a string") from None
+        raise InputError(
+            400,
+            f"request body has an invalid code point U+{code:04X} (a lone surrogate) in a string",
+        ) from None

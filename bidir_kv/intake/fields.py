@@ -21,9 +21,15 @@ from bidir_kv.intake.errors import InputError
 __all__ = ["BOOLEAN_FIELDS", "MAX_LOGPROBS", "check_request", "effective_max_tokens"]
 
 BOOLEAN_FIELDS: Final = (
-    "stream", "ignore_eos", "return_token_ids", "include_stop_str_in_output",
-    "skip_special_tokens", "add_generation_prompt", "add_special_tokens", "echo",
-)  # fmt: skip
+    "stream",
+    "ignore_eos",
+    "return_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "add_generation_prompt",
+    "add_special_tokens",
+    "echo",
+)
 MAX_LOGPROBS: Final = 20  # vLLM's default max_logprobs
 
 
@@ -62,16 +68,17 @@ def _check_types(body: Mapping[str, Any]) -> None:
     if opts is not None and not isinstance(opts, Mapping):
         raise _refuse("stream_options", f"'stream_options' must be an object, got {opts!r}")
     stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and not (
-        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    if (
+        stop is not None
+        and not isinstance(stop, str)
+        and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
     ):
         raise _refuse("stop", f"'stop' must be a string or a list of strings, got {stop!r}")
     ids = body.get("stop_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    if ids is not None and not (
+        isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
     ):
-        raise _refuse("stop_token_ids",
-                      f"'stop_token_ids' must be a list of integers, got {ids!r}")
+        raise _refuse("stop_token_ids", f"'stop_token_ids' must be a list of integers, got {ids!r}")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise _refuse("cache_salt", f"'cache_salt' must be a non-empty string, got {salt!r}")
@@ -106,5 +113,6 @@ def check_request(body: Mapping[str, Any], chat: bool) -> None:
     max_tokens = effective_max_tokens(body, chat)
     min_tokens = _int(body, "min_tokens", 0)
     if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
-        raise _refuse("min_tokens", f"'min_tokens' ({min_tokens}) must not exceed "
-                      f"max_tokens ({max_tokens})")
+        raise _refuse(
+            "min_tokens", f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})"
+        )

@@ -35,8 +35,13 @@ def _path(kind: str, namespace: str, name: str | None = None) -> str:
 class KubeApi:
     """The few calls the launcher makes; each failure is a one-line :class:`LaunchFailed`."""
 
-    def __init__(self, server: str | None = None, token: str | None = None,
-                 verify: bool | str = True, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        server: str | None = None,
+        token: str | None = None,
+        verify: bool | str = True,
+        timeout: float = 30.0,
+    ) -> None:
         if server is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
             host = os.environ["KUBERNETES_SERVICE_HOST"]
             server = f"https://{host}:{os.environ.get('KUBERNETES_SERVICE_PORT', '443')}"
@@ -46,16 +51,19 @@ class KubeApi:
             raise LaunchFailed("kubernetes: no API server (pass --kube-api or run in a pod)")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.server = server.rstrip("/")
-        self._http = httpx.Client(base_url=self.server, headers=headers, verify=verify,
-                                  timeout=timeout)
+        self._http = httpx.Client(
+            base_url=self.server, headers=headers, verify=verify, timeout=timeout
+        )
 
-    def _call(self, method: str, path: str, what: str, body: Any = None,
-              ok_missing: bool = False) -> httpx.Response:
+    def _call(
+        self, method: str, path: str, what: str, body: Any = None, ok_missing: bool = False
+    ) -> httpx.Response:
         try:
             resp = self._http.request(method, path, json=body)
         except httpx.HTTPError as exc:
-            raise LaunchFailed(f"kubernetes API {self.server}: {what}: "
-                               f"{type(exc).__name__}: {exc}") from None
+            raise LaunchFailed(
+                f"kubernetes API {self.server}: {what}: {type(exc).__name__}: {exc}"
+            ) from None
         if resp.status_code == 404 and ok_missing:
             return resp
         if resp.status_code >= 400:
@@ -64,30 +72,43 @@ class KubeApi:
                 detail = f"{status.get('reason', '')}: {status.get('message', '')}".strip(": ")
             except ValueError:
                 detail = resp.text.strip().splitlines()[0] if resp.text.strip() else ""
-            raise LaunchFailed(f"kubernetes API {self.server}: {what}: {resp.status_code} "
-                               f"{detail}")
+            raise LaunchFailed(f"kubernetes API {self.server}: {what}: {resp.status_code} {detail}")
         return resp
 
     def create(self, doc: Mapping[str, Any]) -> None:
         meta = doc["metadata"]
-        self._call("POST", _path(doc["kind"], meta["namespace"]),
-                   f"creating {doc['kind'].lower()} {meta['name']}", body=doc)
+        self._call(
+            "POST",
+            _path(doc["kind"], meta["namespace"]),
+            f"creating {doc['kind'].lower()} {meta['name']}",
+            body=doc,
+        )
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
-        self._call("DELETE", _path(kind, namespace, name),
-                   f"deleting {kind.lower()} {name}", ok_missing=True)
+        self._call(
+            "DELETE",
+            _path(kind, namespace, name),
+            f"deleting {kind.lower()} {name}",
+            ok_missing=True,
+        )
 
     def phase(self, namespace: str, name: str) -> tuple[str, bool]:
         """(pod phase, ready)."""
         pod = self._call("GET", _path("Pod", namespace, name), f"reading pod {name}").json()
         status = pod.get("status", {})
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in status.get("conditions", []))
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions", [])
+        )
         return str(status.get("phase", "Unknown")), ready
 
     def log(self, namespace: str, name: str) -> str:
-        return self._call("GET", _path("Pod", namespace, name) + "/log",
-                          f"reading the log of pod {name}", ok_missing=True).text
+        return self._call(
+            "GET",
+            _path("Pod", namespace, name) + "/log",
+            f"reading the log of pod {name}",
+            ok_missing=True,
+        ).text
 
 
 @dataclass

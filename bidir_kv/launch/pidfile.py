@@ -103,17 +103,31 @@ def launch(
     if pidfile.exists():
         old = read_record(pidfile)
         if _alive(old):
-            raise ProcessFailed(f"{pidfile} names a running node (pid {old.pid}, {old.url}); "
-                                "run `bidir-kv serve stop` first")
+            raise ProcessFailed(
+                f"{pidfile} names a running node (pid {old.pid}, {old.url}); "
+                "run `bidir-kv serve stop` first"
+            )
         pidfile.unlink()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     env = {**(os.environ if base_env is None else base_env), **cmd.env}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(list(cmd.argv), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    record = NodeRecord(pid=proc.pid, start_ticks=_start_ticks(proc.pid), role=role,
-                        url=url, log=str(log_path), argv=cmd.argv)
+        proc = subprocess.Popen(
+            list(cmd.argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    record = NodeRecord(
+        pid=proc.pid,
+        start_ticks=_start_ticks(proc.pid),
+        role=role,
+        url=url,
+        log=str(log_path),
+        argv=cmd.argv,
+    )
     tmp = pidfile.with_suffix(".tmp")
     tmp.write_text(record.to_json())
     tmp.replace(pidfile)

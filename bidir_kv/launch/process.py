@@ -304,8 +304,10 @@ class ManagedProcess:
                 except subprocess.TimeoutExpired:
                     # SIGKILL is delivered; a starved kernel may just not have reaped it yet.
                     # Say so and let the caller go on closing the other nodes.
-                    print(f"{self.name} (pid {proc.pid}) not reaped 30 s after SIGKILL",
-                          file=sys.stderr)
+                    print(
+                        f"{self.name} (pid {proc.pid}) not reaped 30 s after SIGKILL",
+                        file=sys.stderr,
+                    )
         # reap stragglers left in the group (children of the child)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)

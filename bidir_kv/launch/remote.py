@@ -34,7 +34,7 @@ class NodeHandle(Protocol):
 
     @property
     def where(self) -> str:
-        """"ssh root@10.0.0.2 pid 7", "slurm job 12 step 0 on node-a", "pod ns/bkv-p"."""
+        """ "ssh root@10.0.0.2 pid 7", "slurm job 12 step 0 on node-a", "pod ns/bkv-p"."""
         ...
 
     def stop(self, timeout: float = 30.0) -> str:

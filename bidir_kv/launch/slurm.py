@@ -31,11 +31,13 @@ __all__ = ["SlurmAllocation", "SlurmLauncher", "SlurmStep", "allocation"]
 
 def _run(argv: list[str], what: str, timeout: float = 60.0) -> str:
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                             stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
     except FileNotFoundError:
-        raise LaunchFailed(f"slurm: {argv[0]} not found; the slurm launcher runs inside "
-                           "a Slurm allocation") from None
+        raise LaunchFailed(
+            f"slurm: {argv[0]} not found; the slurm launcher runs inside a Slurm allocation"
+        ) from None
     except subprocess.TimeoutExpired:
         raise LaunchFailed(f"slurm: {what}: no answer from {argv[0]} in {timeout:g} s") from None
     if out.returncode != 0:
@@ -55,12 +57,16 @@ def allocation(env: Mapping[str, str] | None = None, need: int = 2) -> SlurmAllo
     job = env.get("SLURM_JOB_ID")
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not job or not nodelist:
-        raise LaunchFailed("slurm: not inside an allocation (SLURM_JOB_ID / SLURM_JOB_NODELIST "
-                           f"unset); run under salloc -N {need} or sbatch -N {need}")
+        raise LaunchFailed(
+            "slurm: not inside an allocation (SLURM_JOB_ID / SLURM_JOB_NODELIST "
+            f"unset); run under salloc -N {need} or sbatch -N {need}"
+        )
     nodes = tuple(_run(["scontrol", "show", "hostnames", nodelist], "listing nodes").split())
     if len(nodes) < need:
-        raise LaunchFailed(f"slurm: job {job} has {len(nodes)} node(s) ({', '.join(nodes)}); "
-                           f"P and D need {need} (salloc -N {need})")
+        raise LaunchFailed(
+            f"slurm: job {job} has {len(nodes)} node(s) ({', '.join(nodes)}); "
+            f"P and D need {need} (salloc -N {need})"
+        )
     return SlurmAllocation(job, nodes)
 
 
@@ -90,8 +96,9 @@ class SlurmStep:
         if self.stopped is not None:
             return self.stopped
         if self.step_id is not None:
-            subprocess.run(["scancel", f"{self.job_id}.{self.step_id}"], capture_output=True,
-                           timeout=60)
+            subprocess.run(
+                ["scancel", f"{self.job_id}.{self.step_id}"], capture_output=True, timeout=60
+            )
         try:
             self.proc.wait(timeout)
             how = "cancelled"
@@ -111,17 +118,40 @@ class SlurmLauncher:
 
     def start(self, cmd: Command, *, name: str, node: str) -> SlurmStep:
         if node not in self.alloc.nodes:
-            raise LaunchFailed(f"slurm: node {node} is not in job {self.alloc.job_id} "
-                               f"({', '.join(self.alloc.nodes)})")
+            raise LaunchFailed(
+                f"slurm: node {node} is not in job {self.alloc.job_id} "
+                f"({', '.join(self.alloc.nodes)})"
+            )
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         job_name = f"bidir-kv-{name}"
-        argv = ["srun", "--jobid", self.alloc.job_id, "--nodelist", node, "--nodes", "1",
-                "--ntasks", "1", "--overlap", "--job-name", job_name, "--output", str(log),
-                "env", *(f"{k}={v}" for k, v in cmd.env.items()), *cmd.argv]
+        argv = [
+            "srun",
+            "--jobid",
+            self.alloc.job_id,
+            "--nodelist",
+            node,
+            "--nodes",
+            "1",
+            "--ntasks",
+            "1",
+            "--overlap",
+            "--job-name",
+            job_name,
+            "--output",
+            str(log),
+            "env",
+            *(f"{k}={v}" for k, v in cmd.env.items()),
+            *cmd.argv,
+        ]
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
         except FileNotFoundError:
             raise LaunchFailed("slurm: srun not found") from None
         step = SlurmStep(name, self.alloc.job_id, node, None, log, proc)
@@ -129,10 +159,22 @@ class SlurmLauncher:
         while step.step_id is None:
             if proc.poll() is not None:
                 err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise LaunchFailed(f"slurm: srun {name} on {node} exited with {proc.returncode}: "
-                                   f"{one_line(err, shlex.join(argv[:12]))}")
-            listing = _run(["squeue", "--steps", "--jobs", self.alloc.job_id, "--noheader",
-                            "--format", "%i %j"], "listing steps")
+                raise LaunchFailed(
+                    f"slurm: srun {name} on {node} exited with {proc.returncode}: "
+                    f"{one_line(err, shlex.join(argv[:12]))}"
+                )
+            listing = _run(
+                [
+                    "squeue",
+                    "--steps",
+                    "--jobs",
+                    self.alloc.job_id,
+                    "--noheader",
+                    "--format",
+                    "%i %j",
+                ],
+                "listing steps",
+            )
             for line in listing.splitlines():
                 sid, _, sname = line.strip().partition(" ")
                 if sname == job_name:
@@ -140,7 +182,9 @@ class SlurmLauncher:
             if step.step_id is None:
                 if time.monotonic() > deadline:
                     step.stop(10)
-                    raise LaunchFailed(f"slurm: step {job_name} of job {self.alloc.job_id} "
-                                       f"did not appear in squeue in {self.step_timeout:g} s")
+                    raise LaunchFailed(
+                        f"slurm: step {job_name} of job {self.alloc.job_id} "
+                        f"did not appear in squeue in {self.step_timeout:g} s"
+                    )
                 time.sleep(0.5)  # a bounded poll of squeue
         return step

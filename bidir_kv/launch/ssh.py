@@ -34,8 +34,10 @@ _SSH_FAILED = 255  # OpenSSH's exit status for its own errors (connect, auth, co
 _RUNNING = 3  # the start script's status: the pidfile names a live node
 
 # Shell helpers of the scripts: the start time of $pid, "" when it is gone or a zombie.
-_TICKS = ('ticks_of() { [ -r "/proc/$1/stat" ] || return 0; '
-          "sed 's/.*) //' \"/proc/$1/stat\" | awk '$1 != \"Z\" {print $20}'; }")
+_TICKS = (
+    'ticks_of() { [ -r "/proc/$1/stat" ] || return 0; '
+    "sed 's/.*) //' \"/proc/$1/stat\" | awk '$1 != \"Z\" {print $20}'; }"
+)
 
 
 @dataclass(frozen=True)
@@ -60,62 +62,74 @@ class SshHost:
 def run_ssh(host: SshHost, script: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """Run ``script`` on ``host``; an SSH-level failure raises one-line :class:`LaunchFailed`."""
     try:
-        out = subprocess.run(host.argv(script), capture_output=True, text=True,
-                             timeout=timeout, stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            host.argv(script),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         raise LaunchFailed(f"ssh {host.destination}: no answer in {timeout:g} s") from None
     except OSError as exc:
         raise LaunchFailed(f"ssh {host.destination}: cannot run {host.ssh}: {exc}") from None
     if out.returncode == _SSH_FAILED:
-        raise LaunchFailed(f"ssh {host.destination}: "
-                           f"{one_line(out.stderr, 'ssh failed with status 255')}")
+        raise LaunchFailed(
+            f"ssh {host.destination}: {one_line(out.stderr, 'ssh failed with status 255')}"
+        )
     return out
 
 
-def _start_script(run_dir: str, name: str, argv: Sequence[str], env: Mapping[str, str],
-                  cwd: str | None) -> str:
+def _start_script(
+    run_dir: str, name: str, argv: Sequence[str], env: Mapping[str, str], cwd: str | None
+) -> str:
     q = shlex.quote
     pf, log = f"{run_dir}/{name}.pid", f"{run_dir}/{name}.log"
     assign = " ".join(q(f"{k}={v}") for k, v in env.items())
-    return "\n".join([
-        "set -e", _TICKS,
-        f"mkdir -p {q(run_dir)}",
-        f"PF={q(pf)}; LOG={q(log)}",
-        'if [ -f "$PF" ]; then',
-        '  read -r pid ticks < "$PF" || true',
-        '  if [ -n "$pid" ] && [ -n "$(ticks_of "$pid")" ] && '
-        '[ "$(ticks_of "$pid")" = "$ticks" ]; then',
-        f'    echo "pidfile $PF names a running node (pid $pid)" >&2; exit {_RUNNING}',
-        "  fi",
-        '  rm -f "$PF"',
-        "fi",
-        f"cd {q(cwd)}" if cwd else "cd /",
-        f'nohup setsid env {assign} {shlex.join(argv)} > "$LOG" 2>&1 < /dev/null &',
-        "pid=$!",
-        'echo "$pid $(ticks_of "$pid")" > "$PF.tmp"; mv "$PF.tmp" "$PF"',
-        'echo "$pid"',
-    ])
+    return "\n".join(
+        [
+            "set -e",
+            _TICKS,
+            f"mkdir -p {q(run_dir)}",
+            f"PF={q(pf)}; LOG={q(log)}",
+            'if [ -f "$PF" ]; then',
+            '  read -r pid ticks < "$PF" || true',
+            '  if [ -n "$pid" ] && [ -n "$(ticks_of "$pid")" ] && '
+            '[ "$(ticks_of "$pid")" = "$ticks" ]; then',
+            f'    echo "pidfile $PF names a running node (pid $pid)" >&2; exit {_RUNNING}',
+            "  fi",
+            '  rm -f "$PF"',
+            "fi",
+            f"cd {q(cwd)}" if cwd else "cd /",
+            f'nohup setsid env {assign} {shlex.join(argv)} > "$LOG" 2>&1 < /dev/null &',
+            "pid=$!",
+            'echo "$pid $(ticks_of "$pid")" > "$PF.tmp"; mv "$PF.tmp" "$PF"',
+            'echo "$pid"',
+        ]
+    )
 
 
 def _stop_script(pidfile: str, timeout: float) -> str:
     steps = max(int(timeout * 10), 1)
-    return "\n".join([
-        _TICKS,
-        f"PF={shlex.quote(pidfile)}",
-        'if [ ! -f "$PF" ]; then echo "no pidfile $PF"; exit 0; fi',
-        'read -r pid ticks < "$PF" || true',
-        'same() { [ -n "$pid" ] && [ -n "$ticks" ] && [ "$(ticks_of "$pid")" = "$ticks" ]; }',
-        "if same; then",
-        '  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true',
-        "  i=0",
-        # a bounded poll for the process to exit, on the remote host
-        f'  while same && [ "$i" -lt {steps} ]; do sleep 0.1; i=$((i + 1)); done',
-        '  if same; then how="killed (SIGKILL)"; else how=stopped; fi',
-        '  kill -KILL -- "-$pid" 2>/dev/null || true',  # the group's stragglers
-        '  echo "pid $pid $how"',
-        'else echo "pid $pid was not running"; fi',
-        'rm -f "$PF"',
-    ])
+    return "\n".join(
+        [
+            _TICKS,
+            f"PF={shlex.quote(pidfile)}",
+            'if [ ! -f "$PF" ]; then echo "no pidfile $PF"; exit 0; fi',
+            'read -r pid ticks < "$PF" || true',
+            'same() { [ -n "$pid" ] && [ -n "$ticks" ] && [ "$(ticks_of "$pid")" = "$ticks" ]; }',
+            "if same; then",
+            '  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true',
+            "  i=0",
+            # a bounded poll for the process to exit, on the remote host
+            f'  while same && [ "$i" -lt {steps} ]; do sleep 0.1; i=$((i + 1)); done',
+            '  if same; then how="killed (SIGKILL)"; else how=stopped; fi',
+            '  kill -KILL -- "-$pid" 2>/dev/null || true',  # the group's stragglers
+            '  echo "pid $pid $how"',
+            'else echo "pid $pid was not running"; fi',
+            'rm -f "$PF"',
+        ]
+    )
 
 
 @dataclass
@@ -135,9 +149,17 @@ class SshNode:
         return f"ssh {self.host.destination} pid {self.pid}"
 
     def running(self) -> bool:
-        out = run_ssh(self.host, "\n".join([
-            _TICKS, f"read -r pid ticks < {shlex.quote(self.pidfile)} || exit 1",
-            '[ -n "$ticks" ] && [ "$(ticks_of "$pid")" = "$ticks" ]']), self.timeout)
+        out = run_ssh(
+            self.host,
+            "\n".join(
+                [
+                    _TICKS,
+                    f"read -r pid ticks < {shlex.quote(self.pidfile)} || exit 1",
+                    '[ -n "$ticks" ] && [ "$(ticks_of "$pid")" = "$ticks" ]',
+                ]
+            ),
+            self.timeout,
+        )
         return out.returncode == 0
 
     def fetch_log(self, dest: Path) -> Path:
@@ -182,27 +204,46 @@ class SshLauncher:
     run_dir: str = "/tmp/bidir-kv"
     timeout: float = 60.0  # seconds for one ssh call
 
-    def start(self, cmd: Command, *, name: str, base_env: Mapping[str, str] | None = None,
-              cwd: str | None = None) -> SshNode:
+    def start(
+        self,
+        cmd: Command,
+        *,
+        name: str,
+        base_env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> SshNode:
         """Start ``cmd`` (``argv`` + ``env``, plus ``base_env`` beneath it) as ``name``."""
         env = {**(base_env or {}), **cmd.env}
-        out = run_ssh(self.host, _start_script(self.run_dir, name, list(cmd.argv), env, cwd),
-                      self.timeout)
+        out = run_ssh(
+            self.host, _start_script(self.run_dir, name, list(cmd.argv), env, cwd), self.timeout
+        )
         if out.returncode != 0:
-            raise LaunchFailed(f"ssh {self.host.destination}: starting {name} failed: "
-                               f"{one_line(out.stderr, f'exit status {out.returncode}')}")
+            raise LaunchFailed(
+                f"ssh {self.host.destination}: starting {name} failed: "
+                f"{one_line(out.stderr, f'exit status {out.returncode}')}"
+            )
         try:
             pid = int(out.stdout.split()[-1])
         except (IndexError, ValueError):
-            raise LaunchFailed(f"ssh {self.host.destination}: starting {name} printed no PID "
-                               f"({out.stdout.strip()!r})") from None
-        return SshNode(name=name, host=self.host, pid=pid,
-                       pidfile=f"{self.run_dir}/{name}.pid", log=f"{self.run_dir}/{name}.log",
-                       timeout=self.timeout)
+            raise LaunchFailed(
+                f"ssh {self.host.destination}: starting {name} printed no PID "
+                f"({out.stdout.strip()!r})"
+            ) from None
+        return SshNode(
+            name=name,
+            host=self.host,
+            pid=pid,
+            pidfile=f"{self.run_dir}/{name}.pid",
+            log=f"{self.run_dir}/{name}.log",
+            timeout=self.timeout,
+        )
 
 
-def stop_all(nodes: Sequence[SshNode], timeout: float = 30.0,
-             report: Callable[[str], None] = lambda _line: None) -> None:
+def stop_all(
+    nodes: Sequence[SshNode],
+    timeout: float = 30.0,
+    report: Callable[[str], None] = lambda _line: None,
+) -> None:
     """Stop every node, in reverse order, each even when an earlier stop failed."""
     for node in reversed(nodes):
         try:

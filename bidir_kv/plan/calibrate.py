@@ -368,8 +368,9 @@ def fit(inp: FitInput, kv_bytes_per_token: float | None = None) -> CostModel:
             fitted_pull=True,
             inp=inp,
         )
-    waits = [_off_wait_us(inp, replace(cost, recompute_us_per_token=recompute), p) / 1e3
-             for p in inp.off]  # fmt: skip
+    waits = [
+        _off_wait_us(inp, replace(cost, recompute_us_per_token=recompute), p) / 1e3 for p in inp.off
+    ]
     notes = (
         f"{inp.source}: {len(inp.off)} OFF and {len(inp.on)} ON points",
         f"recompute fit over {', '.join(f'{p.computed_per_request:.0f}' for p in inp.off)} "

@@ -54,9 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cost_source_args(ap: argparse.ArgumentParser) -> None:
     src = ap.add_argument_group("cost model (one of)")
     src.add_argument("--config", type=Path, help="Hugging Face config.json of the model")
-    src.add_argument(
-        "--profile", help="an emulator profile (a shipped name or a JSON path)"
-    )
+    src.add_argument("--profile", help="an emulator profile (a shipped name or a JSON path)")
     src.add_argument("--calibration", type=Path, metavar="DIR", help="a bench result directory")
     src.add_argument("--recompute-us-per-token", type=float, help="explicit recompute cost")
     src.add_argument("--xfer-us-per-token", type=float, help="explicit pull cost per token")

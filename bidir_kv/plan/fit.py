@@ -99,10 +99,13 @@ def fit_pull(
         coef = least_squares(rows, times_us)
         if coef is not None and min(coef) >= 0:
             return PullFit(
-                coef[0], coef[1], coef[2], True,
+                coef[0],
+                coef[1],
+                coef[2],
+                True,
                 f"fixed, per-descriptor and per-byte fitted over {len(times_us)} points "
                 f"(bytes per descriptor {min(per_desc):,.0f}-{max(per_desc):,.0f})",
-            )  # fmt: skip
+            )
         why = "the three-term fit gave a negative term"
     elif per_desc:
         why = (
@@ -116,6 +119,9 @@ def fit_pull(
     if fixed < 0:  # a negative intercept is noise: refit through the origin
         fixed, slope = 0.0, sum(times_us) / sum(nbytes) if sum(nbytes) else 0.0
     return PullFit(
-        fixed, 0.0, max(slope, 0.0), False,
+        fixed,
+        0.0,
+        max(slope, 0.0),
+        False,
         f"per-descriptor cost not separable ({why}): folded into the per-byte cost",
-    )  # fmt: skip
+    )

@@ -97,8 +97,9 @@ class PublishedTable:
 
 
 def available_tables() -> list[str]:
-    return sorted(p.name.removesuffix(".json") for p in PUBLISHED_DIR.iterdir()
-                  if p.name.endswith(".json"))  # fmt: skip
+    return sorted(
+        p.name.removesuffix(".json") for p in PUBLISHED_DIR.iterdir() if p.name.endswith(".json")
+    )
 
 
 def _table(data: dict[str, Any]) -> PublishedTable:
@@ -152,8 +153,9 @@ def fit_input(table: PublishedTable, decode_us_per_token: float = 0.0) -> FitInp
         if "prefill_off" in f:
             off.append(OffInput(prefix, f["prefill_off"] * 1e3, prompt))
             if "ttft_off" in f:
-                ttft.append(TtftInput(prefix, "off", prompt, f["ttft_off"] * 1e3,
-                                      f["prefill_off"] * 1e3))  # fmt: skip
+                ttft.append(
+                    TtftInput(prefix, "off", prompt, f["ttft_off"] * 1e3, f["prefill_off"] * 1e3)
+                )
         if "prefill_on" in f and "kv_transfer" in f:
             on.append(
                 OnInput(
@@ -170,8 +172,9 @@ def fit_input(table: PublishedTable, decode_us_per_token: float = 0.0) -> FitInp
                 )
             )
             if "ttft_on" in f:
-                ttft.append(TtftInput(prefix, "on", prompt, f["ttft_on"] * 1e3,
-                                      f["prefill_on"] * 1e3))  # fmt: skip
+                ttft.append(
+                    TtftInput(prefix, "on", prompt, f["ttft_on"] * 1e3, f["prefill_on"] * 1e3)
+                )
     return FitInput(
         source=f"fitted to the published table {table.name}",
         off=tuple(off),

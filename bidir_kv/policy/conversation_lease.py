@@ -17,8 +17,12 @@ __all__ = ["lease_deadline", "lease_expired", "valid_conversation_lease"]
 
 def valid_conversation_lease(idle: object) -> bool:
     """A lease is a finite positive number of seconds (``bool`` is not one)."""
-    return (isinstance(idle, int | float) and not isinstance(idle, bool)
-            and math.isfinite(idle) and idle > 0)
+    return (
+        isinstance(idle, int | float)
+        and not isinstance(idle, bool)
+        and math.isfinite(idle)
+        and idle > 0
+    )
 
 
 def lease_deadline(last_activity: float, idle: float) -> float:

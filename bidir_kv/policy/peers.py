@@ -36,8 +36,9 @@ class PeerAllowlist:
         if value is None:
             return None
         if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-            raise ValueError(f"must be a non-empty list of engine ids and/or host networks, "
-                             f"got {value!r}")
+            raise ValueError(
+                f"must be a non-empty list of engine ids and/or host networks, got {value!r}"
+            )
         ids: set[str] = set()
         nets: list[Network] = []
         for item in value:

@@ -159,19 +159,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _sweep_argv(args: argparse.Namespace, profile_path: Path) -> list[str]:
     """The ``bidir-kv bench`` arguments of the demo's sweep."""
     return [
-        "--topology", "emulator",
-        "--profile", str(profile_path),
-        "--prefix-tokens", args.prefix_tokens,
-        "--num-conversations", str(args.num_conversations),
-        "--num-turns", str(args.num_turns),
-        "--input-tokens", str(args.input_tokens),
-        "--output-tokens", str(args.output_tokens),
-        "--num-clients", str(args.num_clients),
-        "--max-active-conversations", str(args.num_conversations),
-        "--transport", args.transport,
-        "-o", str(args.out),
+        "--topology",
+        "emulator",
+        "--profile",
+        str(profile_path),
+        "--prefix-tokens",
+        args.prefix_tokens,
+        "--num-conversations",
+        str(args.num_conversations),
+        "--num-turns",
+        str(args.num_turns),
+        "--input-tokens",
+        str(args.input_tokens),
+        "--output-tokens",
+        str(args.output_tokens),
+        "--num-clients",
+        str(args.num_clients),
+        "--max-active-conversations",
+        str(args.num_conversations),
+        "--transport",
+        args.transport,
+        "-o",
+        str(args.out),
         *([] if args.kv_verify else ["--engine-arg=--no-kv-verify"]),
-    ]  # fmt: skip
+    ]
 
 
 def min_turn(num_turns: int, warmup_fraction: float) -> int:
@@ -201,8 +212,10 @@ def _print_outcome(out: Path, profile: str, first_turn: int = 2, time_scale: flo
         print(line)
     table = load_table(profile)
     if table is not None and time_scale != 1:
-        print(f"published figures of {table.name} not compared: --time-scale {time_scale:g} "
-              "stretches every duration")  # fmt: skip
+        print(
+            f"published figures of {table.name} not compared: --time-scale {time_scale:g} "
+            "stretches every duration"
+        )
     elif table is not None:
         measured = {p: measured_figures(summary, p) for p in summary.result.prefix_points}
         print()

@@ -140,9 +140,11 @@ def headline_text(h: Headline | None) -> str:
         facts += f"; foreign load {h.foreign_load_per_core:.2f} per core"
     if h.off_overlapped is not None and h.off_overlapped[1]:
         n, of = h.off_overlapped
-        facts += (f"; OFF turns overlapping another client's on P: {n} of {of} "
-                  f"({'overlapped' if n > of / 2 else 'staggered'} clients, "
-                  "docs/benchmarking.md \"Three idle runs\")")
+        facts += (
+            f"; OFF turns overlapping another client's on P: {n} of {of} "
+            f"({'overlapped' if n > of / 2 else 'staggered'} clients, "
+            'docs/benchmarking.md "Three idle runs")'
+        )
     ratio = "n/a" if h.ratio is None else f"{h.ratio:.2f}×"
     if h.reliable:
         return f"headline: OFF/ON TTFT at {h.point} tokens = {ratio} ({facts})"

@@ -23,9 +23,7 @@ FLOW_KEY = web.AppKey("flow", RouterFlow)
 METRICS_KEY = web.AppKey("metrics", RouterMetrics)  # the listener counts connections here
 
 
-def build_app(
-    settings: RouterSettings, store: ConversationStore | None = None
-) -> web.Application:
+def build_app(settings: RouterSettings, store: ConversationStore | None = None) -> web.Application:
     """The router app; pools and store are created here, connections on startup."""
     router = _RouterApp(settings, store)
     app = web.Application(client_max_size=settings.max_body_bytes)
@@ -47,11 +45,17 @@ class _RouterApp:
     def __init__(self, settings: RouterSettings, store: ConversationStore | None) -> None:
         self.settings = settings
         self.prefill = UpstreamPool("prefill", settings.prefill_hosts, settings.prefill_ports)
-        self.decode = UpstreamPool("decode", settings.decode_hosts, settings.decode_ports,
-                                   held_weight=settings.held_weight,
-                                   held_ttl=settings.cache_ttl)
+        self.decode = UpstreamPool(
+            "decode",
+            settings.decode_hosts,
+            settings.decode_ports,
+            held_weight=settings.held_weight,
+            held_ttl=settings.cache_ttl,
+        )
         self.store = store or open_store(
-            settings.store, settings.cache_ttl, settings.max_conversations,
+            settings.store,
+            settings.cache_ttl,
+            settings.max_conversations,
             max_concurrency=settings.max_concurrency,
         )
         self.metrics = RouterMetrics()
@@ -63,21 +67,26 @@ class _RouterApp:
         # keep-alive closes them, so a reused connection is never a half-closed one.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        app[FLOW_KEY] = RouterFlow(self.prefill, self.decode, self.store, self.metrics,
-                                   session, self.settings)
+        app[FLOW_KEY] = RouterFlow(
+            self.prefill, self.decode, self.store, self.metrics, session, self.settings
+        )
         try:
             await self.store.ping()
         except StoreError as exc:
             log.error("%s (requests will be misses until it is reachable)", exc)
-        self.checker = HealthChecker([self.prefill, self.decode], session,
-                                     self.settings.health_interval)
+        self.checker = HealthChecker(
+            [self.prefill, self.decode], session, self.settings.health_interval
+        )
         self.checker.on_down = app[FLOW_KEY].peers.down  # POST /drop_peer to its peers
         self.checker.start()
         self.sweeper.start()
         log.info(
             "bidir-kv proxy: prefill %s, decode %s, store %s, cache TTL %.0fs, decode stream %s",
-            [node.id for node in self.prefill.nodes], [node.id for node in self.decode.nodes],
-            self.store.kind, self.settings.cache_ttl, self.settings.decode_stream,
+            [node.id for node in self.prefill.nodes],
+            [node.id for node in self.decode.nodes],
+            self.store.kind,
+            self.settings.cache_ttl,
+            self.settings.decode_stream,
         )
 
     async def on_cleanup(self, app: web.Application) -> None:
@@ -104,8 +113,13 @@ class _RouterApp:
             evicted, cached, store_ok = 0, 0, False
             log.error("%s", exc)
         p_ok, d_ok = bool(prefill.healthy()), bool(decode.healthy())
-        everything = p_ok and d_ok and len(prefill.healthy()) == len(prefill.nodes) and len(
-            decode.healthy()) == len(decode.nodes) and store_ok
+        everything = (
+            p_ok
+            and d_ok
+            and len(prefill.healthy()) == len(prefill.nodes)
+            and len(decode.healthy()) == len(decode.nodes)
+            and store_ok
+        )
         status = "ok" if everything else ("degraded" if p_ok and d_ok else "unavailable")
         body = {
             "status": status,
@@ -115,9 +129,11 @@ class _RouterApp:
             "prefill": [_node(node) for node in prefill.nodes],
             "decode": [_node(node) for node in decode.nodes],
             # what `bidir-kv doctor` checks against the engines (docs/hardware.md §5)
-            "config": {"cache_ttl": self.settings.cache_ttl,
-                       "decoder_kv_blocks_ttl": self.settings.decoder_kv_blocks_ttl,
-                       "decode_stream": self.settings.decode_stream},
+            "config": {
+                "cache_ttl": self.settings.cache_ttl,
+                "decoder_kv_blocks_ttl": self.settings.decoder_kv_blocks_ttl,
+                "decode_stream": self.settings.decode_stream,
+            },
         }
         return web.json_response(body, status=200 if p_ok and d_ok else 503)
 
@@ -131,9 +147,12 @@ class _RouterApp:
             metrics.cached.set(await self.store.size())
         except StoreError as exc:
             log.error("%s", exc)
-        return web.Response(body=metrics.render(),
-                            content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type": "version=0.0.4"})
+        return web.Response(
+            body=metrics.render(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type": "version=0.0.4"},
+        )
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         node = self.decode.pick() or self.prefill.pick()
@@ -149,5 +168,9 @@ class _RouterApp:
 
 
 def _node(node: Upstream) -> dict[str, object]:
-    return {"node": node.id, "healthy": node.healthy, "inflight": node.inflight,
-            "error": node.last_error}
+    return {
+        "node": node.id,
+        "healthy": node.healthy,
+        "inflight": node.inflight,
+        "error": node.last_error,
+    }

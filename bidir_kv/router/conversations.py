@@ -54,8 +54,9 @@ class ConversationRoutes:
         self.metrics.closes.labels("closed").inc()
         log.info("conv=%s: closed; releasing D's blocks", log_safe(key.conversation_id))
         # OpenAI's Conversations API answers a delete with this object
-        return web.json_response({"id": key.conversation_id, "object": "conversation.deleted",
-                                  "deleted": True})
+        return web.json_response(
+            {"id": key.conversation_id, "object": "conversation.deleted", "deleted": True}
+        )
 
     async def keepalive(self, request: web.Request) -> web.Response:
         try:
@@ -72,15 +73,21 @@ class ConversationRoutes:
         if renewal.lease is None or renewal.deadline is None:
             self.metrics.keepalives.labels("no_lease").inc()
             return error_response(
-                409, f"conversation {key.conversation_id!r} has no lease to renew: its D "
+                409,
+                f"conversation {key.conversation_id!r} has no lease to renew: its D "
                 "advertised no bidir_kv_lease and the router runs without "
-                "--conversation-lease, so its KV is held for --cache-ttl", "ConflictError")
+                "--conversation-lease, so its KV is held for --cache-ttl",
+                "ConflictError",
+            )
         self.metrics.keepalives.labels("renewed").inc()
-        return web.json_response({
-            "id": key.conversation_id, "object": "conversation.lease",
-            "lease_seconds": renewal.lease,
-            "expires_in": round(max(0.0, renewal.deadline - self.store.now()), 3),
-        })
+        return web.json_response(
+            {
+                "id": key.conversation_id,
+                "object": "conversation.lease",
+                "lease_seconds": renewal.lease,
+                "expires_in": round(max(0.0, renewal.deadline - self.store.now()), 3),
+            }
+        )
 
     def _store_failed(self, exc: StoreError) -> web.Response:
         self.metrics.errors.labels("store").inc()
@@ -90,8 +97,11 @@ class ConversationRoutes:
 
 def _not_found(conversation_id: str) -> web.Response:
     return error_response(
-        404, f"conversation {conversation_id!r} not found: no stored turn for it (never "
-        "stored, closed or expired)", "NotFoundError")
+        404,
+        f"conversation {conversation_id!r} not found: no stored turn for it (never "
+        "stored, closed or expired)",
+        "NotFoundError",
+    )
 
 
 class LeaseSweeper:

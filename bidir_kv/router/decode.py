@@ -102,7 +102,9 @@ class DecodeLeg:
             node.inflight += 1
             try:
                 resp = await self.session.post(
-                    f"{node.url}/v1/{turn.endpoint}", data=data, headers=turn.headers,
+                    f"{node.url}/v1/{turn.endpoint}",
+                    data=data,
+                    headers=turn.headers,
                     timeout=aiohttp.ClientTimeout(
                         total=self.settings.decode_timeout,
                         sock_connect=self.settings.decode_connect_timeout,
@@ -144,10 +146,18 @@ class DecodeLeg:
         """D gave no answer within ``--decode-timeout`` (stalled or overloaded)."""
         self.metrics.errors.labels(failure_label(Leg.DECODE, Cause.TIMEOUT)).inc()
         limit = self.settings.decode_timeout
-        log.error("[%s] conv=%s: D %s did not answer within %gs (--decode-timeout); request "
-                  "cancelled", turn.rid, turn.conv, node.id, limit)
-        return error_response(504, f"decode node {node.id} did not answer within {limit:g}s "
-                              "(--decode-timeout)", "GatewayTimeout")
+        log.error(
+            "[%s] conv=%s: D %s did not answer within %gs (--decode-timeout); request cancelled",
+            turn.rid,
+            turn.conv,
+            node.id,
+            limit,
+        )
+        return error_response(
+            504,
+            f"decode node {node.id} did not answer within {limit:g}s (--decode-timeout)",
+            "GatewayTimeout",
+        )
 
     async def _drop_failed_pull(
         self, turn: Turn, node: Upstream, resp: aiohttp.ClientResponse
@@ -161,9 +171,15 @@ class DecodeLeg:
             resp.release()
             node.inflight -= 1
         self.metrics.fallbacks.labels(failure_label(Leg.DECODE, Cause.PULL)).inc()
-        log.warning("[%s] conv=%s: D %s answered HTTP %d to the pull of P's blocks (%s); "
-                    "retrying the D leg as a miss (D computes the prompt)", turn.rid,
-                    turn.conv, node.id, resp.status, raw[:200].decode("utf-8", "replace"))
+        log.warning(
+            "[%s] conv=%s: D %s answered HTTP %d to the pull of P's blocks (%s); "
+            "retrying the D leg as a miss (D computes the prompt)",
+            turn.rid,
+            turn.conv,
+            node.id,
+            resp.status,
+            raw[:200].decode("utf-8", "replace"),
+        )
 
     def _next_after(
         self, turn: Turn, node: Upstream, exc: BaseException, tried: list[Upstream]
@@ -181,8 +197,7 @@ class DecodeLeg:
         if nxt is None or len(tried) >= 2:
             return None
         self.metrics.fallbacks.labels(failure_label(Leg.DECODE, Cause.UNREACHABLE)).inc()
-        log.warning("[%s] D %s unreachable (%s); retrying on %s", turn.rid, node.id, exc,
-                    nxt.id)
+        log.warning("[%s] D %s unreachable (%s); retrying on %s", turn.rid, node.id, exc, nxt.id)
         return nxt
 
 
@@ -230,10 +245,10 @@ class _Answer:
             return None
         raw = await self.resp.read()
         self._error(Cause.HTTP)
-        log.warning("[%s] D %s returned HTTP %d", self.turn.rid, self.d_node.id,
-                    self.resp.status)
-        return web.Response(status=self.resp.status, body=raw,
-                            content_type=self.resp.content_type or JSON)
+        log.warning("[%s] D %s returned HTTP %d", self.turn.rid, self.d_node.id, self.resp.status)
+        return web.Response(
+            status=self.resp.status, body=raw, content_type=self.resp.content_type or JSON
+        )
 
     async def stream(self) -> web.StreamResponse:
         """Relay D's stream event by event; store its params before ``[DONE]``."""
@@ -257,8 +272,13 @@ class _Answer:
         if result.failure is not None:
             self._error(Cause.MID_STREAM)
             d_node.mark(False, result.failure)
-            log.error("[%s] conv=%s: D %s failed mid-stream: %s; entry dropped", turn.rid,
-                      turn.conv, d_node.id, result.failure)
+            log.error(
+                "[%s] conv=%s: D %s failed mid-stream: %s; entry dropped",
+                turn.rid,
+                turn.conv,
+                d_node.id,
+                result.failure,
+            )
         elif result.client_gone:
             record_client_gone(turn, self.metrics)
             self.release(turn, self.p_node, d_node, result.params, "client_gone")
@@ -278,8 +298,11 @@ class _Answer:
             raw = await self.resp.read()
         except TimeoutError:  # before OSError: TimeoutError is one
             self._error(Cause.TIMEOUT)
-            return error_response(504, f"decode node {d_node.id} did not finish within the "
-                                  "--decode-timeout", "GatewayTimeout")
+            return error_response(
+                504,
+                f"decode node {d_node.id} did not finish within the --decode-timeout",
+                "GatewayTimeout",
+            )
         except (aiohttp.ClientError, OSError) as exc:
             self._error(Cause.MID_STREAM)
             d_node.mark(False, str(exc))
@@ -290,8 +313,9 @@ class _Answer:
             client_body = self.relay.digest_response(json.loads(raw))
         except (ValueError, ProtocolError, TypeError) as exc:
             self._error(Cause.BAD_RESPONSE)
-            return error_response(502, f"decode node {d_node.id} answer unusable: {exc}",
-                                  "BadGateway")
+            return error_response(
+                502, f"decode node {d_node.id} answer unusable: {exc}", "BadGateway"
+            )
         record_first_byte(turn, self.metrics)
         await self.remember(turn, self.p_node, d_node, self.relay.result)
         if not turn.stream:

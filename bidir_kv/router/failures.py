@@ -89,8 +89,6 @@ def error_response_for(exc: BidirKVError) -> web.Response:
 
 def unavailable_response(metrics: RouterMetrics, *down: UpstreamPool) -> web.Response:
     """503 naming each pool without a healthy node, and why its nodes are down."""
-    problems = [
-        f"no healthy {pool.role} node (down: {pool.down_description()})" for pool in down
-    ]
+    problems = [f"no healthy {pool.role} node (down: {pool.down_description()})" for pool in down]
     metrics.errors.labels("unavailable").inc()
     return error_response(503, "; ".join(problems), "ServiceUnavailable")

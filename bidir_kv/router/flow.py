@@ -87,8 +87,14 @@ class RouterFlow:
         self.prefill_leg = PrefillLeg(prefill, session, settings, metrics)
         self.releaser = Releaser(prefill, decode, session, settings, metrics)
         store.on_evict = self._evicted  # evicted entries free D's blocks
-        self.memo = TurnMemo(store, metrics, settings.guard, self.releaser, decode.hold,
-                             lease=settings.conversation_lease)
+        self.memo = TurnMemo(
+            store,
+            metrics,
+            settings.guard,
+            self.releaser,
+            decode.hold,
+            lease=settings.conversation_lease,
+        )
         self.decode_leg = DecodeLeg(decode, session, settings, metrics, self.memo.release)
         self.peers = PeerDropper([prefill, decode], session, metrics)  # engine ids, drop_peer
         api_key = os.environ.get("OPENAI_API_KEY")
@@ -122,8 +128,16 @@ class RouterFlow:
         auth = self._api_auth or request.headers.get("Authorization")
         if auth:
             headers["Authorization"] = auth
-        turn = Turn(rid, endpoint, body, headers, key, body.get("stream") is True,
-                    guard=self.settings.guard, history=history)
+        turn = Turn(
+            rid,
+            endpoint,
+            body,
+            headers,
+            key,
+            body.get("stream") is True,
+            guard=self.settings.guard,
+            history=history,
+        )
         try:
             return await self._run(request, turn)
         except asyncio.CancelledError:
@@ -161,8 +175,11 @@ class RouterFlow:
         p_node = self.prefill.pick(entry.prefill if entry else None)
         d_node = self.decode.pick(entry.decode if entry else None)
         if p_node is None or d_node is None:
-            down = [pool for pool, node in ((self.prefill, p_node), (self.decode, d_node))
-                    if node is None]
+            down = [
+                pool
+                for pool, node in ((self.prefill, p_node), (self.decode, d_node))
+                if node is None
+            ]
             return unavailable_response(self.metrics, *down)
         # Reserved from the pick to the end of the D leg: turns picked while this one is
         # still in its P leg see it (placement would otherwise herd them onto one D).
@@ -173,20 +190,26 @@ class RouterFlow:
             d_node.reserved -= 1
 
     async def _legs(
-        self, request: web.Request, turn: Turn, entry: Entry | None, p_node: Upstream,
+        self,
+        request: web.Request,
+        turn: Turn,
+        entry: Entry | None,
+        p_node: Upstream,
         d_node: Upstream,
     ) -> web.StreamResponse:
         hit, release = await self._reuse(turn, p_node, entry)
         if hit is not None:
             self.metrics.hit_offers.inc()
-            log.info("[%s] conv=%s: sending D's cached blocks to P (remote_request_id=%s)",
-                     turn.rid, turn.conv, hit.remote_request_id)
+            log.info(
+                "[%s] conv=%s: sending D's cached blocks to P (remote_request_id=%s)",
+                turn.rid,
+                turn.conv,
+                hit.remote_request_id,
+            )
         elif turn.key is not None:
             log.info("[%s] conv=%s: cache MISS", turn.rid, turn.conv)
         try:
-            p_node, p_params = await self.prefill_leg.run_with_fallback(
-                turn, p_node, hit, release
-            )
+            p_node, p_params = await self.prefill_leg.run_with_fallback(turn, p_node, hit, release)
         except UpstreamFailure as exc:
             return self._failure_response(turn, Leg.PREFILL, exc)
         if p_params is not None:
@@ -199,8 +222,7 @@ class RouterFlow:
             turn.tokenize_task = asyncio.create_task(
                 self.prefill_leg.tokenize(turn, p_node, timed=False)
             )
-        return await self.decode_leg.run(request, turn, p_node, d_node, p_params,
-                                         self._remember)
+        return await self.decode_leg.run(request, turn, p_node, d_node, p_params, self._remember)
 
     async def _remember(
         self, turn: Turn, p_node: Upstream, d_node: Upstream, result: RelayResult
@@ -221,8 +243,12 @@ class RouterFlow:
             self.metrics.hit_tokens.inc(pulled)
         else:
             self.metrics.misses.labels("not_pulled").inc()
-            log.info("[%s] conv=%s: P did not take D's cached tokens (cached_tokens %s)",
-                     turn.rid, turn.conv, (turn.p_usage or {}).get("prompt_tokens_details"))
+            log.info(
+                "[%s] conv=%s: P did not take D's cached tokens (cached_tokens %s)",
+                turn.rid,
+                turn.conv,
+                (turn.p_usage or {}).get("prompt_tokens_details"),
+            )
 
     # ---- store and guard --------------------------------------------------------
 
@@ -234,8 +260,9 @@ class RouterFlow:
         if turn.key is None:
             m.misses.labels("no_id").inc()
             log.warning(
-                "[%s] No conversation_id provided — KV cache reuse disabled for this request. "
-                "%s", turn.rid, NO_ID_FIX
+                "[%s] No conversation_id provided — KV cache reuse disabled for this request. %s",
+                turn.rid,
+                NO_ID_FIX,
             )
             return None
         turn.since = self.store.now()
@@ -255,8 +282,12 @@ class RouterFlow:
         if taken.stale:
             m.stale.inc()
             m.misses.labels("stale").inc()
-            log.info("conv=%s: stale cache entry (age=%.1fs > ttl=%.1fs), discarding",
-                     turn.conv, taken.age, self.store.ttl)
+            log.info(
+                "conv=%s: stale cache entry (age=%.1fs > ttl=%.1fs), discarding",
+                turn.conv,
+                taken.age,
+                self.store.ttl,
+            )
         elif taken.entry is None:
             m.misses.labels("not_found").inc()
         else:
@@ -271,8 +302,12 @@ class RouterFlow:
         holder = self.decode.get(entry.decode)
         if holder is not None and not holder.healthy:
             self.metrics.misses.labels("holder_down").inc()
-            log.info("[%s] conv=%s: D %s holding the blocks is down; miss", turn.rid,
-                     turn.conv, entry.decode)
+            log.info(
+                "[%s] conv=%s: D %s holding the blocks is down; miss",
+                turn.rid,
+                turn.conv,
+                entry.decode,
+            )
             return None, None
         host = holder.host if holder is not None else entry.params.remote_host
         cached = entry.params.for_prefill_hit(host)
@@ -296,18 +331,28 @@ class RouterFlow:
             verdict = GuardVerdict(None, "tokenize-failed")
             log.warning("[%s] conv=%s: cannot verify continuation (%s)", turn.rid, turn.conv, exc)
         else:
-            verdict = judge_continuation(cached, entry.tokens, prompt_tokens,
-                                         self.settings.block_size)
+            verdict = judge_continuation(
+                cached, entry.tokens, prompt_tokens, self.settings.block_size
+            )
         if verdict.accepted:
             if verdict.reason.startswith("trimmed"):
                 m.guard_trims.inc()
-                log.warning("[%s] conv=%s: guard %s: reusing only %d tokens", turn.rid,
-                            turn.conv, verdict.reason, verdict.reusable_tokens)
+                log.warning(
+                    "[%s] conv=%s: guard %s: reusing only %d tokens",
+                    turn.rid,
+                    turn.conv,
+                    verdict.reason,
+                    verdict.reusable_tokens,
+                )
             return verdict
         m.guard_rejections.labels(verdict.reason).inc()
         m.misses.labels("guard").inc()
-        log.warning("[%s] conv=%s: guard rejected cached KV (%s); releasing D's blocks",
-                    turn.rid, turn.conv, verdict.reason)
+        log.warning(
+            "[%s] conv=%s: guard rejected cached KV (%s); releasing D's blocks",
+            turn.rid,
+            turn.conv,
+            verdict.reason,
+        )
         return verdict
 
     # ---- errors ---------------------------------------------------------------

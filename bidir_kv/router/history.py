@@ -44,11 +44,25 @@ _VERSION: Final = b"bidir-kv history 1\n"  # a change of the canonical form chan
 
 # Request fields that change the tokens a template renders from the same messages.
 SCOPE_FIELDS: Final = (
-    "model", "cache_salt", "tools", "tool_choice", "functions", "function_call",
-    "parallel_tool_calls", "chat_template", "chat_template_kwargs", "add_generation_prompt",
-    "continue_final_message", "add_special_tokens", "documents", "reasoning_effort",
-    "include_reasoning", "thinking_token_budget", "mm_processor_kwargs", "media_io_kwargs",
-)  # fmt: skip
+    "model",
+    "cache_salt",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "documents",
+    "reasoning_effort",
+    "include_reasoning",
+    "thinking_token_budget",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+)
 # Fields a template drops from an assistant message (and clients often do not send back).
 REASONING_FIELDS: Final = frozenset({"reasoning", "reasoning_content"})
 
@@ -58,8 +72,9 @@ def _dumps(value: Any) -> bytes:
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except (orjson.JSONEncodeError, TypeError):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"),
-                          ensure_ascii=False).encode("utf-8", "surrogateescape")
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+            "utf-8", "surrogateescape"
+        )
 
 
 def _absent(value: Any) -> bool:

@@ -121,5 +121,6 @@ def path_conversation_key(conversation_id: str, headers: Mapping[str, str]) -> C
     value = _check_id(conversation_id, "the conversation id in the path")
     if value is None:
         raise IdentityError("the conversation id in the path is empty")
-    return ConversationKey(tenant=tenant_digest(headers.get("Authorization")),
-                           conversation_id=value, source="path")
+    return ConversationKey(
+        tenant=tenant_digest(headers.get("Authorization")), conversation_id=value, source="path"
+    )

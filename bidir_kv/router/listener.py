@@ -43,12 +43,23 @@ _HEAD_END = b"\r\n\r\n"
 
 
 def _busy_answer(limit: int) -> bytes:
-    body = json.dumps({"error": {
-        "message": f"the router has {limit} client connections open (--max-connections); "
-                   "retry shortly", "type": "ServiceUnavailable", "code": 503}}).encode()
-    return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
-            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"the router has {limit} client connections open (--max-connections); "
+                "retry shortly",
+                "type": "ServiceUnavailable",
+                "code": 503,
+            }
+        }
+    ).encode()
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
 class GuardedConnection(asyncio.Protocol):
@@ -66,7 +77,8 @@ class GuardedConnection(asyncio.Protocol):
         self._listener.opened()
         if self._listener.header_timeout > 0:
             self._timer = asyncio.get_running_loop().call_later(
-                self._listener.header_timeout, self._head_late)
+                self._listener.header_timeout, self._head_late
+            )
         self._inner.connection_made(transport)
 
     def _head_late(self) -> None:
@@ -106,8 +118,15 @@ class GuardedConnection(asyncio.Protocol):
 class Listener:
     """Accept on ``sock`` until cancelled; each connection gets ``factory()``'s protocol."""
 
-    def __init__(self, sock: socket.socket, factory: Callable[[], asyncio.Protocol], *,
-                 max_connections: int, header_timeout: float, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        factory: Callable[[], asyncio.Protocol],
+        *,
+        max_connections: int,
+        header_timeout: float,
+        metrics: RouterMetrics,
+    ) -> None:
         self.sock = sock
         self.factory = factory
         self.max_connections = max_connections
@@ -145,7 +164,8 @@ class Listener:
                 continue
             try:
                 await loop.connect_accepted_socket(
-                    lambda: GuardedConnection(self.factory(), self), sock=conn)
+                    lambda: GuardedConnection(self.factory(), self), sock=conn
+                )
             except OSError:  # gone before it was set up
                 conn.close()
 
@@ -162,9 +182,14 @@ class Listener:
         self._unlogged += 1
         if now - self._last_emfile_log < EMFILE_LOG_EVERY_S:
             return
-        log.warning("cannot accept client connections: %s (%d accept failures since the "
-                    "last such line; %d client connections open); new connections wait in "
-                    "the backlog. Raise the descriptor limit (ulimit -n) or lower "
-                    "--max-connections", exc.strerror or exc, self._unlogged, self.open)
+        log.warning(
+            "cannot accept client connections: %s (%d accept failures since the "
+            "last such line; %d client connections open); new connections wait in "
+            "the backlog. Raise the descriptor limit (ulimit -n) or lower "
+            "--max-connections",
+            exc.strerror or exc,
+            self._unlogged,
+            self.open,
+        )
         self._last_emfile_log = now
         self._unlogged = 0

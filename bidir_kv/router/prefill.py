@@ -29,8 +29,13 @@ log = logging.getLogger("bidir_kv.router")
 _P_LEG_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
 _COMPLETION_TOKENIZE_KEYS: tuple[str, ...] = ("add_special_tokens",)
 _CHAT_TOKENIZE_KEYS: tuple[str, ...] = (
-    "add_generation_prompt", "continue_final_message", "add_special_tokens",
-    "chat_template", "chat_template_kwargs", "tools", "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
 )
 
 
@@ -54,21 +59,26 @@ class PrefillLeg:
     async def tokenize(self, turn: Turn, node: Upstream, timed: bool = True) -> list[int]:
         """P's token ids of this turn's prompt (what the guard compares with D's sequence)."""
         prompt = turn.body.get("prompt")
-        if turn.endpoint == "completions" and isinstance(prompt, list) and all(
-            isinstance(t, int) for t in prompt
+        if (
+            turn.endpoint == "completions"
+            and isinstance(prompt, list)
+            and all(isinstance(t, int) for t in prompt)
         ):
             return list(prompt)  # the client sent token ids: nothing to ask P
         req = _tokenize_request(turn)
         t = time.perf_counter()
         try:
             async with self.session.post(
-                f"{node.url}/tokenize", json=req, headers=turn.headers,
+                f"{node.url}/tokenize",
+                json=req,
+                headers=turn.headers,
                 timeout=aiohttp.ClientTimeout(total=self.settings.prefill_timeout),
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    raise UpstreamFailure(Cause.HTTP, f"/tokenize returned {resp.status}",
-                                          resp.status, raw)
+                    raise UpstreamFailure(
+                        Cause.HTTP, f"/tokenize returned {resp.status}", resp.status, raw
+                    )
         except TimeoutError:  # before OSError: TimeoutError is one
             raise UpstreamFailure(Cause.TIMEOUT, f"/tokenize on {node.id} timed out") from None
         except (aiohttp.ClientError, OSError) as exc:
@@ -81,9 +91,7 @@ class PrefillLeg:
             if not all(isinstance(x, int) for x in tokens):
                 raise TypeError("non-integer token")
         except (ValueError, KeyError, TypeError) as exc:
-            raise UpstreamFailure(
-                Cause.BAD_RESPONSE, f"/tokenize answer unusable: {exc}"
-            ) from None
+            raise UpstreamFailure(Cause.BAD_RESPONSE, f"/tokenize answer unusable: {exc}") from None
         return list(tokens)
 
     # ---- the prefill itself -----------------------------------------------------
@@ -104,16 +112,23 @@ class PrefillLeg:
                 node.mark(False, str(exc))
             if hit is None and release is None and not exc.unreachable:
                 raise  # a miss that failed: not caused by reuse, the client sees it
-            retry = self.pool.pick(None if exc.unreachable else node.id,
-                                   exclude=node if exc.unreachable else None)
+            retry = self.pool.pick(
+                None if exc.unreachable else node.id, exclude=node if exc.unreachable else None
+            )
             if retry is None:
                 raise
             self.metrics.fallbacks.labels(failure_label(Leg.PREFILL, exc.cause)).inc()
             if hit is not None or release is not None:
                 self.metrics.misses.labels("fallback").inc()
             turn.fell_back = True
-            log.warning("[%s] conv=%s: P leg failed on %s (%s); retrying as a miss on %s",
-                        turn.rid, turn.conv, node.id, exc, retry.id)
+            log.warning(
+                "[%s] conv=%s: P leg failed on %s (%s); retrying as a miss on %s",
+                turn.rid,
+                turn.conv,
+                node.id,
+                exc,
+                retry.id,
+            )
             return retry, await self.run(turn, retry, KVTransferParams.miss())
 
     async def run(
@@ -150,7 +165,9 @@ class PrefillLeg:
         outcome = "error"
         try:
             async with self.session.post(
-                f"{node.url}/v1/{turn.endpoint}", data=json.dumps(body), headers=turn.headers,
+                f"{node.url}/v1/{turn.endpoint}",
+                data=json.dumps(body),
+                headers=turn.headers,
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
                 raw = await resp.read()

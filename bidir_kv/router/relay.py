@@ -168,8 +168,13 @@ class StreamRelay:
             name = exc.__class__.__name__
             self._failure = f"{name}: {exc}" if str(exc) else name
         if self._failure is not None:
-            err = {"error": {"message": f"decode node failed mid-stream: {self._failure}",
-                             "type": "BadGateway", "code": 502}}
+            err = {
+                "error": {
+                    "message": f"decode node failed mid-stream: {self._failure}",
+                    "type": "BadGateway",
+                    "code": 502,
+                }
+            }
             await self._write(out, b"data: " + _dumps(err) + b"\n\n")
         return self.result
 
@@ -239,10 +244,7 @@ class StreamRelay:
             self._untracked = untracked_delta(payload)
         n_params = payload.count(_PARAMS)
         n_null_params = payload.count(_NULL_PARAMS) if n_params else 0
-        if (
-            payload.count(_FINISH) == payload.count(_NULL_FINISH)
-            and n_params == n_null_params
-        ):
+        if payload.count(_FINISH) == payload.count(_NULL_FINISH) and n_params == n_null_params:
             # Fast path (compact JSON, every value null): an ordinary chunk.
             if n_params and not self.keep_params:
                 stripped = payload.replace(_COMMA_NULL_PARAMS, b"")

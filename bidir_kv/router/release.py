@@ -71,8 +71,9 @@ class Releaser:
 
     def release_entry(self, entry: Entry, reason: str) -> bool:
         """Release a store entry that will never be taken (evicted, replaced, stale)."""
-        return self.release(entry.params, entry.decode, reason, model=entry.model,
-                            prefill=entry.prefill)
+        return self.release(
+            entry.params, entry.decode, reason, model=entry.model, prefill=entry.prefill
+        )
 
     def release(
         self,
@@ -94,8 +95,11 @@ class Releaser:
             return False
         if len(self._tasks) >= self.settings.max_pending_releases:
             m.release_failures.labels("overflow").inc()
-            log.warning("release of D's blocks (remote_request_id=%s) dropped: %d pending",
-                        params.remote_request_id, len(self._tasks))
+            log.warning(
+                "release of D's blocks (remote_request_id=%s) dropped: %d pending",
+                params.remote_request_id,
+                len(self._tasks),
+            )
             return False
         host = holder.host if holder is not None else params.remote_host
         kv = release_params(params.for_prefill_hit(host))
@@ -105,7 +109,11 @@ class Releaser:
         return True
 
     async def _send(
-        self, kv: KVTransferParams, reason: str, model: Any, prefill: str | None,
+        self,
+        kv: KVTransferParams,
+        reason: str,
+        model: Any,
+        prefill: str | None,
         auth: str | None,
     ) -> None:
         async with self._slots:
@@ -113,8 +121,12 @@ class Releaser:
             if node is None:
                 self.metrics.release_failures.labels("no_prefill").inc()
                 return
-            body: dict[str, Any] = {"prompt": RELEASE_PROMPT, "max_tokens": 1, "stream": False,
-                                    "kv_transfer_params": kv.to_dict()}
+            body: dict[str, Any] = {
+                "prompt": RELEASE_PROMPT,
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": kv.to_dict(),
+            }
             if isinstance(model, str):
                 body["model"] = model
             headers = {"Content-Type": JSON, "X-Request-Id": f"release-{uuid.uuid4()}"}
@@ -122,25 +134,40 @@ class Releaser:
                 headers["Authorization"] = self._api_auth or auth or ""
             timeout = aiohttp.ClientTimeout(total=self.settings.prefill_timeout)
             try:
-                async with self.session.post(f"{node.url}/v1/completions",
-                                             data=json.dumps(body), headers=headers,
-                                             timeout=timeout) as resp:
+                async with self.session.post(
+                    f"{node.url}/v1/completions",
+                    data=json.dumps(body),
+                    headers=headers,
+                    timeout=timeout,
+                ) as resp:
                     raw = await resp.read()
                     ok = resp.status // 100 == 2
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 self.metrics.release_failures.labels("unreachable").inc()
-                log.warning("release of D's blocks (remote_request_id=%s) via P %s failed: %s",
-                            kv.remote_request_id, node.id, exc)
+                log.warning(
+                    "release of D's blocks (remote_request_id=%s) via P %s failed: %s",
+                    kv.remote_request_id,
+                    node.id,
+                    exc,
+                )
                 return
             if not ok:
                 self.metrics.release_failures.labels("http").inc()
-                log.warning("release of D's blocks (remote_request_id=%s): P %s answered HTTP "
-                            "%d: %s", kv.remote_request_id, node.id, resp.status,
-                            raw[:200].decode("utf-8", "replace"))
+                log.warning(
+                    "release of D's blocks (remote_request_id=%s): P %s answered HTTP %d: %s",
+                    kv.remote_request_id,
+                    node.id,
+                    resp.status,
+                    raw[:200].decode("utf-8", "replace"),
+                )
                 return
             self.metrics.releases.labels(reason).inc()
-            log.info("released D's blocks (remote_request_id=%s, reason=%s) via P %s",
-                     kv.remote_request_id, reason, node.id)
+            log.info(
+                "released D's blocks (remote_request_id=%s, reason=%s) via P %s",
+                kv.remote_request_id,
+                reason,
+                node.id,
+            )
 
     async def drain(self) -> None:
         """Wait for queued releases (tests, shutdown)."""

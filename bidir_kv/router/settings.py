@@ -13,7 +13,11 @@ from typing import Final
 from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL
 
 __all__ = [
-    "DECODE_STREAM_MODES", "IDENTITY_MODES", "LOG_LEVELS", "UPSTREAM_CACHE_TTL", "RouterSettings",
+    "DECODE_STREAM_MODES",
+    "IDENTITY_MODES",
+    "LOG_LEVELS",
+    "UPSTREAM_CACHE_TTL",
+    "RouterSettings",
 ]
 
 # vLLM's example multi-turn proxy keeps an entry 450 s, below D's 480 s retention.

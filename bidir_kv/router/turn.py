@@ -89,5 +89,4 @@ def record_client_gone(turn: Turn, metrics: RouterMetrics) -> None:
     """The client closed its connection; nothing more to send (not an engine error)."""
     turn.cancel_tokenize()
     metrics.errors.labels("client_gone").inc()
-    log.info("[%s] conv=%s: client went away before the answer was complete", turn.rid,
-             turn.conv)
+    log.info("[%s] conv=%s: client went away before the answer was complete", turn.rid, turn.conv)

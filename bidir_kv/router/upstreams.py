@@ -71,8 +71,12 @@ class UpstreamPool:
     """The upstream engines of one role."""
 
     def __init__(
-        self, role: Role, hosts: Sequence[str], ports: Sequence[int],
-        held_weight: float = 0.0, held_ttl: float = float("inf"),
+        self,
+        role: Role,
+        hosts: Sequence[str],
+        ports: Sequence[int],
+        held_weight: float = 0.0,
+        held_ttl: float = float("inf"),
     ) -> None:
         if len(hosts) != len(ports):
             raise ValueError(
@@ -112,8 +116,9 @@ class UpstreamPool:
 
     def load(self, node: Upstream, now: float | None = None) -> float:
         """What placement compares (:func:`bidir_kv.policy.node_load`)."""
-        return node_load(max(node.reserved, node.inflight), self.held_count(node, now),
-                         self.held_weight)
+        return node_load(
+            max(node.reserved, node.inflight), self.held_count(node, now), self.held_weight
+        )
 
     # ---- held work: turns in the store whose KV the node keeps pinned ------------
 

@@ -50,7 +50,8 @@ RESPAWN_DELAY_MAX_S = 10.0
 def reuse_port_socket(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` that other workers may bind too."""
     family, _, _, _, address = socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     return socket.create_server(address, family=family, backlog=1024, reuse_port=True)
 
 
@@ -71,8 +72,9 @@ def _exit_status(status: int) -> int:
 
 
 class _Supervisor:
-    def __init__(self, count: int, serve: Callable[[int, Any], int], max_deaths: int,
-                 window: float) -> None:
+    def __init__(
+        self, count: int, serve: Callable[[int, Any], int], max_deaths: int, window: float
+    ) -> None:
         self.count = count
         self.serve = serve
         self.max_deaths = max_deaths
@@ -128,19 +130,29 @@ class _Supervisor:
                 self.deaths.append(now)
                 while self.deaths and self.deaths[0] < now - self.window:
                     self.deaths.popleft()
-                log.warning("router worker %d (pid %d) exited with status %d", index, pid,
-                            _exit_status(status))
+                log.warning(
+                    "router worker %d (pid %d) exited with status %d",
+                    index,
+                    pid,
+                    _exit_status(status),
+                )
                 if len(self.deaths) > self.max_deaths:
-                    log.error("%d router workers died within %g s: stopping all of them",
-                              len(self.deaths), self.window)
+                    log.error(
+                        "%d router workers died within %g s: stopping all of them",
+                        len(self.deaths),
+                        self.window,
+                    )
                     code = 1
                     self.forward(signal.SIGTERM)
                     continue
                 if self._backoff():
                     self.restarts.value += 1
                     self.spawn(index)
-                    log.warning("router worker %d replaced (%d replacements so far)", index,
-                                self.restarts.value)
+                    log.warning(
+                        "router worker %d replaced (%d replacements so far)",
+                        index,
+                        self.restarts.value,
+                    )
         finally:
             self.forward(signal.SIGTERM)
             for child in list(self.children):
@@ -149,8 +161,9 @@ class _Supervisor:
         return code
 
 
-def run_workers(count: int, serve: Callable[[int, Any], int], *, max_deaths: int = 5,
-                window: float = 60.0) -> int:
+def run_workers(
+    count: int, serve: Callable[[int, Any], int], *, max_deaths: int = 5, window: float = 60.0
+) -> int:
     """Fork ``count`` workers running ``serve(index, restarts)`` and keep them up: 0 after
     a stop by signal, 1 after more than ``max_deaths`` deaths within ``window`` s.
     ``restarts.value`` is the number of workers replaced so far (shared memory)."""

@@ -54,8 +54,11 @@ CONNECTORS = ("stock", "bidir-kv")  # vLLM's NixlConnector, ours (bidir_kv.conne
 DEFAULT_PORTS: dict[str, int] = {"prefill": 8100, "decode": 8200}  # the recipe's ports
 # The env var that picks the accelerators a server sees: CUDA's, and the one the vLLM
 # Neuron plug-in declares as its device control variable (its platform.py).
-_VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "neuron": "NEURON_RT_VISIBLE_CORES",
-            "cpu": "VLLM_CPU_OMP_THREADS_BIND"}
+_VISIBLE = {
+    "cuda": "CUDA_VISIBLE_DEVICES",
+    "neuron": "NEURON_RT_VISIBLE_CORES",
+    "cpu": "VLLM_CPU_OMP_THREADS_BIND",
+}
 # Where the KV cache NIXL registers lives: device memory on CUDA; host DRAM on the CPU
 # platform (the cache itself) and on Neuron (the plug-in copies KV to host memory for
 # NIXL; whether bidirectional readback engages through that host buffer is unverified).
@@ -152,7 +155,8 @@ def kv_transfer_config(spec: ServeSpec) -> dict[str, Any]:
         if given is not None and given != list(spec.peer_allowlist):
             raise ValueError(
                 f"{ALLOWLIST_CONFIG_KEY} is given twice: {list(spec.peer_allowlist)} and "
-                f"{given!r} in the kv-transfer-config's extra config; give it once")
+                f"{given!r} in the kv-transfer-config's extra config; give it once"
+            )
         try:
             PeerAllowlist.parse(list(spec.peer_allowlist))
         except ValueError as exc:
@@ -171,8 +175,10 @@ def kv_transfer_config(spec: ServeSpec) -> dict[str, Any]:
     if spec.connector == "bidir-kv":
         given = spec.kv_top.get("kv_connector_module_path", CONNECTOR_MODULE_PATH)
         if given != CONNECTOR_MODULE_PATH:
-            raise ValueError(f"connector bidir-kv loads kv_connector_module_path "
-                             f"{CONNECTOR_MODULE_PATH!r}, but the config gives {given!r}")
+            raise ValueError(
+                f"connector bidir-kv loads kv_connector_module_path "
+                f"{CONNECTOR_MODULE_PATH!r}, but the config gives {given!r}"
+            )
         cfg["kv_connector_module_path"] = CONNECTOR_MODULE_PATH
     cfg.update(spec.kv_top)
     cfg["kv_connector_extra_config"] = extra
@@ -209,7 +215,8 @@ def _check(spec: ServeSpec) -> None:
         raise ValueError(f"tensor parallel size must be >= 1, got {spec.tp}")
     if spec.connector not in CONNECTORS:
         raise ValueError(
-            f"connector must be one of {', '.join(CONNECTORS)}, got {spec.connector!r}")
+            f"connector must be one of {', '.join(CONNECTORS)}, got {spec.connector!r}"
+        )
     if spec.decoder_kv_blocks_ttl <= 0:
         raise ValueError(f"decoder_kv_blocks_ttl must be > 0, got {spec.decoder_kv_blocks_ttl}")
 
@@ -217,20 +224,28 @@ def _check(spec: ServeSpec) -> None:
 def _notes(spec: ServeSpec) -> tuple[str, ...]:
     notes: list[str] = []
     if spec.device == "neuron":
-        notes.append("neuron: KV goes through a host buffer (kv_buffer_device cpu); whether "
-                     "D->P readback engages on Neuron is unverified (docs/hardware.md §2)")
+        notes.append(
+            "neuron: KV goes through a host buffer (kv_buffer_device cpu); whether "
+            "D->P readback engages on Neuron is unverified (docs/hardware.md §2)"
+        )
     if spec.cold_prefill and spec.role == "decode":
         notes.append("--cold-prefill applies to P only: D keeps its prefix cache")
-    ours = (spec.connector == "bidir-kv"
-            or spec.kv_top.get("kv_connector_module_path") == CONNECTOR_MODULE_PATH)
+    ours = (
+        spec.connector == "bidir-kv"
+        or spec.kv_top.get("kv_connector_module_path") == CONNECTOR_MODULE_PATH
+    )
     if ours:
-        notes.append(f"kv_connector_module_path {CONNECTOR_MODULE_PATH}: the package must "
-                     "import in vLLM's own Python (pip install bidir-kv into vLLM's "
-                     "environment or image; docs/connector.md)")
+        notes.append(
+            f"kv_connector_module_path {CONNECTOR_MODULE_PATH}: the package must "
+            "import in vLLM's own Python (pip install bidir-kv into vLLM's "
+            "environment or image; docs/connector.md)"
+        )
     if not ours and (spec.peer_allowlist is not None or ALLOWLIST_CONFIG_KEY in spec.kv_extra):
-        notes.append(f"{ALLOWLIST_CONFIG_KEY} is enforced by bidir_kv.connector "
-                     "(kv_connector_module_path) and the emulator; stock NixlConnector "
-                     "ignores the key (docs/connector.md §7)")
+        notes.append(
+            f"{ALLOWLIST_CONFIG_KEY} is enforced by bidir_kv.connector "
+            "(kv_connector_module_path) and the emulator; stock NixlConnector "
+            "ignores the key (docs/connector.md §7)"
+        )
     return tuple(notes)
 
 
@@ -258,8 +273,14 @@ def build(spec: ServeSpec) -> ServeCommand:
 def recipe_pair(model: str, p_ip: str, d_ip: str, **common: Any) -> tuple[ServeSpec, ServeSpec]:
     """The publication's P and D (docs/hardware.md §1) with ``common`` overrides."""
     base: dict[str, Any] = dict(
-        model=model, tp=8, max_model_len=32768, max_num_seqs=8, dtype="bfloat16",
-        nixl_backend="LIBFABRIC", kv_parallel_size=2, device="cuda",
+        model=model,
+        tp=8,
+        max_model_len=32768,
+        max_num_seqs=8,
+        dtype="bfloat16",
+        nixl_backend="LIBFABRIC",
+        kv_parallel_size=2,
+        device="cuda",
     )
     base.update(common)
     p = ServeSpec(role="prefill", ip=p_ip, kv_rank=0, cold_prefill=True, **base)

@@ -45,13 +45,20 @@ class KubeOptions:
 def _pod(spec: ServeSpec, opts: KubeOptions) -> dict[str, Any]:
     cmd = build(spec)
     name = f"{opts.name}-{spec.role}"
-    labels = {"app.kubernetes.io/name": "bidir-kv", "app.kubernetes.io/instance": opts.name,
-              "bidir-kv/role": spec.role}
+    labels = {
+        "app.kubernetes.io/name": "bidir-kv",
+        "app.kubernetes.io/instance": opts.name,
+        "bidir-kv/role": spec.role,
+    }
     env: list[dict[str, Any]] = [
-        {"name": k, "value": v} for k, v in cmd.env.items()
-        if k != "VLLM_NIXL_SIDE_CHANNEL_HOST"]
-    env.append({"name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
-                "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+        {"name": k, "value": v} for k, v in cmd.env.items() if k != "VLLM_NIXL_SIDE_CHANNEL_HOST"
+    ]
+    env.append(
+        {
+            "name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+        }
+    )
     count = opts.accelerators if opts.accelerators is not None else spec.tp
     resources: dict[str, str] = {}
     if spec.device in _ACCELERATOR:
@@ -59,28 +66,48 @@ def _pod(spec: ServeSpec, opts: KubeOptions) -> dict[str, Any]:
     if opts.efa > 0:
         resources[EFA_RESOURCE] = str(opts.efa)
     ports = [{"name": "http", "containerPort": spec.http_port, "protocol": "TCP"}]
-    ports += [{"name": f"side-{r}", "containerPort": spec.side_channel_port + r,
-               "protocol": "TCP"} for r in range(spec.tp)]
+    ports += [
+        {"name": f"side-{r}", "containerPort": spec.side_channel_port + r, "protocol": "TCP"}
+        for r in range(spec.tp)
+    ]
     return {
-        "apiVersion": "v1", "kind": "Pod",
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {"name": name, "namespace": opts.namespace, "labels": labels},
         "spec": {
             "restartPolicy": "Never",
-            "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-                {"labelSelector": {"matchLabels": {
-                    "app.kubernetes.io/instance": opts.name}},
-                 "topologyKey": "kubernetes.io/hostname"}]}},
-            "containers": [{
-                "name": spec.role, "image": opts.image,
-                "command": list(cmd.argv), "env": env, "ports": ports,
-                "resources": {"requests": resources, "limits": resources},
-                "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
-                "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
-                                   "periodSeconds": 10, "failureThreshold": 180},
-                "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
-            }],
-            "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory",
-                                                      "sizeLimit": f"{opts.shm_gib}Gi"}}],
+            "affinity": {
+                "podAntiAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "labelSelector": {
+                                "matchLabels": {"app.kubernetes.io/instance": opts.name}
+                            },
+                            "topologyKey": "kubernetes.io/hostname",
+                        }
+                    ]
+                }
+            },
+            "containers": [
+                {
+                    "name": spec.role,
+                    "image": opts.image,
+                    "command": list(cmd.argv),
+                    "env": env,
+                    "ports": ports,
+                    "resources": {"requests": resources, "limits": resources},
+                    "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                    "readinessProbe": {
+                        "httpGet": {"path": "/health", "port": "http"},
+                        "periodSeconds": 10,
+                        "failureThreshold": 180,
+                    },
+                    "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+                }
+            ],
+            "volumes": [
+                {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{opts.shm_gib}Gi"}}
+            ],
         },
     }
 
@@ -89,13 +116,25 @@ def _service(pod: dict[str, Any]) -> dict[str, Any]:
     meta = pod["metadata"]
     ports = pod["spec"]["containers"][0]["ports"]
     return {
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": meta["name"], "namespace": meta["namespace"],
-                     "labels": meta["labels"]},
-        "spec": {"selector": meta["labels"],
-                 "ports": [{"name": p["name"], "port": p["containerPort"],
-                            "targetPort": p["containerPort"], "protocol": "TCP"}
-                           for p in ports]},
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "labels": meta["labels"],
+        },
+        "spec": {
+            "selector": meta["labels"],
+            "ports": [
+                {
+                    "name": p["name"],
+                    "port": p["containerPort"],
+                    "targetPort": p["containerPort"],
+                    "protocol": "TCP",
+                }
+                for p in ports
+            ],
+        },
     }
 
 

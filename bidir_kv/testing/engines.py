@@ -48,8 +48,12 @@ def kv_config(role: str, **extra: Any) -> KVTransferConfig:
     }
     if "kv_load_failure_policy" in extra:
         top["kv_load_failure_policy"] = extra.pop("kv_load_failure_policy")
-    cfg = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": DEFAULT_RECOMPUTE_THRESHOLD,
-           "decoder_kv_blocks_ttl": DEFAULT_DECODER_KV_BLOCKS_TTL, **extra}  # fmt: skip
+    cfg = {
+        "bidirectional_kv_xfer": True,
+        "kv_recompute_threshold": DEFAULT_RECOMPUTE_THRESHOLD,
+        "decoder_kv_blocks_ttl": DEFAULT_DECODER_KV_BLOCKS_TTL,
+        **extra,
+    }
     top["kv_connector_extra_config"] = cfg
     return KVTransferConfig.from_dict(top)
 
@@ -133,8 +137,9 @@ def _start_pair(
     dk = {**(kv or {}), **(decode_kv or {})}
     pspec = EngineSpec(kv=kv_config("prefill", **pk), transport=transport, **(prefill or {}))
     dspec = EngineSpec(kv=kv_config("decode", **dk), transport=transport, **(decode or {}))
-    topo = LocalTopology(TopologySpec(prefill=pspec, decode=dspec, routers=0,
-                                      peer_allowlist=peer_allowlist), run_dir)
+    topo = LocalTopology(
+        TopologySpec(prefill=pspec, decode=dspec, routers=0, peer_allowlist=peer_allowlist), run_dir
+    )
     topo.__enter__()
     return EnginePair(topo, EngineClient(topo.prefill[0]), EngineClient(topo.decode[0]))
 

@@ -84,15 +84,18 @@ def kill_process(proc: ManagedProcess, sig: int = signal.SIGKILL, timeout: float
     proc.send_signal(sig)
     proc.send_signal(signal.SIGCONT)  # a paused node acts on a catchable signal only then
     if not _holds(lambda: proc.returncode is not None, timeout):
-        _fail(f"{proc.name} (pid {proc.pid}) still runs {timeout:g} s after signal "
-              f"{signal.Signals(sig).name}")
+        _fail(
+            f"{proc.name} (pid {proc.pid}) still runs {timeout:g} s after signal "
+            f"{signal.Signals(sig).name}"
+        )
     code = proc.returncode
     assert code is not None
     return code
 
 
-def stop_process(proc: ManagedProcess, timeout: float = 10.0, *,
-                 gone_within: float = 10.0) -> int | None:
+def stop_process(
+    proc: ManagedProcess, timeout: float = 10.0, *, gone_within: float = 10.0
+) -> int | None:
     """Stop a running node as a fault (SIGTERM, SIGKILL after ``timeout``: its ``stop``);
     return its exit code. Fails when it was not running, and when it or any process of
     its tree still runs ``gone_within`` seconds after the stop."""
@@ -100,8 +103,10 @@ def stop_process(proc: ManagedProcess, timeout: float = 10.0, *,
     proc.stop(timeout)
     if not _holds(lambda: proc.returncode is not None and not process_tree(pid), gone_within):
         left = process_tree(pid)
-        _fail(f"{proc.name} (pid {pid}) still runs after its stop"
-              + (f" (processes left: {sorted(left)})" if left else ""))
+        _fail(
+            f"{proc.name} (pid {pid}) still runs after its stop"
+            + (f" (processes left: {sorted(left)})" if left else "")
+        )
     return proc.returncode
 
 
@@ -110,8 +115,10 @@ def _check_running(action: str, proc: ManagedProcess) -> int:
         _fail(f"{action} of {proc.name}: it was never started")
     code = proc.returncode
     if code is not None:
-        _fail(f"{action} of {proc.name} (pid {proc.pid}): it had already exited with code "
-              f"{code}\n{proc.log_tail(10)}")
+        _fail(
+            f"{action} of {proc.name} (pid {proc.pid}): it had already exited with code "
+            f"{code}\n{proc.log_tail(10)}"
+        )
     return proc.pid
 
 
@@ -119,13 +126,15 @@ def kill_pid(pid: int, name: str, sig: int = signal.SIGKILL, timeout: float = 10
     """Signal a process that is not ours to reap (a router's worker) as a fault: it must be
     running before, and gone (exited, reaped or a zombie) within ``timeout`` after."""
     if not process_running(pid):
-        _fail(f"kill of {name} (pid {pid}): it was not running (state "
-              f"{process_state(pid) or 'gone'})")
+        _fail(
+            f"kill of {name} (pid {pid}): it was not running (state {process_state(pid) or 'gone'})"
+        )
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
     if not _holds(lambda: not process_running(pid), timeout):
-        _fail(f"{name} (pid {pid}) still runs {timeout:g} s after signal "
-              f"{signal.Signals(sig).name}")
+        _fail(
+            f"{name} (pid {pid}) still runs {timeout:g} s after signal {signal.Signals(sig).name}"
+        )
 
 
 def kill_container(topo: Any, name: str, timeout: float = 30.0) -> None:
@@ -151,18 +160,21 @@ def restart_node(topo: Topology, node: Node, timeout: float = 60.0) -> int:
     """
     old = node.info.get("pid")
     if old is None:
-        _fail(f"restart of {node.name}: its process id is not known, so no restart can be "
-              "shown")
+        _fail(f"restart of {node.name}: its process id is not known, so no restart can be shown")
     topo.restart(node)
     new = node.info.get("pid")
     if process_running(old):
-        _fail(f"restart of {node.name}: the old process (pid {old}) still runs"
-              + ("" if new != old else " and no new one was started"))
+        _fail(
+            f"restart of {node.name}: the old process (pid {old}) still runs"
+            + ("" if new != old else " and no new one was started")
+        )
     if new is None or new == old:
         _fail(f"restart of {node.name}: no new process was started (pid {old} is gone)")
     if not process_running(new):
-        _fail(f"restart of {node.name}: the new process (pid {new}) is not running "
-              f"(state {process_state(new) or 'gone'})")
+        _fail(
+            f"restart of {node.name}: the new process (pid {new}) is not running "
+            f"(state {process_state(new) or 'gone'})"
+        )
 
     def serves() -> bool:
         try:
@@ -172,8 +184,10 @@ def restart_node(topo: Topology, node: Node, timeout: float = 60.0) -> int:
             return False
 
     if not _holds(serves, timeout):
-        _fail(f"restart of {node.name}: the new process (pid {new}) does not answer "
-              f"{node.url}/health within {timeout:g} s")
+        _fail(
+            f"restart of {node.name}: the new process (pid {new}) does not answer "
+            f"{node.url}/health within {timeout:g} s"
+        )
     return int(new)
 
 
@@ -195,16 +209,23 @@ def pause_process(proc: ManagedProcess, timeout: float = 10.0) -> Iterator[dict[
         if not _holds(lambda: _all_stopped(pid), timeout):
             tree = process_tree(pid)
             moving = {p: s for p, s in tree.items() if s != "T"}
-            _fail(f"pause of {proc.name} (pid {pid}): " + (
-                f"processes {moving} of its tree are not stopped {timeout:g} s after SIGSTOP"
-                if tree else "it exited instead of stopping"))
+            _fail(
+                f"pause of {proc.name} (pid {pid}): "
+                + (
+                    f"processes {moving} of its tree are not stopped {timeout:g} s after SIGSTOP"
+                    if tree
+                    else "it exited instead of stopping"
+                )
+            )
         yield process_tree(pid)
     finally:
         proc.send_signal(signal.SIGCONT)
         if not _holds(lambda: "T" not in process_tree(pid).values(), timeout):
             still = sorted(p for p, s in process_tree(pid).items() if s == "T")
-            _fail(f"resume of {proc.name} (pid {pid}): processes {still} are still stopped "
-                  f"{timeout:g} s after SIGCONT")
+            _fail(
+                f"resume of {proc.name} (pid {pid}): processes {still} are still stopped "
+                f"{timeout:g} s after SIGCONT"
+            )
 
 
 def _all_stopped(pid: int) -> bool:
@@ -216,8 +237,13 @@ def _all_stopped(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def cut_link(what: str, cut: Callable[[], object], restore: Callable[[], object],
-             passes: Callable[[], bool], timeout: float = 15.0) -> Iterator[None]:
+def cut_link(
+    what: str,
+    cut: Callable[[], object],
+    restore: Callable[[], object],
+    passes: Callable[[], bool],
+    timeout: float = 15.0,
+) -> Iterator[None]:
     """Cut a link for the block (``cut``), restore it after (``restore``).
 
     ``passes`` tries to cross the link once (e.g. opens a TCP connection through it) and
@@ -225,8 +251,10 @@ def cut_link(what: str, cut: Callable[[], object], restore: Callable[[], object]
     it (before the block runs), and work again within ``timeout`` of the restore.
     """
     if not passes():
-        _fail(f"cut of {what}: the link already drops traffic before the cut, so the cut "
-              "cannot be shown")
+        _fail(
+            f"cut of {what}: the link already drops traffic before the cut, so the cut "
+            "cannot be shown"
+        )
     cut()
     try:
         if not _holds(lambda: not passes(), timeout):
@@ -249,8 +277,9 @@ def confirm_faults(node: str, wanted: Mapping[str, Any], reported: Mapping[str, 
         _fail(f"{node} reports faults {wrong} after being asked for {asked}")
 
 
-def confirm_counter_rose(what: str, read: Callable[[], float], before: float,
-                         timeout: float = 10.0) -> float:
+def confirm_counter_rose(
+    what: str, read: Callable[[], float], before: float, timeout: float = 10.0
+) -> float:
     """A failure counter (``read()``) must rise above ``before`` within ``timeout`` after a
     transfer-failure fault: else nothing failed and the test would judge a success path.
     Returns the new value."""
@@ -259,8 +288,9 @@ def confirm_counter_rose(what: str, read: Callable[[], float], before: float,
     return read()
 
 
-def confirm_logged(what: str, log_path: str | Path, needle: str, *, since: int = 0,
-                   timeout: float = 10.0) -> None:
+def confirm_logged(
+    what: str, log_path: str | Path, needle: str, *, since: int = 0, timeout: float = 10.0
+) -> None:
     """A fault a node reports only in its log (our connector's release fault): ``needle``
     must appear in ``log_path`` after byte offset ``since`` within ``timeout``."""
     path = Path(log_path)

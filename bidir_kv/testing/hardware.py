@@ -120,17 +120,29 @@ class HwShape:
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> HwShape:
-        base = (QUICK_SHAPE if config.getoption("--hw-quick") else GPU_SHAPE) \
-            if is_remote(config) else CPU_SHAPE
-        given = (config.getoption("--hw-conversations"), config.getoption("--hw-turns"),
-                 config.getoption("--hw-clients"))
-        conv, turns, clients = (g if g is not None else b
-                                for g, b in zip(given, base, strict=True))
+        base = (
+            (QUICK_SHAPE if config.getoption("--hw-quick") else GPU_SHAPE)
+            if is_remote(config)
+            else CPU_SHAPE
+        )
+        given = (
+            config.getoption("--hw-conversations"),
+            config.getoption("--hw-turns"),
+            config.getoption("--hw-clients"),
+        )
+        conv, turns, clients = (g if g is not None else b for g, b in zip(given, base, strict=True))
         if min(conv, turns, clients) < 1 or turns < 2:
-            raise pytest.UsageError("--hw-conversations/--hw-clients >= 1 and --hw-turns >= 2, "
-                                    f"got {(conv, turns, clients)}")
-        return cls(conv, turns, clients, rounds=int(config.getoption("--hw-rounds")),
-                   answer_tokens=int(config.getoption("--hw-answer-tokens")))
+            raise pytest.UsageError(
+                "--hw-conversations/--hw-clients >= 1 and --hw-turns >= 2, "
+                f"got {(conv, turns, clients)}"
+            )
+        return cls(
+            conv,
+            turns,
+            clients,
+            rounds=int(config.getoption("--hw-rounds")),
+            answer_tokens=int(config.getoption("--hw-answer-tokens")),
+        )
 
 
 class HwMeasurements:
@@ -154,8 +166,9 @@ class HwMeasurements:
             self.round_s.clear()
             self.failures.clear()
         if history in self.failures:
-            pytest.fail(f"length {history} could not be measured: {self.failures[history]}",
-                        pytrace=False)
+            pytest.fail(
+                f"length {history} could not be measured: {self.failures[history]}", pytrace=False
+            )
         if history not in self.results:
             times: list[float] = []
             try:
@@ -172,9 +185,15 @@ class HwMeasurements:
             return measure_length(dep, history, sh.rounds, round_s=times)
         res = LengthResult(history_tokens=history, prompt_tokens=0)
         t0 = time.perf_counter()
-        measure_conversations(dep, history, res, conversations=sh.conversations,
-                              turns=sh.turns, clients=sh.clients,
-                              answer_tokens=sh.answer_tokens)
+        measure_conversations(
+            dep,
+            history,
+            res,
+            conversations=sh.conversations,
+            turns=sh.turns,
+            clients=sh.clients,
+            answer_tokens=sh.answer_tokens,
+        )
         times.append(time.perf_counter() - t0)
         return res
 
@@ -204,12 +223,14 @@ def deployment_info(config: pytest.Config) -> dict[str, Any]:
 
 def _metrics(client: EngineClient, timeout: float = 5.0) -> MetricsSnapshot:
     """P's counters once two scrapes agree (transfer stats land a step after the answer)."""
-    return settled(lambda: client.metrics(_NAMES), timeout,
-                   same=lambda a, b: a.samples == b.samples)
+    return settled(
+        lambda: client.metrics(_NAMES), timeout, same=lambda a, b: a.samples == b.samples
+    )
 
 
-def _finish_on_d(dep: HwDeployment, prompt: list[int], p_params: KVTransferParams | None,
-                 tokens: int = 1) -> Completion | None:
+def _finish_on_d(
+    dep: HwDeployment, prompt: list[int], p_params: KVTransferParams | None, tokens: int = 1
+) -> Completion | None:
     """D's leg of the turn: D reads what P holds for it, so no P lease is left to lapse
     and count as an expired transfer in a later round; ``tokens`` is the answer's length
     (1 when the conversation ends here)."""
@@ -218,9 +239,15 @@ def _finish_on_d(dep: HwDeployment, prompt: list[int], p_params: KVTransferParam
     return dep.decode.complete(prompt, tokens, p_params)
 
 
-def measure_turn(dep: HwDeployment, prompt: list[int], d_params: KVTransferParams,
-                 res: LengthResult, off_first: bool, answer_tokens: int = 1,
-                 lock: threading.Lock | None = None) -> Completion | None:
+def measure_turn(
+    dep: HwDeployment,
+    prompt: list[int],
+    d_params: KVTransferParams,
+    res: LengthResult,
+    off_first: bool,
+    answer_tokens: int = 1,
+    lock: threading.Lock | None = None,
+) -> Completion | None:
     """A measured turn >= 2: P's prefill of ``prompt`` twice, OFF (miss dict, fresh
     cache_salt so nothing local is reused) and ON (D's dict), in the order given; OFF is
     finished on D with one token, ON with ``answer_tokens`` (the conversation's answer,
@@ -249,8 +276,9 @@ def measure_turn(dep: HwDeployment, prompt: list[int], d_params: KVTransferParam
             if dep.fabric:
                 res.fabric.append(deltas(counted, dep.fabric.read()))
         res.on_s.append(out.elapsed)
-        res.pulled_tokens.append(int(delta.value("vllm:prompt_tokens_by_source_total",
-                                                 source="external_kv_transfer")))
+        res.pulled_tokens.append(
+            int(delta.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer"))
+        )
         res.bytes_moved.append(delta.value(NIXL_BYTES))
         res.xfer_s.append(delta.value(NIXL_XFER_TIME))
         res.xfers.append(int(delta.value(NIXL_XFERS)))
@@ -258,13 +286,14 @@ def measure_turn(dep: HwDeployment, prompt: list[int], d_params: KVTransferParam
         res.expired += int(delta.value(NIXL_EXPIRED))
         answer[0] = _finish_on_d(dep, prompt, out.params, answer_tokens)
 
-    for step in ((off, on) if off_first else (on, off)):
+    for step in (off, on) if off_first else (on, off):
         step()
     return answer[0]
 
 
-def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthResult,
-              off_first: bool) -> None:
+def run_round(
+    dep: HwDeployment, rng: random.Random, history: int, res: LengthResult, off_first: bool
+) -> None:
     """One turn 1, then turn 2 measured (:func:`measure_turn`)."""
     turn1 = run_pd_turn(dep.prefill, dep.decode, dep.prompt(rng, history), OUTPUT_TOKENS)
     assert turn1.d is not None and turn1.d.ok, f"turn 1 failed: {turn1.d or turn1.p}"
@@ -273,9 +302,17 @@ def run_round(dep: HwDeployment, rng: random.Random, history: int, res: LengthRe
     measure_turn(dep, prompt2, turn1.d.params, res, off_first)
 
 
-def measure_conversations(dep: HwDeployment, history: int, res: LengthResult, *,
-                          conversations: int, turns: int, clients: int,
-                          answer_tokens: int, seed: int = 0) -> None:
+def measure_conversations(
+    dep: HwDeployment,
+    history: int,
+    res: LengthResult,
+    *,
+    conversations: int,
+    turns: int,
+    clients: int,
+    answer_tokens: int,
+    seed: int = 0,
+) -> None:
     """The publication's shape: ``conversations`` of ``turns`` turns on a ``history``-token
     prefix, ``NEW_TOKENS`` user tokens and ``answer_tokens`` answer tokens per turn, by
     ``clients`` concurrent clients; every turn >= 2 measured OFF and ON
@@ -288,14 +325,23 @@ def measure_conversations(dep: HwDeployment, history: int, res: LengthResult, *,
         rng = random.Random(f"hw-{seed}-{history}-{i}")
         turn1 = run_pd_turn(dep.prefill, dep.decode, dep.prompt(rng, history), answer_tokens)
         assert turn1.d is not None and turn1.d.ok and turn1.d.params is not None, (
-            f"conversation {i}: turn 1 failed: {turn1.d or turn1.p}")
+            f"conversation {i}: turn 1 failed: {turn1.d or turn1.p}"
+        )
         seq, params = turn1.sequence, turn1.d.params
         for turn in range(2, turns + 1):
             prompt = [*seq, *dep.prompt(rng, NEW_TOKENS)]
-            out = measure_turn(dep, prompt, params, res, off_first=(i + turn) % 2 == 0,
-                               answer_tokens=answer_tokens, lock=lock)
+            out = measure_turn(
+                dep,
+                prompt,
+                params,
+                res,
+                off_first=(i + turn) % 2 == 0,
+                answer_tokens=answer_tokens,
+                lock=lock,
+            )
             assert out is not None and out.ok and out.params is not None, (
-                f"conversation {i} turn {turn}: D's answer failed: {out}")
+                f"conversation {i} turn {turn}: D's answer failed: {out}"
+            )
             seq, params = [*prompt, *out.token_ids], out.params
 
     def client(first: int) -> None:
@@ -314,8 +360,9 @@ def measure_conversations(dep: HwDeployment, history: int, res: LengthResult, *,
         raise errors[0]
 
 
-def measure_length(dep: HwDeployment, history: int, rounds: int, seed: int = 0,
-                   round_s: list[float] | None = None) -> LengthResult:
+def measure_length(
+    dep: HwDeployment, history: int, rounds: int, seed: int = 0, round_s: list[float] | None = None
+) -> LengthResult:
     """``rounds`` OFF/ON pairs at ``history`` tokens, alternating which goes first; each
     whole round's wall time is appended to ``round_s`` when given."""
     rng = random.Random(f"hw-{seed}-{history}")
@@ -330,8 +377,13 @@ def measure_length(dep: HwDeployment, history: int, rounds: int, seed: int = 0,
 
 def warm_up(dep: HwDeployment) -> None:
     """One discarded round: the first D->P read pays the NIXL handshake."""
-    run_round(dep, random.Random("hw-warm-up"), 2 * dep.block_size,
-           LengthResult(history_tokens=0, prompt_tokens=0), off_first=True)
+    run_round(
+        dep,
+        random.Random("hw-warm-up"),
+        2 * dep.block_size,
+        LengthResult(history_tokens=0, prompt_tokens=0),
+        off_first=True,
+    )
 
 
 # ---- deployments ------------------------------------------------------------------
@@ -347,16 +399,17 @@ def _placement(config: pytest.Config, dep: HwDeployment) -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
         nixl = None
     return {
-        "kind": dep.kind, "block_size": dep.block_size,
+        "kind": dep.kind,
+        "block_size": dep.block_size,
         "kv_bytes_per_token": dep.kv_bytes_per_token,
         "model": dep.description.get("model") or dep.prefill.model,
-        "vllm": dep.description.get("version"), "nixl": nixl,
+        "vllm": dep.description.get("version"),
+        "nixl": nixl,
         "backend": "UCX" if dep.kind == "vllm-cpu" else _opt(config, "--hw-nixl-backend"),
         "launcher": dep.launcher,
         "hosts": dep.description.get("hosts") or [dep.prefill.node.host, dep.decode.node.host],
         "fabric": dep.fabric.what if dep.fabric else ONE_HOST,
     }
-
 
 
 def _node(role: str, url: str) -> Node:
@@ -365,8 +418,12 @@ def _node(role: str, url: str) -> Node:
     parts = urlsplit(url)
     if not parts.hostname or not parts.port:
         raise pytest.UsageError(f"--{role}-url must look like http://host:port, got {url!r}")
-    return Node(role="prefill" if role == "prefill" else "decode", name=role,
-                host=parts.hostname, port=parts.port)
+    return Node(
+        role="prefill" if role == "prefill" else "decode",
+        name=role,
+        host=parts.hostname,
+        port=parts.port,
+    )
 
 
 def _served_model(url: str) -> str:
@@ -397,8 +454,7 @@ def _by_url(config: pytest.Config, p_url: str, d_url: str) -> HwDeployment:
     )
 
 
-def _vllm_cpu(config: pytest.Config, run_dir: Path,
-              two_hosts: Callable[[], Any]) -> HwDeployment:
+def _vllm_cpu(config: pytest.Config, run_dir: Path, two_hosts: Callable[[], Any]) -> HwDeployment:
     """The dry run: on two hosts of this machine through the ssh launcher (``auto`` and
     ``ssh``; ``auto`` falls back to one host where they cannot be made), or one host."""
     from bidir_kv.testing.backend_start import pd_spec
@@ -416,9 +472,13 @@ def _vllm_cpu(config: pytest.Config, run_dir: Path,
 
     shape = model_shape(load_model_config(opts.model / "config.json"), kv_dtype="float32")
     common: dict[str, Any] = dict(
-        kind="vllm-cpu", block_size=VllmCpuTopology(spec, opts).block_size,
-        threshold=BACKEND_CONFIG.threshold, token_range=(TOKEN_LO, TOKEN_HI),
-        kv_bytes_per_token=shape.kv_bytes_per_token(), decoder_ttl=BACKEND_CONFIG.decoder_ttl)
+        kind="vllm-cpu",
+        block_size=VllmCpuTopology(spec, opts).block_size,
+        threshold=BACKEND_CONFIG.threshold,
+        token_range=(TOKEN_LO, TOKEN_HI),
+        kv_bytes_per_token=shape.kv_bytes_per_token(),
+        decoder_ttl=BACKEND_CONFIG.decoder_ttl,
+    )
     launcher = _opt(config, "--hw-launcher") or "auto"
     if launcher == "auto":
         launcher = "local" if two_hosts_missing() else "ssh"
@@ -429,26 +489,44 @@ def _vllm_cpu(config: pytest.Config, run_dir: Path,
         hosts = two_hosts()
         pair = start_pair(spec, opts, hosts, run_dir / "vllm-cpu", opts.startup_timeout)
         fabric = _opt(config, "--hw-fabric")
-        probe = None if fabric == "off" else local_probe(
-            f"if:{hosts.p_if}" if fabric == "auto" else fabric,
-            _opt(config, "--hw-fabric-overhead"))
+        probe = (
+            None
+            if fabric == "off"
+            else local_probe(
+                f"if:{hosts.p_if}" if fabric == "auto" else fabric,
+                _opt(config, "--hw-fabric-overhead"),
+            )
+        )
         return HwDeployment(
-            prefill=EngineClient(pair.prefill), decode=EngineClient(pair.decode),
-            description={"backend": "vllm-cpu", "version": VLLM_CPU_VERSION,
-                         "nodes": [pair.prefill.url, pair.decode.url],
-                         "hosts": [hosts.p_addr, hosts.d_addr]},
-            close=pair.close, launcher="ssh", fabric=probe, **common)
+            prefill=EngineClient(pair.prefill),
+            decode=EngineClient(pair.decode),
+            description={
+                "backend": "vllm-cpu",
+                "version": VLLM_CPU_VERSION,
+                "nodes": [pair.prefill.url, pair.decode.url],
+                "hosts": [hosts.p_addr, hosts.d_addr],
+            },
+            close=pair.close,
+            launcher="ssh",
+            fabric=probe,
+            **common,
+        )
     if launcher != "local":
-        raise pytest.UsageError(f"--hw-launcher {launcher}: the vllm-cpu dry run places its "
-                                "nodes with local or ssh (two hosts made on this machine)")
+        raise pytest.UsageError(
+            f"--hw-launcher {launcher}: the vllm-cpu dry run places its "
+            "nodes with local or ssh (two hosts made on this machine)"
+        )
     topo = VllmCpuTopology(spec, opts).start()
     return HwDeployment(
-        prefill=EngineClient(topo.prefill[0]), decode=EngineClient(topo.decode[0]),
-        description=topo.describe(), close=topo.close, **common)
+        prefill=EngineClient(topo.prefill[0]),
+        decode=EngineClient(topo.decode[0]),
+        description=topo.describe(),
+        close=topo.close,
+        **common,
+    )
 
 
-def _deployment(config: pytest.Config, run_dir: Path,
-                two_hosts: Callable[[], Any]) -> HwDeployment:
+def _deployment(config: pytest.Config, run_dir: Path, two_hosts: Callable[[], Any]) -> HwDeployment:
     p_url, d_url = _opt(config, "--prefill-url"), _opt(config, "--decode-url")
     if p_url or d_url:
         if not (p_url and d_url):
@@ -459,24 +537,30 @@ def _deployment(config: pytest.Config, run_dir: Path,
 
         p, d, desc, close, probe = launch_pair(config, run_dir)
         return HwDeployment(
-            kind="launch", prefill=p, decode=d, launcher=desc["launcher"], fabric=probe,
+            kind="launch",
+            prefill=p,
+            decode=d,
+            launcher=desc["launcher"],
+            fabric=probe,
             block_size=int(_opt(config, "--hw-block-size") or 16),
-            threshold=int(_opt(config, "--hw-threshold")), token_range=(1000, 20000),
-            kv_bytes_per_token=_opt(config, "--hw-kv-bytes-per-token"), description=desc,
+            threshold=int(_opt(config, "--hw-threshold")),
+            token_range=(1000, 20000),
+            kv_bytes_per_token=_opt(config, "--hw-kv-bytes-per-token"),
+            description=desc,
             close=close,
         )
     return _vllm_cpu(config, run_dir, two_hosts)
 
 
 @pytest.fixture(scope="module")
-def hw_deployment(pytestconfig: pytest.Config,
-                  request: pytest.FixtureRequest) -> Iterator[HwDeployment]:
+def hw_deployment(
+    pytestconfig: pytest.Config, request: pytest.FixtureRequest
+) -> Iterator[HwDeployment]:
     """The deployment under test; one per tier module, stopped after it (a real pair keeps
     both cores busy and must be gone before the other tiers run)."""
     run_dir = Path(_opt(pytestconfig, "--hw-report"))
     try:
-        dep = _deployment(pytestconfig, run_dir,
-                          lambda: request.getfixturevalue("two_hosts"))
+        dep = _deployment(pytestconfig, run_dir, lambda: request.getfixturevalue("two_hosts"))
     except BackendUnavailable as exc:
         skip_or_fail(pytestconfig, "hardware", f"no deployment for the hardware tier: {exc}")
     except ProcessFailed as exc:

@@ -68,9 +68,12 @@ class Baseline:
             info = bench.get("extra_info", {})
             if "history_tokens" not in info or not info.get("on_s") or not info.get("off_s"):
                 continue
-            res = LengthResult(history_tokens=int(info["history_tokens"]),
-                               prompt_tokens=int(info.get("prompt_tokens", 0)),
-                               off_s=list(info["off_s"]), on_s=list(info["on_s"]))
+            res = LengthResult(
+                history_tokens=int(info["history_tokens"]),
+                prompt_tokens=int(info.get("prompt_tokens", 0)),
+                off_s=list(info["off_s"]),
+                on_s=list(info["on_s"]),
+            )
             self.lengths[res.history_tokens] = summarize(res)
 
 
@@ -80,33 +83,45 @@ def load_baseline(storage: str, run: str) -> Baseline:
     store = load_storage(storage, logger=_LOG, default_machine_id=None, netrc="")
     found = list(store.load(run)) or list(store.load(f"*_{run}"))  # a number, or a name
     if not found:
-        raise pytest.UsageError(f"--hw-baseline {run}: no stored run matches in {store} "
-                                "(runs are stored with --benchmark-autosave or "
-                                "--benchmark-save)")
+        raise pytest.UsageError(
+            f"--hw-baseline {run}: no stored run matches in {store} "
+            "(runs are stored with --benchmark-autosave or "
+            "--benchmark-save)"
+        )
     path, data = found[-1]
     return Baseline(str(path), data)
 
 
-def gate_baseline(length: int, current: LengthResult, baseline: Baseline,
-                  max_regression: float) -> str:
+def gate_baseline(
+    length: int, current: LengthResult, baseline: Baseline, max_regression: float
+) -> str:
     """Fail when ``current`` regressed against ``baseline`` at ``length`` by more than
     ``max_regression`` percent; returns what was compared."""
     base = baseline.lengths.get(length)
     if base is None:
-        raise GateFailure(f"length {length}: baseline {baseline.source} has no rounds at this "
-                          f"length (it has {sorted(baseline.lengths) or 'none'})")
+        raise GateFailure(
+            f"length {length}: baseline {baseline.source} has no rounds at this "
+            f"length (it has {sorted(baseline.lengths) or 'none'})"
+        )
     now = summarize(current)
-    checks = (PercentageRegressionCheck("on_median", max_regression),
-              DropCheck("speedup", max_regression))
+    checks = (
+        PercentageRegressionCheck("on_median", max_regression),
+        DropCheck("speedup", max_regression),
+    )
     failed = [(c, c.compute(now, base)) for c in checks if c.fails(now, base)]
-    shown = (f"ON median {now['on_median'] * 1e3:.1f} ms vs {base['on_median'] * 1e3:.1f} ms, "
-             f"speedup {now['speedup']:.3f}x vs {base['speedup']:.3f}x "
-             f"(baseline {baseline.source})")
+    shown = (
+        f"ON median {now['on_median'] * 1e3:.1f} ms vs {base['on_median'] * 1e3:.1f} ms, "
+        f"speedup {now['speedup']:.3f}x vs {base['speedup']:.3f}x "
+        f"(baseline {baseline.source})"
+    )
     if failed:
-        what = "; ".join(f"{'ON TTFT median rose' if c.field == 'on_median' else 'speedup fell'}"
-                         f" {pct:.1f} %" for c, pct in failed)
-        raise GateFailure(f"length {length}: regression beyond {max_regression:g} %: {what}: "
-                          f"{shown}")
+        what = "; ".join(
+            f"{'ON TTFT median rose' if c.field == 'on_median' else 'speedup fell'} {pct:.1f} %"
+            for c, pct in failed
+        )
+        raise GateFailure(
+            f"length {length}: regression beyond {max_regression:g} %: {what}: {shown}"
+        )
     return shown
 
 
@@ -114,12 +129,22 @@ def _deployment_summary(config: pytest.Config) -> dict[str, Any]:
     from bidir_kv.testing.hardware import deployment_info
 
     info = deployment_info(config)
-    keys = ("kind", "model", "vllm", "nixl", "backend", "launcher", "hosts", "block_size",
-            "kv_bytes_per_token")
+    keys = (
+        "kind",
+        "model",
+        "vllm",
+        "nixl",
+        "backend",
+        "launcher",
+        "hosts",
+        "block_size",
+        "kv_bytes_per_token",
+    )
     return {k: info.get(k) for k in keys}
 
 
-def pytest_benchmark_update_machine_info(config: pytest.Config,
-                                         machine_info: dict[str, Any]) -> None:
+def pytest_benchmark_update_machine_info(
+    config: pytest.Config, machine_info: dict[str, Any]
+) -> None:
     """Store the deployment with every saved run (compared against on ``--hw-baseline``)."""
     machine_info["bidir_kv"] = _deployment_summary(config)

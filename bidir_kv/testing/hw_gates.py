@@ -75,11 +75,19 @@ class LengthResult:
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "history_tokens": self.history_tokens, "prompt_tokens": self.prompt_tokens,
-            "off_s": self.off_s, "on_s": self.on_s, "pulled_tokens": self.pulled_tokens,
-            "bytes_moved": self.bytes_moved, "xfer_s": self.xfer_s, "xfers": self.xfers,
-            "failed": self.failed, "expired": self.expired, "fabric": self.fabric,
-            "speedup": self.speedup if self.off_s and self.on_s else None, "gbps": self.gbps,
+            "history_tokens": self.history_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "off_s": self.off_s,
+            "on_s": self.on_s,
+            "pulled_tokens": self.pulled_tokens,
+            "bytes_moved": self.bytes_moved,
+            "xfer_s": self.xfer_s,
+            "xfers": self.xfers,
+            "failed": self.failed,
+            "expired": self.expired,
+            "fabric": self.fabric,
+            "speedup": self.speedup if self.off_s and self.on_s else None,
+            "gbps": self.gbps,
         }
 
 
@@ -119,9 +127,7 @@ def _slots(tokens: int, block_size: int) -> int:
     return blocks_for_tokens(tokens, block_size) * block_size
 
 
-def gate_mechanism(
-    result: LengthResult, block_size: int, kv_bytes_per_token: float | None
-) -> None:
+def gate_mechanism(result: LengthResult, block_size: int, kv_bytes_per_token: float | None) -> None:
     """Every ON round pulled, moved the bytes those tokens take, and nothing failed.
 
     P's expired counter is reported, not gated: a read P declined as expired pulls 0
@@ -129,11 +135,14 @@ def gate_mechanism(
     unread, which may belong to any earlier turn (docs/hardware.md §5)."""
     n = result.history_tokens
     if result.failed:
-        raise GateFailure(f"length {n}: {result.failed} failed KV transfers on P during ON "
-                          "rounds (bound: 0)")
+        raise GateFailure(
+            f"length {n}: {result.failed} failed KV transfers on P during ON rounds (bound: 0)"
+        )
     if not result.pulled_tokens or min(result.pulled_tokens) <= 0:
-        raise GateFailure(f"length {n}: an ON round pulled {min(result.pulled_tokens or [0])} "
-                          "tokens from D (bound: > 0); D->P readback did not engage")
+        raise GateFailure(
+            f"length {n}: an ON round pulled {min(result.pulled_tokens or [0])} "
+            "tokens from D (bound: > 0); D->P readback did not engage"
+        )
     per_token = kv_bytes_per_token
     if per_token is None:  # unknown model shape: every round must agree with the first
         per_token = result.bytes_moved[0] / _slots(result.pulled_tokens[0], block_size)
@@ -147,15 +156,15 @@ def gate_mechanism(
             )
 
 
-def expected_kv_bytes(result: LengthResult, block_size: int,
-                      kv_bytes_per_token: float | None) -> float:
+def expected_kv_bytes(
+    result: LengthResult, block_size: int, kv_bytes_per_token: float | None
+) -> float:
     """The KV bytes the ON rounds had to move: the mechanism gate's expectation (whole
     blocks of the pulled tokens × KV bytes per token), or NIXL's own count when the
     model's shape is unknown. The fabric gate asks P's NICs to have counted them."""
     if kv_bytes_per_token is None:
         return float(sum(result.bytes_moved))
-    return float(sum(_slots(t, block_size) * kv_bytes_per_token
-                     for t in result.pulled_tokens))
+    return float(sum(_slots(t, block_size) * kv_bytes_per_token for t in result.pulled_tokens))
 
 
 def gate_efficiency(result: LengthResult, line_rate_gbps: float, share: float) -> float:
@@ -181,12 +190,19 @@ def _cost_model(results: Sequence[LengthResult], kv_bytes: float) -> tuple[CostM
     fixed, recompute = linear_fit(xs, ys)
     recompute = max(recompute, 1e-9)
     px = [float(med(r.pulled_tokens)) for r in results]
-    py = [med(r.on_s) * 1e6 - fixed - recompute * (r.prompt_tokens - n)
-          for r, n in zip(results, px, strict=True)]
+    py = [
+        med(r.on_s) * 1e6 - fixed - recompute * (r.prompt_tokens - n)
+        for r, n in zip(results, px, strict=True)
+    ]
     overhead, per_token = linear_fit(px, py) if px else (0.0, 0.0)
-    cost = CostModel(recompute_us_per_token=recompute, recompute_us_per_token_ctx=0.0,
-                     xfer_us_per_token=max(per_token, 0.0), pull_overhead_us=max(overhead, 0.0),
-                     kv_bytes_per_token=kv_bytes, source="calibration")
+    cost = CostModel(
+        recompute_us_per_token=recompute,
+        recompute_us_per_token_ctx=0.0,
+        xfer_us_per_token=max(per_token, 0.0),
+        pull_overhead_us=max(overhead, 0.0),
+        kv_bytes_per_token=kv_bytes,
+        source="calibration",
+    )
     return cost, max(fixed, 0.0)
 
 
@@ -217,8 +233,14 @@ def calibrated_bounds(
     out: dict[int, tuple[float, float]] = {}
     for r in results:
         pulled = int(statistics.median(r.pulled_tokens)) if r.pulled_tokens else 0
-        (row,) = ttft_rows(cost, [r.prompt_tokens], new_tokens=r.prompt_tokens - pulled,
-                           threshold=threshold, fixed_us=fixed_us, block_size=block_size)
+        (row,) = ttft_rows(
+            cost,
+            [r.prompt_tokens],
+            new_tokens=r.prompt_tokens - pulled,
+            threshold=threshold,
+            fixed_us=fixed_us,
+            block_size=block_size,
+        )
         out[r.history_tokens] = (row.ratio * (1 - tolerance), row.ratio)
     return out
 

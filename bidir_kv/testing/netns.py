@@ -77,8 +77,9 @@ def _free_subnet() -> ipaddress.IPv4Network:
         if word in ("local", "broadcast", "unreachable", "blackhole"):
             word = line.split()[1]
         with contextlib.suppress(ValueError):
-            taken.append(ipaddress.ip_network(word if word != "default" else "0.0.0.0/0",
-                                              strict=False))
+            taken.append(
+                ipaddress.ip_network(word if word != "default" else "0.0.0.0/0", strict=False)
+            )
     subnets: list[ipaddress.IPv4Network] = list(_BENCH_NET.subnets(new_prefix=24))
     random.shuffle(subnets)
     for net in subnets:
@@ -168,8 +169,10 @@ class TwoHosts:
         _run(*self.in_d("ip", "addr", "add", f"{d}/{net.prefixlen}", "dev", self.d_if))
         _run(*self.in_d("ip", "link", "set", self.d_if, "up"))
         _run(*self.in_d("ip", "link", "set", "lo", "up"))
-        for argv in (("sysctl", "-qw", f"net.ipv6.conf.{self.p_if}.disable_ipv6=1"),
-                     self.in_d("sysctl", "-qw", f"net.ipv6.conf.{self.d_if}.disable_ipv6=1")):
+        for argv in (
+            ("sysctl", "-qw", f"net.ipv6.conf.{self.p_if}.disable_ipv6=1"),
+            self.in_d("sysctl", "-qw", f"net.ipv6.conf.{self.d_if}.disable_ipv6=1"),
+        ):
             # no IPv6 neighbour discovery on the pair: its counters carry our traffic only
             subprocess.run(argv, capture_output=True, timeout=30)
 
@@ -183,8 +186,9 @@ class TwoHosts:
 
     def pids_in_d(self) -> list[int]:
         """Processes running in D's namespace (all of them ours: we made it)."""
-        out = subprocess.run(["ip", "netns", "pids", self.d_ns], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run(
+            ["ip", "netns", "pids", self.d_ns], capture_output=True, text=True, timeout=30
+        )
         return [int(w) for w in out.stdout.split() if w.isdigit()]
 
     def wait_ssh_sessions_closed(self, timeout: float = 15.0) -> list[int]:
@@ -199,8 +203,12 @@ class TwoHosts:
         def sessions() -> dict[int, str]:
             return {p: s for p, s in process_tree(listener).items() if p != listener}
 
-        wait_for(lambda: not sessions(), timeout,
-                 f"sshd's connection processes in {self.d_ns} to exit", interval=0.05)
+        wait_for(
+            lambda: not sessions(),
+            timeout,
+            f"sshd's connection processes in {self.d_ns} to exit",
+            interval=0.05,
+        )
         return self.pids_in_d()
 
     def kill_leftovers(self) -> list[int]:
@@ -218,59 +226,79 @@ class TwoHosts:
         d.mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o700)
         for name in ("host_key", "client_key", "stranger_key"):
-            _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"bidir-kv-{name}",
-                 "-f", str(d / name))
+            _run(
+                "ssh-keygen",
+                "-q",
+                "-t",
+                "ed25519",
+                "-N",
+                "",
+                "-C",
+                f"bidir-kv-{name}",
+                "-f",
+                str(d / name),
+            )
         (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
         host_pub = " ".join((d / "host_key.pub").read_text().split()[:2])
         (d / "known_hosts").write_text(f"{self.d_addr} {host_pub}\n")
         for key, name in (("client_key", "ssh_config"), ("stranger_key", "ssh_config_bad")):
-            (d / name).write_text("\n".join([
-                "Host *",
-                f"  IdentityFile {d / key}",
-                "  IdentitiesOnly yes",
-                f"  UserKnownHostsFile {d / 'known_hosts'}",
-                "  StrictHostKeyChecking yes",
-                "  BatchMode yes",
-                "  ConnectTimeout 5",
-                "  ServerAliveInterval 5",
-                "  ServerAliveCountMax 3",
-                "  LogLevel ERROR",
-                "",
-            ]))
+            (d / name).write_text(
+                "\n".join(
+                    [
+                        "Host *",
+                        f"  IdentityFile {d / key}",
+                        "  IdentitiesOnly yes",
+                        f"  UserKnownHostsFile {d / 'known_hosts'}",
+                        "  StrictHostKeyChecking yes",
+                        "  BatchMode yes",
+                        "  ConnectTimeout 5",
+                        "  ServerAliveInterval 5",
+                        "  ServerAliveCountMax 3",
+                        "  LogLevel ERROR",
+                        "",
+                    ]
+                )
+            )
         user = "root"
         self.ssh = SshAccess(self.d_addr, user, ("-F", str(d / "ssh_config")))
         self.bad_ssh = SshAccess(self.d_addr, user, ("-F", str(d / "ssh_config_bad")))
 
     def _start_sshd(self) -> None:
         d = self.workdir
-        (d / "sshd_config").write_text("\n".join([
-            f"ListenAddress {self.d_addr}:22",
-            f"HostKey {d / 'host_key'}",
-            f"PidFile {d / 'sshd.pid'}",
-            f"AuthorizedKeysFile {d / 'authorized_keys'}",
-            "AllowUsers root",
-            "PermitRootLogin prohibit-password",
-            "PubkeyAuthentication yes",
-            "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no",
-            "UsePAM no",
-            "StrictModes no",
-            "PermitUserEnvironment no",
-            "LogLevel VERBOSE",
-            "",
-        ]))
+        (d / "sshd_config").write_text(
+            "\n".join(
+                [
+                    f"ListenAddress {self.d_addr}:22",
+                    f"HostKey {d / 'host_key'}",
+                    f"PidFile {d / 'sshd.pid'}",
+                    f"AuthorizedKeysFile {d / 'authorized_keys'}",
+                    "AllowUsers root",
+                    "PermitRootLogin prohibit-password",
+                    "PubkeyAuthentication yes",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    "StrictModes no",
+                    "PermitUserEnvironment no",
+                    "LogLevel VERBOSE",
+                    "",
+                ]
+            )
+        )
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
         _run(SSHD, "-t", "-f", str(d / "sshd_config"))
-        sshd = ManagedProcess("sshd", self.in_d(SSHD, "-D", "-e", "-f", str(d / "sshd_config")),
-                              d / "sshd.log")
+        sshd = ManagedProcess(
+            "sshd", self.in_d(SSHD, "-D", "-e", "-f", str(d / "sshd_config")), d / "sshd.log"
+        )
         self._sshd = sshd
         sshd.start()
         self._stack.callback(sshd.stop)
 
         def banner() -> bool:
             if sshd.returncode is not None:
-                raise TwoHostsUnavailable(f"sshd in {self.d_ns} exited with code "
-                                          f"{sshd.returncode}\n{sshd.log_tail()}")
+                raise TwoHostsUnavailable(
+                    f"sshd in {self.d_ns} exited with code {sshd.returncode}\n{sshd.log_tail()}"
+                )
             try:
                 with socket.create_connection((self.d_addr, 22), timeout=2) as s:
                     return s.recv(8).startswith(b"SSH-")

@@ -102,8 +102,9 @@ def settled(
     return prev
 
 
-def _timeout_message(condition: Callable[[], object], timeout: float, what: str | None,
-                     last: object) -> str:
+def _timeout_message(
+    condition: Callable[[], object], timeout: float, what: str | None, last: object
+) -> str:
     awaited = what if what is not None else _describe(condition)
     return f"timed out after {timeout:g} s waiting for {awaited} (last value: {last!r})"
 

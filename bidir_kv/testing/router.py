@@ -86,8 +86,11 @@ class StubStack:
 
     async def stop_engine(self, role: str, index: int) -> None:
         """Take one engine off the network (its port then refuses connections)."""
-        runners = self._runners[:self.num_prefill] if role == "prefill" else \
-            self._runners[self.num_prefill:self.num_prefill + self.num_decode]
+        runners = (
+            self._runners[: self.num_prefill]
+            if role == "prefill"
+            else self._runners[self.num_prefill : self.num_prefill + self.num_decode]
+        )
         await runners[index].cleanup()
 
     async def __aenter__(self) -> StubStack:
@@ -206,11 +209,22 @@ def start_router_process(
     """
     port = port or free_port()
     argv = [
-        sys.executable, "-m", "bidir_kv", "proxy", "--host", "127.0.0.1", "--port", str(port),
-        "--prefiller-hosts", *[h for h, _ in prefill],
-        "--prefiller-ports", *[str(p) for _, p in prefill],
-        "--decoder-hosts", *[h for h, _ in decode],
-        "--decoder-ports", *[str(p) for _, p in decode],
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefiller-hosts",
+        *[h for h, _ in prefill],
+        "--prefiller-ports",
+        *[str(p) for _, p in prefill],
+        "--decoder-hosts",
+        *[h for h, _ in decode],
+        "--decoder-ports",
+        *[str(p) for _, p in decode],
         *extra,
     ]
     proc = ManagedProcess(name, argv, run_dir / f"{name}-{port}.log").start()
@@ -276,15 +290,20 @@ def chat(
     **extra: Any,
 ) -> ChatResult:
     """POST ``/v1/chat/completions`` (greedy); collect the text of a stream or a body."""
-    body: dict[str, Any] = {"model": "tiny", "messages": list(messages), "max_tokens": max_tokens,
-                            "temperature": 0, "stream": stream, **extra}
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": list(messages),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        **extra,
+    }
     if conv is not None:
         body["conversation_id"] = conv
     with NodeClient(url, timeout=timeout) as client:
         reply = client.request("POST", CHAT_PATH, json=body, headers=headers)
     if not reply.ok:
-        return ChatResult(reply.status, "", reply.content,
-                          reply.json() if reply.content else None)
+        return ChatResult(reply.status, "", reply.content, reply.json() if reply.content else None)
     res = read_reply(reply, stream)
     return ChatResult(reply.status, res.text, reply.content, res.body)
 
@@ -331,8 +350,12 @@ def emulated_router_topology(
         skip_or_fail(config, "integration", f"emulated engine unavailable: {exc}")
     spec = TopologySpec(
         num_decode=num_decode,
-        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp",
-                           enable_prefix_caching=prefix_caching_on_p, extra_args=engine_args),
+        prefill=EngineSpec(
+            kv=kv_config("prefill"),
+            transport="tcp",
+            enable_prefix_caching=prefix_caching_on_p,
+            extra_args=engine_args,
+        ),
         decode=EngineSpec(kv=kv_config("decode"), transport="tcp", extra_args=engine_args),
         router=RouterSpec(extra_args=("--health-interval", "0.5")),
     )

@@ -25,8 +25,9 @@ Faults = Callable[[Any, dict[str, Any]], None]
 def _faults(node: Any, changes: dict[str, Any] | None = None) -> dict[str, Any]:
     """An emulated engine's faults (``GET``), or set some of them (``POST``)."""
     data = None if changes is None else json.dumps(changes).encode()
-    req = urllib.request.Request(node.url + "/_emulator/faults", data=data,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        node.url + "/_emulator/faults", data=data, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return dict(json.loads(resp.read()))
 
@@ -53,10 +54,13 @@ def engine_faults() -> Iterator[Faults]:
             _faults(node, {k: values[k] for k in sorted(changed[url])})
 
 
-def router_for(topo: Any, router_process: Callable[..., RouterProcess], decode: list[Any],
-               *flags: str) -> RouterProcess:
+def router_for(
+    topo: Any, router_process: Callable[..., RouterProcess], decode: list[Any], *flags: str
+) -> RouterProcess:
     """A router of this test's own in front of ``topo``'s P nodes and the ``decode`` nodes
     given, checking their health every 0.5 s."""
-    return router_process([(n.host, n.port) for n in topo.prefill],
-                          [(n.host, n.port) for n in decode],
-                          extra=("--health-interval", "0.5", *flags))
+    return router_process(
+        [(n.host, n.port) for n in topo.prefill],
+        [(n.host, n.port) for n in decode],
+        extra=("--health-interval", "0.5", *flags),
+    )

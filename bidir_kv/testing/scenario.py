@@ -38,16 +38,17 @@ __all__ = [
 ]
 
 
-def wait_metric_increase(client: EngineClient, before: MetricsSnapshot, name: str,
-                         timeout: float, **labels: str) -> float:
+def wait_metric_increase(
+    client: EngineClient, before: MetricsSnapshot, name: str, timeout: float, **labels: str
+) -> float:
     """Poll ``/metrics`` until counter ``name`` rose above ``before``; return the delta."""
+
     def delta() -> float | None:
         d = client.metrics().value(name, **labels) - before.value(name, **labels)
         return d if d > 0 else None
 
     # a real vLLM exposition is ~100 KB: scrape it five times a second, not fifty
-    return wait_for(delta, timeout, f"{name} to increase on {client.node.name}",
-                    interval=0.2)
+    return wait_for(delta, timeout, f"{name} to increase on {client.node.name}", interval=0.2)
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,7 @@ def two_turns(
     t1 = run_pd_turn(p, pd.decode, prompts.prompt(first_len), gen)
     assert t1.d is not None and t1.d.ok, f"turn 1 failed: {t1.p.error or t1.d}"
     assert t1.d.params is not None, "D returned no kv_transfer_params on turn 1"
-    t2 = run_pd_turn(p, pd.decode, [*t1.sequence, *prompts.tokens(new_tokens)], gen,
-                     t1.d.params)
+    t2 = run_pd_turn(p, pd.decode, [*t1.sequence, *prompts.tokens(new_tokens)], gen, t1.d.params)
     return t1, t2
 
 
@@ -121,8 +121,12 @@ ANSWER_WITHIN = 45.0
 
 
 def complete_watching(
-    client: EngineClient, prompt: list[int], max_tokens: int, params: KVTransferParams,
-    timeout: float, interval: float = 1.0,
+    client: EngineClient,
+    prompt: list[int],
+    max_tokens: int,
+    params: KVTransferParams,
+    timeout: float,
+    interval: float = 1.0,
 ) -> tuple[Completion | TransportError, dict[str, float]]:
     """Send a request and sample the node's queue while it is pending.
 

@@ -52,8 +52,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """SIGTERM (a CI job cancelled, a ``timeout``) ends the session as Ctrl-C does, so
     fixtures tear down: nodes on other hosts are stopped by their pidfiles and the two
     hosts are removed, instead of outliving a killed runner."""
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
         signal.signal(signal.SIGTERM, _terminate)
 
 
@@ -62,8 +64,9 @@ def _tier(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def two_hosts(request: pytest.FixtureRequest,
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
+def two_hosts(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TwoHosts]:
     try:
         hosts = TwoHosts(tmp_path_factory.mktemp("two-hosts")).__enter__()
     except TwoHostsUnavailable as exc:

@@ -32,8 +32,13 @@ class Requirement:
     text: str | None = None
 
     def describe(self) -> str:
-        what = (f"{self.cls}.{self.method}({', '.join(self.params)})" if self.method
-                else f"self.{self.attr}" if self.attr else self.cls or repr(self.text))
+        what = (
+            f"{self.cls}.{self.method}({', '.join(self.params)})"
+            if self.method
+            else f"self.{self.attr}"
+            if self.attr
+            else self.cls or repr(self.text)
+        )
         return f"{self.file}: {what}"
 
 
@@ -41,31 +46,66 @@ _SCHED = f"{_NIXL}/pull_scheduler.py"
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(f"{_NIXL}/__init__.py", text="NixlPullConnectorScheduler"),
     Requirement(f"{_NIXL}/__init__.py", text="NixlPullConnector,"),
-    Requirement(f"{_NIXL}/connector.py", "NixlPullConnector", "__init__",
-                ("self", "vllm_config", "role", "kv_cache_config")),
-    Requirement(f"{_NIXL}/connector.py",
-                text="self.connector_scheduler = NixlPullConnectorScheduler"),
+    Requirement(
+        f"{_NIXL}/connector.py",
+        "NixlPullConnector",
+        "__init__",
+        ("self", "vllm_config", "role", "kv_cache_config"),
+    ),
+    Requirement(
+        f"{_NIXL}/connector.py", text="self.connector_scheduler = NixlPullConnectorScheduler"
+    ),
     Requirement(f"{_NIXL}/connector.py", attr="engine_id"),
-    Requirement(_SCHED, "NixlPullConnectorScheduler", "__init__",
-                ("self", "vllm_config", "engine_id", "kv_cache_config")),
-    Requirement(_SCHED, "NixlPullConnectorScheduler", "get_num_new_matched_tokens",
-                ("self", "request", "num_computed_tokens")),
-    Requirement(_SCHED, "NixlPullConnectorScheduler", "update_state_after_alloc",
-                ("self", "request", "blocks", "num_external_tokens")),
-    Requirement(_SCHED, "NixlPullConnectorScheduler", "request_finished",
-                ("self", "request", "block_ids")),
+    Requirement(
+        _SCHED,
+        "NixlPullConnectorScheduler",
+        "__init__",
+        ("self", "vllm_config", "engine_id", "kv_cache_config"),
+    ),
+    Requirement(
+        _SCHED,
+        "NixlPullConnectorScheduler",
+        "get_num_new_matched_tokens",
+        ("self", "request", "num_computed_tokens"),
+    ),
+    Requirement(
+        _SCHED,
+        "NixlPullConnectorScheduler",
+        "update_state_after_alloc",
+        ("self", "request", "blocks", "num_external_tokens"),
+    ),
+    Requirement(
+        _SCHED, "NixlPullConnectorScheduler", "request_finished", ("self", "request", "block_ids")
+    ),
     Requirement(_SCHED, text='params["_remote_blocks_processed"] = True'),
     Requirement(_SCHED, text="remote_num_tokens=remote_num_tokens"),
-    *(Requirement(f"{_NIXL}/base_scheduler.py", attr=a) for a in (
-        "block_size", "is_bidirectional_kv_xfer_enabled", "use_host_buffer",
-        "kv_recompute_threshold")),
-    Requirement(f"{_NIXL}/base_worker.py", "NixlBaseConnectorWorker", "_apply_prefix_caching",
-                ("self", "decode_block_ids", "prefill_block_ids",
-                 "decode_physical_per_logical", "prefill_physical_per_logical")),
+    *(
+        Requirement(f"{_NIXL}/base_scheduler.py", attr=a)
+        for a in (
+            "block_size",
+            "is_bidirectional_kv_xfer_enabled",
+            "use_host_buffer",
+            "kv_recompute_threshold",
+        )
+    ),
+    Requirement(
+        f"{_NIXL}/base_worker.py",
+        "NixlBaseConnectorWorker",
+        "_apply_prefix_caching",
+        (
+            "self",
+            "decode_block_ids",
+            "prefill_block_ids",
+            "decode_physical_per_logical",
+            "prefill_physical_per_logical",
+        ),
+    ),
     Requirement("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorRole"),
-    Requirement("distributed/kv_transfer/kv_connector/factory.py",
-                text="importlib.import_module(connector_module_path)"),
-)  # fmt: skip
+    Requirement(
+        "distributed/kv_transfer/kv_connector/factory.py",
+        text="importlib.import_module(connector_module_path)",
+    ),
+)
 
 
 def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
@@ -74,11 +114,20 @@ def _classes(tree: ast.Module) -> dict[str, ast.ClassDef]:
 
 def _assigns_self(tree: ast.Module, attr: str) -> bool:
     for node in ast.walk(tree):
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
         for t in targets:
-            if (isinstance(t, ast.Attribute) and t.attr == attr
-                    and isinstance(t.value, ast.Name) and t.value.id == "self"):
+            if (
+                isinstance(t, ast.Attribute)
+                and t.attr == attr
+                and isinstance(t.value, ast.Name)
+                and t.value.id == "self"
+            ):
                 return True
     return False
 

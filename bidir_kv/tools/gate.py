@@ -54,8 +54,10 @@ def check_junit(name: str, path: Path, no_skips: bool = False) -> Verdict:
         verdict.failures.append(f"{name}: {case.get('classname')}::{case.get('name')} failed")
     if no_skips:
         for case in skipped:
-            verdict.failures.append(f"{name}: {case.get('classname')}::{case.get('name')} "
-                                    "skipped in a tier that must run")
+            verdict.failures.append(
+                f"{name}: {case.get('classname')}::{case.get('name')} "
+                "skipped in a tier that must run"
+            )
     return verdict
 
 
@@ -80,11 +82,14 @@ def check_matrix(path: Path) -> Verdict:
         cell = f"{row.get('scenario')}[{row.get('params')}] @ {row.get('backend')}"
         if outcome in ("failed", "error", "xpass", "xpassed"):
             verdict.failures.append(f"conformance: {cell} {outcome}")
-        pinned = any(k.startswith(f"{row.get('scenario')}[") and
-                     k.endswith(f" @ {row.get('backend')}") for k in exemptions)
+        pinned = any(
+            k.startswith(f"{row.get('scenario')}[") and k.endswith(f" @ {row.get('backend')}")
+            for k in exemptions
+        )
         if outcome == "xfail" and not pinned:
-            verdict.failures.append(f"conformance: {cell} is an expected failure with no "
-                                    "exemption on record")
+            verdict.failures.append(
+                f"conformance: {cell} is an expected failure with no exemption on record"
+            )
     for key, pin in exemptions.items():
         if not str(pin.get("evidence") or "").strip():
             verdict.failures.append(f"conformance: exemption {key} has no evidence")
@@ -102,22 +107,29 @@ def check_benchmark(path: Path) -> Verdict:
         return Verdict("hardware gates", "unreadable", [err])
     gates = doc.get("gates") or []
     lengths = [r.get("history_tokens") for r in doc.get("lengths") or []]
-    verdict = Verdict("hardware gates",
-                      f"{sum(bool(g.get('ok')) for g in gates)}/{len(gates)} gates passed over "
-                      f"lengths {lengths} on {(doc.get('deployment') or {}).get('kind')}")
+    verdict = Verdict(
+        "hardware gates",
+        f"{sum(bool(g.get('ok')) for g in gates)}/{len(gates)} gates passed over "
+        f"lengths {lengths} on {(doc.get('deployment') or {}).get('kind')}",
+    )
     if not gates:
         verdict.failures.append(f"hardware: no gate results in {path}")
     for g in gates:
         if not g.get("ok"):
-            verdict.failures.append(f"hardware: {g.get('gate')} at {g.get('length')}: "
-                                    f"{g.get('detail')}")
+            verdict.failures.append(
+                f"hardware: {g.get('gate')} at {g.get('length')}: {g.get('detail')}"
+            )
     return verdict
 
 
 def _markdown(verdicts: Sequence[Verdict]) -> str:
     ok = all(v.ok for v in verdicts)
-    lines = [f"## Release gate: {'PASS' if ok else 'FAIL'}", "", "| input | result | summary |",
-             "|---|---|---|"]
+    lines = [
+        f"## Release gate: {'PASS' if ok else 'FAIL'}",
+        "",
+        "| input | result | summary |",
+        "|---|---|---|",
+    ]
     lines += [f"| {v.name} | {'PASS' if v.ok else 'FAIL'} | {v.summary} |" for v in verdicts]
     failures = [f for v in verdicts for f in v.failures]
     if failures:
@@ -133,13 +145,21 @@ def _junit_arg(text: str) -> tuple[str, Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bidir_kv.tools.gate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bidir_kv.tools.gate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--junit", type=_junit_arg, action="append", default=[], metavar="TIER=PATH")
     p.add_argument("--matrix", type=Path, default=None, help="conformance matrix.json")
     p.add_argument("--benchmark", type=Path, default=None, help="hardware benchmark.json")
-    p.add_argument("--no-skips", action="append", default=[], metavar="TIER",
-                   help="a skipped test in TIER fails the gate (repeatable)")
+    p.add_argument(
+        "--no-skips",
+        action="append",
+        default=[],
+        metavar="TIER",
+        help="a skipped test in TIER fails the gate (repeatable)",
+    )
     p.add_argument("--summary", type=Path, default=None, help="also append the summary here")
     ns = p.parse_args(argv)
     verdicts = [check_junit(name, path, name in ns.no_skips) for name, path in ns.junit]

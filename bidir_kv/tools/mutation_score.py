@@ -49,9 +49,15 @@ class PackageScore:
         return self.killed / self.judged if self.judged else None
 
     def to_dict(self) -> dict[str, object]:
-        return {"package": self.package, "score": self.score, "killed": self.killed,
-                "survived": len(self.survived), "no_tests": len(self.no_tests),
-                "equivalent": len(self.equivalent), "not_run": self.not_run}  # fmt: skip
+        return {
+            "package": self.package,
+            "score": self.score,
+            "killed": self.killed,
+            "survived": len(self.survived),
+            "no_tests": len(self.no_tests),
+            "equivalent": len(self.equivalent),
+            "not_run": self.not_run,
+        }
 
 
 def read_results(mutants: Path) -> dict[str, int | None]:
@@ -109,23 +115,33 @@ def score(
 
 def _diff(name: str, mutmut: str) -> str:
     try:
-        done = subprocess.run([mutmut, "show", name], capture_output=True, text=True,
-                              timeout=60, check=False)  # fmt: skip
+        done = subprocess.run(
+            [mutmut, "show", name], capture_output=True, text=True, timeout=60, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"(no diff: {exc})"
     return done.stdout.strip() or done.stderr.strip()
 
 
-def _report(rows: dict[str, PackageScore], equivalents: dict[str, str], floors: dict[str, float],
-            mutmut: str | None) -> str:  # fmt: skip
-    lines = ["# Mutation testing: survivors", "",
-             "| package | score | floor | killed | survived | no tests | equivalent | not run |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+def _report(
+    rows: dict[str, PackageScore],
+    equivalents: dict[str, str],
+    floors: dict[str, float],
+    mutmut: str | None,
+) -> str:
+    lines = [
+        "# Mutation testing: survivors",
+        "",
+        "| package | score | floor | killed | survived | no tests | equivalent | not run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows.values():
         s = "-" if r.score is None else f"{r.score:.1%}"
-        lines.append(f"| {r.package} | {s} | {floors.get(r.package, 0.0):.0%} | {r.killed} | "
-                     f"{len(r.survived)} | {len(r.no_tests)} | {len(r.equivalent)} | "
-                     f"{r.not_run} |")  # fmt: skip
+        lines.append(
+            f"| {r.package} | {s} | {floors.get(r.package, 0.0):.0%} | {r.killed} | "
+            f"{len(r.survived)} | {len(r.no_tests)} | {len(r.equivalent)} | "
+            f"{r.not_run} |"
+        )
     for r in rows.values():
         for title, names in (("survived", r.survived), ("no test reaches it", r.no_tests)):
             for name in names:
@@ -150,8 +166,12 @@ def _floors(items: Sequence[str], default: float, scopes: Sequence[str]) -> dict
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mutation_score", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mutants", type=Path, default=Path("mutants"))
-    ap.add_argument("--scope", action="append", required=True,
-                    help="a covered package or module (dotted), once per package")
+    ap.add_argument(
+        "--scope",
+        action="append",
+        required=True,
+        help="a covered package or module (dotted), once per package",
+    )
     ap.add_argument("--floor", type=float, default=0.0, help="the least score of every scope")
     ap.add_argument("--package-floor", action="append", default=[], metavar="SCOPE=SHARE")
     ap.add_argument("--equivalents", type=Path, default=None)
@@ -162,8 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = score(read_results(args.mutants), args.scope, equivalents)
     floors = _floors(args.package_floor, args.floor, args.scope)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "score.json").write_text(json.dumps(
-        {"floors": floors, "packages": [r.to_dict() for r in rows.values()]}, indent=1))
+    (args.out / "score.json").write_text(
+        json.dumps({"floors": floors, "packages": [r.to_dict() for r in rows.values()]}, indent=1)
+    )
     (args.out / "survivors.md").write_text(_report(rows, equivalents, floors, args.mutmut))
     status = 0
     for r in rows.values():
@@ -172,9 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = max(status, 2)
             continue
         verdict = "ok" if r.score >= floors[r.package] else "BELOW THE FLOOR"
-        print(f"mutation: {r.package}: {r.score:.1%} ({r.killed} killed, {len(r.survived)} "
-              f"survived, {len(r.no_tests)} untested, {len(r.equivalent)} equivalent; "
-              f"floor {floors[r.package]:.0%}) {verdict}")  # fmt: skip
+        print(
+            f"mutation: {r.package}: {r.score:.1%} ({r.killed} killed, {len(r.survived)} "
+            f"survived, {len(r.no_tests)} untested, {len(r.equivalent)} equivalent; "
+            f"floor {floors[r.package]:.0%}) {verdict}"
+        )
         if r.score < floors[r.package]:
             status = max(status, 1)
     return status

@@ -90,8 +90,11 @@ class Conversation:
         if self.turn >= TURNS_PER_CONVERSATION:
             self._new()
             return
-        self.messages = [*self.messages, {"role": "assistant", "content": text},
-                         {"role": "user", "content": f"more, part {self.turn}"}]
+        self.messages = [
+            *self.messages,
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"more, part {self.turn}"},
+        ]
 
 
 def _text(reply: Reply) -> str:
@@ -105,20 +108,28 @@ async def _via_proxy(clients: dict[str, AsyncNodeClient], url: str, conv: Conver
     return _text(await clients[url].post(CHAT_PATH, conv.body()))
 
 
-async def _direct(clients: dict[str, AsyncNodeClient], p_url: str, d_url: str,
-                  conv: Conversation) -> str:
+async def _direct(
+    clients: dict[str, AsyncNodeClient], p_url: str, d_url: str, conv: Conversation
+) -> str:
     body = conv.body()
     body.pop("conversation_id", None)
-    p_body = dict(body, stream=False, max_tokens=1,
-                  kv_transfer_params=KVTransferParams.miss().to_dict())
+    p_body = dict(
+        body, stream=False, max_tokens=1, kv_transfer_params=KVTransferParams.miss().to_dict()
+    )
     reply = (await clients[p_url].post(CHAT_PATH, p_body)).raise_for_status()
     params = reply.json_object()["kv_transfer_params"]
     params["remote_host"] = HOST
     return _text(await clients[d_url].post(CHAT_PATH, dict(body, kv_transfer_params=params)))
 
 
-async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
-                   warmup: float, cell: Cell | None = None) -> Cell:
+async def run_cell(
+    mode: str,
+    target: Any,
+    concurrency: int,
+    duration: float,
+    warmup: float,
+    cell: Cell | None = None,
+) -> Cell:
     """Drive ``concurrency`` closed-loop clients for ``duration`` s (adds to ``cell``)."""
     cell = cell or Cell(mode, concurrency)
     urls = list(target) if mode == "direct" else [target]
@@ -164,8 +175,11 @@ async def run_cell(mode: str, target: Any, concurrency: int, duration: float,
 def _start(name: str, argv: list[str], log_dir: Path, port: int) -> ManagedProcess:
     proc = ManagedProcess(name, argv, log_dir / f"{name}.log").start()
     try:
-        wait_http_ok(f"http://{HOST}:{port}/health" if name != "relay" else
-                     f"http://{HOST}:{port}/docs", 30, alive=proc)
+        wait_http_ok(
+            f"http://{HOST}:{port}/health" if name != "relay" else f"http://{HOST}:{port}/docs",
+            30,
+            alive=proc,
+        )
     except BaseException:
         proc.stop()
         raise
@@ -178,8 +192,21 @@ _HIST = "bidir_kv_router_added_latency_seconds_bucket"
 def _buckets(url: str) -> dict[float, float]:
     snap = scrape(url)
     out: dict[float, float] = {}
-    for le in ("0.0001", "0.00025", "0.0005", "0.001", "0.002", "0.005", "0.01", "0.025",
-               "0.05", "0.1", "0.25", "1.0", "+Inf"):
+    for le in (
+        "0.0001",
+        "0.00025",
+        "0.0005",
+        "0.001",
+        "0.002",
+        "0.005",
+        "0.01",
+        "0.025",
+        "0.05",
+        "0.1",
+        "0.25",
+        "1.0",
+        "+Inf",
+    ):
         out[float(le)] = snap.value(_HIST, le=le)
     return out
 
@@ -201,14 +228,26 @@ def _fmt(x: float) -> str:
     return f"{x * 1000:8.2f}"
 
 
-MODES = ("direct", "relay", "router", "router-noguard", "router-redis", "router-workers",
-         "router-id", "router-history")
+MODES = (
+    "direct",
+    "relay",
+    "router",
+    "router-noguard",
+    "router-redis",
+    "router-workers",
+    "router-id",
+    "router-history",
+)
 DEFAULT_MODES = ("direct", "relay", "router", "router-noguard")
 # modes served by our router, and the extra flags each is started with; router-id and
 # router-history compare the two identities (docs/router.md "Identity"): ids sent and
 # --identity id, against no id and the default --identity both (the history digest)
-ROUTER_MODES = {"router": (), "router-noguard": ("--no-continuation-guard",),
-                "router-id": ("--identity", "id"), "router-history": ("--identity", "both")}
+ROUTER_MODES = {
+    "router": (),
+    "router-noguard": ("--no-continuation-guard",),
+    "router-id": ("--identity", "id"),
+    "router-history": ("--identity", "both"),
+}
 NO_ID_MODES = frozenset({"router-history"})  # clients send no conversation id
 
 
@@ -216,16 +255,25 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bidir_kv.tools.router_bench", description=__doc__)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds measured per cell")
-    ap.add_argument("--warmup", type=float, default=0.5,
-                    help="seconds before measuring, per round")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="modes alternate in this many rounds per concurrency")
-    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES,
-                    help="router-redis: one router on a Redis store; router-workers: "
-                    "--workers routers on one port sharing that store; router-id: ids sent, "
-                    "--identity id; router-history: no ids, --identity both")
-    ap.add_argument("--workers", type=int, default=2,
-                    help="router processes of the router-workers mode (default 2)")
+    ap.add_argument("--warmup", type=float, default=0.5, help="seconds before measuring, per round")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="modes alternate in this many rounds per concurrency"
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(DEFAULT_MODES),
+        choices=MODES,
+        help="router-redis: one router on a Redis store; router-workers: "
+        "--workers routers on one port sharing that store; router-id: ids sent, "
+        "--identity id; router-history: no ids, --identity both",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="router processes of the router-workers mode (default 2)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     return ap
 
@@ -240,8 +288,13 @@ def _use_uvloop() -> str:
     return "uvloop"
 
 
-def _start_all(modes: Sequence[str], log_dir: Path, procs: list[ManagedProcess],
-               pids: dict[str, int | None], workers: int = 2) -> dict[str, Any]:
+def _start_all(
+    modes: Sequence[str],
+    log_dir: Path,
+    procs: list[ManagedProcess],
+    pids: dict[str, int | None],
+    workers: int = 2,
+) -> dict[str, Any]:
     """Start the stub engines and every proxy in ``modes``; each mode's target URL(s).
 
     Started processes are appended to ``procs`` as they come up, so the caller stops
@@ -249,14 +302,51 @@ def _start_all(modes: Sequence[str], log_dir: Path, procs: list[ManagedProcess],
     """
     py = sys.executable
     p_port, d_port = free_port(), free_port()
-    procs.append(_start("stub-p", [py, "-m", "bidir_kv.testing.doubles.stub_engine", "--port",
-                                   str(p_port), "--name", "p"], log_dir, p_port))
-    procs.append(_start("stub-d", [py, "-m", "bidir_kv.testing.doubles.stub_engine", "--port",
-                                   str(d_port), "--name", "d", "--side-port", "5700"],
-                        log_dir, d_port))
+    procs.append(
+        _start(
+            "stub-p",
+            [
+                py,
+                "-m",
+                "bidir_kv.testing.doubles.stub_engine",
+                "--port",
+                str(p_port),
+                "--name",
+                "p",
+            ],
+            log_dir,
+            p_port,
+        )
+    )
+    procs.append(
+        _start(
+            "stub-d",
+            [
+                py,
+                "-m",
+                "bidir_kv.testing.doubles.stub_engine",
+                "--port",
+                str(d_port),
+                "--name",
+                "d",
+                "--side-port",
+                "5700",
+            ],
+            log_dir,
+            d_port,
+        )
+    )
     targets: dict[str, Any] = {"direct": (f"http://{HOST}:{p_port}", f"http://{HOST}:{d_port}")}
-    upstream = ["--prefiller-hosts", HOST, "--prefiller-ports", str(p_port),
-                "--decoder-hosts", HOST, "--decoder-ports", str(d_port)]
+    upstream = [
+        "--prefiller-hosts",
+        HOST,
+        "--prefiller-ports",
+        str(p_port),
+        "--decoder-hosts",
+        HOST,
+        "--decoder-ports",
+        str(d_port),
+    ]
     modes_flags = {m: list(f) for m, f in ROUTER_MODES.items()}
     if {"router-redis", "router-workers"} & set(modes):
         from bidir_kv.topology.redis_server import RedisServer
@@ -269,37 +359,76 @@ def _start_all(modes: Sequence[str], log_dir: Path, procs: list[ManagedProcess],
     for mode, extra in modes_flags.items():
         if mode in modes:
             port = free_port()
-            procs.append(_start(mode, [py, "-m", "bidir_kv", "proxy", "--host", HOST,
-                                       "--port", str(port), *upstream,
-                                       "--log-level", "warning", *extra], log_dir, port))
+            procs.append(
+                _start(
+                    mode,
+                    [
+                        py,
+                        "-m",
+                        "bidir_kv",
+                        "proxy",
+                        "--host",
+                        HOST,
+                        "--port",
+                        str(port),
+                        *upstream,
+                        "--log-level",
+                        "warning",
+                        *extra,
+                    ],
+                    log_dir,
+                    port,
+                )
+            )
             targets[mode] = f"http://{HOST}:{port}"
             pids[mode] = procs[-1].pid
     if "relay" in modes:
         port = free_port()
-        procs.append(_start("relay", [py, "-m", "bidir_kv.tools.router_bench", "relay", "--port",
-                                      str(port), "--prefill", f"{HOST}:{p_port}",
-                                      "--decode", f"{HOST}:{d_port}"], log_dir, port))
+        procs.append(
+            _start(
+                "relay",
+                [
+                    py,
+                    "-m",
+                    "bidir_kv.tools.router_bench",
+                    "relay",
+                    "--port",
+                    str(port),
+                    "--prefill",
+                    f"{HOST}:{p_port}",
+                    "--decode",
+                    f"{HOST}:{d_port}",
+                ],
+                log_dir,
+                port,
+            )
+        )
         targets["relay"] = f"http://{HOST}:{port}"
         pids["relay"] = procs[-1].pid
     return targets
 
 
-def _measure(args: argparse.Namespace, targets: dict[str, Any], pids: dict[str, int | None],
-             c: int) -> dict[str, Cell]:
+def _measure(
+    args: argparse.Namespace, targets: dict[str, Any], pids: dict[str, int | None], c: int
+) -> dict[str, Cell]:
     """Every mode at concurrency ``c``, in interleaved rounds, with the router's own time
     and the proxy process's CPU time (its kernel accounting, workers included)."""
     cells = {mode: Cell(mode, c) for mode in args.modes}
     # router-workers' /metrics answers for one worker only: no histogram for it
-    hist0 = {m: _buckets(targets[m]) for m in args.modes if m in ROUTER_MODES
-             or m == "router-redis"}
+    hist0 = {
+        m: _buckets(targets[m]) for m in args.modes if m in ROUTER_MODES or m == "router-redis"
+    }
     hits0 = {m: _hits(targets[m]) for m in hist0}
     # Modes take turns in short rounds, so drifting machine load hits all alike.
     for _ in range(args.rounds):
         for mode in args.modes:
             pid = pids.get(mode)
             cpu0 = cpu_seconds(pid) if pid else None
-            asyncio.run(run_cell(mode, targets[mode], c, args.duration / args.rounds,
-                                 args.warmup, cells[mode]))
+            asyncio.run(
+                run_cell(
+                    mode, targets[mode], c, args.duration / args.rounds, args.warmup, cells[mode]
+                )
+            )
             cpu1 = cpu_seconds(pid) if pid else None
             if cpu0 is not None and cpu1 is not None:
                 cells[mode].cpu_s = (cells[mode].cpu_s or 0.0) + cpu1 - cpu0
@@ -314,29 +443,41 @@ def _measure(args: argparse.Namespace, targets: dict[str, Any], pids: dict[str, 
 def _print_cells(c: int, cells: dict[str, Cell]) -> None:
     base = cells.get("direct")
     print(f"\nconcurrency {c}")
-    print(f"  {'mode':<15} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'+p50 ms':>8} {'+p99 ms':>8} {'cpu ms/req':>10} errors")
+    print(
+        f"  {'mode':<15} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'+p50 ms':>8} {'+p99 ms':>8} {'cpu ms/req':>10} errors"
+    )
     for mode, cell in cells.items():
         add50 = cell.pct(0.5) - base.pct(0.5) if base else float("nan")
         add99 = cell.pct(0.99) - base.pct(0.99) if base else float("nan")
         cpu = cell.cpu_ms_per_request
-        print(f"  {mode:<15} {cell.rps:8.1f} {_fmt(cell.pct(0.5))} "
-              f"{_fmt(cell.pct(0.99))} {_fmt(add50)} {_fmt(add99)} "
-              f"{'-' if cpu is None else f'{cpu:.3f}':>10} {cell.errors}")
+        print(
+            f"  {mode:<15} {cell.rps:8.1f} {_fmt(cell.pct(0.5))} "
+            f"{_fmt(cell.pct(0.99))} {_fmt(add50)} {_fmt(add99)} "
+            f"{'-' if cpu is None else f'{cpu:.3f}':>10} {cell.errors}"
+        )
     for mode, cell in cells.items():
         if cell.internal_p50 is not None:
-            print(f"  {mode}: own time before first byte (outside engine waits, warmup "
-                  f"included) p50 <= {cell.internal_p50 * 1000:g} ms, "
-                  f"p99 <= {(cell.internal_p99 or 0) * 1000:g} ms; cache hits "
-                  f"{cell.hits or 0:.0f} of {cell.completed} requests")
+            print(
+                f"  {mode}: own time before first byte (outside engine waits, warmup "
+                f"included) p50 <= {cell.internal_p50 * 1000:g} ms, "
+                f"p99 <= {(cell.internal_p99 or 0) * 1000:g} ms; cache hits "
+                f"{cell.hits or 0:.0f} of {cell.completed} requests"
+            )
     _print_ratios(cells)
 
 
 def _print_ratios(cells: dict[str, Cell]) -> None:
     relay, base = cells.get("relay"), cells.get("direct")
     relay_cpu = relay.cpu_ms_per_request if relay else None
-    for mode in ("router", "router-noguard", "router-redis", "router-workers", "router-id",
-                 "router-history"):
+    for mode in (
+        "router",
+        "router-noguard",
+        "router-redis",
+        "router-workers",
+        "router-id",
+        "router-history",
+    ):
         cell = cells.get(mode)
         if cell is None:
             continue
@@ -347,27 +488,46 @@ def _print_ratios(cells: dict[str, Cell]) -> None:
             print(f"  {mode} / relay CPU per request: {cpu / relay_cpu:.2f}x")
         if base and base.rps:
             print(f"  {mode} / direct throughput: {cell.rps / base.rps:.2f}x")
-    caps = [f"{m} {1000 / c.cpu_ms_per_request:.0f}" for m, c in cells.items()
-            if c.cpu_ms_per_request]
+    caps = [
+        f"{m} {1000 / c.cpu_ms_per_request:.0f}" for m, c in cells.items() if c.cpu_ms_per_request
+    ]
     if caps:  # what one fully given core would serve at this CPU cost per request
         print(f"  CPU-bound capacity, req/s per core: {', '.join(caps)}")
     by_id, by_history = cells.get("router-id"), cells.get("router-history")
     if by_id and by_history and by_id.cpu_ms_per_request and by_history.cpu_ms_per_request:
-        print(f"  router-history / router-id CPU per request: "
-              f"{by_history.cpu_ms_per_request / by_id.cpu_ms_per_request:.3f}x")
+        print(
+            f"  router-history / router-id CPU per request: "
+            f"{by_history.cpu_ms_per_request / by_id.cpu_ms_per_request:.3f}x"
+        )
     single, multi = cells.get("router-redis"), cells.get("router-workers")
     if single and multi and single.rps:
-        print(f"  router-workers / router-redis throughput (same store): "
-              f"{multi.rps / single.rps:.2f}x")
+        print(
+            f"  router-workers / router-redis throughput (same store): "
+            f"{multi.rps / single.rps:.2f}x"
+        )
 
 
 def _write_json(path: Path, results: Sequence[Cell]) -> None:
-    path.write_text(json.dumps([
-        {"mode": r.mode, "concurrency": r.concurrency, "rps": r.rps,
-         "p50_s": r.pct(0.5), "p99_s": r.pct(0.99), "n": len(r.latencies),
-         "errors": r.errors, "cpu_ms_per_request": r.cpu_ms_per_request,
-         "router_own_p50_s_bound": r.internal_p50,
-         "router_own_p99_s_bound": r.internal_p99} for r in results], indent=2))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "mode": r.mode,
+                    "concurrency": r.concurrency,
+                    "rps": r.rps,
+                    "p50_s": r.pct(0.5),
+                    "p99_s": r.pct(0.99),
+                    "n": len(r.latencies),
+                    "errors": r.errors,
+                    "cpu_ms_per_request": r.cpu_ms_per_request,
+                    "router_own_p50_s_bound": r.internal_p50,
+                    "router_own_p99_s_bound": r.internal_p99,
+                }
+                for r in results
+            ],
+            indent=2,
+        )
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -381,10 +541,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         pids: dict[str, int | None] = {}
         targets = _start_all(args.modes, log_dir, procs, pids, args.workers)
-        print("router benchmark: upstream = stub engines (bidir_kv.testing.doubles.stub_engine, "
-              f"aiohttp, 8-token streamed answers), {TURNS_PER_CONVERSATION}-turn conversations, "
-              f"client loop {loop_name}, {args.duration:g}s per cell in {args.rounds} "
-              f"interleaved rounds; logs in {log_dir}")
+        print(
+            "router benchmark: upstream = stub engines (bidir_kv.testing.doubles.stub_engine, "
+            f"aiohttp, 8-token streamed answers), {TURNS_PER_CONVERSATION}-turn conversations, "
+            f"client loop {loop_name}, {args.duration:g}s per cell in {args.rounds} "
+            f"interleaved rounds; logs in {log_dir}"
+        )
         results: list[Cell] = []
         for c in args.concurrency:
             cells = _measure(args, targets, pids, c)

@@ -38,7 +38,7 @@ async def _slow_client(port: int, stop: asyncio.Event, closed: list[int]) -> Non
             continue
         try:
             for i in range(10_000):
-                writer.write(_PARTIAL[i:i + 1] if i < len(_PARTIAL) else b"a")
+                writer.write(_PARTIAL[i : i + 1] if i < len(_PARTIAL) else b"a")
                 await writer.drain()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
@@ -51,8 +51,10 @@ async def _slow_client(port: int, stop: asyncio.Event, closed: list[int]) -> Non
 
 
 def _row(name: str, cell: Cell) -> str:
-    return (f"{name:<22} turns {len(cell.latencies):>6}  p50 {cell.pct(0.5) * 1e3:7.2f} ms  "
-            f"p99 {cell.pct(0.99) * 1e3:7.2f} ms  {cell.rps:7.1f} turns/s  errors {cell.errors}")
+    return (
+        f"{name:<22} turns {len(cell.latencies):>6}  p50 {cell.pct(0.5) * 1e3:7.2f} ms  "
+        f"p99 {cell.pct(0.99) * 1e3:7.2f} ms  {cell.rps:7.1f} turns/s  errors {cell.errors}"
+    )
 
 
 async def _measure(url: str, port: int, args: argparse.Namespace) -> None:
@@ -61,12 +63,14 @@ async def _measure(url: str, port: int, args: argparse.Namespace) -> None:
     stop, closed = asyncio.Event(), [0]
     flood = [asyncio.create_task(_slow_client(port, stop, closed)) for _ in range(args.flood)]
     try:
+
         def open_now() -> float | None:
             n = scrape(url).value("bidir_kv_router_client_connections")
             return n if n >= args.flood else None
 
-        held = await asyncio.to_thread(wait_for, open_now, 60,
-                                       f"{args.flood} slow connections held")
+        held = await asyncio.to_thread(
+            wait_for, open_now, 60, f"{args.flood} slow connections held"
+        )
         print(f"router holds {held:.0f} client connections", flush=True)
         busy = await run_cell("router", url, args.concurrency, args.duration, args.warmup)
     finally:
@@ -74,15 +78,19 @@ async def _measure(url: str, port: int, args: argparse.Namespace) -> None:
         await asyncio.gather(*flood, return_exceptions=True)
     print(_row(f"beside {args.flood} slow", busy), flush=True)
     snap = scrape(url)
-    print(f"header timeouts {snap.value('bidir_kv_router_header_timeouts_total'):.0f}, "
-          f"refused {snap.value('bidir_kv_router_connections_refused_total'):.0f}, "
-          f"flood connections closed by the router {closed[0]}")
+    print(
+        f"header timeouts {snap.value('bidir_kv_router_header_timeouts_total'):.0f}, "
+        f"refused {snap.value('bidir_kv_router_connections_refused_total'):.0f}, "
+        f"flood connections closed by the router {closed[0]}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bidir_kv.tools.slow_clients",
-                                 description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bidir_kv.tools.slow_clients",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--flood", type=int, default=500, help="slow connections at once")
     ap.add_argument("--concurrency", type=int, default=4, help="ordinary conversations")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds measured per run")

@@ -42,10 +42,24 @@ def _poll(url: str, proc: ManagedProcess, timeout: float) -> None:
 
 def measure_once(transport: str, log_dir: Path) -> float:
     port, side = free_port(), free_port()
-    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}  # fmt: skip
-    argv = [sys.executable, "-m", "bidir_kv", "engine", "tiny", "--host", "127.0.0.1",
-            "--port", str(port), "--transport", transport]  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "engine",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--transport",
+        transport,
+    ]
     proc = ManagedProcess(f"engine-{transport}", argv, log_dir / f"{transport}-{port}.log", env)
     t0 = time.perf_counter()
     proc.start()
@@ -58,8 +72,9 @@ def measure_once(transport: str, log_dir: Path) -> float:
 
 def baseline_import() -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import aiohttp.web, numpy, prometheus_client"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", "import aiohttp.web, numpy, prometheus_client"], check=True
+    )
     return time.perf_counter() - t0
 
 
@@ -72,13 +87,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--runs must be >= 1")
     with tempfile.TemporaryDirectory(prefix="bidir-kv-startup-") as tmp:
         base = [baseline_import() for _ in range(ns.runs)]
-        print(f"baseline (python + import aiohttp.web, numpy, prometheus_client): "
-              f"min {min(base):.3f} s, median {statistics.median(base):.3f} s")  # fmt: skip
+        print(
+            f"baseline (python + import aiohttp.web, numpy, prometheus_client): "
+            f"min {min(base):.3f} s, median {statistics.median(base):.3f} s"
+        )
         for transport in ns.transport:
             times = [measure_once(transport, Path(tmp)) for _ in range(ns.runs)]
             med = statistics.median(times)
-            print(f"{transport}: launch -> /health 200: min {min(times):.3f} s, median "
-                  f"{med:.3f} s ({med / statistics.median(base):.2f}x baseline)")  # fmt: skip
+            print(
+                f"{transport}: launch -> /health 200: min {min(times):.3f} s, median "
+                f"{med:.3f} s ({med / statistics.median(base):.2f}x baseline)"
+            )
     return 0
 
 

@@ -149,8 +149,9 @@ class RawTcp:
         import socket
 
         self.nbytes = nbytes
-        self.target = spawn(["raw-tcp-target", "--nbytes", str(nbytes), "--seed", "7"],
-                            workdir / "raw-tcp")  # fmt: skip
+        self.target = spawn(
+            ["raw-tcp-target", "--nbytes", str(nbytes), "--seed", "7"], workdir / "raw-tcp"
+        )
         self.buf = np.ones(nbytes, dtype=np.uint8)
         self.sock = socket.create_connection(("127.0.0.1", self.target.ready["port"]))
 
@@ -186,10 +187,19 @@ class AgentRead:
         self.blocks = list(range(n))
         self.runner = asyncio.Runner()
         self.owner = spawn(
-            ["owner", "--transport", transport, "--num-blocks", str(n),
-             "--block-nbytes", str(block_nbytes), "--seed", "11"],
+            [
+                "owner",
+                "--transport",
+                transport,
+                "--num-blocks",
+                str(n),
+                "--block-nbytes",
+                str(block_nbytes),
+                "--seed",
+                "11",
+            ],
             workdir / self.name,
-        )  # fmt: skip
+        )
         self.expected = _sha(seeded_pool_bytes(11, n, block_nbytes))
         self.pool = KVPool(np.ones((n, block_nbytes), dtype=np.uint8))
         self.agent = create_agent(transport, f"bench-reader-{transport}", self.pool)
@@ -319,9 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "whose progress threads would load the other cases)",
     )
     ap.add_argument(
-        "--engine-transport", choices=(wire.NIXL, wire.TCP), default=wire.NIXL,
+        "--engine-transport",
+        choices=(wire.NIXL, wire.TCP),
+        default=wire.NIXL,
         help="transport of the two engines in engine-d2p",
-    )  # fmt: skip
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write results as JSON")
     args = ap.parse_args(argv)
     names = [c.strip() for c in args.cases.split(",") if c.strip()]

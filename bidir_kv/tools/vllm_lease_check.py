@@ -42,9 +42,18 @@ class Check:
         return reply.status, reply.json() if reply.content else None
 
     def turn(self, conv: str, messages: list[dict[str, str]]) -> str:
-        status, obj = self.call("POST", "/v1/chat/completions", {
-            "model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0,
-            "stream": False, "conversation_id": conv})
+        status, obj = self.call(
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": "tiny",
+                "messages": messages,
+                "max_tokens": 8,
+                "temperature": 0,
+                "stream": False,
+                "conversation_id": conv,
+            },
+        )
         expect(status == 200, f"turn of {conv}: HTTP {status} {obj}")
         return str(obj["choices"][0]["message"]["content"] or "")
 
@@ -83,9 +92,12 @@ def scenario(c: Check) -> None:
     status, obj = c.call("DELETE", "/v1/conversations/A")
     expect(status == 200, f"DELETE: {status} {obj}")
     took = wait(lambda: c.usage() <= base, "D's usage back after DELETE")
-    print(f"DELETE: D's kv_cache_usage_perc back to {c.usage()} in {took:.2f} s; releases "
-          f"closed={c.counter('releases', reason='closed'):.0f} failures="
-          f"{c.counter('release_failures'):.0f}", flush=True)
+    print(
+        f"DELETE: D's kv_cache_usage_perc back to {c.usage()} in {took:.2f} s; releases "
+        f"closed={c.counter('releases', reason='closed'):.0f} failures="
+        f"{c.counter('release_failures'):.0f}",
+        flush=True,
+    )
     c.turn("B", opening("B"))
     first = c.turn("C", opening("C"))
     start = time.monotonic()
@@ -100,19 +112,30 @@ def scenario(c: Check) -> None:
         keep_c()
         time.sleep(0.5)
     age = time.monotonic() - start
-    c.turn("C", [*opening("C"), {"role": "assistant", "content": first},
-                 {"role": "user", "content": "And then?"}])
-    print(f"idle B expired {took:.1f} s after C's turn; C's next turn {age:.1f} s after it "
-          f"(lease {LEASE:g} s): hits {c.counter('cache_hits'):.0f}, misses not_found "
-          f"{c.counter('cache_misses', reason='not_found'):.0f}", flush=True)
+    c.turn(
+        "C",
+        [
+            *opening("C"),
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "And then?"},
+        ],
+    )
+    print(
+        f"idle B expired {took:.1f} s after C's turn; C's next turn {age:.1f} s after it "
+        f"(lease {LEASE:g} s): hits {c.counter('cache_hits'):.0f}, misses not_found "
+        f"{c.counter('cache_misses', reason='not_found'):.0f}",
+        flush=True,
+    )
     expect(c.counter("cache_hits") == 1, "C's kept-alive turn is a hit")
 
 
 def main() -> int:
     cfg = BackendConfig(connector_module=CONNECTOR_MODULE_PATH, decoder_ttl=D_TTL)
-    spec = TopologySpec(routers=0, prefill=EngineSpec(kv=cfg.kv("prefill", "p-000")),
-                        decode=EngineSpec(kv=cfg.kv("decode", "d-000",
-                                                    bidir_kv_lease_seconds=LEASE)))
+    spec = TopologySpec(
+        routers=0,
+        prefill=EngineSpec(kv=cfg.kv("prefill", "p-000")),
+        decode=EngineSpec(kv=cfg.kv("decode", "d-000", bidir_kv_lease_seconds=LEASE)),
+    )
     log_dir = _REPO / "out" / "vllm-lease-check"
     opts = VllmCpuOptions(log_dir=log_dir, dtype="float32", python_path=(_REPO,))
     topo = VllmCpuTopology(spec, opts).start()
@@ -120,12 +143,34 @@ def main() -> int:
     try:
         p, d = topo.prefill[0], topo.decode[0]
         port = free_port()
-        argv = [sys.executable, "-m", "bidir_kv", "proxy", "--host", "127.0.0.1",
-                "--port", str(port), "--prefiller-hosts", p.host, "--prefiller-ports",
-                str(p.port), "--decoder-hosts", d.host, "--decoder-ports", str(d.port),
-                "--decode-stream", "never", "--decoder-kv-blocks-ttl", str(D_TTL),
-                "--cache-ttl", str(cache_ttl_below_retention(D_TTL, 40)), "--block-size", "128",
-                "--lease-sweep-interval", "0.2"]
+        argv = [
+            sys.executable,
+            "-m",
+            "bidir_kv",
+            "proxy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prefiller-hosts",
+            p.host,
+            "--prefiller-ports",
+            str(p.port),
+            "--decoder-hosts",
+            d.host,
+            "--decoder-ports",
+            str(d.port),
+            "--decode-stream",
+            "never",
+            "--decoder-kv-blocks-ttl",
+            str(D_TTL),
+            "--cache-ttl",
+            str(cache_ttl_below_retention(D_TTL, 40)),
+            "--block-size",
+            "128",
+            "--lease-sweep-interval",
+            "0.2",
+        ]
         log_dir.mkdir(parents=True, exist_ok=True)
         with Path(log_dir / "router.log").open("wb") as log:
             router = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)

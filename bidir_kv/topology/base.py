@@ -88,8 +88,9 @@ class TopologySpec:
     peer_allowlist: bool = True
 
 
-def peer_allowlist(spec: TopologySpec, kv: KVTransferConfig,
-                   peers: Iterable[tuple[str | None, str | None]]) -> tuple[str, ...] | None:
+def peer_allowlist(
+    spec: TopologySpec, kv: KVTransferConfig, peers: Iterable[tuple[str | None, str | None]]
+) -> tuple[str, ...] | None:
     """The list a topology gives a node whose kv config is ``kv`` and whose peers (the
     other role's nodes, ``(engine_id, host)``) are ``peers``: ``None`` (leave ``kv`` as it
     is) when ``spec.peer_allowlist`` is off, ``kv`` already names a list (the user's
@@ -100,8 +101,9 @@ def peer_allowlist(spec: TopologySpec, kv: KVTransferConfig,
     return peer_entries(peers) or None
 
 
-def engine_spec_with_peers(spec: TopologySpec, role: str,
-                           peer: Callable[[str, int], tuple[str | None, str | None]]) -> EngineSpec:
+def engine_spec_with_peers(
+    spec: TopologySpec, role: str, peer: Callable[[str, int], tuple[str | None, str | None]]
+) -> EngineSpec:
     """The spec ``role``'s engines start with: ``spec``'s, with :func:`peer_allowlist`'s
     list (if any) in its kv config. ``peer(other_role, index)`` gives each node of the
     other role as ``(engine_id, host)``; the topology knows how it names them."""

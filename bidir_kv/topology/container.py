@@ -215,17 +215,31 @@ class ContainerTopology(Topology):
         r = self.spec.router
         name = self._container_name("router", index)
         argv = [
-            IMAGE_PYTHON, "-m", "bidir_kv", "proxy", "--host", "0.0.0.0",
-            "--port", str(HTTP_PORT),
-            "--prefiller-hosts", *[n.name for n in self.prefill],
-            "--prefiller-ports", *[str(HTTP_PORT) for _ in self.prefill],
-            "--decoder-hosts", *[n.name for n in self.decode],
-            "--decoder-ports", *[str(HTTP_PORT) for _ in self.decode],
-            "--cache-ttl", str(r.cache_ttl),
-            "--decoder-kv-blocks-ttl", str(self.spec.decode.kv.decoder_kv_blocks_ttl),
-            "--store", r.store,
-            "--block-size", str(self.spec.prefill.block_size),
-        ]  # fmt: skip
+            IMAGE_PYTHON,
+            "-m",
+            "bidir_kv",
+            "proxy",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(HTTP_PORT),
+            "--prefiller-hosts",
+            *[n.name for n in self.prefill],
+            "--prefiller-ports",
+            *[str(HTTP_PORT) for _ in self.prefill],
+            "--decoder-hosts",
+            *[n.name for n in self.decode],
+            "--decoder-ports",
+            *[str(HTTP_PORT) for _ in self.decode],
+            "--cache-ttl",
+            str(r.cache_ttl),
+            "--decoder-kv-blocks-ttl",
+            str(self.spec.decode.kv.decoder_kv_blocks_ttl),
+            "--store",
+            r.store,
+            "--block-size",
+            str(self.spec.prefill.block_size),
+        ]
         if r.decode_stream != "always":
             argv += ["--decode-stream", r.decode_stream]
         argv += list(r.extra_args)
@@ -303,10 +317,20 @@ class ContainerTopology(Topology):
         still reads from P. Needs root on the host and iptables (docs/containers.md §5.7).
         """
         rule = [
-            "OUTPUT", "-d", self.ip(dst), "-p", "tcp",
-            "-m", "conntrack", "--ctdir", "ORIGINAL",
-            "-j", "REJECT", "--reject-with", "tcp-reset",
-        ]  # fmt: skip
+            "OUTPUT",
+            "-d",
+            self.ip(dst),
+            "-p",
+            "tcp",
+            "-m",
+            "conntrack",
+            "--ctdir",
+            "ORIGINAL",
+            "-j",
+            "REJECT",
+            "--reject-with",
+            "tcp-reset",
+        ]
         self._nsenter_iptables(src, ["-I", *rule])
         self._blocks.append((src, rule))
 

@@ -140,8 +140,15 @@ def ensure_image(client: Any | None = None, project_root: Path = PROJECT_ROOT) -
         base_tag, base_seconds = _ensure_base(client, cache)
         tag, app_seconds = _ensure_app(client, base_tag, project_root)
         size = int(client.images.get(tag).attrs.get("Size", 0))
-    return ImageBuild(tag, base_tag, base_seconds is not None, app_seconds is not None,
-                      base_seconds or 0.0, app_seconds or 0.0, size)
+    return ImageBuild(
+        tag,
+        base_tag,
+        base_seconds is not None,
+        app_seconds is not None,
+        base_seconds or 0.0,
+        app_seconds or 0.0,
+        size,
+    )
 
 
 def _ensure_base(client: Any, cache: Path) -> tuple[str, float | None]:

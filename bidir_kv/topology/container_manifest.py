@@ -234,14 +234,25 @@ def _link_entry(name: str, target: str) -> tarfile.TarInfo:
     return info
 
 
-def write_base_tar(
-    path: Path, files: list[tuple[str, Path]], links: list[tuple[str, str]]
-) -> None:
+def write_base_tar(path: Path, files: list[tuple[str, Path]], links: list[tuple[str, str]]) -> None:
     """The base layer as a tar for ``docker import``: a root skeleton, files, symlinks."""
     with tarfile.open(path, "w") as tar:
         # Debian's merged-/usr skeleton (docs/containers.md §3.1)
-        for d in ("etc", "proc", "sys", "dev", "root", "usr", "usr/bin", "usr/lib", "usr/lib64",
-                  "usr/sbin", "usr/local", "usr/local/bin", "app"):  # fmt: skip
+        for d in (
+            "etc",
+            "proc",
+            "sys",
+            "dev",
+            "root",
+            "usr",
+            "usr/bin",
+            "usr/lib",
+            "usr/lib64",
+            "usr/sbin",
+            "usr/local",
+            "usr/local/bin",
+            "app",
+        ):
             tar.addfile(_dir_entry(d))
         tar.addfile(_dir_entry("tmp", 0o1777))
         for name in ("bin", "lib", "lib64", "sbin"):

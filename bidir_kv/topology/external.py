@@ -45,12 +45,12 @@ class ExternalTopology(Topology):
         health_timeout: float = 10.0,
         spec: TopologySpec | None = None,
     ) -> None:
-        super().__init__(spec or TopologySpec(num_prefill=len(prefill_urls),
-                                              num_decode=len(decode_urls), routers=0))
+        super().__init__(
+            spec
+            or TopologySpec(num_prefill=len(prefill_urls), num_decode=len(decode_urls), routers=0)
+        )
         if not prefill_urls or not decode_urls:
-            raise BackendUnavailable(
-                "the external backend needs --prefill-url and --decode-url"
-            )
+            raise BackendUnavailable("the external backend needs --prefill-url and --decode-url")
         self._urls = (list(prefill_urls), list(decode_urls), proxy_url)
         self.health_timeout = health_timeout
 

@@ -36,15 +36,28 @@ def engine_argv(spec: EngineSpec, port: int, engine_id: str) -> list[str]:
     """``bidir-kv engine`` command line for ``spec`` (flags as for ``vllm serve``)."""
     kv = dataclasses.replace(spec.kv, engine_id=engine_id)
     argv = [
-        sys.executable, "-m", "bidir_kv", "engine", spec.model,
-        "--host", HOST, "--port", str(port),
-        "--served-model-name", spec.served_model_name,
-        "--max-model-len", str(spec.max_model_len),
-        "--block-size", str(spec.block_size),
-        "--kv-transfer-config", kv.to_json(),
-        "--profile", spec.profile,
-        "--transport", spec.transport,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "engine",
+        spec.model,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--served-model-name",
+        spec.served_model_name,
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--block-size",
+        str(spec.block_size),
+        "--kv-transfer-config",
+        kv.to_json(),
+        "--profile",
+        spec.profile,
+        "--transport",
+        spec.transport,
+    ]
     if not spec.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
     if spec.emulate_vllm:
@@ -124,16 +137,31 @@ class LocalTopology(Topology):
         name = f"router-{index}"
         port = free_port(HOST)
         argv = [
-            sys.executable, "-m", "bidir_kv", "proxy", "--host", HOST, "--port", str(port),
-            "--prefiller-hosts", *[n.host for n in self.prefill],
-            "--prefiller-ports", *[str(n.port) for n in self.prefill],
-            "--decoder-hosts", *[n.host for n in self.decode],
-            "--decoder-ports", *[str(n.port) for n in self.decode],
-            "--cache-ttl", str(r.cache_ttl),
-            "--decoder-kv-blocks-ttl", str(self.spec.decode.kv.decoder_kv_blocks_ttl),
-            "--store", store,
-            "--block-size", str(self.spec.prefill.block_size),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "bidir_kv",
+            "proxy",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--prefiller-hosts",
+            *[n.host for n in self.prefill],
+            "--prefiller-ports",
+            *[str(n.port) for n in self.prefill],
+            "--decoder-hosts",
+            *[n.host for n in self.decode],
+            "--decoder-ports",
+            *[str(n.port) for n in self.decode],
+            "--cache-ttl",
+            str(r.cache_ttl),
+            "--decoder-kv-blocks-ttl",
+            str(self.spec.decode.kv.decoder_kv_blocks_ttl),
+            "--store",
+            store,
+            "--block-size",
+            str(self.spec.prefill.block_size),
+        ]
         if r.decode_stream != "always":
             argv += ["--decode-stream", r.decode_stream]
         argv += list(r.extra_args)
@@ -141,8 +169,14 @@ class LocalTopology(Topology):
         proc = ManagedProcess(name, argv, log)
         self.procs[name] = proc
         proc.start()
-        return Node(role="router", name=name, host=HOST, port=port, log_path=str(log),
-                    info={"pid": proc.pid, "started": time.perf_counter()})  # fmt: skip
+        return Node(
+            role="router",
+            name=name,
+            host=HOST,
+            port=port,
+            log_path=str(log),
+            info={"pid": proc.pid, "started": time.perf_counter()},
+        )
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -181,13 +215,16 @@ class LocalTopology(Topology):
         self.procs[node.name].stop()
         spec = self.engine_spec(node.role)
         env = dict(os.environ)
-        env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=node.host,
-                   VLLM_NIXL_SIDE_CHANNEL_PORT=str(node.side_channel_port))  # fmt: skip
+        env.update(
+            VLLM_NIXL_SIDE_CHANNEL_HOST=node.host,
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(node.side_channel_port),
+        )
         env.update(dict(spec.env))
         runs = int(node.info.get("restarts", 0)) + 1
         log = self.run_dir / f"{node.name}.restart{runs}.log"
-        proc = ManagedProcess(node.name, engine_argv(spec, node.port, node.info["engine_id"]),
-                              log, env=env)
+        proc = ManagedProcess(
+            node.name, engine_argv(spec, node.port, node.info["engine_id"]), log, env=env
+        )
         self.procs[node.name] = proc
         proc.start()
         wait_http_ok(node.url + "/health", self.timeout, alive=proc)

@@ -53,9 +53,21 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         argv = [
-            redis_binary(), "--bind", self.host, "--port", str(self.port),
-            "--save", "", "--appendonly", "no", "--protected-mode", "yes",
-            "--daemonize", "no", "--dir", str(self.log_dir),
+            redis_binary(),
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(self.log_dir),
         ]
         self._starts += 1
         self._proc = ManagedProcess(

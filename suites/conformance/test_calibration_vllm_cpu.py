@@ -36,11 +36,31 @@ def test_vllm_cpu_run_calibrates_into_a_profile(tmp_path: Path, request) -> None
         skip_or_fail(request.config, "conformance", reason)
     out, written = tmp_path / "run", tmp_path / "cpu.json"
     argv = [
-        sys.executable, "-m", "bidir_kv", "bench", "--topology", "vllm-cpu",
-        "--prefix-tokens", ",".join(map(str, POINTS)), "--num-conversations", "2",
-        "--num-turns", "2", "--input-tokens", "64", "--output-tokens", "8", "-p", "1",
-        "--no-progress", "--no-client-check", "-o", str(out), "--write-profile", str(written),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "bench",
+        "--topology",
+        "vllm-cpu",
+        "--prefix-tokens",
+        ",".join(map(str, POINTS)),
+        "--num-conversations",
+        "2",
+        "--num-turns",
+        "2",
+        "--input-tokens",
+        "64",
+        "--output-tokens",
+        "8",
+        "-p",
+        "1",
+        "--no-progress",
+        "--no-client-check",
+        "-o",
+        str(out),
+        "--write-profile",
+        str(written),
+    ]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the completed session stopped every leg's servers (P, D and the router of each)

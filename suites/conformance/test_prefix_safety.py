@@ -33,8 +33,9 @@ def _turn1(pd: PDBackend, prompts: PromptFactory, length: int, gen: int = GEN) -
 
 
 @pytest.mark.parametrize("edit", ["rewritten_history", "stripped_reasoning"])
-def test_non_continuation_matches_recompute(pd: PDBackend, prompts: PromptFactory,
-                                            edit: str) -> None:
+def test_non_continuation_matches_recompute(
+    pd: PDBackend, prompts: PromptFactory, edit: str
+) -> None:
     bs = pd.block_size
     first = 2 * bs + 60  # P holds 2 blocks; D offers 60 + ANSWER - 1 more (>= threshold)
     # a long answer makes the mismatched region large: the tiny random model's greedy
@@ -45,7 +46,7 @@ def test_non_continuation_matches_recompute(pd: PDBackend, prompts: PromptFactor
     if edit == "rewritten_history":
         answer = [*answer[:4], *prompts.tokens(len(answer) - 4)]
     else:
-        answer = answer[len(answer) // 2:]
+        answer = answer[len(answer) // 2 :]
     prompt2 = [*t1.prompt, *answer, *prompts.tokens(40)]
     t2 = run_pd_turn(pd.prefill, pd.decode, prompt2, GEN, t1.d.params)
     assert t2.p.ok and t2.d is not None and t2.d.ok

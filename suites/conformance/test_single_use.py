@@ -20,8 +20,9 @@ UNKNOWN_LOG = "Potentially invalid KV blocks for unrecognized request"
 
 
 @pytest.mark.parametrize("first_use", ["pull", "notify-only"])
-def test_second_use_of_d_params_is_detected(pd: PDBackend, prompts: PromptFactory,
-                                            first_use: str) -> None:
+def test_second_use_of_d_params_is_detected(
+    pd: PDBackend, prompts: PromptFactory, first_use: str
+) -> None:
     bs = pd.block_size
     if first_use == "pull":
         t1, t2 = two_turns(pd, prompts, 3 * bs + 100, GEN, 50)

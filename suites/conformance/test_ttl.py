@@ -43,8 +43,10 @@ def _first(pd: PDBackend, prompts: PromptFactory) -> list[int]:
 
 def _need_same_clock(pd: PDBackend) -> None:
     if not pd.same_clock:
-        pytest.skip("needs the engines' monotonic clock (same host); external deployments "
-                    "export deadlines on their own clocks")
+        pytest.skip(
+            "needs the engines' monotonic clock (same host); external deployments "
+            "export deadlines on their own clocks"
+        )
 
 
 def test_ttl_expiry_d_releases_and_p_declines(pd: PDBackend, prompts: PromptFactory) -> None:
@@ -58,8 +60,9 @@ def test_ttl_expiry_d_releases_and_p_declines(pd: PDBackend, prompts: PromptFact
     d_before = pd.decode.metrics()
     d_mark = pd.decode.log_mark()
     # wait until P's rule must decline (now + 5 s >= deadline), but before D's TTL
-    wait_for(lambda: time.perf_counter() >= expiry - 5.0 + 0.5, ttl, "the decline window",
-             interval=0.2)
+    wait_for(
+        lambda: time.perf_counter() >= expiry - 5.0 + 0.5, ttl, "the decline window", interval=0.2
+    )
     p_before = pd.prefill.metrics()
     p_mark = pd.prefill.log_mark()
     prompt2 = [*t1.sequence, *prompts.tokens(50)]
@@ -81,8 +84,7 @@ def test_ttl_expiry_d_releases_and_p_declines(pd: PDBackend, prompts: PromptFact
         return next((ln for ln in log.splitlines() if RELEASE_LOG in ln and rid in ln), None)
 
     if pd.decode.has_log:
-        line = wait_for(release_line, ttl + 30, f"D to release {rid} at its TTL",
-                        interval=0.2)
+        line = wait_for(release_line, ttl + 30, f"D to release {rid} at its TTL", interval=0.2)
         assert "retrieved by 0 remote worker(s)" in line
         assert (pd.decode.metrics() - d_before).value(NIXL_EXPIRED) >= 1
     else:
@@ -91,21 +93,24 @@ def test_ttl_expiry_d_releases_and_p_declines(pd: PDBackend, prompts: PromptFact
 
 @pytest.mark.timeout(1800)  # a P variant or many turns on a loaded 2-core box
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_decline_outcome_per_failure_policy(pd: PDBackend, prompts: PromptFactory,
-                                            policy: str) -> None:
+def test_decline_outcome_per_failure_policy(
+    pd: PDBackend, prompts: PromptFactory, policy: str
+) -> None:
     """What the client of P sees when P declines: ``fail`` -> HTTP 500, ``recompute`` ->
     a normal answer equal to the non-disaggregated output. Never a hang."""
     _need_same_clock(pd)
     same = policy == pd.config.failure_policy
-    with (contextlib.nullcontext(pd.prefill) if same
-          else pd.prefill_variant(f"policy-{policy}", kv_load_failure_policy=policy)) as p:
+    with (
+        contextlib.nullcontext(pd.prefill)
+        if same
+        else pd.prefill_variant(f"policy-{policy}", kv_load_failure_policy=policy)
+    ) as p:
         t1 = run_pd_turn(p, pd.decode, _first(pd, prompts), GEN)
         assert t1.d is not None and t1.d.params is not None
         late = expire_soon(t1.d.params, 2.0)
         prompt2 = [*t1.sequence, *prompts.tokens(50)]
         before = p.metrics()
-        resp, peak = complete_watching(p, prompt2, GEN, late.for_prefill_hit(),
-                                      ANSWER_WITHIN)
+        resp, peak = complete_watching(p, prompt2, GEN, late.for_prefill_hit(), ANSWER_WITHIN)
         delta = p.metrics() - before
     if isinstance(resp, TransportError):
         raise AssertionError(

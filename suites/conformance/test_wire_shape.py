@@ -16,9 +16,21 @@ from bidir_kv.protocol import KVTransferParams, ParamsKind
 from bidir_kv.testing.backends import PDBackend, PromptFactory, first_params
 from bidir_kv.wire.params import CHAIN_KEY, HeldTokens
 
-COMMON = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
-          "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
-          "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"}
+COMMON = {
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "transfer_mode",
+}
 
 
 def expected_keys(pd: PDBackend, node: str) -> set[str]:

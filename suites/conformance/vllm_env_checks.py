@@ -39,11 +39,18 @@ def _d_params(held: list[int], **extra: Any) -> dict[str, Any]:
     from bidir_kv.wire.params import CHAIN_KEY, HeldTokens
 
     n_blocks = -(-len(held) // BS)
-    return {"do_remote_prefill": False, "do_remote_decode": True,
-            "remote_block_ids": [[100 + i for i in range(n_blocks)]],
-            "remote_engine_id": "d", "remote_request_id": "r", "remote_host": "h",
-            "remote_port": 1, "remote_num_tokens": len(held),
-            CHAIN_KEY: HeldTokens.of(held, BS).to_wire(), **extra}  # fmt: skip
+    return {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": [[100 + i for i in range(n_blocks)]],
+        "remote_engine_id": "d",
+        "remote_request_id": "r",
+        "remote_host": "h",
+        "remote_port": 1,
+        "remote_num_tokens": len(held),
+        CHAIN_KEY: HeldTokens.of(held, BS).to_wire(),
+        **extra,
+    }
 
 
 def _schedulers(**attrs: Any) -> tuple[Any, Any]:
@@ -56,16 +63,33 @@ def _schedulers(**attrs: Any) -> tuple[Any, Any]:
     out = []
     for cls in (NixlPullConnectorScheduler, BidirKVScheduler):
         s = object.__new__(cls)
-        vals = {"block_size": BS, "is_bidirectional_kv_xfer_enabled": True,
-                "use_host_buffer": False, "kv_recompute_threshold": 8, "_verify": True,
-                "_hits": {}, "_allow": None, "_producer": False, "_refused_peers": set(),
-                "num_peer_refused": 0, "_lease": None, **attrs}  # fmt: skip
+        vals = {
+            "block_size": BS,
+            "is_bidirectional_kv_xfer_enabled": True,
+            "use_host_buffer": False,
+            "kv_recompute_threshold": 8,
+            "_verify": True,
+            "_hits": {},
+            "_allow": None,
+            "_producer": False,
+            "_refused_peers": set(),
+            "num_peer_refused": 0,
+            "_lease": None,
+            **attrs,
+        }
         extra, blocks = vals.pop("_extra", {}), vals.pop("_blocks", 0)
         for k, v in vals.items():
             setattr(s, k, v)
         if cls is not NixlPullConnectorScheduler:  # the fence's state, then any overrides
-            kv = type("KV", (), {"get_from_extra_config": staticmethod(
-                lambda key, default, extra=extra: extra.get(key, default))})()
+            kv = type(
+                "KV",
+                (),
+                {
+                    "get_from_extra_config": staticmethod(
+                        lambda key, default, extra=extra: extra.get(key, default)
+                    )
+                },
+            )()
             s._init_fence(kv, type("C", (), {"num_blocks": blocks})())
             for k, v in vals.items():
                 setattr(s, k, v)
@@ -84,8 +108,11 @@ def factory_resolves_our_class() -> None:
 
     import bidir_kv.connector as ours
 
-    cfg = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer",
-                           kv_connector_module_path="bidir_kv.connector")
+    cfg = KVTransferConfig(
+        kv_connector="NixlConnector",
+        kv_role="kv_producer",
+        kv_connector_module_path="bidir_kv.connector",
+    )
     cls = KVConnectorFactory.get_connector_class(cfg)
     assert cls is ours.BidirKVConnector, cls
     assert issubclass(cls, NixlConnector) and cls is not NixlConnector
@@ -109,7 +136,9 @@ def feature_off_p_computes_locally() -> None:
     stock, ours = _schedulers(is_bidirectional_kv_xfer_enabled=False)
     prompt = [*HELD, 1, 2]
     assert stock.get_num_new_matched_tokens(_request(prompt, _d_params(HELD)), 0) == (
-        len(HELD), True), "stock vLLM no longer claims a load with the feature off"
+        len(HELD),
+        True,
+    ), "stock vLLM no longer claims a load with the feature off"
     assert ours.get_num_new_matched_tokens(_request(prompt, _d_params(HELD)), 0) == (0, False)
 
 
@@ -118,9 +147,10 @@ def non_continuation_reads_only_the_verified_blocks() -> None:
     stock, ours = _schedulers()
     prompt = [*HELD[: 2 * BS + 3], 7, *HELD[2 * BS + 4 :], 9]  # a token changed in block 2
     assert stock.get_num_new_matched_tokens(_request(prompt, _d_params(HELD)), 0) == (
-        len(HELD), True)
-    assert ours.get_num_new_matched_tokens(_request(prompt, _d_params(HELD)), 0) == (
-        2 * BS, True)
+        len(HELD),
+        True,
+    )
+    assert ours.get_num_new_matched_tokens(_request(prompt, _d_params(HELD)), 0) == (2 * BS, True)
 
 
 @check
@@ -149,8 +179,9 @@ def d_advertises_the_renewable_lease() -> None:
     from bidir_kv.wire.params import CHAIN_KEY, LEASE_KEY, lease_of
 
     def cfg(**extra: Any) -> Any:
-        return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer",
-                                kv_connector_extra_config=extra)
+        return KVTransferConfig(
+            kv_connector="NixlConnector", kv_role="kv_consumer", kv_connector_extra_config=extra
+        )
 
     assert lease_from_config(cfg(bidir_kv_lease_seconds=30)) == 30.0
     assert lease_from_config(cfg()) is None
@@ -183,8 +214,9 @@ def peer_allowlist_refuses_before_any_connection() -> None:
     allow = PeerAllowlist.parse(["10.0.0.0/8", "d"])
     prompt = [*HELD, 1, 2]
     outside = {"remote_engine_id": "elsewhere", "remote_host": "127.0.0.2"}
-    stock, ours = _schedulers(_allow=allow, _reqs_in_batch=set(), _reqs_need_recv={},
-                              _reqs_need_save={})
+    stock, ours = _schedulers(
+        _allow=allow, _reqs_in_batch=set(), _reqs_need_recv={}, _reqs_need_save={}
+    )
     got = stock.get_num_new_matched_tokens(_request(prompt, _d_params(HELD, **outside)), 0)
     assert got == (len(HELD), True), f"stock vLLM no longer reads from any named host: {got}"
     req = _request(prompt, _d_params(HELD, **outside))
@@ -197,10 +229,18 @@ def peer_allowlist_refuses_before_any_connection() -> None:
     assert ours.get_num_new_matched_tokens(inside, 0) == (len(HELD), True)
     # a prefill node given do_remote_prefill params pulls nothing
     _, prod = _schedulers(_producer=True)
-    pre = _request(prompt, {"do_remote_prefill": True, "do_remote_decode": False,
-                            "remote_block_ids": [[1]], "remote_engine_id": "x",
-                            "remote_request_id": "r", "remote_host": "127.0.0.2",
-                            "remote_port": 1})
+    pre = _request(
+        prompt,
+        {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[1]],
+            "remote_engine_id": "x",
+            "remote_request_id": "r",
+            "remote_host": "127.0.0.2",
+            "remote_port": 1,
+        },
+    )
     assert prod.get_num_new_matched_tokens(pre, 0) == (0, False)
     assert pre.kv_transfer_params["do_remote_prefill"] is False
 
@@ -219,8 +259,9 @@ def fence_word_budget_and_pressure_release() -> None:
     answer: dict[str, Any] = {}
     NixlPullConnectorScheduler.request_finished = lambda self, r, b: (True, dict(answer))
     try:
-        _, d = _schedulers(_fence=True, _fence_base=4096, _extra={
-            "bidir_kv_retention_budget": 0.5}, _blocks=20)
+        _, d = _schedulers(
+            _fence=True, _fence_base=4096, _extra={"bidir_kv_retention_budget": 0.5}, _blocks=20
+        )
         answer.update({"do_remote_decode": True, "remote_num_tokens": len(HELD)})
         advert = {"do_remote_prefill": False, "remote_engine_id": "p", FENCE_KEY: reader_advert()}
         outs = []

@@ -79,8 +79,13 @@ def _gate(config: pytest.Config, length: int, name: str, check: Any) -> None:
     record_gate(config, length, name, True, str(detail))
 
 
-def test_off_vs_on(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
-                   history_tokens: int, benchmark: Any, pytestconfig: pytest.Config) -> None:
+def test_off_vs_on(
+    hw_deployment: HwDeployment,
+    hw_measurements: HwMeasurements,
+    history_tokens: int,
+    benchmark: Any,
+    pytestconfig: pytest.Config,
+) -> None:
     """OFF (recompute) and ON (readback) prefills of turns >= 2 on the same prompts,
     alternating: turn 2 of ``--hw-rounds`` rounds, or every turn >= 2 of the publication's
     conversations (``--hw-conversations`` x ``--hw-turns`` by ``--hw-clients``).
@@ -88,19 +93,34 @@ def test_off_vs_on(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
     The length is measured through the session fixture (once, by whichever test asks
     first); pytest-benchmark times that measurement and stores its rounds in
     ``extra_info``, which is what a later run's baseline gate compares."""
-    res = benchmark.pedantic(hw_measurements.length, args=(hw_deployment, history_tokens),
-                             rounds=1, iterations=1)
+    res = benchmark.pedantic(
+        hw_measurements.length, args=(hw_deployment, history_tokens), rounds=1, iterations=1
+    )
     shape = hw_measurements.shape
-    info = {**res.to_dict(), "shape": {"conversations": shape.conversations,
-                                       "turns": shape.turns, "clients": shape.clients}}
+    info = {
+        **res.to_dict(),
+        "shape": {
+            "conversations": shape.conversations,
+            "turns": shape.turns,
+            "clients": shape.clients,
+        },
+    }
     benchmark.extra_info.update(info)
-    record_benchmark(pytestconfig, f"test_off_vs_on[{history_tokens}]",
-                     hw_measurements.round_s[history_tokens], info)
+    record_benchmark(
+        pytestconfig,
+        f"test_off_vs_on[{history_tokens}]",
+        hw_measurements.round_s[history_tokens],
+        info,
+    )
     assert len(res.on_s) == len(res.off_s) == shape.measured_turns
 
 
-def test_gate_mechanism(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
-                        history_tokens: int, pytestconfig: pytest.Config) -> None:
+def test_gate_mechanism(
+    hw_deployment: HwDeployment,
+    hw_measurements: HwMeasurements,
+    history_tokens: int,
+    pytestconfig: pytest.Config,
+) -> None:
     """Every ON round pulled from D, moved the bytes those tokens take, nothing failed."""
     res = hw_measurements.length(hw_deployment, history_tokens)
 
@@ -111,22 +131,34 @@ def test_gate_mechanism(hw_deployment: HwDeployment, hw_measurements: HwMeasurem
     _gate(pytestconfig, history_tokens, "mechanism", check)
 
 
-def _bound(config: pytest.Config, dep: HwDeployment, measured: HwMeasurements,
-           length: int) -> tuple[float, str]:
+def _bound(
+    config: pytest.Config, dep: HwDeployment, measured: HwMeasurements, length: int
+) -> tuple[float, str]:
     try:
         given = parse_bounds(config.getoption("--hw-min-speedup"))
     except ValueError as exc:
         raise pytest.UsageError(f"--hw-min-speedup: {exc}") from None
     tolerance = float(config.getoption("--hw-calibration-tolerance"))
-    calibrated = {} if length in given else calibrated_bounds(
-        measured.lengths(dep, _lengths(config)),
-        threshold=dep.threshold, block_size=dep.block_size,
-        tolerance=tolerance, kv_bytes_per_token=dep.kv_bytes_per_token or 0.0)
+    calibrated = (
+        {}
+        if length in given
+        else calibrated_bounds(
+            measured.lengths(dep, _lengths(config)),
+            threshold=dep.threshold,
+            block_size=dep.block_size,
+            tolerance=tolerance,
+            kv_bytes_per_token=dep.kv_bytes_per_token or 0.0,
+        )
+    )
     return bound_for(length, given, calibrated, tolerance)
 
 
-def test_gate_speedup(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
-                      history_tokens: int, pytestconfig: pytest.Config) -> None:
+def test_gate_speedup(
+    hw_deployment: HwDeployment,
+    hw_measurements: HwMeasurements,
+    history_tokens: int,
+    pytestconfig: pytest.Config,
+) -> None:
     """Median OFF / ON turn-2 prefill time >= the bound for this length."""
     res = hw_measurements.length(hw_deployment, history_tokens)
     bound, source = _bound(pytestconfig, hw_deployment, hw_measurements, history_tokens)
@@ -138,8 +170,12 @@ def test_gate_speedup(hw_deployment: HwDeployment, hw_measurements: HwMeasuremen
     _gate(pytestconfig, history_tokens, "speedup", check)
 
 
-def test_gate_efficiency(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
-                         history_tokens: int, pytestconfig: pytest.Config) -> None:
+def test_gate_efficiency(
+    hw_deployment: HwDeployment,
+    hw_measurements: HwMeasurements,
+    history_tokens: int,
+    pytestconfig: pytest.Config,
+) -> None:
     """Transfer rate >= a share of the line rate (when --hw-line-rate-gbps is given)."""
     res = hw_measurements.length(hw_deployment, history_tokens)
     line = pytestconfig.getoption("--hw-line-rate-gbps")
@@ -148,16 +184,22 @@ def test_gate_efficiency(hw_deployment: HwDeployment, hw_measurements: HwMeasure
     def check() -> str:
         if line is None:  # nothing to gate against: the rate must at least be measured
             if res.gbps is None or not res.gbps > 0:
-                raise GateFailure(f"length {history_tokens}: no transfer time was recorded "
-                                  "(vllm:nixl_xfer_time_seconds)")
+                raise GateFailure(
+                    f"length {history_tokens}: no transfer time was recorded "
+                    "(vllm:nixl_xfer_time_seconds)"
+                )
             return f"{res.gbps:.2f} Gb/s measured; no --hw-line-rate-gbps, not gated"
         return f"{gate_efficiency(res, float(line), share):.2f} Gb/s"
 
     _gate(pytestconfig, history_tokens, "efficiency", check)
 
 
-def test_gate_baseline(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
-                       history_tokens: int, pytestconfig: pytest.Config) -> None:
+def test_gate_baseline(
+    hw_deployment: HwDeployment,
+    hw_measurements: HwMeasurements,
+    history_tokens: int,
+    pytestconfig: pytest.Config,
+) -> None:
     """ON TTFT median and OFF/ON speedup no worse than the stored baseline run
     (``--hw-baseline``) by more than ``--hw-max-regression`` percent."""
     res = hw_measurements.length(hw_deployment, history_tokens)
@@ -173,8 +215,12 @@ def test_gate_baseline(hw_deployment: HwDeployment, hw_measurements: HwMeasureme
     _gate(pytestconfig, history_tokens, "baseline", check)
 
 
-def test_gate_fabric(hw_deployment: HwDeployment, hw_measurements: HwMeasurements,
-                     history_tokens: int, pytestconfig: pytest.Config) -> None:
+def test_gate_fabric(
+    hw_deployment: HwDeployment,
+    hw_measurements: HwMeasurements,
+    history_tokens: int,
+    pytestconfig: pytest.Config,
+) -> None:
     """The bytes P's fabric devices counted during the ON rounds cover the KV bytes the
     mechanism gate expects, within the probe's overhead factor (docs/hardware.md §4)."""
     dep = hw_deployment
@@ -189,14 +235,17 @@ def test_gate_fabric(hw_deployment: HwDeployment, hw_measurements: HwMeasurement
                 summed[label] = summed.get(label, 0) + value
         expected = expected_kv_bytes(res, dep.block_size, dep.kv_bytes_per_token)
         counted = gate_fabric(summed, expected, dep.fabric.overhead, what=dep.fabric.what)
-        return (f"{counted:,} bytes counted on {dep.fabric.what} for {expected:,.0f} KV bytes "
-                f"({counted / expected:.3f}x, at most {dep.fabric.overhead:g}x)")
+        return (
+            f"{counted:,} bytes counted on {dep.fabric.what} for {expected:,.0f} KV bytes "
+            f"({counted / expected:.3f}x, at most {dep.fabric.overhead:g}x)"
+        )
 
     _gate(pytestconfig, history_tokens, "fabric", check)
 
 
-def test_negative_control_fabric_one_host(hw_deployment: HwDeployment, run_dir: Path,
-                                          pytestconfig: pytest.Config) -> None:
+def test_negative_control_fabric_one_host(
+    hw_deployment: HwDeployment, run_dir: Path, pytestconfig: pytest.Config
+) -> None:
     """P and D on one host (an emulated pair on loopback, started here): a real D->P read
     that P's fabric counters do not see, so the fabric gate fails naming them."""
     probe = hw_deployment.fabric
@@ -217,9 +266,9 @@ def test_negative_control_fabric_one_host(hw_deployment: HwDeployment, run_dir: 
     assert probe.what in text and all(label in text for label in delta), text
 
 
-def test_negative_control_bound_above_reach(hw_deployment: HwDeployment,
-                                            hw_measurements: HwMeasurements,
-                                            pytestconfig: pytest.Config) -> None:
+def test_negative_control_bound_above_reach(
+    hw_deployment: HwDeployment, hw_measurements: HwMeasurements, pytestconfig: pytest.Config
+) -> None:
     """The speedup gate fails on this run's own numbers when the bound is out of reach,
     and its message names the length, the bound and the measurement."""
     length = _lengths(pytestconfig)[0]
@@ -232,8 +281,9 @@ def test_negative_control_bound_above_reach(hw_deployment: HwDeployment,
     assert f"{res.speedup:.3f}x" in text
 
 
-def test_negative_control_bidirectional_off(hw_deployment: HwDeployment,
-                                            pytestconfig: pytest.Config) -> None:
+def test_negative_control_bidirectional_off(
+    hw_deployment: HwDeployment, pytestconfig: pytest.Config
+) -> None:
     """A turn-2 prefill that gets no D params (bidirectional off at D) fails the
     mechanism gate, naming the length: measured on the deployment, not made up."""
     dep = hw_deployment
@@ -244,11 +294,16 @@ def test_negative_control_bidirectional_off(hw_deployment: HwDeployment,
     prompt2 = [*turn1.sequence, *dep.prompt(rng, NEW_TOKENS)]
     off = run_pd_turn(dep.prefill, dep.decode, prompt2, 1, previous=None)  # the miss dict
     assert off.sent_to_p == KVTransferParams.miss()
-    res = LengthResult(history_tokens=length, prompt_tokens=len(prompt2),
-                       on_s=[off.p.elapsed], off_s=[off.p.elapsed],
-                       pulled_tokens=[off.p_leg.p_sources["external_kv_transfer"]],
-                       bytes_moved=[off.p_leg.p.value("vllm:nixl_bytes_transferred_sum")],
-                       xfer_s=[0.0], xfers=[0])
+    res = LengthResult(
+        history_tokens=length,
+        prompt_tokens=len(prompt2),
+        on_s=[off.p.elapsed],
+        off_s=[off.p.elapsed],
+        pulled_tokens=[off.p_leg.p_sources["external_kv_transfer"]],
+        bytes_moved=[off.p_leg.p.value("vllm:nixl_bytes_transferred_sum")],
+        xfer_s=[0.0],
+        xfers=[0],
+    )
     with pytest.raises(GateFailure, match=rf"length {length}: an ON round pulled 0 tokens"):
         gate_mechanism(res, dep.block_size, dep.kv_bytes_per_token)
 
@@ -261,14 +316,23 @@ def test_doctor_finds_no_fault(hw_deployment: HwDeployment, pytestconfig: pytest
     from bidir_kv.doctor.cli import run
 
     dep = hw_deployment
-    logs = {role: Path(c.node.log_path) for role, c in (("prefill", dep.prefill),
-                                                        ("decode", dep.decode))
-            if c.node.log_path}
-    ctx = Context(prefill_url=dep.prefill.url, decode_url=dep.decode.url, logs=logs,
-                  decoder_ttl=dep.decoder_ttl, host_checks=False, fabric=dep.fabric)
+    logs = {
+        role: Path(c.node.log_path)
+        for role, c in (("prefill", dep.prefill), ("decode", dep.decode))
+        if c.node.log_path
+    }
+    ctx = Context(
+        prefill_url=dep.prefill.url,
+        decode_url=dep.decode.url,
+        logs=logs,
+        decoder_ttl=dep.decoder_ttl,
+        host_checks=False,
+        fabric=dep.fabric,
+    )
     results = run(ctx, token_range=dep.token_range)
     for r in results:
-        record_gate(pytestconfig, 0, f"doctor: {r.name}", r.status != "FAIL",
-                    f"{r.status}: {r.detail}")
+        record_gate(
+            pytestconfig, 0, f"doctor: {r.name}", r.status != "FAIL", f"{r.status}: {r.detail}"
+        )
     fails = [f"{r.name}: {r.detail} (fix: {r.fix})" for r in results if r.status == "FAIL"]
     assert not fails, "\n".join(fails)

@@ -39,11 +39,30 @@ POINTS = "256,1024,2048"
 
 def bench(out: Path, profile: Path, *extra: str) -> None:
     argv = [
-        sys.executable, "-m", "bidir_kv", "bench", "--topology", "emulator",
-        "--profile", str(profile), "--transport", "tcp", "--num-conversations", "2",
-        "--num-turns", "3", "--input-tokens", "24", "--output-tokens", "6", "--no-progress",
-        "--no-client-check", "-o", str(out), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "bench",
+        "--topology",
+        "emulator",
+        "--profile",
+        str(profile),
+        "--transport",
+        "tcp",
+        "--num-conversations",
+        "2",
+        "--num-turns",
+        "3",
+        "--input-tokens",
+        "24",
+        "--output-tokens",
+        "6",
+        "--no-progress",
+        "--no-client-check",
+        "-o",
+        str(out),
+        *extra,
+    ]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -21,10 +21,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def bench_argv(out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "bidir_kv", "bench", "--topology", "emulator", "--profile", "tiny",
-        "--transport", "tcp", "--num-conversations", "2", "--input-tokens", "24",
-        "--output-tokens", "6", "--no-progress", "-o", str(out), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "bench",
+        "--topology",
+        "emulator",
+        "--profile",
+        "tiny",
+        "--transport",
+        "tcp",
+        "--num-conversations",
+        "2",
+        "--input-tokens",
+        "24",
+        "--output-tokens",
+        "6",
+        "--no-progress",
+        "-o",
+        str(out),
+        *extra,
+    ]
 
 
 def pid_alive(pid: int) -> bool:
@@ -95,11 +112,17 @@ def test_ctrl_c_leaves_a_valid_partial_result(tmp_path: Path) -> None:
     )
     try:
         first = out / "on" / "p000064.stats.json"
-        wait_for(lambda: _running(proc) and first.exists(), 120,
-                 "the bench's first point (80 requests) written")
+        wait_for(
+            lambda: _running(proc) and first.exists(),
+            120,
+            "the bench's first point (80 requests) written",
+        )
         router = json.loads((out / "manifest.json").read_text())["nodes"]["on"]["router-0"]
-        wait_for(lambda: scrape(router["url"]).value("bidir_kv_router_requests_total") >= 82,
-                 120, "the second point's requests flowing")
+        wait_for(
+            lambda: scrape(router["url"]).value("bidir_kv_router_requests_total") >= 82,
+            120,
+            "the second point's requests flowing",
+        )
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     finally:
@@ -130,13 +153,33 @@ def test_external_url_leg_into_an_existing_result(tmp_path: Path) -> None:
     spec = leg_spec("on", LegSetup(transport="tcp"))
     with LocalTopology(spec, tmp_path / "nodes") as topo:
         argv = [
-            sys.executable, "-m", "bidir_kv", "bench", "--url", topo.router_url, "--legs", "on",
-            "--metrics-url", f"prefill={topo.prefill[0].url}",
-            "--metrics-url", f"router={topo.router_url}",
-            "--prefix-tokens", "300", "--num-conversations", "2", "--num-turns", "2",
-            "--input-tokens", "20", "--output-tokens", "4", "--no-progress",
-            "--no-client-check", "-o", str(out),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "bidir_kv",
+            "bench",
+            "--url",
+            topo.router_url,
+            "--legs",
+            "on",
+            "--metrics-url",
+            f"prefill={topo.prefill[0].url}",
+            "--metrics-url",
+            f"router={topo.router_url}",
+            "--prefix-tokens",
+            "300",
+            "--num-conversations",
+            "2",
+            "--num-turns",
+            "2",
+            "--input-tokens",
+            "20",
+            "--output-tokens",
+            "4",
+            "--no-progress",
+            "--no-client-check",
+            "-o",
+            str(out),
+        ]
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
@@ -164,9 +207,15 @@ def test_sigterm_stops_every_node(tmp_path: Path) -> None:
     try:
         manifest_path = out / "manifest.json"
         # the leg's topology is up once the manifest lists its nodes
-        wait_for(lambda: _running(proc) and manifest_path.exists()
-                 and json.loads(manifest_path.read_text()).get("nodes"), 120,
-                 "the leg's topology up (nodes in the manifest)")
+        wait_for(
+            lambda: (
+                _running(proc)
+                and manifest_path.exists()
+                and json.loads(manifest_path.read_text()).get("nodes")
+            ),
+            120,
+            "the leg's topology up (nodes in the manifest)",
+        )
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     finally:

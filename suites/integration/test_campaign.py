@@ -17,8 +17,19 @@ from bidir_kv.testing.gating import skip_or_fail
 
 @pytest.mark.timeout(180)
 def test_campaign_smoke_memory_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["--conversations", "6", "--turns", "3", "--run-dir", str(tmp_path),
-               "--faults", "p-restart", "client-gone"])
+    rc = main(
+        [
+            "--conversations",
+            "6",
+            "--turns",
+            "3",
+            "--run-dir",
+            str(tmp_path),
+            "--faults",
+            "p-restart",
+            "client-gone",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     for part in ("LOAD", "FAULTS", "BAD INPUTS", "5xx or no answer: 0", "campaign: PASS"):
@@ -33,8 +44,21 @@ def test_campaign_load_on_two_router_workers_sharing_redis(
     """Turns of one conversation land on either worker; each finds the other's entry."""
     if shutil.which("redis-server") is None:
         skip_or_fail(request.config, "integration", "redis-server binary not found")
-    rc = main(["--conversations", "8", "--turns", "3", "--store", "redis", "--campaigns",
-               "load", "--router-arg=--workers=2", "--run-dir", str(tmp_path)])
+    rc = main(
+        [
+            "--conversations",
+            "8",
+            "--turns",
+            "3",
+            "--store",
+            "redis",
+            "--campaigns",
+            "load",
+            "--router-arg=--workers=2",
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "campaign: PASS" in out, out
 
@@ -46,9 +70,21 @@ def test_campaign_misbehaviour_rows_on_two_workers_and_redis(
     """Slow clients, a killed router worker and a paused Redis: each a row that holds."""
     if shutil.which("redis-server") is None:
         skip_or_fail(request.config, "integration", "redis-server binary not found")
-    rc = main(["--store", "redis", "--campaigns", "faults", "--faults", "slow-clients",
-               "worker-killed", "redis-paused", "--router-arg=--workers=2", "--run-dir",
-               str(tmp_path)])
+    rc = main(
+        [
+            "--store",
+            "redis",
+            "--campaigns",
+            "faults",
+            "--faults",
+            "slow-clients",
+            "worker-killed",
+            "redis-paused",
+            "--router-arg=--workers=2",
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "campaign: PASS" in out, out
     for row in ("slow clients", "router worker killed", "Redis paused"):

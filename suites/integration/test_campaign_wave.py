@@ -17,12 +17,27 @@ from bidir_kv.campaign.cli import main
 
 
 @pytest.mark.timeout(300)
-def test_wave_variants_release_as_configured(tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_wave_variants_release_as_configured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     big_turns, continuing = 6, 2
-    rc = main(["wave", "--capacity-tokens", "8192", "--big-turns", str(big_turns),
-               "--big-tokens", "2000", "--continuing", str(continuing), "--ttl", "6",
-               "--run-dir", str(tmp_path)])
+    rc = main(
+        [
+            "wave",
+            "--capacity-tokens",
+            "8192",
+            "--big-turns",
+            str(big_turns),
+            "--big-tokens",
+            "2000",
+            "--continuing",
+            str(continuing),
+            "--ttl",
+            "6",
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "| | pressure | budget | stock |" in out, out

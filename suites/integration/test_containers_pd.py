@@ -56,8 +56,11 @@ def _opening(tag: str) -> list[dict[str, Any]]:
 
 
 def _next(msgs: list[dict[str, Any]], answer: str, n: int) -> list[dict[str, Any]]:
-    return [*msgs, {"role": "assistant", "content": answer},
-            {"role": "user", "content": f"Continue with chapter {n}, please."}]  # fmt: skip
+    return [
+        *msgs,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": f"Continue with chapter {n}, please."},
+    ]
 
 
 def _delta(node: Node, before: MetricsSnapshot) -> MetricsSnapshot:
@@ -127,8 +130,12 @@ def test_cut_p_to_d_link_falls_back_to_recompute_with_the_same_answer(
 
     # P can no longer open (or use) connections to D; D still reaches P and the router.
     # Checked: a connection from P's container to D fails while cut, works once healed.
-    with cut_link(f"{p.name} -> {d.name}", lambda: topo.block_outbound(p.name, d.name),
-                  topo.unblock_all, lambda: _reaches(topo, p.name, d.name)):
+    with cut_link(
+        f"{p.name} -> {d.name}",
+        lambda: topo.block_outbound(p.name, d.name),
+        topo.unblock_all,
+        lambda: _reaches(topo, p.name, d.name),
+    ):
         p0, r0 = scrape(p.url), scrape(url)
         t2 = chat(url, msgs2, "conv-cut")
         assert t2.status == 200, t2.raw
@@ -169,10 +176,7 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
     before = [scrape(n.url) for n in topo.decode]
     t1 = chat(url, msgs, "conv-kill")
     assert t1.status == 200
-    served = [
-        n for n, b in zip(topo.decode, before, strict=True)
-        if _delta(n, b).value(TOKENS) > 0
-    ]  # fmt: skip
+    served = [n for n, b in zip(topo.decode, before, strict=True) if _delta(n, b).value(TOKENS) > 0]
     assert len(served) == 1
     home = served[0]
     other = next(n for n in topo.decode if n is not home)
@@ -203,8 +207,15 @@ def test_killed_decode_container_conversation_continues_on_the_other_d(
 def _reaches(topo: ContainerTopology, src: str, dst: str) -> bool:
     """Whether a TCP connection from ``src``'s container to ``dst``'s HTTP port opens."""
     code, _ = topo.container(src).exec_run(
-        [IMAGE_PYTHON, "-c", "import socket, sys; socket.create_connection("
-         "(sys.argv[1], int(sys.argv[2])), timeout=2).close()", dst, str(HTTP_PORT)])
+        [
+            IMAGE_PYTHON,
+            "-c",
+            "import socket, sys; socket.create_connection("
+            "(sys.argv[1], int(sys.argv[2])), timeout=2).close()",
+            dst,
+            str(HTTP_PORT),
+        ]
+    )
     return bool(code == 0)
 
 
@@ -212,8 +223,12 @@ def _wait_health(router_url: str, role: str, node: str, up: bool, timeout: float
     """Poll the router's health gauge until it reports ``node`` up (1) or down (0)."""
     want = 1.0 if up else 0.0
     key = (HEALTHY, (("node", node), ("role", role)))
-    wait_for(lambda: scrape(router_url).samples.get(key) == want, timeout,
-             f"the router to mark {role} {node} {'up' if up else 'down'}", interval=0.1)
+    wait_for(
+        lambda: scrape(router_url).samples.get(key) == want,
+        timeout,
+        f"the router to mark {role} {node} {'up' if up else 'down'}",
+        interval=0.1,
+    )
 
 
 def test_prefill_pulled_off_the_network_and_back(container_topology: Factory) -> None:
@@ -234,9 +249,12 @@ def test_prefill_pulled_off_the_network_and_back(container_topology: Factory) ->
     msgs2 = _next(msgs, t1.text, 2)
 
     # checked: the router's container cannot connect to P while P is off, and can after
-    with cut_link(f"the network to {p.name}", lambda: topo.disconnect(p.name),
-                  lambda: topo.reconnect(p.name), lambda: _reaches(topo, topo.routers[0].name,
-                                                                   p.name)):
+    with cut_link(
+        f"the network to {p.name}",
+        lambda: topo.disconnect(p.name),
+        lambda: topo.reconnect(p.name),
+        lambda: _reaches(topo, topo.routers[0].name, p.name),
+    ):
         _wait_health(url, "prefill", p_id, up=False)
         down = chat(url, msgs2, "conv-net", timeout=30)
         assert down.status == 503

@@ -39,10 +39,8 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     spec = TopologySpec(
         routers=0,
-        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp",
-                           enable_prefix_caching=False),
-        decode=EngineSpec(kv=kv_config("decode", bidir_kv_lease_seconds=LEASE),
-                          transport="tcp"),
+        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", enable_prefix_caching=False),
+        decode=EngineSpec(kv=kv_config("decode", bidir_kv_lease_seconds=LEASE), transport="tcp"),
     )
     with LocalTopology(spec, tmp_path_factory.mktemp("router-lease")) as t:
         yield t
@@ -63,19 +61,26 @@ def call(url: str, method: str, path: str) -> tuple[int, dict[str, Any]]:
 
 
 def start(topo: Any, router_process: Callable[..., RouterProcess], *flags: str) -> RouterProcess:
-    return router_process([(n.host, n.port) for n in topo.prefill],
-                          [(n.host, n.port) for n in topo.decode],
-                          extra=("--lease-sweep-interval", "0.2", *flags))
+    return router_process(
+        [(n.host, n.port) for n in topo.prefill],
+        [(n.host, n.port) for n in topo.decode],
+        extra=("--lease-sweep-interval", "0.2", *flags),
+    )
 
 
 def second_turn(first: Any, tag: str) -> list[dict[str, Any]]:
-    return [*long_opening(tag), {"role": "assistant", "content": first.text},
-            {"role": "user", "content": "And then?"}]
+    return [
+        *long_opening(tag),
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And then?"},
+    ]
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
 def test_delete_frees_ds_blocks_at_once_and_next_turn_misses(
-    topo: Any, router_process: Callable[..., RouterProcess], store: str,
+    topo: Any,
+    router_process: Callable[..., RouterProcess],
+    store: str,
     request: pytest.FixtureRequest,
 ) -> None:
     """The router's own --conversation-lease (600 s) overrides D's 3 s, so only the
@@ -122,8 +127,7 @@ def test_keepalive_holds_past_the_idle_lease_and_idle_expiry_frees(
         assert status == 200 and body["lease_seconds"] == LEASE, body
         return retained(d) == before + 1
 
-    wait_for(kept_alive_and_idle_gone, 30, "the idle conversation's lease to expire",
-             interval=0.3)
+    wait_for(kept_alive_and_idle_gone, 30, "the idle conversation's lease to expire", interval=0.3)
     assert router_counter(rp.url, "lease_expiries") == 1
     assert router_counter(rp.url, "releases", reason="lease_expired") == 1
     assert call(rp.url, "POST", f"/v1/conversations/{idle}/keepalive")[0] == 404
@@ -148,15 +152,27 @@ async def test_redis_store_lease_clock(redis_server: Any) -> None:
     from bidir_kv.protocol import KVTransferParams
     from bidir_kv.router.store import Entry, RedisStore, Renewal
 
-    params = KVTransferParams.build(do_remote_decode=True, remote_block_ids=[[1]],
-                                    remote_engine_id="d", remote_request_id="r",
-                                    remote_host="h", remote_port=1, remote_num_tokens=9)
+    params = KVTransferParams.build(
+        do_remote_decode=True,
+        remote_block_ids=[[1]],
+        remote_engine_id="d",
+        remote_request_id="r",
+        remote_host="h",
+        remote_port=1,
+        remote_num_tokens=9,
+    )
 
     def entry(created: float, lease: float | None) -> Entry:
         return Entry(params=params, decode="d:1", prefill=None, created=created, lease=lease)
+
     now = [1000.0]
-    store = RedisStore(redis_server.url, ttl=100, max_entries=10, now=lambda: now[0],
-                       prefix=f"lease{time.monotonic_ns()}:")
+    store = RedisStore(
+        redis_server.url,
+        ttl=100,
+        max_entries=10,
+        now=lambda: now[0],
+        prefix=f"lease{time.monotonic_ns()}:",
+    )
     dropped: list[str] = []
     store.on_evict = lambda _e, why: dropped.append(why)
     try:

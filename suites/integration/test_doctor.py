@@ -25,10 +25,17 @@ TTL = 480.0
 
 
 def _ctx(pair: EnginePair, router: str | None = None, ttl: float | None = TTL) -> Context:
-    logs = {role: Path(str(c.node.log_path)) for role, c in (("prefill", pair.p),
-                                                            ("decode", pair.d))}
-    return Context(prefill_url=pair.p.url, decode_url=pair.d.url, router_url=router,
-                   logs=logs, decoder_ttl=ttl, host_checks=False)
+    logs = {
+        role: Path(str(c.node.log_path)) for role, c in (("prefill", pair.p), ("decode", pair.d))
+    }
+    return Context(
+        prefill_url=pair.p.url,
+        decode_url=pair.d.url,
+        router_url=router,
+        logs=logs,
+        decoder_ttl=ttl,
+        host_checks=False,
+    )
 
 
 def _by_name(results: list[Result]) -> dict[str, Result]:
@@ -45,10 +52,29 @@ V33 = {"emulate_vllm": "0.33"}
 def test_healthy_pair_exits_zero(engine_pair: Callable[..., EnginePair]) -> None:
     pair = engine_pair(prefill=V33, decode=V33)
     out = subprocess.run(
-        [sys.executable, "-m", "bidir_kv", "doctor", "--prefill-url", pair.p.url,
-         "--decode-url", pair.d.url, "--prefill-log", str(pair.p.node.log_path),
-         "--decode-log", str(pair.d.node.log_path), "--decoder-kv-blocks-ttl", str(TTL),
-         "--no-host-checks", "--json"], capture_output=True, text=True, timeout=120, check=False)
+        [
+            sys.executable,
+            "-m",
+            "bidir_kv",
+            "doctor",
+            "--prefill-url",
+            pair.p.url,
+            "--decode-url",
+            pair.d.url,
+            "--prefill-log",
+            str(pair.p.node.log_path),
+            "--decode-log",
+            str(pair.d.node.log_path),
+            "--decoder-kv-blocks-ttl",
+            str(TTL),
+            "--no-host-checks",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     results = json.loads(out.stdout)
     assert {r["status"] for r in results} <= {"PASS", "WARN"}
@@ -60,13 +86,17 @@ def test_bidirectional_off_on_d(engine_pair: Callable[..., EnginePair]) -> None:
     pair = engine_pair(prefill=V33, decode=V33, decode_kv={"bidirectional_kv_xfer": False})
     fails = _fails(run(_ctx(pair)))
     assert "bidirectional on" in fails
-    assert "bidirectional_kv_xfer" in fails["bidirectional on"].detail + \
-        fails["bidirectional on"].fix
+    assert (
+        "bidirectional_kv_xfer" in fails["bidirectional on"].detail + fails["bidirectional on"].fix
+    )
 
 
 def test_failed_transfers(engine_pair: Callable[..., EnginePair]) -> None:
-    pair = engine_pair(prefill={**V33, "extra_args": ("--fault-fail-transfers", "1.0")},
-                       decode=V33, kv={"kv_load_failure_policy": "recompute"})
+    pair = engine_pair(
+        prefill={**V33, "extra_args": ("--fault-fail-transfers", "1.0")},
+        decode=V33,
+        kv={"kv_load_failure_policy": "recompute"},
+    )
     fails = _fails(run(_ctx(pair)))
     assert "failed transfers" in fails and "live D->P read" in fails
     assert "nixl_num_failed_transfers" in fails["failed transfers"].detail
@@ -74,8 +104,12 @@ def test_failed_transfers(engine_pair: Callable[..., EnginePair]) -> None:
 
 def test_expired_reads(engine_pair: Callable[..., EnginePair]) -> None:
     # D keeps blocks 3 s; P declines a read 5 s before D's deadline: every turn 2 declines
-    pair = engine_pair(prefill=V33, decode=V33, decode_kv={"decoder_kv_blocks_ttl": 3},
-                       kv={"kv_load_failure_policy": "recompute"})
+    pair = engine_pair(
+        prefill=V33,
+        decode=V33,
+        decode_kv={"decoder_kv_blocks_ttl": 3},
+        kv={"kv_load_failure_policy": "recompute"},
+    )
     fails = _fails(run(_ctx(pair, ttl=3.0)))
     assert "expired reads" in fails
     assert "decoder_kv_blocks_ttl" in fails["expired reads"].fix
@@ -111,8 +145,9 @@ def test_version_skew(engine_pair: Callable[..., EnginePair]) -> None:
 
 
 def _post(url: str, body: dict[str, Any]) -> None:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         resp.read()
 
@@ -123,12 +158,18 @@ def test_router_faults(engine_pair: Callable[..., EnginePair], run_dir: Path) ->
     send no conversation ids."""
     pair = engine_pair(prefill={"emulate_vllm": "0.32"}, decode={"emulate_vllm": "0.32"})
     p, d = pair.p.node, pair.d.node
-    router = start_router_process(run_dir, [(p.host, p.port)], [(d.host, d.port)],
-                                  ["--cache-ttl", "600", "--decoder-kv-blocks-ttl", "900",
-                                   "--decode-stream", "always"], timeout=60)
+    router = start_router_process(
+        run_dir,
+        [(p.host, p.port)],
+        [(d.host, d.port)],
+        ["--cache-ttl", "600", "--decoder-kv-blocks-ttl", "900", "--decode-stream", "always"],
+        timeout=60,
+    )
     try:
-        _post(router.url + "/v1/completions", {"model": "tiny", "prompt": "hello there",
-                                               "max_tokens": 4})
+        _post(
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "hello there", "max_tokens": 4},
+        )
         fails = _fails(run(_ctx(pair, router=router.url)))
     finally:
         router.proc.stop()
@@ -141,8 +182,22 @@ def test_router_faults(engine_pair: Callable[..., EnginePair], run_dir: Path) ->
 
 @pytest.mark.parametrize("flag", ["--no-probe"])
 def test_unreachable_node_fails_first(tmp_path: Path, flag: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "bidir_kv", "doctor", "--prefill-url",
-                          "http://127.0.0.1:9", "--decode-url", "http://127.0.0.1:9", flag],
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bidir_kv",
+            "doctor",
+            "--prefill-url",
+            "http://127.0.0.1:9",
+            "--decode-url",
+            "http://127.0.0.1:9",
+            flag,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 1
     assert "FAIL" in out.stdout and "/health answered nothing" in out.stdout

@@ -16,13 +16,33 @@ TIMEOUT, DEADLINE = 1.0, 6.0
 BOUND = DEADLINE + 10.0  # the deadline plus the interpreter's start and exit on 2 busy cores
 
 
-def _doctor(p: FakeNode, d: FakeNode, *extra: str) -> tuple[subprocess.CompletedProcess[str],
-                                                             float]:
+def _doctor(
+    p: FakeNode, d: FakeNode, *extra: str
+) -> tuple[subprocess.CompletedProcess[str], float]:
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "bidir_kv", "doctor", "--prefill-url", p.url, "--decode-url",
-         d.url, "--no-probe", "--no-host-checks", "--timeout", str(TIMEOUT), "--deadline",
-         str(DEADLINE), *extra], capture_output=True, text=True, timeout=60, check=False)
+        [
+            sys.executable,
+            "-m",
+            "bidir_kv",
+            "doctor",
+            "--prefill-url",
+            p.url,
+            "--decode-url",
+            d.url,
+            "--no-probe",
+            "--no-host-checks",
+            "--timeout",
+            str(TIMEOUT),
+            "--deadline",
+            str(DEADLINE),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     return out, time.monotonic() - t0
 
 
@@ -41,25 +61,49 @@ def _fail_lines(answers: dict[str, object]) -> tuple[str, str]:
 BAD_STATUS = b"HTTP/1.1 two-hundred OK\r\n\r\n"
 
 
-@pytest.mark.parametrize(("path", "answer", "says"), [
-    ("/health", Drip(0.2), "/health answered nothing in time"),
-    ("/v1/models", Drip(0.2), "/v1/models answered nothing in time"),
-    ("/health", BAD_STATUS, "/health answered nothing"),
-    ("/v1/models", http_answer(b'{"data": [{"id": "tiny"}]}', length=500),
-     "/v1/models answered nothing usable"),
-    ("/v1/models", http_answer([1, 2]), "/v1/models answered a JSON list, not an object"),
-    ("/v1/models", http_answer({"data": "tiny"}), '"data" is str, not a list'),
-    ("/v1/models", http_answer(b"<html>hi</html>"), "/v1/models answered 200 with a body that "
-                                                    "is not JSON"),
-    ("/version", http_answer(["0.33.0"]), "/version answered \"['0.33.0']\""),
-    ("/version", http_answer({"version": 33}), "/version answered"),
-    ("/health", http_answer(b"", headers={"Date": "the day after tomorrow"}),
-     "/health sends an invalid Date header 'the day after tomorrow'"),
-    ("/metrics", http_answer(b"<html>metrics</html>"), "/metrics not a metrics exposition"),
-    ("/metrics", Drip(0.2), "/metrics not readable (GET /metrics: no whole answer"),
-], ids=["health-drip", "models-drip", "bad-status-line", "truncated-body", "models-list",
-        "models-data-str", "models-not-json", "version-list", "version-int", "bad-date",
-        "metrics-garbage", "metrics-drip"])
+@pytest.mark.parametrize(
+    ("path", "answer", "says"),
+    [
+        ("/health", Drip(0.2), "/health answered nothing in time"),
+        ("/v1/models", Drip(0.2), "/v1/models answered nothing in time"),
+        ("/health", BAD_STATUS, "/health answered nothing"),
+        (
+            "/v1/models",
+            http_answer(b'{"data": [{"id": "tiny"}]}', length=500),
+            "/v1/models answered nothing usable",
+        ),
+        ("/v1/models", http_answer([1, 2]), "/v1/models answered a JSON list, not an object"),
+        ("/v1/models", http_answer({"data": "tiny"}), '"data" is str, not a list'),
+        (
+            "/v1/models",
+            http_answer(b"<html>hi</html>"),
+            "/v1/models answered 200 with a body that is not JSON",
+        ),
+        ("/version", http_answer(["0.33.0"]), "/version answered \"['0.33.0']\""),
+        ("/version", http_answer({"version": 33}), "/version answered"),
+        (
+            "/health",
+            http_answer(b"", headers={"Date": "the day after tomorrow"}),
+            "/health sends an invalid Date header 'the day after tomorrow'",
+        ),
+        ("/metrics", http_answer(b"<html>metrics</html>"), "/metrics not a metrics exposition"),
+        ("/metrics", Drip(0.2), "/metrics not readable (GET /metrics: no whole answer"),
+    ],
+    ids=[
+        "health-drip",
+        "models-drip",
+        "bad-status-line",
+        "truncated-body",
+        "models-list",
+        "models-data-str",
+        "models-not-json",
+        "version-list",
+        "version-int",
+        "bad-date",
+        "metrics-garbage",
+        "metrics-drip",
+    ],
+)
 def test_misbehaving_node_is_a_fail_line(path: str, answer: object, says: str) -> None:
     fails, url = _fail_lines({path: answer})
     assert f"P {url}{path}" in fails, fails
@@ -70,14 +114,18 @@ def test_redirect_to_another_host_is_not_followed() -> None:
     with FakeNode() as elsewhere:
         # another host: 127.0.0.2 is loopback too, and its own listener would see a request
         target = f"http://127.0.0.2:{elsewhere.port}/health"
-        with FakeNode({"/health": http_answer(b"", status="302 Found",
-                                              headers={"Location": target})}) as bad, \
-                FakeNode() as good:
+        with (
+            FakeNode(
+                {"/health": http_answer(b"", status="302 Found", headers={"Location": target})}
+            ) as bad,
+            FakeNode() as good,
+        ):
             out, took = _doctor(bad, good)
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout + out.stderr
         assert took < BOUND
-        assert f"P {bad.url}/health answered 302, redirecting to {target} (not followed)" \
-            in out.stdout, out.stdout
+        assert (
+            f"P {bad.url}/health answered 302, redirecting to {target} (not followed)" in out.stdout
+        ), out.stdout
         assert elsewhere.seen == []
 
 

@@ -33,8 +33,9 @@ def topo(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
 
 
 def post(url: str, path: str, body: Any) -> tuple[int, Any]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.loads(resp.read())
@@ -51,11 +52,13 @@ def test_the_emulator_frees_what_a_dropped_reader_claimed(topo: Any) -> None:
     assert post(d.url, "/drop_peer", {})[0] == 400
     status, answer = post(d.url, "/drop_peer", {"engine_id": "nobody"})
     assert status == 200
-    assert answer == {"engine_id": "nobody", "aborted": 0, "freed_blocks": 0,
-                      "peers_dropped": 0}
+    assert answer == {"engine_id": "nobody", "aborted": 0, "freed_blocks": 0, "peers_dropped": 0}
     # P ignores D's "read done" notification: the blocks D claimed stay leased on P
-    confirm_faults(p.name, {"drop_notifications": 1.0},
-                   post(p.url, "/_emulator/faults", {"drop_notifications": 1.0})[1])
+    confirm_faults(
+        p.name,
+        {"drop_notifications": 1.0},
+        post(p.url, "/_emulator/faults", {"drop_notifications": 1.0})[1],
+    )
     conv = conversation_id("drop")
     assert chat(topo.router_url, long_opening(conv), conv).status == 200
     status, answer = post(p.url, "/drop_peer", {"engine_id": engine_id(d)})
@@ -65,8 +68,11 @@ def test_the_emulator_frees_what_a_dropped_reader_claimed(topo: Any) -> None:
     assert status == 200 and answer["peers_dropped"] == 1, answer
     post(p.url, "/_emulator/faults", {"drop_notifications": 0.0})
     # the next turn handshakes again and reuses as before
-    msgs = [*long_opening(conv), {"role": "assistant", "content": "x"},
-            {"role": "user", "content": "more"}]
+    msgs = [
+        *long_opening(conv),
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "more"},
+    ]
     assert chat(topo.router_url, msgs, conv).status == 200
     assert scrape(d.url).value(DROPS) == 2
 
@@ -76,8 +82,11 @@ def test_the_router_tells_d_when_its_probe_sees_p_die(topo: Any) -> None:
     conv = conversation_id("die")
     assert chat(url, long_opening(conv), conv).status == 200  # the router learns engine ids
     stop_process(topo.process(p.name))  # checked: P's process (and its group) is gone
-    wait_for(lambda: router_counter(url, "drop_peer", outcome="sent") == 1, 15,
-             "the router to call D's /drop_peer")
+    wait_for(
+        lambda: router_counter(url, "drop_peer", outcome="sent") == 1,
+        15,
+        "the router to call D's /drop_peer",
+    )
     assert scrape(d.url).value(DROPS) == 1
     log = Path(str(d.log_path)).read_text()
     assert f"drop_peer {engine_id(p)}: " in log and "'peers_dropped': 1" in log, log[-2000:]

@@ -15,11 +15,15 @@ Factory = Callable[..., EnginePair]
 
 
 def test_admin_endpoints_are_off_by_default_and_token_gated(engine_pair: Factory) -> None:
-    pair = engine_pair(prefill={"admin": False},
-                       decode={"admin": False, "extra_args": ("--admin-token", "s3cret")})
+    pair = engine_pair(
+        prefill={"admin": False}, decode={"admin": False, "extra_args": ("--admin-token", "s3cret")}
+    )
     with NodeClient(pair.p.url, timeout=10) as p:
-        for method, path in (("GET", "/_emulator/faults"), ("GET", "/_emulator/state"),
-                             ("POST", "/_emulator/faults")):
+        for method, path in (
+            ("GET", "/_emulator/faults"),
+            ("GET", "/_emulator/state"),
+            ("POST", "/_emulator/faults"),
+        ):
             reply = p.request(method, path, json={"stall": True} if method == "POST" else None)
             assert reply.status == 403, (path, reply.text)
             assert "--enable-admin" in reply.json()["error"]["message"]
@@ -37,10 +41,12 @@ def test_admin_endpoints_are_off_by_default_and_token_gated(engine_pair: Factory
 def test_claim_body_is_validated_naming_the_field(engine_pair: Factory) -> None:
     pair = engine_pair()
     with NodeClient(pair.p.url, timeout=10) as p:
-        for body, field in (({"request_id": "r", "blocks": ["x", 1]}, "'blocks'"),
-                            ({"request_id": "r", "blocks": [True]}, "'blocks'"),
-                            ({"request_id": 5, "blocks": [1]}, "'request_id'"),
-                            ([1, 2], "JSON object")):
+        for body, field in (
+            ({"request_id": "r", "blocks": ["x", 1]}, "'blocks'"),
+            ({"request_id": "r", "blocks": [True]}, "'blocks'"),
+            ({"request_id": 5, "blocks": [1]}, "'request_id'"),
+            ([1, 2], "JSON object"),
+        ):
             reply = p.request("POST", "/_emulator/claim", json=body)
             assert reply.status == 400, (body, reply.status, reply.text)
             assert field in reply.json()["error"]["message"], reply.text

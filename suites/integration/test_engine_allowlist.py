@@ -70,11 +70,16 @@ def outsider() -> Iterator[Listener]:
 
 def _foreign_d_params(port: int, **over: Any) -> KVTransferParams:
     fields: dict[str, Any] = {
-        "do_remote_decode": True, "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
         "remote_block_ids": [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]],
-        "remote_engine_id": "somebody-else", "remote_request_id": "cmpl-x-0",
-        "remote_host": "127.0.0.2", "remote_port": port, "remote_num_tokens": 190,
-        "tp_size": 1, "transfer_mode": "pull",
+        "remote_engine_id": "somebody-else",
+        "remote_request_id": "cmpl-x-0",
+        "remote_host": "127.0.0.2",
+        "remote_port": port,
+        "remote_num_tokens": 190,
+        "tp_size": 1,
+        "transfer_mode": "pull",
     }
     fields.update(over)
     return KVTransferParams.build(**fields)
@@ -121,8 +126,9 @@ def test_a_topology_pair_reads_only_from_its_own_peers_by_default(
     _, d1 = pair.turn(prompt, 8)
     assert d1 is not None and d1.ok and d1.params is not None
     prompt2 = [*prompt, *d1.token_ids, *random_prompt(rng, 3)]
-    copied = d1.params.for_prefill_hit().with_fields(remote_host="127.0.0.2",
-                                                     remote_port=outsider.port)
+    copied = d1.params.for_prefill_hit().with_fields(
+        remote_host="127.0.0.2", remote_port=outsider.port
+    )
     p0, _ = pair.snap()
     for params in (_foreign_d_params(outsider.port), copied):
         r = pair.p.complete(prompt2, 1, params)
@@ -152,8 +158,9 @@ def test_without_an_allowlist_p_connects_where_params_say(
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, str]:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.read().decode()
@@ -166,9 +173,15 @@ def test_prefill_node_refuses_remote_prefill_params_with_400(
 ) -> None:
     pair = engine_pair()
     params = _foreign_d_params(outsider.port, do_remote_decode=False, do_remote_prefill=True)
-    status, text = _post(pair.p.url + "/v1/completions", {
-        "model": "tiny", "prompt": random_prompt(random.Random("dp"), 50), "max_tokens": 1,
-        "kv_transfer_params": params.to_dict()})
+    status, text = _post(
+        pair.p.url + "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": random_prompt(random.Random("dp"), 50),
+            "max_tokens": 1,
+            "kv_transfer_params": params.to_dict(),
+        },
+    )
     assert status == 400 and "do_remote_prefill" in text, (status, text)
     assert outsider.accepted == 0
 
@@ -176,6 +189,7 @@ def test_prefill_node_refuses_remote_prefill_params_with_400(
 def test_claim_with_non_integer_block_ids_is_400(engine_pair: Factory) -> None:
     pair = engine_pair()
     for blocks in (["a"], [1.5], [True], [None]):
-        status, text = _post(pair.d.url + "/_emulator/claim",
-                             {"request_id": "x", "blocks": blocks, "reader": "r"})
+        status, text = _post(
+            pair.d.url + "/_emulator/claim", {"request_id": "x", "blocks": blocks, "reader": "r"}
+        )
         assert status == 400 and "'blocks'" in text, (blocks, status, text)

@@ -70,37 +70,58 @@ def test_health_models_tokenize(pair: EnginePair) -> None:
     status, tok2 = call(url, "/tokenize", {"prompt": "hello kalo"})
     assert tok2["tokens"][0] == 1  # BOS for plain prompts
     # the chat endpoint sees the same tokens as /tokenize reports
-    status, body = call(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2,
-                                                      "ignore_eos": True})  # fmt: skip
+    status, body = call(
+        url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "ignore_eos": True}
+    )
     assert status == 200 and body["usage"]["prompt_tokens"] == tok["count"]
 
 
 def test_non_streaming_shapes(pair: EnginePair) -> None:
     prompt = random_prompt(random.Random("shapes"), 40)
-    status, body = call(pair.d.url, "/v1/completions",
-                        {"prompt": prompt, "max_tokens": 3, "ignore_eos": True,
-                         "return_token_ids": True})  # fmt: skip
+    status, body = call(
+        pair.d.url,
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 3, "ignore_eos": True, "return_token_ids": True},
+    )
     assert status == 200
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     choice = body["choices"][0]
     assert len(choice["token_ids"]) == 3 and choice["finish_reason"] == "length"
     assert choice["prompt_token_ids"] == prompt
-    assert body["usage"] == {"prompt_tokens": 40, "total_tokens": 43, "completion_tokens": 3,
-                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    assert body["usage"] == {
+        "prompt_tokens": 40,
+        "total_tokens": 43,
+        "completion_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert "kv_transfer_params" in body and body["kv_transfer_params"] is None
 
 
 def test_chat_stream_params_only_on_terminal_chunk(pair: EnginePair) -> None:
     msgs = [{"role": "user", "content": "kalo mine " * 20}]
-    status, p_body = call(pair.p.url, "/v1/chat/completions",
-                          {"messages": msgs, "max_tokens": 1,
-                           "kv_transfer_params": KVTransferParams.miss().to_dict()})  # fmt: skip
+    status, p_body = call(
+        pair.p.url,
+        "/v1/chat/completions",
+        {
+            "messages": msgs,
+            "max_tokens": 1,
+            "kv_transfer_params": KVTransferParams.miss().to_dict(),
+        },
+    )
     assert status == 200 and p_body["object"] == "chat.completion"
     p_params = p_body["kv_transfer_params"]
-    status, events = call(pair.d.url, "/v1/chat/completions",
-                          {"messages": msgs, "max_tokens": 5, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True},
-                           "kv_transfer_params": p_params})  # fmt: skip
+    status, events = call(
+        pair.d.url,
+        "/v1/chat/completions",
+        {
+            "messages": msgs,
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "kv_transfer_params": p_params,
+        },
+    )
     cs = chunks(events)
     assert cs[0]["choices"][0]["delta"]["role"] == "assistant"
     terminal = [c for c in cs if c["choices"] and c["choices"][0]["finish_reason"]]
@@ -143,16 +164,25 @@ def test_032_and_033_engines_refuse_to_handshake(engine_pair: Factory) -> None:
         ("/v1/completions", {"prompt": [1, 2, 99999]}, "token ids must be ints"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "model": "nope"}, "does not exist"),
-        ("/v1/completions", {"prompt": "x", "kv_transfer_params": {"remote_port": "a"}},
-         "remote_port"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "kv_transfer_params": {"remote_port": "a"}},
+            "remote_port",
+        ),
         ("/v1/completions", {"prompt": [5] * 40000}, "maximum context length"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/completions", {"prompt": "x", "n": 2}, "'n' must be 1"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "'echo' is not supported"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "use_beam_search": True}, "'use_beam_search' is not supported"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "logit_bias": {"5": 1}}, "'logit_bias' is not supported"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True},
+            "'use_beam_search' is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}},
+            "'logit_bias' is not supported",
+        ),
     ],
 )
 def test_bad_requests_name_the_problem(
@@ -194,9 +224,13 @@ def test_faults_endpoint_validates(pair: EnginePair) -> None:
 
 def test_metrics_use_vllm_names(pair: EnginePair) -> None:
     names = pair.p.metrics().names()
-    for n in ("vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum",
-              "vllm:time_to_first_token_seconds_count", "vllm:prompt_tokens_total",
-              "vllm:generation_tokens_total"):  # fmt: skip
+    for n in (
+        "vllm:nixl_xfer_time_seconds_count",
+        "vllm:nixl_bytes_transferred_sum",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+    ):
         assert n in names, n
 
 

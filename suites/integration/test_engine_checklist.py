@@ -36,8 +36,7 @@ def test_threshold_boundary_equal_pulls_one_less_recomputes(
     engine_pair: Factory, history: int, pulls: bool
 ) -> None:
     """count == T pulls (strictly-less-than comparison); T - 1 recomputes, notify-only."""
-    pair = engine_pair(prefill={"enable_prefix_caching": False},
-                       kv={"kv_recompute_threshold": 100})  # fmt: skip
+    pair = engine_pair(prefill={"enable_prefix_caching": False}, kv={"kv_recompute_threshold": 100})
     rng = random.Random(f"threshold-{history}")
     gen = 16
     prompt = random_prompt(rng, history - gen + 1)  # D computes prompt + gen - 1 = history
@@ -56,8 +55,9 @@ def test_threshold_boundary_equal_pulls_one_less_recomputes(
 
 
 def test_threshold_skip_is_logged_at_debug(engine_pair: Factory) -> None:
-    pair = engine_pair(prefill={"env": (("VLLM_LOGGING_LEVEL", "DEBUG"),)},
-                       kv={"kv_recompute_threshold": 256})  # fmt: skip
+    pair = engine_pair(
+        prefill={"env": (("VLLM_LOGGING_LEVEL", "DEBUG"),)}, kv={"kv_recompute_threshold": 256}
+    )
     rng = random.Random("skip-debug")
     prompt = random_prompt(rng, 33)
     _, d1 = pair.turn(prompt, 16)  # D offers 48 tokens, P holds 32
@@ -98,11 +98,19 @@ def test_aborted_request_frees_immediately_without_params(engine_pair: Factory) 
     pair = engine_pair()
     prompt = random_prompt(random.Random("abort"), 64)
     body = pair.p.body(prompt, 2000, None, stream=True)
-    body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                  "remote_engine_id": None, "remote_block_ids": None,
-                                  "remote_host": None, "remote_port": None}  # fmt: skip
-    req = urllib.request.Request(pair.p.url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
+    body["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    req = urllib.request.Request(
+        pair.p.url + "/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as resp:
         resp.readline()  # the first chunk arrived: the request is running
     wait_for(lambda: idle(pair, "p"))
@@ -134,9 +142,13 @@ def test_remote_blocks_exceed_prompt(engine_pair: Factory, pairing: str) -> None
     pairing reads D's first blocks and stays correct; vLLM's suffix trimming reads D's
     last blocks - the wrong positions (suspected upstream defect 3)."""
     # the guard is off so that pairing alone decides what is read
-    pair = engine_pair(prefill={"enable_prefix_caching": False,
-                                "extra_args": ("--kv-pairing", pairing, "--kv-guard", "off")},
-                       kv={"kv_recompute_threshold": 0})  # fmt: skip
+    pair = engine_pair(
+        prefill={
+            "enable_prefix_caching": False,
+            "extra_args": ("--kv-pairing", pairing, "--kv-guard", "off"),
+        },
+        kv={"kv_recompute_threshold": 0},
+    )
     rng = random.Random("exceed")
     prompt = random_prompt(rng, 200)
     _, d1 = pair.turn(prompt, 16)
@@ -163,8 +175,9 @@ def test_rewritten_history_guard(engine_pair: Factory, guard: str) -> None:
     """The next prompt edits D's last answer (docs/protocol.md §6.3). vLLM pulls KV of
     the old tokens; our default guard caps the pull at the verified prefix, so output
     equals recompute."""
-    pair = engine_pair(prefill={"enable_prefix_caching": False,
-                                "extra_args": ("--kv-guard", guard)})  # fmt: skip
+    pair = engine_pair(
+        prefill={"enable_prefix_caching": False, "extra_args": ("--kv-guard", guard)}
+    )
     rng = random.Random("rewrite")
     prompt = random_prompt(rng, 200)
     _, d1 = pair.turn(prompt, 40)

@@ -15,19 +15,33 @@ ENGINE = [sys.executable, "-m", "bidir_kv", "engine"]
 
 
 def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*ENGINE, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [*ENGINE, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.parametrize(
     ("args", "env", "needle"),
     [
         (["tiny", "--kv-transfer-config", "{bad"], {}, "--kv-transfer-config is not valid JSON"),
-        (["tiny", "--kv-transfer-config", '{"kv_load_failure_policy": "retry"}'], {},
-         "kv_load_failure_policy"),
-        (["tiny", "--kv-transfer-config",
-          '{"kv_connector_extra_config": {"kv_recompute_threshold": "many"}}'], {},
-         "kv_recompute_threshold"),
+        (
+            ["tiny", "--kv-transfer-config", '{"kv_load_failure_policy": "retry"}'],
+            {},
+            "kv_load_failure_policy",
+        ),
+        (
+            [
+                "tiny",
+                "--kv-transfer-config",
+                '{"kv_connector_extra_config": {"kv_recompute_threshold": "many"}}',
+            ],
+            {},
+            "kv_recompute_threshold",
+        ),
         (["tiny", "--block-size", "0"], {}, "--block-size must be positive"),
         (["tiny", "--transport", "carrier-pigeon"], {}, "--transport"),
         (["tiny", "--profile", "no-such-profile"], {}, "unknown profile 'no-such-profile'"),
@@ -49,25 +63,49 @@ def test_bad_configuration_exits_2_naming_the_problem(
 def test_help_lists_vllm_and_emulator_flags() -> None:
     res = run(["--help"])
     assert res.returncode == 0
-    for flag in ("--served-model-name", "--max-model-len", "--block-size",
-                 "--no-enable-prefix-caching", "--kv-transfer-config",
-                 "--max-num-batched-tokens", "--profile", "--kv-capacity-tokens",
-                 "--transport", "--emulate-vllm", "--kv-pairing",
-                 "--fault-exit-on-request"):  # fmt: skip
+    for flag in (
+        "--served-model-name",
+        "--max-model-len",
+        "--block-size",
+        "--no-enable-prefix-caching",
+        "--kv-transfer-config",
+        "--max-num-batched-tokens",
+        "--profile",
+        "--kv-capacity-tokens",
+        "--transport",
+        "--emulate-vllm",
+        "--kv-pairing",
+        "--fault-exit-on-request",
+    ):
         assert flag in res.stdout, flag
 
 
 def test_startup_logs_vllm_line_and_serves(tmp_path: Path) -> None:
     port, side = free_port(), free_port()
-    kv = ('{"kv_connector":"NixlConnector","kv_role":"kv_consumer","engine_id":"d-1",'
-          '"kv_connector_extra_config":{"bidirectional_kv_xfer":true,'
-          '"kv_recompute_threshold":64,"decoder_kv_blocks_ttl":120}}')  # fmt: skip
-    env = {**os.environ, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}  # fmt: skip
+    kv = (
+        '{"kv_connector":"NixlConnector","kv_role":"kv_consumer","engine_id":"d-1",'
+        '"kv_connector_extra_config":{"bidirectional_kv_xfer":true,'
+        '"kv_recompute_threshold":64,"decoder_kv_blocks_ttl":120}}'
+    )
+    env = {
+        **os.environ,
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
+    }
     proc = ManagedProcess(
         "engine",
-        [*ENGINE, "tiny", "--host", "127.0.0.1", "--port", str(port), "--transport", "tcp",
-         "--kv-transfer-config", kv],
+        [
+            *ENGINE,
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--transport",
+            "tcp",
+            "--kv-transfer-config",
+            kv,
+        ],
         tmp_path / "engine.log",
         env=env,
     ).start()

@@ -31,9 +31,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def post(
-    url: str, path: str, body: Any = None, *, raw: bytes | None = None,
+    url: str,
+    path: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
     ctype: str = "application/json",
-) -> tuple[int, Any]:  # fmt: skip
+) -> tuple[int, Any]:
     data = raw if raw is not None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data, {"Content-Type": ctype})
     try:
@@ -67,6 +71,7 @@ def prompts(seed: str, count: int, length: int = 24) -> list[list[int]]:
 
 def test_min_tokens_equal_max_tokens_gives_exactly_that_many(shared_pair: EnginePair) -> None:
     url = shared_pair.p.url
+
     def one(p: list[int]) -> tuple[int, str]:
         out = complete(url, prompt=p, max_tokens=40, min_tokens=40)
         return out["usage"]["completion_tokens"], out["choices"][0]["finish_reason"]
@@ -78,6 +83,7 @@ def test_min_tokens_equal_max_tokens_gives_exactly_that_many(shared_pair: Engine
 
 def test_no_turn_ends_at_its_first_token(shared_pair: EnginePair) -> None:
     url = shared_pair.p.url
+
     def one(p: list[int]) -> str:
         return str(complete(url, prompt=p, max_tokens=1)["choices"][0]["text"])
 
@@ -97,11 +103,15 @@ def test_stop_strings_and_include_stop_str(shared_pair: EnginePair) -> None:
     ch = out["choices"][0]
     assert (ch["text"], ch["finish_reason"], ch["stop_reason"]) == (base[:cut], "stop", stop)
     assert out["usage"]["completion_tokens"] == 4
-    kept = complete(url, prompt=p, max_tokens=12, ignore_eos=True, stop=stop,
-                    include_stop_str_in_output=True)  # fmt: skip
+    kept = complete(
+        url, prompt=p, max_tokens=12, ignore_eos=True, stop=stop, include_stop_str_in_output=True
+    )
     assert kept["choices"][0]["text"] == base[: cut + len(stop)]
-    status, events = post(url, "/v1/completions", {"prompt": p, "max_tokens": 12, "stop": stop,
-                                                   "ignore_eos": True, "stream": True})  # fmt: skip
+    status, events = post(
+        url,
+        "/v1/completions",
+        {"prompt": p, "max_tokens": 12, "stop": stop, "ignore_eos": True, "stream": True},
+    )
     assert status == 200
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == base[:cut]
 
@@ -109,10 +119,12 @@ def test_stop_strings_and_include_stop_str(shared_pair: EnginePair) -> None:
 def test_stop_token_ids_and_min_tokens(shared_pair: EnginePair) -> None:
     url = shared_pair.p.url
     p = prompts("stop-ids", 1)[0]
-    ids = complete(url, prompt=p, max_tokens=8, ignore_eos=True,
-                   return_token_ids=True)["choices"][0]["token_ids"]  # fmt: skip
-    out = complete(url, prompt=p, max_tokens=8, ignore_eos=True, stop_token_ids=[ids[2]],
-                   return_token_ids=True)  # fmt: skip
+    ids = complete(url, prompt=p, max_tokens=8, ignore_eos=True, return_token_ids=True)["choices"][
+        0
+    ]["token_ids"]
+    out = complete(
+        url, prompt=p, max_tokens=8, ignore_eos=True, stop_token_ids=[ids[2]], return_token_ids=True
+    )
     ch = out["choices"][0]
     assert ch["token_ids"] == ids[:3]
     assert (ch["finish_reason"], ch["stop_reason"]) == ("stop", ids[2])
@@ -149,8 +161,11 @@ def test_logprobs_have_vllms_shape(shared_pair: EnginePair) -> None:
     lp = comp["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
     assert "".join(lp["tokens"]) == comp["choices"][0]["text"]
-    status, err = post(url, "/v1/chat/completions", {"messages": [{"role": "user",
-                       "content": "x"}], "top_logprobs": 2})  # fmt: skip
+    status, err = post(
+        url,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+    )
     assert status == 400 and "top_logprobs" in err["error"]["message"]
 
 
@@ -174,8 +189,9 @@ def test_skip_special_tokens(shared_pair: EnginePair) -> None:
         pytest.fail("no turn ended with EOS")
     text = out["choices"][0]["text"]
     assert "<|eos|>" not in text
-    shown = complete(url, prompt=p, max_tokens=30, skip_special_tokens=False,
-                     include_stop_str_in_output=True)  # fmt: skip
+    shown = complete(
+        url, prompt=p, max_tokens=30, skip_special_tokens=False, include_stop_str_in_output=True
+    )
     assert shown["choices"][0]["text"] == text + "<|eos|>"
     status, err = post(url, "/v1/completions", {"prompt": "x", "skip_special_tokens": "no"})
     assert status == 400 and "skip_special_tokens" in err["error"]["message"]
@@ -192,8 +208,12 @@ def test_refused_fields_are_named(shared_pair: EnginePair, field: str) -> None:
     ("raw", "ctype", "status", "needle"),
     [
         (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "nests deeper"),
-        (b'{"prompt": ' + b"[" * 70 + b"1" + b"]" * 70 + b"}", "application/json", 400,
-         "nests deeper"),
+        (
+            b'{"prompt": ' + b"[" * 70 + b"1" + b"]" * 70 + b"}",
+            "application/json",
+            400,
+            "nests deeper",
+        ),
         (b'{"prompt": "a\\ud800b"}', "application/json", 400, "surrogate"),
         (b'{"prompt": "\xff\xfe"}', "application/json", 400, "not valid UTF-8"),
         (b'{"prompt": "x"}', "application/json; charset=klingon", 415, "klingon"),
@@ -220,21 +240,40 @@ BIN = str(Path(sys.executable).parent / "bidir-kv")
 
 
 def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BIN, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env})  # fmt: skip
+    return subprocess.run(
+        [BIN, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
 
 
 def test_recipe_flags_accepted_with_one_line_each_saying_what_is_emulated() -> None:
-    cfg = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                      "kv_buffer_device": "cuda", "engine_id": "recipe",
-                      "kv_connector_extra_config": {"backends": ["LIBFABRIC"],
-                                                    "bidirectional_kv_xfer": True}})  # fmt: skip
+    cfg = json.dumps(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cuda",
+            "engine_id": "recipe",
+            "kv_connector_extra_config": {"backends": ["LIBFABRIC"], "bidirectional_kv_xfer": True},
+        }
+    )
     proc = subprocess.Popen(
-        [BIN, "engine", "tiny", "--port", str(free_port()), "--transport", "tcp",
-         "--tensor-parallel-size", "8", "--kv-transfer-config", cfg],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            BIN,
+            "engine",
+            "tiny",
+            "--port",
+            str(free_port()),
+            "--transport",
+            "tcp",
+            "--tensor-parallel-size",
+            "8",
+            "--kv-transfer-config",
+            cfg,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-    )  # fmt: skip
+    )
     killer = threading.Timer(60, proc.kill)
     killer.start()
     lines: list[str] = []
@@ -260,14 +299,34 @@ def test_bind_failures_are_one_line() -> None:
         held.listen()
         busy = str(held.getsockname()[1])
         runs = {
-            "engine http": _run(["engine", "tiny", "--port", busy, "--transport", "tcp"],
-                                VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port())),
-            "side channel": _run(["engine", "tiny", "--port", str(free_port()),
-                                  "--transport", "tcp"], VLLM_NIXL_SIDE_CHANNEL_PORT=busy),
-            "proxy": _run(["proxy", "--host", "127.0.0.1", "--port", busy, "--log-level", "INFO",
-                           "--prefiller-host", "127.0.0.1", "--prefiller-port", "1",
-                           "--decoder-host", "127.0.0.1", "--decoder-port", "2"]),
-        }  # fmt: skip
+            "engine http": _run(
+                ["engine", "tiny", "--port", busy, "--transport", "tcp"],
+                VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()),
+            ),
+            "side channel": _run(
+                ["engine", "tiny", "--port", str(free_port()), "--transport", "tcp"],
+                VLLM_NIXL_SIDE_CHANNEL_PORT=busy,
+            ),
+            "proxy": _run(
+                [
+                    "proxy",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    busy,
+                    "--log-level",
+                    "INFO",
+                    "--prefiller-host",
+                    "127.0.0.1",
+                    "--prefiller-port",
+                    "1",
+                    "--decoder-host",
+                    "127.0.0.1",
+                    "--decoder-port",
+                    "2",
+                ]
+            ),
+        }
     for what, r in runs.items():
         errors = [x for x in r.stderr.splitlines() if "Traceback" in x or "error" in x.lower()]
         assert r.returncode == 1, (what, r.stderr)
@@ -275,8 +334,10 @@ def test_bind_failures_are_one_line() -> None:
 
 
 def test_tokenizer_that_is_not_a_local_dir_is_one_line() -> None:
-    r = _run(["engine", "tiny", "--tokenizer", "Qwen/Qwen3-32B", "--port", str(free_port())],
-             VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))  # fmt: skip
+    r = _run(
+        ["engine", "tiny", "--tokenizer", "Qwen/Qwen3-32B", "--port", str(free_port())],
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()),
+    )
     assert r.returncode == 1
     assert r.stderr.count("\n") == 1 and "not a local directory" in r.stderr
 
@@ -288,8 +349,17 @@ def test_tokenizer_that_is_not_a_local_dir_is_one_line() -> None:
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny HF tokenizer, built without torch (about a second)."""
     out = tmp_path_factory.mktemp("tokenizer") / "tiny"
-    subprocess.run([sys.executable, str(ROOT / "fixtures/tiny_model.py"), "--tokenizer-only",
-                    "--out", str(out)], check=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "fixtures/tiny_model.py"),
+            "--tokenizer-only",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=120,
+    )
     return out
 
 
@@ -314,30 +384,47 @@ def test_hf_tokenizer_counts_agree_with_usage_through_the_router(
     args = ("--tokenizer", str(tiny_tokenizer))
     spec = TopologySpec(
         # no prefix cache on P: turns >= 2 must pull D's retained KV (prompt + answer)
-        prefill=EngineSpec(kv=kv_config("prefill"), transport="tcp", extra_args=args,
-                           enable_prefix_caching=False),
+        prefill=EngineSpec(
+            kv=kv_config("prefill"), transport="tcp", extra_args=args, enable_prefix_caching=False
+        ),
         decode=EngineSpec(kv=kv_config("decode"), transport="tcp", extra_args=args),
     )
     client = AutoTokenizer.from_pretrained(str(tiny_tokenizer))
     rng = random.Random("hf-usage")
     words = ["kalo", "mine", "ruta", "vozi", "pesu", "dofa", "guhi", "jabo"]
     with LocalTopology(spec, run_dir) as topo:
-        messages: list[dict[str, str]] = [{"role": "system", "content": " ".join(
-            rng.choice(words) for _ in range(300))}]  # fmt: skip
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": " ".join(rng.choice(words) for _ in range(300))}
+        ]
         previous = 0
         for turn in range(4):
-            messages.append({"role": "user", "content": f"turn {turn}: " + " ".join(
-                rng.choice(words) for _ in range(20))})  # fmt: skip
-            text, usage = _stream_chat(topo.router_url, {
-                "model": "tiny", "messages": messages, "max_tokens": 24, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True},
-                "conversation_id": "hf-conv"})  # fmt: skip
+            messages.append(
+                {
+                    "role": "user",
+                    "content": f"turn {turn}: " + " ".join(rng.choice(words) for _ in range(20)),
+                }
+            )
+            text, usage = _stream_chat(
+                topo.router_url,
+                {
+                    "model": "tiny",
+                    "messages": messages,
+                    "max_tokens": 24,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "conversation_id": "hf-conv",
+                },
+            )
             ids = client.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
             assert usage["prompt_tokens"] == len(ids), turn
-            assert usage["completion_tokens"] == len(client.encode(text,
-                                                    add_special_tokens=False)) == 24, turn
+            assert (
+                usage["completion_tokens"]
+                == len(client.encode(text, add_special_tokens=False))
+                == 24
+            ), turn
             # the previous prompt and answer re-encode to a token-exact prefix: all reused
             cached = usage["prompt_tokens_details"]["cached_tokens"]
             assert turn == 0 or cached >= (previous + 24 - 1) // 16 * 16, (turn, cached)
@@ -347,5 +434,6 @@ def test_hf_tokenizer_counts_agree_with_usage_through_the_router(
 
         assert scrape(topo.router_url).value("bidir_kv_router_cache_hits_total") >= 3
         p2p = scrape(topo.prefill[0].url).value(
-            "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+            "vllm:prompt_tokens_cached_by_source_total", source="p2p"
+        )
         assert p2p > 0

@@ -61,8 +61,11 @@ def test_decline_near_expiry_follows_failure_policy(engine_pair: Factory, policy
         assert pr.status == 500 and "Internal server error" in (pr.error or "")
     else:
         assert pr.ok
-        assert sources(dp) == {"local_compute": len(prompt2), "local_cache_hit": 0,
-                               "external_kv_transfer": 0}  # fmt: skip
+        assert sources(dp) == {
+            "local_compute": len(prompt2),
+            "local_cache_hit": 0,
+            "external_kv_transfer": 0,
+        }
     # no notification: D still retains the turn-1 blocks
     assert pair.state("d")["retained"] == 1
     assert (d1m - d0).value(EXPIRED) == 0
@@ -89,8 +92,9 @@ def test_failed_read_follows_failure_policy(engine_pair: Factory, policy: str) -
     prompt2 = [*prompt, *d1.token_ids, *random_prompt(rng, 50)]
     p0 = pair.p.metrics()
     pr = pair.p.complete(prompt2, 1, d1.params.for_prefill_hit(), timeout=30)
-    confirm_counter_rose("P's failed transfers", lambda: pair.p.metrics().value(FAILED),
-                         p0.value(FAILED))  # the READ did fail
+    confirm_counter_rose(
+        "P's failed transfers", lambda: pair.p.metrics().value(FAILED), p0.value(FAILED)
+    )  # the READ did fail
     dp = pair.p.metrics() - p0
     assert dp.value(FAILED) == 1
     if policy == "fail":
@@ -157,7 +161,8 @@ def test_exit_after_streamed_tokens_truncates_the_stream(engine_pair: Factory) -
     assert pr.params is not None
     body = pair.d.body(prompt, 10, pr.params, stream=True)
     req = urllib.request.Request(
-        pair.d.url + "/v1/completions", json.dumps(body).encode(),
+        pair.d.url + "/v1/completions",
+        json.dumps(body).encode(),
         {"Content-Type": "application/json"},
     )
     chunks = []
@@ -217,8 +222,9 @@ def test_d_gone_between_turns_follows_failure_policy(engine_pair: Factory, polic
     prompt2 = [*prompt, *d1.token_ids, *random_prompt(rng, 50)]
     p0 = pair.p.metrics()
     pr = pair.p.complete(prompt2, 1, d1.params.for_prefill_hit(), timeout=60)
-    confirm_counter_rose("P's failed transfers", lambda: pair.p.metrics().value(FAILED),
-                         p0.value(FAILED))  # the READ from the dead D did fail
+    confirm_counter_rose(
+        "P's failed transfers", lambda: pair.p.metrics().value(FAILED), p0.value(FAILED)
+    )  # the READ from the dead D did fail
     dp = pair.p.metrics() - p0
     assert dp.value(FAILED) == 1
     if policy == "fail":

@@ -57,8 +57,9 @@ def _log(pair: EnginePair, which: str) -> str:
 def test_release_during_read_is_discarded_and_recomputed(
     transport: str, engine_pair: Factory, reference: EngineClient
 ) -> None:
-    pair = engine_pair(transport=transport, prefill=COLD_P,
-                       kv={"kv_load_failure_policy": "recompute"})
+    pair = engine_pair(
+        transport=transport, prefill=COLD_P, kv={"kv_load_failure_policy": "recompute"}
+    )
     prompt2, d1 = _two_turns(pair, f"fence-{transport}")
     assert FENCE_KEY in d1.params.extra  # D exported a word: P's prefill advertised the fence
     pair.set_faults("d", release_on_claim=True)
@@ -110,8 +111,9 @@ SMALL_KV = 1024
 def test_budget_releases_the_oldest_fenced_turns(engine_pair: Factory) -> None:
     """Budget 0.5 of 63 blocks (31): each turn past the second pushes the oldest out,
     counted and logged with its id; P reading a released turn recomputes."""
-    pair = engine_pair(decode={"kv_capacity_tokens": SMALL_KV},
-                       decode_kv={"bidir_kv_retention_budget": 0.5})
+    pair = engine_pair(
+        decode={"kv_capacity_tokens": SMALL_KV}, decode_kv={"bidir_kv_retention_budget": 0.5}
+    )
     _, d0 = pair.snap()
     turns = _retain(pair, "budget", 4)
     dd = pair.d.metrics() - d0
@@ -125,9 +127,11 @@ def test_budget_releases_the_oldest_fenced_turns(engine_pair: Factory) -> None:
 def test_budget_never_releases_a_stock_readers_turn(engine_pair: Factory) -> None:
     """A P that does not speak the fence (``bidir_kv_fence: false``) advertises nothing,
     so D's turns stay unfenced and the budget leaves them to the TTL, as stock vLLM."""
-    pair = engine_pair(decode={"kv_capacity_tokens": SMALL_KV},
-                       decode_kv={"bidir_kv_retention_budget": 0.5},
-                       prefill_kv={"bidir_kv_fence": False})
+    pair = engine_pair(
+        decode={"kv_capacity_tokens": SMALL_KV},
+        decode_kv={"bidir_kv_retention_budget": 0.5},
+        prefill_kv={"bidir_kv_fence": False},
+    )
     _, d0 = pair.snap()
     turns = _retain(pair, "stock-reader", 3)
     assert all(FENCE_KEY not in d.params.extra for d in turns)
@@ -158,8 +162,9 @@ def test_fenced_reader_reads_an_unfenced_owner_as_stock(engine_pair: Factory) ->
 def test_bad_budget_is_one_log_line_and_stock_behaviour(
     engine_pair: Factory, budget: object
 ) -> None:
-    pair = engine_pair(decode={"kv_capacity_tokens": SMALL_KV},
-                       decode_kv={"bidir_kv_retention_budget": budget})
+    pair = engine_pair(
+        decode={"kv_capacity_tokens": SMALL_KV}, decode_kv={"bidir_kv_retention_budget": budget}
+    )
     _, d0 = pair.snap()
     _retain(pair, f"bad-{budget}", 3)
     assert (pair.d.metrics() - d0).value(EARLY, reason="budget") == 0

@@ -55,11 +55,13 @@ def test_turn1_miss_p_computes_and_d_pulls_everything(pair: EnginePair) -> None:
     assert len(pp.remote_block_ids[0]) == cdiv(200, BS)
     assert pp.remote_prefill_cached_tokens == 0 and pp.transfer_mode == "pull"
     assert "remote_registration_generation" in pp.present
-    assert sources(p1 - p0) == {"local_compute": 200, "local_cache_hit": 0,
-                                "external_kv_transfer": 0}  # fmt: skip
+    assert sources(p1 - p0) == {
+        "local_compute": 200,
+        "local_cache_hit": 0,
+        "external_kv_transfer": 0,
+    }
     dd = d1 - d0
-    assert sources(dd) == {"local_compute": 0, "local_cache_hit": 0,
-                           "external_kv_transfer": 200}  # fmt: skip
+    assert sources(dd) == {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 200}
     assert dd.value(NIXL_BYTES) == cdiv(200, BS) * BLOCK_NBYTES
     assert dd.value(NIXL_XFERS) == 1
     assert (p1 - p0).value(NIXL_XFERS) == 0  # telemetry lives on the reader
@@ -92,8 +94,11 @@ def test_turn2_local_prefix_first_then_pull_from_d(pair: EnginePair) -> None:
     count = min(r, len(prompt2)) - h  # 15 < 64: notify-only
     assert count == 15
     ps = sources(p1 - p0)
-    assert ps == {"local_cache_hit": h, "external_kv_transfer": 0,
-                  "local_compute": len(prompt2) - h}  # fmt: skip
+    assert ps == {
+        "local_cache_hit": h,
+        "external_kv_transfer": 0,
+        "local_compute": len(prompt2) - h,
+    }
     assert pr.cached_tokens == h
     # D's retained turn-1 blocks were released by the notify-only message
     ds = sources(d1b - d0)
@@ -117,8 +122,11 @@ def test_turn2_pull_when_count_reaches_threshold(pair: EnginePair) -> None:
     count = 1800 + 100 - 1 - h
     assert count == 107
     dp = p1 - p0
-    assert sources(dp) == {"local_cache_hit": h, "external_kv_transfer": count,
-                           "local_compute": len(prompt2) - h - count}  # fmt: skip
+    assert sources(dp) == {
+        "local_cache_hit": h,
+        "external_kv_transfer": count,
+        "local_compute": len(prompt2) - h - count,
+    }
     assert dp.value(NIXL_XFERS) == 1
     assert dp.value(NIXL_BYTES) == cdiv(h + count, BS) * BLOCK_NBYTES - h // BS * BLOCK_NBYTES
     assert dp.value(MISMATCH) == 0
@@ -141,8 +149,10 @@ def test_second_notification_for_released_handle_is_reported(pair: EnginePair) -
     assert pr.ok
     wait_for(lambda: (pair.d.metrics() - d0).value(AFTER_EXPIRY) == 1)
     log = pair.d.log_since(mark)
-    assert f"Potentially invalid KV blocks for unrecognized request {d1.params.remote_request_id}" \
-        in log  # fmt: skip
+    assert (
+        f"Potentially invalid KV blocks for unrecognized request {d1.params.remote_request_id}"
+        in log
+    )
 
 
 def test_streaming_d_returns_params_on_terminal_chunk(pair: EnginePair) -> None:

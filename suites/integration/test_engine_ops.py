@@ -94,9 +94,7 @@ def test_pinned_retention_reproduces_vllm_and_the_wait_is_bounded(
 ) -> None:
     """``--retained-blocks pin`` (vLLM): the next request cannot be admitted; it fails
     with 503 naming the KV blocks after --max-waiting-seconds instead of hanging."""
-    pair = engine_pair(
-        decode=_small_d("--retained-blocks", "pin", "--max-waiting-seconds", "2")
-    )
+    pair = engine_pair(decode=_small_d("--retained-blocks", "pin", "--max-waiting-seconds", "2"))
     _fill_with_retained(pair, "pin")
     d = _next_turn(pair, "pin-next", timeout=20)
     assert d.status == 503, (d.status, d.error)
@@ -107,9 +105,7 @@ def test_pinned_retention_reproduces_vllm_and_the_wait_is_bounded(
 
 
 def test_bounded_wait_answers_a_stream_with_503_before_any_byte(engine_pair: Factory) -> None:
-    pair = engine_pair(
-        decode=_small_d("--retained-blocks", "pin", "--max-waiting-seconds", "1")
-    )
+    pair = engine_pair(decode=_small_d("--retained-blocks", "pin", "--max-waiting-seconds", "1"))
     _fill_with_retained(pair, "pin-stream")
     prompt = random_prompt(random.Random("pin-stream-next"), PROMPT)
     pr = pair.prefill(prompt, None).raise_for_status()

@@ -74,8 +74,7 @@ def test_oracle_over_random_conversations(
         assert mismatches == 0, f"{mismatches} of {turns} turns differ from the single engine"
         # pulls engaged: every later turn read D's history (no P cache, all >= threshold)
         assert delta.value("vllm:nixl_xfer_time_seconds_count") == later_turns
-        assert delta.value("vllm:prompt_tokens_by_source_total",
-                           source="external_kv_transfer") > 0  # fmt: skip
+        assert delta.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
         assert delta.value("bidir_kv:kv_verify_mismatched_blocks_total") == 0
         assert delta.value("vllm:nixl_num_failed_transfers_total") == 0
         for which in ("p", "d"):
@@ -85,14 +84,22 @@ def test_oracle_over_random_conversations(
         pair.topo.close()
 
 
-def _chat(url: str, messages: list[dict[str, str]], max_tokens: int,
-          params: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
-    body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "ignore_eos": True,
-                            "temperature": 0}  # fmt: skip
+def _chat(
+    url: str, messages: list[dict[str, str]], max_tokens: int, params: dict[str, Any] | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     if params is not None:
         body["kv_transfer_params"] = params
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         out: dict[str, Any] = json.loads(r.read())
     return out
@@ -105,8 +112,9 @@ def test_oracle_chat_text_round_trips(
     same ids, so later turns are token-exact continuations and the oracle holds."""
     from bidir_kv.engine.model import WORDS
 
-    pair = _start_pair(tmp_path_factory.mktemp("oracle-chat"),
-                       prefill={"enable_prefix_caching": False})  # fmt: skip
+    pair = _start_pair(
+        tmp_path_factory.mktemp("oracle-chat"), prefill={"enable_prefix_caching": False}
+    )
     try:
         rng = random.Random("chat")
         p0 = pair.p.metrics()
@@ -114,17 +122,24 @@ def test_oracle_chat_text_round_trips(
             msgs = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=120))}]
             prev: dict[str, Any] | None = None
             for _turn in range(3):
-                hit = KVTransferParams.miss().to_dict() if prev is None else {
-                    **prev, "do_remote_decode": True, "do_remote_prefill": False}
+                hit = (
+                    KVTransferParams.miss().to_dict()
+                    if prev is None
+                    else {**prev, "do_remote_decode": True, "do_remote_prefill": False}
+                )
                 p = _chat(pair.p.url, msgs, 1, hit)
                 d = _chat(pair.d.url, msgs, 12, p["kv_transfer_params"])
                 want = _chat(reference.url, msgs, 12, None)
-                assert d["choices"][0]["message"]["content"] == \
-                    want["choices"][0]["message"]["content"]  # fmt: skip
+                assert (
+                    d["choices"][0]["message"]["content"]
+                    == want["choices"][0]["message"]["content"]
+                )
                 prev = d["kv_transfer_params"]
-                msgs = [*msgs, {"role": "assistant", "content": d["choices"][0]["message"]
-                                ["content"]},
-                        {"role": "user", "content": " ".join(rng.choices(WORDS, k=30))}]
+                msgs = [
+                    *msgs,
+                    {"role": "assistant", "content": d["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": " ".join(rng.choices(WORDS, k=30))},
+                ]
         assert (pair.p.metrics() - p0).value("vllm:nixl_xfer_time_seconds_count") == 20
     finally:
         pair.topo.close()
@@ -145,8 +160,7 @@ def test_oracle_holds_under_failed_transfers_with_recompute(
         pair.set_faults("d", fail_transfers=0.34, seed=2)
         p0, d0 = pair.snap()
         with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda s: _conversation(pair, reference, 1000 + s),
-                                    range(40)))  # fmt: skip
+            results = list(pool.map(lambda s: _conversation(pair, reference, 1000 + s), range(40)))
         p1, d1 = pair.snap()
         assert sum(r["mismatches"] for r in results) == 0
         failed = "vllm:nixl_num_failed_transfers_total"

@@ -34,8 +34,11 @@ def test_turn1_and_turn2_deltas_match_vllm_cpu(cpu_pair: EnginePair) -> None:
     assert dr is not None and dr.params is not None and pr.params is not None
     assert len(pr.params.remote_block_ids[0]) == 16 and pr.params.remote_num_tokens == 2000
     assert sources(p1 - p0)["local_compute"] == 2000
-    assert sources(d1 - d0) == {"external_kv_transfer": 2000, "local_compute": 0,
-                                "local_cache_hit": 0}  # fmt: skip
+    assert sources(d1 - d0) == {
+        "external_kv_transfer": 2000,
+        "local_compute": 0,
+        "local_cache_hit": 0,
+    }
     assert (d1 - d0).value(BYTES) == 2_097_152
     assert dr.params.remote_num_tokens == 2015 and len(dr.params.remote_block_ids[0]) == 16
 
@@ -44,11 +47,17 @@ def test_turn1_and_turn2_deltas_match_vllm_cpu(cpu_pair: EnginePair) -> None:
     _, dr2 = pair.turn(prompt2, 16, dr.params)
     p2, d2 = pair.snap()
     assert dr2 is not None and dr2.ok
-    assert sources(p2 - p1) == {"local_cache_hit": 1920, "external_kv_transfer": 95,
-                                "local_compute": 301}  # fmt: skip
+    assert sources(p2 - p1) == {
+        "local_cache_hit": 1920,
+        "external_kv_transfer": 95,
+        "local_compute": 301,
+    }
     assert (p2 - p1).value(BYTES) == 131_072
-    assert sources(d2 - d1) == {"local_cache_hit": 1920, "external_kv_transfer": 396,
-                                "local_compute": 0}  # fmt: skip
+    assert sources(d2 - d1) == {
+        "local_cache_hit": 1920,
+        "external_kv_transfer": 396,
+        "local_compute": 0,
+    }
     assert dr2.token_ids == pair.p.complete(prompt2, 16).token_ids  # the reference
 
 
@@ -62,6 +71,5 @@ def test_threshold_skip_matches_vllm_cpu(cpu_pair: EnginePair) -> None:
     p1 = pair.p.metrics()
     assert pair.p.complete(prompt2, 1, dr.params.for_prefill_hit()).ok
     dp = pair.p.metrics() - p1
-    assert sources(dp) == {"local_cache_hit": 1920, "external_kv_transfer": 0,
-                           "local_compute": 326}  # fmt: skip
+    assert sources(dp) == {"local_cache_hit": 1920, "external_kv_transfer": 0, "local_compute": 326}
     assert dp.value(XFERS) == 0

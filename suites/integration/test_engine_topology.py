@@ -25,8 +25,11 @@ EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transf
 
 
 def chat(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         out: dict[str, Any] = json.loads(r.read())
     return out
@@ -46,23 +49,30 @@ def test_local_topology_with_router_reuses_kv_across_turns(tmp_path: Path) -> No
         msgs = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=200))}]
         p = topo.prefill[0].url
         before = scrape(p)
-        first = chat(topo.router_url, {"messages": msgs, "max_tokens": 8, "ignore_eos": True,
-                                       "conversation_id": "c1"})  # fmt: skip
+        first = chat(
+            topo.router_url,
+            {"messages": msgs, "max_tokens": 8, "ignore_eos": True, "conversation_id": "c1"},
+        )
         answer = first["choices"][0]["message"]["content"]
-        msgs += [{"role": "assistant", "content": answer},
-                 {"role": "user", "content": " ".join(rng.choices(WORDS, k=30))}]  # fmt: skip
+        msgs += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": " ".join(rng.choices(WORDS, k=30))},
+        ]
         mid = scrape(p)
         assert (mid - before).value(EXTERNAL[0], **EXTERNAL[1]) == 0  # turn 1: a miss
-        chat(topo.router_url, {"messages": msgs, "max_tokens": 8, "ignore_eos": True,
-                               "conversation_id": "c1"})  # fmt: skip
+        chat(
+            topo.router_url,
+            {"messages": msgs, "max_tokens": 8, "ignore_eos": True, "conversation_id": "c1"},
+        )
         pulled = (scrape(p) - mid).value(EXTERNAL[0], **EXTERNAL[1])
         assert pulled > 64  # turn 2: P read D's retained history
 
 
 def test_heartbeats_extend_p_lease_while_d_reads(engine_pair: Factory) -> None:
     """D heartbeats P (`HB:<id>`) every kv_lease_duration // 6 s while its read is in flight."""
-    pair = engine_pair(prefill={"env": (("VLLM_LOGGING_LEVEL", "DEBUG"),)},
-                       kv={"kv_lease_duration": 6})  # fmt: skip
+    pair = engine_pair(
+        prefill={"env": (("VLLM_LOGGING_LEVEL", "DEBUG"),)}, kv={"kv_lease_duration": 6}
+    )
     pair.set_faults("d", delay_transfers=1.0, delay_seconds=2.5)
     prompt = random_prompt(random.Random("hb"), 64)
     mark = pair.p.log_mark()
@@ -77,13 +87,30 @@ def test_kv_transfer_metrics_line(engine_pair: Factory) -> None:
     pair = engine_pair(decode={"extra_args": ("--kv-metrics-log-interval", "0.2")})
     mark = pair.d.log_mark()
     pair.turn(random_prompt(random.Random("kvline"), 100), 2)
-    line = wait_for(lambda: next((ln for ln in (pair.d.log_since(mark) or "").splitlines()
-                                  if "KV Transfer metrics: " in ln), None))  # fmt: skip
+    line = wait_for(
+        lambda: next(
+            (
+                ln
+                for ln in (pair.d.log_since(mark) or "").splitlines()
+                if "KV Transfer metrics: " in ln
+            ),
+            None,
+        )
+    )
     keys = [kv.split("=")[0] for kv in line.split("KV Transfer metrics: ", 1)[1].split(", ")]
-    assert keys == ["Num successful transfers", "Avg xfer time (ms)", "P90 xfer time (ms)",
-                    "Avg post time (ms)", "P90 post time (ms)", "Avg MB per transfer",
-                    "Throughput (MB/s)", "Avg number of descriptors", "Num failed transfers",
-                    "Num KV expired reqs", "Num notifs after expiry"]  # fmt: skip
+    assert keys == [
+        "Num successful transfers",
+        "Avg xfer time (ms)",
+        "P90 xfer time (ms)",
+        "Avg post time (ms)",
+        "P90 post time (ms)",
+        "Avg MB per transfer",
+        "Throughput (MB/s)",
+        "Avg number of descriptors",
+        "Num failed transfers",
+        "Num KV expired reqs",
+        "Num notifs after expiry",
+    ]
     assert "Num successful transfers=1," in line
 
 

@@ -48,9 +48,12 @@ def _conversation(pair: EnginePair) -> dict[str, Any]:
     def reads(delta: MetricsSnapshot) -> dict[str, float]:
         return {k: delta.value(k) for k in (DESCS, DESC_OBS, BYTES, XFERS, MISMATCH)}
 
-    return {"d_pull": reads(d1 - d0), "p_pull": reads(p2 - p0),
-            "answers": (dr.token_ids, dr2.token_ids),
-            "tp_sizes": (pr.params.tp_size, dr.params.tp_size)}  # fmt: skip
+    return {
+        "d_pull": reads(d1 - d0),
+        "p_pull": reads(p2 - p0),
+        "answers": (dr.token_ids, dr2.token_ids),
+        "tp_sizes": (pr.params.tp_size, dr.params.tp_size),
+    }
 
 
 @pytest.mark.parametrize("transport", transport_names())

@@ -38,19 +38,26 @@ MAX_TOKENS = 12
 def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # as test_router_local: P without prefix caching (every token taken from D shows up
     # as external_kv_transfer), the engines' own guard off (only the router's stays)
-    with emulated_router_topology(request.config, tmp_path_factory.mktemp("router-history"),
-                                  prefix_caching_on_p=False,
-                                  engine_args=("--kv-guard", "off")) as t:
+    with emulated_router_topology(
+        request.config,
+        tmp_path_factory.mktemp("router-history"),
+        prefix_caching_on_p=False,
+        engine_args=("--kv-guard", "off"),
+    ) as t:
         yield t
 
 
 @pytest.fixture
 def router(topo: Any, router_process: Callable[..., RouterProcess]) -> Callable[..., str]:
     """A fresh router in front of the shared engines (its counters start at zero)."""
+
     def start(*flags: str) -> str:
-        return router_process([(n.host, n.port) for n in topo.prefill],
-                              [(n.host, n.port) for n in topo.decode],
-                              extra=("--block-size", "16", *flags)).url
+        return router_process(
+            [(n.host, n.port) for n in topo.prefill],
+            [(n.host, n.port) for n in topo.decode],
+            extra=("--block-size", "16", *flags),
+        ).url
+
     return start
 
 
@@ -70,19 +77,26 @@ def oracle(topo: Any, messages: list[dict[str, Any]]) -> str:
 def ask(api: Any, messages: list[dict[str, Any]], stream: bool) -> str:
     """One turn as an ordinary application makes it: no id of any kind."""
     if not stream:
-        resp = api.chat.completions.create(model="tiny", messages=messages, temperature=0,
-                                           max_tokens=MAX_TOKENS)
+        resp = api.chat.completions.create(
+            model="tiny", messages=messages, temperature=0, max_tokens=MAX_TOKENS
+        )
         return str(resp.choices[0].message.content or "")
     parts = []
-    for chunk in api.chat.completions.create(model="tiny", messages=messages, temperature=0,
-                                             max_tokens=MAX_TOKENS, stream=True):
+    for chunk in api.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             parts.append(chunk.choices[0].delta.content)
     return "".join(parts)
 
 
 def converse(
-    topo: Any, url: str, tag: str, turns: int, stream: bool, key: str = "alice",
+    topo: Any,
+    url: str,
+    tag: str,
+    turns: int,
+    stream: bool,
+    key: str = "alice",
     mangle: Callable[[str], str] = lambda text: text,
 ) -> tuple[int, int, int]:
     """Run one conversation; (turns >= 2 that P served from D, router hits, wrong answers)."""
@@ -99,8 +113,11 @@ def converse(
             from_d += took >= 64
         else:
             assert took == 0
-        msgs = [*msgs, {"role": "assistant", "content": mangle(text)},
-                {"role": "user", "content": f"Continue the story, part {turn + 2}."}]
+        msgs = [
+            *msgs,
+            {"role": "assistant", "content": mangle(text)},
+            {"role": "user", "content": f"Continue the story, part {turn + 2}."},
+        ]
     return from_d, int(router_counter(url, "cache_hits") - hits0), wrong
 
 
@@ -126,9 +143,7 @@ def test_the_same_with_the_redis_store(
     assert (from_d, hits, wrong) == (3, 3, 0)
 
 
-def test_identity_id_keeps_the_upstream_behaviour(
-    topo: Any, router: Callable[..., str]
-) -> None:
+def test_identity_id_keeps_the_upstream_behaviour(topo: Any, router: Callable[..., str]) -> None:
     url = router("--identity", "id")
     from_d, hits, wrong = converse(topo, url, "id-only", 3, stream=True)
     assert (from_d, hits, wrong) == (0, 0, 0)
@@ -139,8 +154,11 @@ def test_an_explicit_id_wins_over_the_history(topo: Any, router: Callable[..., s
     url, conv = router(), conversation_id("explicit")
     msgs = long_opening(conv)
     first = chat(url, msgs, conv, max_tokens=MAX_TOKENS)
-    msgs2 = [*msgs, {"role": "assistant", "content": first.text},
-             {"role": "user", "content": "and then?"}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "and then?"},
+    ]
     # the entry is under the id: the same history without the id does not find it
     assert chat(url, msgs2, max_tokens=MAX_TOKENS).status == 200
     assert router_counter(url, "cache_hits") == 0
@@ -154,8 +172,11 @@ def test_two_tenants_with_the_same_history_never_share(
     url = router()
     msgs = long_opening(conversation_id("tenants"))
     first = ask(client(url, "alice"), msgs, stream=True)
-    msgs2 = [*msgs, {"role": "assistant", "content": first},
-             {"role": "user", "content": "and then?"}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "and then?"},
+    ]
     before = pulled(topo)
     forged = ask(client(url, "mallory"), msgs2, stream=True)
     assert pulled(topo) == before and router_counter(url, "cache_hits") == 0
@@ -171,8 +192,9 @@ def test_a_client_that_strips_the_reasoning_misses_and_answers_right(
 ) -> None:
     """The client drops the start of each answer (as a reasoning trace is dropped)."""
     url = router()
-    from_d, hits, wrong = converse(topo, url, "strip", 3, stream=True,
-                                   mangle=lambda t: t.split(" ", 2)[-1])
+    from_d, hits, wrong = converse(
+        topo, url, "strip", 3, stream=True, mangle=lambda t: t.split(" ", 2)[-1]
+    )
     assert (from_d, hits, wrong) == (0, 0, 0)
     assert router_counter(url, "cache_misses", reason="not_found") == 2
 
@@ -184,8 +206,11 @@ def test_a_retried_request_never_takes_the_entry_twice(
     api = client(url)
     msgs = long_opening(conversation_id("retry"))
     first = ask(api, msgs, stream=True)
-    msgs2 = [*msgs, {"role": "assistant", "content": first},
-             {"role": "user", "content": "and then?"}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "and then?"},
+    ]
     before = pulled(topo)
     answers = [ask(api, msgs2, stream=True) for _ in range(2)]  # a retry of the same turn
     assert answers == [oracle(topo, msgs2)] * 2
@@ -195,8 +220,9 @@ def test_a_retried_request_never_takes_the_entry_twice(
 
 
 def _post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read())
@@ -204,15 +230,15 @@ def _post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
 
 
-def test_bad_messages_are_refused_before_any_engine(
-    topo: Any, router: Callable[..., str]
-) -> None:
+def test_bad_messages_are_refused_before_any_engine(topo: Any, router: Callable[..., str]) -> None:
     url = router("--max-body-bytes", "100000")
     p0, d0 = scrape(topo.prefill[0].url), scrape(topo.decode[0].url)
     user = {"role": "user", "content": "hi"}
     malformed = [
-        ([user, {"role": "assistant", "tool_calls": [{"id": "c"}]}],
-         "messages[1].tool_calls[0].function"),
+        (
+            [user, {"role": "assistant", "tool_calls": [{"id": "c"}]}],
+            "messages[1].tool_calls[0].function",
+        ),
         ([user, {"content": "x"}], "messages[1].role"),
         ([user, {"role": "user", "content": 7}], "messages[1].content"),
     ]
@@ -222,8 +248,15 @@ def test_bad_messages_are_refused_before_any_engine(
     deep: Any = "x"
     for _ in range(100):
         deep = [deep]
-    status, err = _post(url, json.dumps({"model": "tiny", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": deep}]}]}).encode())
+    status, err = _post(
+        url,
+        json.dumps(
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": deep}]}],
+            }
+        ).encode(),
+    )
     assert status == 400 and "nests deeper" in err["error"]["message"]
     huge = [{"role": "user", "content": "x" * 200_000}]
     status, _ = _post(url, json.dumps({"model": "tiny", "messages": huge}).encode())
@@ -241,13 +274,34 @@ def test_bidir_kv_bench_without_ids_hits_every_later_turn(
     p0 = scrape(topo.prefill[0].url)
     conversations, turns = 3, 3
     argv = [
-        sys.executable, "-m", "bidir_kv", "bench", "--url", url, "--legs", "on",
-        "--metrics-url", f"prefill={topo.prefill[0].url}", "--metrics-url", f"router={url}",
-        "--prefix-tokens", "300", "--num-conversations", str(conversations),
-        "--num-turns", str(turns), "--input-tokens", "20", "--output-tokens", "6",
-        "--no-send-conversation-id", "--no-progress", "--no-client-check",
-        "-o", str(tmp_path / "res"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "bench",
+        "--url",
+        url,
+        "--legs",
+        "on",
+        "--metrics-url",
+        f"prefill={topo.prefill[0].url}",
+        "--metrics-url",
+        f"router={url}",
+        "--prefix-tokens",
+        "300",
+        "--num-conversations",
+        str(conversations),
+        "--num-turns",
+        str(turns),
+        "--input-tokens",
+        "20",
+        "--output-tokens",
+        "6",
+        "--no-send-conversation-id",
+        "--no-progress",
+        "--no-client-check",
+        "-o",
+        str(tmp_path / "res"),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     later = conversations * (turns - 1)

@@ -14,7 +14,7 @@ import pytest
 from bidir_kv.testing.hw_baseline import gate_baseline, load_baseline
 from bidir_kv.testing.hw_gates import GateFailure, LengthResult
 
-_INNER = '''
+_INNER = """
 import os
 
 import pytest
@@ -34,30 +34,52 @@ def test_off_vs_on(benchmark, history_tokens):
 
     benchmark.pedantic(one_round, rounds=3, iterations=1)
     benchmark.extra_info.update(res.to_dict())
-'''
+"""
 
 
 def _run(tmp_path: Path, storage: Path, name: str, factor: float) -> None:
     inner = tmp_path / "test_inner.py"
     inner.write_text(_INNER)
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
-         "bidir_kv.testing.plugin", "-q", "-o", "addopts=", str(inner),
-         f"--benchmark-storage={storage}", f"--benchmark-save={name}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "bidir_kv.testing.plugin",
+            "-q",
+            "-o",
+            "addopts=",
+            str(inner),
+            f"--benchmark-storage={storage}",
+            f"--benchmark-save={name}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
         # the inner run is a plain pytest run even when this one is an xdist worker
         # (pytest-benchmark stores nothing when it sees PYTEST_XDIST_* in its environment)
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
-             "ON_FACTOR": str(factor), "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+            "ON_FACTOR": str(factor),
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        },
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def _loaded(storage: Path, run: str, length: int) -> LengthResult:
     base = load_baseline(str(storage), run)
     summary = base.lengths[length]
-    return LengthResult(history_tokens=length, prompt_tokens=0,
-                        off_s=[summary["speedup"] * summary["on_median"]],
-                        on_s=[summary["on_median"]])
+    return LengthResult(
+        history_tokens=length,
+        prompt_tokens=0,
+        off_s=[summary["speedup"] * summary["on_median"]],
+        on_s=[summary["on_median"]],
+    )
 
 
 @pytest.mark.slow
@@ -72,6 +94,9 @@ def test_stored_runs_pass_against_themselves_and_fail_on_a_planted_regression(
     assert sorted(release.lengths) == [2000, 4000]
     for length in (2000, 4000):
         gate_baseline(length, _loaded(storage, "release", length), release, 10.0)
-        with pytest.raises(GateFailure, match=rf"length {length}: regression beyond 10 %: "
-                                              r"ON TTFT median rose 30.0 %; speedup fell 23.1 %"):
+        with pytest.raises(
+            GateFailure,
+            match=rf"length {length}: regression beyond 10 %: "
+            r"ON TTFT median rose 30.0 %; speedup fell 23.1 %",
+        ):
             gate_baseline(length, _loaded(storage, "candidate", length), release, 10.0)

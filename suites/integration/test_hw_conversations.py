@@ -22,17 +22,22 @@ def emulated(run_dir: Path) -> Iterator[HwDeployment]:
     try:
         d = nodes.start(node_spec("decode", lo, lo, free_port(), free_port()))
         p = nodes.start(node_spec("prefill", lo, lo, free_port(), free_port()))
-        yield HwDeployment(kind="emulator", prefill=p, decode=d, block_size=BLOCK,
-                           threshold=64, token_range=(10, 1000),
-                           kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+        yield HwDeployment(
+            kind="emulator",
+            prefill=p,
+            decode=d,
+            block_size=BLOCK,
+            threshold=64,
+            token_range=(10, 1000),
+            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+        )
     finally:
         nodes.close()
 
 
 def test_conversations_by_two_clients_measure_every_later_turn(emulated: HwDeployment) -> None:
     res = LengthResult(history_tokens=512, prompt_tokens=0)
-    measure_conversations(emulated, 512, res, conversations=3, turns=4, clients=2,
-                          answer_tokens=24)
+    measure_conversations(emulated, 512, res, conversations=3, turns=4, clients=2, answer_tokens=24)
     assert len(res.on_s) == len(res.off_s) == 3 * 3
     # each later turn reads back the whole conversation so far from D
     assert min(res.pulled_tokens) >= 512 and max(res.pulled_tokens) >= 512 + 2 * (150 + 24)

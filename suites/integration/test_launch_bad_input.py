@@ -28,18 +28,20 @@ def _fake(bin_dir: Path, name: str, script: str) -> None:
 
 
 def test_slurm_allocation_with_one_node_fails_in_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _fake(tmp_path, "scontrol", 'echo node-a')
-    _fake(tmp_path, "srun", f'touch {tmp_path}/srun-called')
+    _fake(tmp_path, "scontrol", "echo node-a")
+    _fake(tmp_path, "srun", f"touch {tmp_path}/srun-called")
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     with pytest.raises(LaunchFailed) as failure:
         allocation({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node-a"})
     text = str(failure.value)
     assert text == "slurm: job 42 has 1 node(s) (node-a); P and D need 2 (salloc -N 2)"
     assert not (tmp_path / "srun-called").exists()
-    assert allocation({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node-[a-b]"},
-                      need=1).nodes == ("node-a",)
+    assert allocation({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node-[a-b]"}, need=1).nodes == (
+        "node-a",
+    )
 
 
 def test_slurm_outside_an_allocation_or_without_slurm() -> None:
@@ -64,9 +66,17 @@ class _Api(BaseHTTPRequestHandler):
         self.calls.append(("POST", self.path))
         self.rfile.read(int(self.headers["Content-Length"]))
         if self.path.endswith("/services"):
-            self._send(403, {"kind": "Status", "status": "Failure", "code": 403,
-                             "reason": "Forbidden", "message": 'services is forbidden: User '
-                             '"ci" cannot create resource "services" in namespace "default"'})
+            self._send(
+                403,
+                {
+                    "kind": "Status",
+                    "status": "Failure",
+                    "code": 403,
+                    "reason": "Forbidden",
+                    "message": "services is forbidden: User "
+                    '"ci" cannot create resource "services" in namespace "default"',
+                },
+            )
         else:
             self._send(201, {"kind": "Pod"})
 
@@ -100,11 +110,15 @@ def test_kubernetes_api_error_fails_in_one_line_and_deletes_what_it_created(
         KubeLauncher(KubeApi(fake_api, token="t")).start(docs)
     text = str(failure.value)
     assert "\n" not in text
-    assert text.startswith(f"kubernetes API {fake_api}: creating service rel-prefill: 403 "
-                           "Forbidden: services is forbidden"), text
-    assert _Api.calls == [("POST", "/api/v1/namespaces/default/pods"),
-                          ("POST", "/api/v1/namespaces/default/services"),
-                          ("DELETE", "/api/v1/namespaces/default/pods/rel-prefill")]
+    assert text.startswith(
+        f"kubernetes API {fake_api}: creating service rel-prefill: 403 "
+        "Forbidden: services is forbidden"
+    ), text
+    assert _Api.calls == [
+        ("POST", "/api/v1/namespaces/default/pods"),
+        ("POST", "/api/v1/namespaces/default/services"),
+        ("DELETE", "/api/v1/namespaces/default/pods/rel-prefill"),
+    ]
 
 
 def test_kubernetes_api_unreachable_fails_in_one_line() -> None:
@@ -114,4 +128,5 @@ def test_kubernetes_api_unreachable_fails_in_one_line() -> None:
         KubeLauncher(KubeApi(f"http://127.0.0.1:{port}")).start(manifests([p], KubeOptions()))
     text = str(failure.value)
     assert "\n" not in text and text.startswith(
-        f"kubernetes API http://127.0.0.1:{port}: creating pod bidir-kv-prefill: ConnectError")
+        f"kubernetes API http://127.0.0.1:{port}: creating pod bidir-kv-prefill: ConnectError"
+    )

@@ -37,8 +37,12 @@ def test_child_dies_when_the_starter_is_sigkilled(tmp_path: Path) -> None:
         assert process_running(child)
         starter.send_signal(signal.SIGKILL)
         starter.wait(10)
-        wait_for(lambda: not process_running(child), 10,
-                 f"child {child} to end with its SIGKILLed starter", interval=0.05)
+        wait_for(
+            lambda: not process_running(child),
+            10,
+            f"child {child} to end with its SIGKILLed starter",
+            interval=0.05,
+        )
     finally:
         if starter.poll() is None:
             starter.kill()
@@ -48,8 +52,9 @@ def test_a_stopped_process_ends_on_sigterm_not_after_the_timeout(tmp_path: Path)
     """A paused (SIGSTOPped) node still gets a graceful SIGTERM from ``stop``."""
     from bidir_kv.launch.process import ManagedProcess
 
-    proc = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"],
-                          tmp_path / "sleeper.log").start()
+    proc = ManagedProcess(
+        "sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "sleeper.log"
+    ).start()
     try:
         with pause_process(proc):  # checked: the process is stopped (state T)
             # SIGTERM ends it (-15); SIGKILL after the timeout would give -9
@@ -74,8 +79,9 @@ def _affinities(tmp_path: Path, name: str, cpus: frozenset[int] | None) -> str:
     log = tmp_path / f"{name}.log"
     proc = ManagedProcess(name, [sys.executable, "-c", GRANDCHILD], log, cpus=cpus).start()
     try:
-        wait_for(lambda: proc.returncode is not None, 30, f"the {name} child to finish",
-                 interval=0.05)
+        wait_for(
+            lambda: proc.returncode is not None, 30, f"the {name} child to finish", interval=0.05
+        )
     finally:
         proc.stop(5)
     assert proc.returncode == 0, log.read_text()

@@ -72,13 +72,20 @@ def test_readme_quickstart_runs(tmp_path: Path, background: list[subprocess.Pope
     for i, cmd in enumerate(commands):
         log = (tmp_path / f"cmd{i}.log").open("wb")
         if cmd.endswith("&"):
-            background.append(subprocess.Popen(
-                ["bash", "-c", cmd[:-1]], cwd=tmp_path, env=env, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            ))  # fmt: skip
+            background.append(
+                subprocess.Popen(
+                    ["bash", "-c", cmd[:-1]],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             continue
-        done = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
-                              timeout=300)  # fmt: skip
+        done = subprocess.run(
+            ["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, timeout=300
+        )
         logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("cmd*.log"))
         assert done.returncode == 0, (cmd, done.stdout, done.stderr, logs)
         outputs.append(done.stdout.decode())

@@ -30,6 +30,7 @@ NOWHERE = [("127.0.0.1", 9)]
 def lone_router(router_process: Callable[..., RouterProcess]) -> Callable[..., RouterProcess]:
     def start(*flags: str) -> RouterProcess:
         return router_process(NOWHERE, NOWHERE, extra=("--health-interval", "30", *flags))
+
     return start
 
 
@@ -48,7 +49,8 @@ def _closed_by_server(sock: socket.socket) -> bool:
 
 
 def test_silent_and_partial_connections_are_closed_at_the_header_timeout(
-        lone_router: Callable[..., RouterProcess]) -> None:
+    lone_router: Callable[..., RouterProcess],
+) -> None:
     router = lone_router("--header-timeout", "1")
     silent = _connect(router.port)
     partial = _connect(router.port)
@@ -59,7 +61,8 @@ def test_silent_and_partial_connections_are_closed_at_the_header_timeout(
 
 
 def test_idle_kept_alive_connection_is_closed_at_the_idle_timeout(
-        lone_router: Callable[..., RouterProcess]) -> None:
+    lone_router: Callable[..., RouterProcess],
+) -> None:
     router = lone_router("--idle-timeout", "1")
     with _connect(router.port) as sock:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -68,8 +71,7 @@ def test_idle_kept_alive_connection_is_closed_at_the_idle_timeout(
         assert _closed_by_server(sock)
 
 
-def test_connection_past_the_bound_gets_a_503(
-        lone_router: Callable[..., RouterProcess]) -> None:
+def test_connection_past_the_bound_gets_a_503(lone_router: Callable[..., RouterProcess]) -> None:
     router = lone_router("--max-connections", "4", "--header-timeout", "60")
     held = [_connect(router.port) for _ in range(4)]
     try:
@@ -98,10 +100,32 @@ def _refused(url: str) -> bool:
 def starved_router(run_dir: Path) -> Iterator[tuple[int, ManagedProcess]]:
     """A router limited to 64 descriptors, with no connection bound below that."""
     port = free_port()
-    argv = ["prlimit", "--nofile=64", sys.executable, "-m", "bidir_kv", "proxy", "--host",
-            "127.0.0.1", "--port", str(port), "--prefiller-hosts", "127.0.0.1",
-            "--prefiller-ports", "9", "--decoder-hosts", "127.0.0.1", "--decoder-ports", "9",
-            "--health-interval", "30", "--max-connections", "1000", "--header-timeout", "60"]
+    argv = [
+        "prlimit",
+        "--nofile=64",
+        sys.executable,
+        "-m",
+        "bidir_kv",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefiller-hosts",
+        "127.0.0.1",
+        "--prefiller-ports",
+        "9",
+        "--decoder-hosts",
+        "127.0.0.1",
+        "--decoder-ports",
+        "9",
+        "--health-interval",
+        "30",
+        "--max-connections",
+        "1000",
+        "--header-timeout",
+        "60",
+    ]
     proc = ManagedProcess("starved-router", argv, run_dir / f"starved-{port}.log").start()
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/metrics", 30, alive=proc)
@@ -111,7 +135,8 @@ def starved_router(run_dir: Path) -> Iterator[tuple[int, ManagedProcess]]:
 
 
 def test_out_of_descriptors_is_one_log_line_and_accepting_resumes(
-        starved_router: tuple[int, ManagedProcess]) -> None:
+    starved_router: tuple[int, ManagedProcess],
+) -> None:
     port, proc = starved_router
     flood = [_connect(port) for _ in range(100)]  # the kernel queues what the router cannot take
     try:
@@ -123,5 +148,4 @@ def test_out_of_descriptors_is_one_log_line_and_accepting_resumes(
     wait_http_ok(f"http://127.0.0.1:{port}/metrics", 30, alive=proc)  # still accepting
     log = proc.log_path.read_text()
     assert log.count(line) == 1, log[-2000:]  # rate-limited: one line per 10 s
-    assert router_counter(f"http://127.0.0.1:{port}",
-                          "accept_failures", errno="EMFILE") >= 1
+    assert router_counter(f"http://127.0.0.1:{port}", "accept_failures", errno="EMFILE") >= 1

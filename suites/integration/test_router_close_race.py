@@ -21,8 +21,13 @@ CHAT = "/v1/chat/completions"
 
 
 def _body(messages: list[dict[str, str]]) -> dict[str, Any]:
-    return {"model": "tiny", "messages": messages, "max_tokens": 8, "stream": True,
-            "conversation_id": "race"}
+    return {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 8,
+        "stream": True,
+        "conversation_id": "race",
+    }
 
 
 async def _race(store: ConversationStore) -> None:
@@ -48,8 +53,12 @@ async def _race(store: ConversationStore) -> None:
         assert counter(s.flow, "not_cached", reason="closed") == 1
         assert counter(s.flow, "releases", reason="closed") == 1  # D's new blocks freed
         asked = len(s.prefill[0].received)
-        status, _, _ = await s.post(CHAT, _body([*msgs, {"role": "assistant", "content": "y"},
-                                                 {"role": "user", "content": "again"}]))
+        status, _, _ = await s.post(
+            CHAT,
+            _body(
+                [*msgs, {"role": "assistant", "content": "y"}, {"role": "user", "content": "again"}]
+            ),
+        )
         assert status == 200
         p_req = s.prefill[0].received[asked]["body"]
         params = params_from_request(p_req)

@@ -30,12 +30,17 @@ def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 @pytest.fixture
 def own_router(topo: Any, router_process: Callable[..., RouterProcess]) -> RouterProcess:
     """A router of this test's own (its log is this test's alone)."""
-    return router_process([(n.host, n.port) for n in topo.prefill],
-                          [(n.host, n.port) for n in topo.decode])
+    return router_process(
+        [(n.host, n.port) for n in topo.prefill], [(n.host, n.port) for n in topo.decode]
+    )
 
 
-def post_raw(url: str, data: bytes, content_type: str = "application/json",
-             path: str = "/v1/chat/completions") -> tuple[int, Any]:
+def post_raw(
+    url: str,
+    data: bytes,
+    content_type: str = "application/json",
+    path: str = "/v1/chat/completions",
+) -> tuple[int, Any]:
     req = urllib.request.Request(url + path, data=data, headers={"Content-Type": content_type})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
@@ -55,8 +60,12 @@ def message(status: int, body: Any) -> str:
 
 
 def good_body(**extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}],
-            "max_tokens": 4, **extra}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 4,
+        **extra,
+    }
 
 
 def test_deep_nesting_is_a_400(topo: Any) -> None:
@@ -87,18 +96,20 @@ def test_non_boolean_stream_is_a_400(topo: Any, value: Any) -> None:
     assert "'stream' must be a boolean" in message(status, body)
 
 
-@pytest.mark.parametrize(("extra", "field"), [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"max_tokens": "many"}, "max_tokens"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
-    ({"min_tokens": -1}, "min_tokens"),
-    ({"n": 2}, "'n'"),
-    ({"stream": True, "stream_options": "usage"}, "stream_options"),
-])
-def test_what_d_would_refuse_never_reaches_p(topo: Any, extra: dict[str, Any],
-                                             field: str) -> None:
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": "many"}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"n": 2}, "'n'"),
+        ({"stream": True, "stream_options": "usage"}, "stream_options"),
+    ],
+)
+def test_what_d_would_refuse_never_reaches_p(topo: Any, extra: dict[str, Any], field: str) -> None:
     p_url = topo.prefill[0].url
     before = scrape(p_url).value(PROMPT_TOKENS)
     status, body = post_raw(topo.router_url, json.dumps(good_body(**extra)).encode())
@@ -116,22 +127,29 @@ def test_missing_prompt_or_messages_is_a_400(topo: Any) -> None:
 _CHAT = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]'
 
 
-@pytest.mark.parametrize(("raw", "ctype"), [
-    (b"[" * 100_000 + b"]" * 100_000, "application/json"),
-    (b'{"messages": ' + b"[" * 70 + b"]" * 70 + b"}", "application/json"),
-    (_CHAT[:-1] + b', "x": "a\\ud800b"}]', "application/json"),
-    ('{"model": "tiny", "messages": [{"role": "user", "content": "a\ud800"}]}'.encode(
-        "utf-16-le", "surrogatepass"), "application/json"),
-    (_CHAT + b"}", "application/json; charset=x-klingon"),
-    (_CHAT + b"}", "application/json; charset=latin-1"),
-    (_CHAT + b', "stream": "false"}', "application/json"),
-    (_CHAT + b', "max_tokens": 0}', "application/json"),
-    (_CHAT + b', "min_tokens": 5, "max_completion_tokens": 2}', "application/json"),
-    (_CHAT + b', "stop": [1]}', "application/json"),
-    (_CHAT + b', "logprobs": true, "top_logprobs": 21}', "application/json"),
-    (_CHAT + b', "cache_salt": ""}', "application/json"),
-    (b'{"model": "tiny"}', "application/json"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("raw", "ctype"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "application/json"),
+        (b'{"messages": ' + b"[" * 70 + b"]" * 70 + b"}", "application/json"),
+        (_CHAT[:-1] + b', "x": "a\\ud800b"}]', "application/json"),
+        (
+            '{"model": "tiny", "messages": [{"role": "user", "content": "a\ud800"}]}'.encode(
+                "utf-16-le", "surrogatepass"
+            ),
+            "application/json",
+        ),
+        (_CHAT + b"}", "application/json; charset=x-klingon"),
+        (_CHAT + b"}", "application/json; charset=latin-1"),
+        (_CHAT + b', "stream": "false"}', "application/json"),
+        (_CHAT + b', "max_tokens": 0}', "application/json"),
+        (_CHAT + b', "min_tokens": 5, "max_completion_tokens": 2}', "application/json"),
+        (_CHAT + b', "stop": [1]}', "application/json"),
+        (_CHAT + b', "logprobs": true, "top_logprobs": 21}', "application/json"),
+        (_CHAT + b', "cache_salt": ""}', "application/json"),
+        (b'{"model": "tiny"}', "application/json"),
+    ],
+)
 def test_router_and_engine_refuse_alike(topo: Any, raw: bytes, ctype: str) -> None:
     """One set of checks (bidir_kv.intake): the router answers what the engine would."""
     via_router = post_raw(topo.router_url, raw, ctype)
@@ -152,9 +170,11 @@ def test_oversize_body_is_refused_before_it_is_read(topo: Any) -> None:
     """Content-Length far above the limit: 413 at once, though no body byte was sent."""
     host, port = topo.router_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\n"
-                     b"Content-Length: 1000000000\r\n\r\n{")
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: 1000000000\r\n\r\n{"
+        )
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert b"exceeds the limit" in reply
@@ -165,8 +185,12 @@ def test_control_characters_in_ids_cannot_forge_log_lines(own_router: RouterProc
     conv = f"c1\n{forged}\r\x1b[31m"
     res = chat(own_router.url, [{"role": "user", "content": "hi"}], conv, max_tokens=2)
     assert res.status == 200
-    res = chat(own_router.url, [{"role": "user", "content": "hi"}], max_tokens=2,
-               headers={"X-Session-ID": f"h\t{forged}"})
+    res = chat(
+        own_router.url,
+        [{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        headers={"X-Session-ID": f"h\t{forged}"},
+    )
     assert res.status == 200
     log = own_router.log()
     assert "c1\\n" + forged in log  # escaped on the line it belongs to
@@ -180,14 +204,15 @@ def test_no_id_warning_names_the_client_side_fix(own_router: RouterProcess) -> N
     assert res.status == 200
     assert "No conversation_id" not in own_router.log()
     # a completions request has no history to recognise
-    status, _ = post_raw(own_router.url, json.dumps({"model": "tiny", "prompt": "hi",
-                                                     "max_tokens": 2}).encode(),
-                         path="/v1/completions")
+    status, _ = post_raw(
+        own_router.url,
+        json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode(),
+        path="/v1/completions",
+    )
     assert status == 200
     warning = [ln for ln in own_router.log().splitlines() if "No conversation_id" in ln]
     assert warning, own_router.log()[-2000:]
-    for fix in ("--send-conversation-id", "X-Session-ID", "prompt_cache_key",
-                "conversation_id"):
+    for fix in ("--send-conversation-id", "X-Session-ID", "prompt_cache_key", "conversation_id"):
         assert fix in warning[0]
 
 
@@ -196,8 +221,7 @@ def _cached_tokens(url: str, messages: list[dict[str, Any]], token: str | None) 
     headers = {"Content-Type": "application/json"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 headers)
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=60) as resp:
         out = json.loads(resp.read())
     return int((out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)

@@ -38,15 +38,19 @@ EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # --kv-guard off: the engines trust params like vLLM, so only the router's guard
     # stands between a rewritten history and wrong KV.
-    with emulated_router_topology(request.config, tmp_path_factory.mktemp("router-local"),
-                                  prefix_caching_on_p=False,
-                                  engine_args=("--kv-guard", "off")) as t:
+    with emulated_router_topology(
+        request.config,
+        tmp_path_factory.mktemp("router-local"),
+        prefix_caching_on_p=False,
+        engine_args=("--kv-guard", "off"),
+    ) as t:
         yield t
 
 
 @pytest.fixture
 def extra_router(topo: Any, router_process: Callable[..., RouterProcess]) -> Callable[..., str]:
     """Start another router in front of the shared engines; returns its URL."""
+
     def start(*flags: str, prefill: list[tuple[str, int]] | None = None) -> str:
         rp = router_process(
             prefill or [(n.host, n.port) for n in topo.prefill],
@@ -54,6 +58,7 @@ def extra_router(topo: Any, router_process: Callable[..., RouterProcess]) -> Cal
             extra=("--block-size", "16", *flags),
         )
         return rp.url
+
     return start
 
 
@@ -92,13 +97,17 @@ def test_multi_turn_hits_pull_history_from_d_and_match_the_oracle(topo: Any) -> 
             assert pulled == 0
         else:
             assert pulled >= 64, f"turn {turn + 1}: P pulled {pulled} tokens from D"
-        msgs = [*msgs, {"role": "assistant", "content": res.text},
-                {"role": "user", "content": f"Continue the story, part {turn + 2}."}]
+        msgs = [
+            *msgs,
+            {"role": "assistant", "content": res.text},
+            {"role": "user", "content": f"Continue the story, part {turn + 2}."},
+        ]
     assert router_counter(url, "cache_hits") - hits0 == 2
 
 
-def test_without_conversation_id_nothing_is_reused(topo: Any, extra_router: Callable[..., str]
-                                                  ) -> None:
+def test_without_conversation_id_nothing_is_reused(
+    topo: Any, extra_router: Callable[..., str]
+) -> None:
     """--identity id (the upstream proxy's way): no id, no reuse. The default also
     recognises a turn by its history (suites/integration/test_history_identity.py)."""
     url = extra_router("--identity", "id")
@@ -114,8 +123,11 @@ def test_tenant_isolation(topo: Any) -> None:
     alice, mallory = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer mallory"}
     msgs = long_opening(conv)
     first = chat(url, msgs, conv, headers=alice)
-    msgs2 = [*msgs, {"role": "assistant", "content": first.text},
-             {"role": "user", "content": "and then?"}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "and then?"},
+    ]
     forged, pulled, _ = p_pulled(topo, lambda: chat(url, msgs2, conv, headers=mallory))
     assert forged.status == 200 and pulled == 0
     # mallory's attempt neither reused nor consumed alice's entry
@@ -123,15 +135,28 @@ def test_tenant_isolation(topo: Any) -> None:
     assert own.status == 200 and pulled_own >= 64
 
 
-def test_internal_params_never_reach_the_client(topo: Any, extra_router: Callable[..., str]
-                                                ) -> None:
-    forged = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[1]],
-              "remote_engine_id": "x", "remote_request_id": "x", "remote_host": "127.0.0.1",
-              "remote_port": free_port(), "remote_num_tokens": 16}
+def test_internal_params_never_reach_the_client(
+    topo: Any, extra_router: Callable[..., str]
+) -> None:
+    forged = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_block_ids": [[1]],
+        "remote_engine_id": "x",
+        "remote_request_id": "x",
+        "remote_host": "127.0.0.1",
+        "remote_port": free_port(),
+        "remote_num_tokens": 16,
+    }
     msgs = long_opening(conversation_id("strip"))
     for stream in (True, False):
-        res = chat(topo.router_url, msgs, conversation_id("strip"), stream=stream,
-                   kv_transfer_params=forged)
+        res = chat(
+            topo.router_url,
+            msgs,
+            conversation_id("strip"),
+            stream=stream,
+            kv_transfer_params=forged,
+        )
         assert res.status == 200
         assert b"kv_transfer_params" not in res.raw and b"remote_block_ids" not in res.raw
         assert b"token_ids" not in res.raw
@@ -142,13 +167,17 @@ def test_internal_params_never_reach_the_client(topo: Any, extra_router: Callabl
     assert b'"remote_block_ids"' in res.raw
 
 
-def _diverging_turn(topo: Any, url: str, tag: str, mangle: Callable[[str], str]
-                    ) -> tuple[ChatResult, float, list[dict[str, Any]]]:
+def _diverging_turn(
+    topo: Any, url: str, tag: str, mangle: Callable[[str], str]
+) -> tuple[ChatResult, float, list[dict[str, Any]]]:
     conv = conversation_id(tag)
     msgs = long_opening(conv)
     first = chat(url, msgs, conv)
-    msgs2 = [*msgs, {"role": "assistant", "content": mangle(first.text)},
-             {"role": "user", "content": "Please continue."}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": mangle(first.text)},
+        {"role": "user", "content": "Please continue."},
+    ]
     res, pulled, _ = p_pulled(topo, lambda: chat(url, msgs2, conv))
     return res, pulled, msgs2
 
@@ -195,8 +224,11 @@ def test_declined_read_falls_back_to_a_miss(topo: Any, extra_router: Callable[..
         first = chat(url, msgs, conv)
     finally:
         _set_faults(d_url, {"clock_skew": 0.0})
-    msgs2 = [*msgs, {"role": "assistant", "content": first.text},
-             {"role": "user", "content": "more please"}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "more please"},
+    ]
     fallbacks = router_counter(url, "fallbacks", cause="prefill_http")
     res, pulled, delta = p_pulled(topo, lambda: chat(url, msgs2, conv))
     assert res.status == 200 and res.error is None
@@ -209,8 +241,11 @@ def test_declined_read_falls_back_to_a_miss(topo: Any, extra_router: Callable[..
 def _set_faults(url: str, faults: dict[str, Any]) -> None:
     import urllib.request
 
-    req = urllib.request.Request(url + "/_emulator/faults", data=json.dumps(faults).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/_emulator/faults",
+        data=json.dumps(faults).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert resp.status == 200
 
@@ -255,15 +290,25 @@ def test_openai_client_through_the_router(topo: Any) -> None:
     client = openai.OpenAI(base_url=topo.router_url + "/v1", api_key="sk-test")
     conv = conversation_id("openai")
     msgs: list[dict[str, Any]] = long_opening(conv)
-    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12,
-                                            temperature=0, stream=True,
-                                            extra_body={"conversation_id": conv})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        extra_body={"conversation_id": conv},
+    )
     text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert text == oracle(topo, msgs)
     msgs = [*msgs, {"role": "assistant", "content": text}, {"role": "user", "content": "next"}]
     before = scrape(topo.prefill[0].url)
-    out = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12,
-                                         temperature=0, extra_body={"conversation_id": conv})
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"conversation_id": conv},
+    )
     pulled = (scrape(topo.prefill[0].url) - before).value(TOKENS, source="external_kv_transfer")
     assert out.choices[0].message.content == oracle(topo, msgs)
     assert pulled >= 64
@@ -273,12 +318,21 @@ def test_openai_client_through_the_router(topo: Any) -> None:
 def _complete(url: str, prompt: list[int], conv: str | None, stream: bool) -> dict[str, Any]:
     import urllib.request
 
-    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 10,
-                            "temperature": 0, "stream": stream, "return_token_ids": True}
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": stream,
+        "return_token_ids": True,
+    }
     if conv:
         body["conversation_id"] = conv
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         raw = resp.read()
     if not stream:
@@ -315,13 +369,17 @@ def test_rejected_hit_releases_ds_pinned_blocks_early(
     """Guard rejection without a block size sends D's dict with remote_num_tokens=0:
     P recomputes, but notifies D, which frees the pinned turn now, not at the TTL."""
 
-    url = router_process([(n.host, n.port) for n in topo.prefill],
-                         [(n.host, n.port) for n in topo.decode]).url  # no --block-size
+    url = router_process(
+        [(n.host, n.port) for n in topo.prefill], [(n.host, n.port) for n in topo.decode]
+    ).url  # no --block-size
     d_state = topo.decode[0].url + "/_emulator/state"
     retained0 = json.loads(_get(d_state))["retained"]
     res, pulled, msgs2 = _diverging_turn(topo, url, "release", lambda t: "No. " + t)
     assert res.status == 200 and pulled == 0 and res.text == oracle(topo, msgs2)
     assert router_counter(url, "guard_rejections", reason="mismatch") == 1
     # turn 1's pinned blocks are gone, turn 2's are pinned: one more than before
-    wait_for(lambda: json.loads(_get(d_state))["retained"] == retained0 + 1, 10,
-             "D to free turn 1's pinned blocks (one more retained than before)")
+    wait_for(
+        lambda: json.loads(_get(d_state))["retained"] == retained0 + 1,
+        10,
+        "D to free turn 1's pinned blocks (one more retained than before)",
+    )

@@ -31,14 +31,19 @@ FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
 
 @pytest.fixture(scope="module")
 def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with emulated_router_topology(request.config, tmp_path_factory.mktemp("router-ops"),
-                                  num_decode=2, prefix_caching_on_p=False) as t:
+    with emulated_router_topology(
+        request.config,
+        tmp_path_factory.mktemp("router-ops"),
+        num_decode=2,
+        prefix_caching_on_p=False,
+    ) as t:
         yield t
 
 
 def _post_json(url: str, body: Any) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
 
@@ -54,8 +59,10 @@ def oracle(topo: Any, messages: list[dict[str, Any]], max_tokens: int = 12) -> s
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_failed_pull_on_d_is_answered_as_a_miss(
-    topo: Any, router_process: Callable[..., RouterProcess],
-    engine_faults: Faults, stream: bool,
+    topo: Any,
+    router_process: Callable[..., RouterProcess],
+    engine_faults: Faults,
+    stream: bool,
 ) -> None:
     """D cannot pull P's blocks (it answers 500): the client still gets the right text."""
     d = topo.decode[0]
@@ -64,8 +71,9 @@ def test_failed_pull_on_d_is_answered_as_a_miss(
     msgs = long_opening(conversation_id("pullfail"))
     failed = scrape(d.url).value(FAILED_TRANSFERS)
     res = chat(rp.url, msgs, conversation_id("pullfail"), stream=stream)
-    confirm_counter_rose("D's failed transfers", lambda: scrape(d.url).value(FAILED_TRANSFERS),
-                         failed)  # D's pull did fail
+    confirm_counter_rose(
+        "D's failed transfers", lambda: scrape(d.url).value(FAILED_TRANSFERS), failed
+    )  # D's pull did fail
     assert res.status == 200 and res.error is None, res.raw[:300]
     assert res.text == oracle(topo, msgs)
     assert router_counter(rp.url, "fallbacks", cause="decode_pull") == 1
@@ -85,8 +93,13 @@ async def test_redis_store_survives_200_concurrent_turns(
     tag = conversation_id("redis-burst")
 
     async def one(session: aiohttp.ClientSession, i: int) -> int:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": f"hi {tag} {i}"}],
-                "max_tokens": 2, "temperature": 0, "conversation_id": f"{tag}-{i}"}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"hi {tag} {i}"}],
+            "max_tokens": 2,
+            "temperature": 0,
+            "conversation_id": f"{tag}-{i}",
+        }
         async with session.post(rp.url + "/v1/chat/completions", json=body) as resp:
             await resp.read()
             return resp.status
@@ -111,8 +124,10 @@ def _decode_inflight(url: str) -> float:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_stalled_d_gets_a_504_within_the_decode_timeout(
-    topo: Any, router_process: Callable[..., RouterProcess],
-    engine_faults: Faults, stream: bool,
+    topo: Any,
+    router_process: Callable[..., RouterProcess],
+    engine_faults: Faults,
+    stream: bool,
 ) -> None:
     import time
 
@@ -120,8 +135,13 @@ def test_stalled_d_gets_a_504_within_the_decode_timeout(
     rp = router_for(topo, router_process, [d], "--decode-timeout", "2")
     engine_faults(d, {"stall": True})
     t0 = time.monotonic()
-    res = chat(rp.url, long_opening(conversation_id("stall")), conversation_id("stall"),
-               stream=stream, timeout=30)
+    res = chat(
+        rp.url,
+        long_opening(conversation_id("stall")),
+        conversation_id("stall"),
+        stream=stream,
+        timeout=30,
+    )
     assert res.status == 504, res.raw[:300]
     assert "--decode-timeout" in res.error["message"]
     assert time.monotonic() - t0 < 15
@@ -129,7 +149,8 @@ def test_stalled_d_gets_a_504_within_the_decode_timeout(
 
 
 def test_client_leaving_cancels_the_d_leg(
-    topo: Any, router_process: Callable[..., RouterProcess],
+    topo: Any,
+    router_process: Callable[..., RouterProcess],
     engine_faults: Faults,
 ) -> None:
     """The client gives up on a stalled D: the router closes its D request at once
@@ -144,11 +165,15 @@ def test_client_leaving_cancels_the_d_leg(
     engine_faults(d, {"stall": True})
     res = None
     with contextlib.suppress(RequestTimeout):  # the client gives up
-        res = chat(rp.url, long_opening(conversation_id("gone")), conversation_id("gone"),
-                   timeout=2)
+        res = chat(
+            rp.url, long_opening(conversation_id("gone")), conversation_id("gone"), timeout=2
+        )
     assert res is None, "the stalled D answered"
-    wait_for(lambda: router_counter(rp.url, "errors", cause="client_gone") == 1, 10,
-             "the router to notice the client left")
+    wait_for(
+        lambda: router_counter(rp.url, "errors", cause="client_gone") == 1,
+        10,
+        "the router to notice the client left",
+    )
     wait_for(lambda: _decode_inflight(rp.url) == 0, 10, "the D request to be closed")
 
 
@@ -163,16 +188,21 @@ def test_hits_count_only_tokens_p_actually_took(
     msgs = long_opening(conv)
     first = chat(rp.url, msgs, conv)
     assert first.status == 200
-    msgs2 = [*msgs, {"role": "assistant", "content": first.text},
-             {"role": "user", "content": "Go on."}]
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Go on."},
+    ]
     second = chat(rp.url, msgs2, conv)
     assert second.status == 200 and second.text == oracle(topo, msgs2)
     assert router_counter(rp.url, "cache_hits") == 1
     assert router_counter(rp.url, "cache_hit_tokens") >= 64
     # same conversation, history rewritten after its first few words
-    rewritten = [{"role": "user", "content": "Conversation " + "zebra quartz " * 40},
-                 {"role": "assistant", "content": second.text},
-                 {"role": "user", "content": "Go on."}]
+    rewritten = [
+        {"role": "user", "content": "Conversation " + "zebra quartz " * 40},
+        {"role": "assistant", "content": second.text},
+        {"role": "user", "content": "Go on."},
+    ]
     third = chat(rp.url, rewritten, conv)
     assert third.status == 200 and third.text == oracle(topo, rewritten)
     assert router_counter(rp.url, "cache_hit_offers") == 2

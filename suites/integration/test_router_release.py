@@ -29,8 +29,12 @@ from bidir_kv.testing.router_faults import Faults, router_for
 
 @pytest.fixture(scope="module")
 def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with emulated_router_topology(request.config, tmp_path_factory.mktemp("router-release"),
-                                  num_decode=2, prefix_caching_on_p=False) as t:
+    with emulated_router_topology(
+        request.config,
+        tmp_path_factory.mktemp("router-release"),
+        num_decode=2,
+        prefix_caching_on_p=False,
+    ) as t:
         yield t
 
 
@@ -80,7 +84,8 @@ def _finished(node: Any) -> float:
 
 
 async def test_new_conversations_do_not_herd_onto_one_d(
-    topo: Any, router_process: Callable[..., RouterProcess],
+    topo: Any,
+    router_process: Callable[..., RouterProcess],
     engine_faults: Faults,
 ) -> None:
     """D0 is slowed and busy with one long turn; 16 new conversations then arrive at
@@ -98,19 +103,32 @@ async def test_new_conversations_do_not_herd_onto_one_d(
     rp = router_for(topo, router_process, [d0, d1])
     engine_faults(d0, {"stall_seconds": 0.05})
     long_turn = threading.Thread(
-        target=chat, args=(rp.url, long_opening(conversation_id("long")), conversation_id("long")),
-        kwargs={"max_tokens": 120}, daemon=True)
+        target=chat,
+        args=(rp.url, long_opening(conversation_id("long")), conversation_id("long")),
+        kwargs={"max_tokens": 120},
+        daemon=True,
+    )
     long_turn.start()  # first pick of a fresh router: D0 (ties rotate from the first node)
-    wait_for(lambda: scrape(rp.url).value("bidir_kv_router_backend_inflight",
-                                          node=f"{d0.host}:{d0.port}") == 1, 15,
-             "the long turn to be decoding on D0")
+    wait_for(
+        lambda: (
+            scrape(rp.url).value("bidir_kv_router_backend_inflight", node=f"{d0.host}:{d0.port}")
+            == 1
+        ),
+        15,
+        "the long turn to be decoding on D0",
+    )
     before = (_finished(d0), _finished(d1))
     engine_faults(topo.prefill[0], {"stall_seconds": 0.3})
     tag = conversation_id("herd")
 
     async def one(session: aiohttp.ClientSession, i: int) -> int:
-        body = {"model": "tiny", "messages": long_opening(f"{tag}-{i}"), "max_tokens": 2,
-                "temperature": 0, "conversation_id": f"{tag}-{i}"}
+        body = {
+            "model": "tiny",
+            "messages": long_opening(f"{tag}-{i}"),
+            "max_tokens": 2,
+            "temperature": 0,
+            "conversation_id": f"{tag}-{i}",
+        }
         async with session.post(rp.url + "/v1/chat/completions", json=body) as resp:
             await resp.read()
             return resp.status

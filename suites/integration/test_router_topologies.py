@@ -36,14 +36,23 @@ def _local(request: pytest.FixtureRequest) -> Any:
     return LocalTopology
 
 
-def _spec(num_prefill: int = 1, num_decode: int = 1, routers: int = 1, redis: bool = False,
-          router_args: tuple[str, ...] = ()) -> Any:
+def _spec(
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    routers: int = 1,
+    redis: bool = False,
+    router_args: tuple[str, ...] = (),
+) -> Any:
     from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
 
     return TopologySpec(
-        num_prefill=num_prefill, num_decode=num_decode, routers=routers, redis=redis,
-        prefill=EngineSpec(kv=bidirectional_config("prefill"), transport="tcp",
-                           enable_prefix_caching=False),
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        routers=routers,
+        redis=redis,
+        prefill=EngineSpec(
+            kv=bidirectional_config("prefill"), transport="tcp", enable_prefix_caching=False
+        ),
         decode=EngineSpec(kv=bidirectional_config("decode"), transport="tcp"),
         router=RouterSpec(extra_args=("--health-interval", "0.5", *router_args)),
     )
@@ -54,20 +63,30 @@ def _story(tag: str) -> list[dict[str, Any]]:
 
 
 def _next(msgs: list[dict[str, Any]], answer: str, n: int) -> list[dict[str, Any]]:
-    return [*msgs, {"role": "assistant", "content": answer},
-            {"role": "user", "content": f"Go on with part {n}."}]
+    return [
+        *msgs,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": f"Go on with part {n}."},
+    ]
 
 
 def _pulled(topo: Any, before: list[Any]) -> float:
-    return sum((scrape(n.url) - b).value(TOKENS, source="external_kv_transfer")
-               for n, b in zip(topo.prefill, before, strict=True))
+    return sum(
+        (scrape(n.url) - b).value(TOKENS, source="external_kv_transfer")
+        for n, b in zip(topo.prefill, before, strict=True)
+    )
 
 
 def _served(deltas: list[Any]) -> list[int]:
     """Indexes of the engines that processed prompt tokens in a metrics delta."""
-    return [i for i, dl in enumerate(deltas)
-            if sum(dl.value(TOKENS, source=s)
-                   for s in ("local_compute", "local_cache_hit", "external_kv_transfer"))]
+    return [
+        i
+        for i, dl in enumerate(deltas)
+        if sum(
+            dl.value(TOKENS, source=s)
+            for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        )
+    ]
 
 
 def test_2p2d_next_turn_goes_to_the_d_holding_the_conversation(
@@ -88,8 +107,9 @@ def test_2p2d_next_turn_goes_to_the_d_holding_the_conversation(
             assert res.status == 200
             deltas = [scrape(d.url) - b for d, b in zip(topo.decode, before, strict=True)]
             served = _served(deltas)
-            p_served = _served([scrape(p.url) - b for p, b in zip(topo.prefill, p_before,
-                                                                   strict=True)])
+            p_served = _served(
+                [scrape(p.url) - b for p, b in zip(topo.prefill, p_before, strict=True)]
+            )
             assert len(served) == 1 and len(p_served) == 1
             home.setdefault(name, served[0])
             p_home.setdefault(name, p_served[0])
@@ -111,9 +131,11 @@ def test_decode_dying_mid_stream_gives_an_sse_error_and_drops_the_entry(
 
     with _local(request)(_spec(1, 2), run_dir) as topo:
         for d in topo.decode:
-            req = urllib.request.Request(d.url + "/_emulator/faults",
-                                         data=json.dumps({"exit_after_tokens": 3}).encode(),
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                d.url + "/_emulator/faults",
+                data=json.dumps({"exit_after_tokens": 3}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(req, timeout=10) as resp:
                 confirm_faults(d.name, {"exit_after_tokens": 3}, json.loads(resp.read()))
         msgs = _story("dies")
@@ -126,12 +148,16 @@ def test_decode_dying_mid_stream_gives_an_sse_error_and_drops_the_entry(
         # poll until it can be reaped instead of expecting it at once
         dead = wait_for(
             lambda: [d for d in topo.decode if topo.process(d.name).returncode is not None],
-            30, "the faulted decode node to exit")
+            30,
+            "the faulted decode node to exit",
+        )
         assert len(dead) == 1, f"{len(dead)} decode nodes exited (one had the fault)"
         alive = next(d for d in topo.decode if d not in dead)
-        req = urllib.request.Request(alive.url + "/_emulator/faults",
-                                     data=json.dumps({"exit_after_tokens": 0}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            alive.url + "/_emulator/faults",
+            data=json.dumps({"exit_after_tokens": 0}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         urllib.request.urlopen(req, timeout=10).close()
         assert router_counter(topo.router_url, "errors", cause="decode_mid_stream") == 1
         assert router_counter(topo.router_url, "cache_stores") == 0
@@ -144,8 +170,11 @@ def test_decode_dying_mid_stream_gives_an_sse_error_and_drops_the_entry(
 @pytest.fixture
 def redis_binary(request: pytest.FixtureRequest) -> None:
     if shutil.which("redis-server") is None:
-        skip_or_fail(request.config, "integration",
-                     "redis-server binary not found (ci/provision.d/redis.sh installs it)")
+        skip_or_fail(
+            request.config,
+            "integration",
+            "redis-server binary not found (ci/provision.d/redis.sh installs it)",
+        )
 
 
 def test_two_replicas_on_redis_alternate_turns_and_survive_a_restart(
@@ -168,9 +197,11 @@ def test_two_replicas_on_redis_alternate_turns_and_survive_a_restart(
         stop_process(topo.process("router-1"))
         assert topo.redis is not None
         fresh = start_router_process(
-            run_dir, [(p.host, p.port) for p in topo.prefill],
+            run_dir,
+            [(p.host, p.port) for p in topo.prefill],
             [(d.host, d.port) for d in topo.decode],
-            extra=("--store", topo.redis.url, "--block-size", "16"), name="router-restarted",
+            extra=("--store", topo.redis.url, "--block-size", "16"),
+            name="router-restarted",
         )
         try:
             msgs = _next(msgs, answer, 4)
@@ -191,8 +222,10 @@ def test_memory_store_loses_conversations_on_restart(
         answer = chat(topo.router_url, msgs, "rm").text
         stop_process(topo.process("router-0"))
         fresh = start_router_process(
-            run_dir, [(p.host, p.port) for p in topo.prefill],
-            [(d.host, d.port) for d in topo.decode], name="router-mem-restarted",
+            run_dir,
+            [(p.host, p.port) for p in topo.prefill],
+            [(d.host, d.port) for d in topo.decode],
+            name="router-mem-restarted",
         )
         try:
             before = [scrape(p.url) for p in topo.prefill]
@@ -208,15 +241,24 @@ def test_memory_store_loses_conversations_on_restart(
 def _entry(t: float) -> Any:
     from bidir_kv.router.store import Entry
 
-    params = KVTransferParams.parse({"do_remote_decode": True, "do_remote_prefill": False,
-                                     "remote_block_ids": [[1, 2]], "remote_engine_id": "d",
-                                     "remote_request_id": "r", "remote_host": "h",
-                                     "remote_port": 1, "remote_num_tokens": 20})
+    params = KVTransferParams.parse(
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_block_ids": [[1, 2]],
+            "remote_engine_id": "d",
+            "remote_request_id": "r",
+            "remote_host": "h",
+            "remote_port": 1,
+            "remote_num_tokens": 20,
+        }
+    )
     return Entry(params, "h:1", "p:1", t, [1, 2, 3])
 
 
-async def test_redis_store_single_use_under_concurrency_ttl_and_bound(redis_server: RedisServer
-                                                                ) -> None:
+async def test_redis_store_single_use_under_concurrency_ttl_and_bound(
+    redis_server: RedisServer,
+) -> None:
     from bidir_kv.router.store import RedisStore
 
     now = [time.time()]
@@ -273,8 +315,10 @@ def test_vllm_032_engines_need_decode_stream_never(
     )
     with _local(request)(spec, run_dir) as topo:
         default = start_router_process(
-            run_dir, [(p.host, p.port) for p in topo.prefill],
-            [(d.host, d.port) for d in topo.decode], name="router-default-stream",
+            run_dir,
+            [(p.host, p.port) for p in topo.prefill],
+            [(d.host, d.port) for d in topo.decode],
+            name="router-default-stream",
         )
         try:
             for url, expect_hit in ((topo.router_url, True), (default.url, False)):

@@ -35,8 +35,7 @@ class Engines:
     """A stub P and D served on a background event loop."""
 
     def __init__(self) -> None:
-        self.p, self.d = StubEngine(name="p", side_port=5600), StubEngine(name="d",
-                                                                          side_port=5700)
+        self.p, self.d = StubEngine(name="p", side_port=5600), StubEngine(name="d", side_port=5700)
         self.ports = (free_port(), free_port())
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -65,8 +64,11 @@ class Engines:
 
     def hits(self) -> int:
         """P requests that carried D's blocks (the router offered a hit)."""
-        return sum(1 for r in list(self.p.received)
-                   if (p := params_from_request(r["body"])) is not None and p.has_remote_blocks)
+        return sum(
+            1
+            for r in list(self.p.received)
+            if (p := params_from_request(r["body"])) is not None and p.has_remote_blocks
+        )
 
 
 @pytest.fixture
@@ -87,8 +89,11 @@ def _workers(router: RouterProcess) -> set[int]:
 
 def _turn(url: str, conv: str, messages: list[dict[str, str]]) -> tuple[int, str]:
     body = {"model": "tiny", "messages": messages, "max_tokens": 4, "conversation_id": conv}
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json", "Connection": "close"})
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "Connection": "close"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read())["choices"][0]["message"]["content"]
@@ -98,21 +103,23 @@ def _turn(url: str, conv: str, messages: list[dict[str, str]]) -> tuple[int, str
         return 0, type(exc).__name__
 
 
-def _router(router_process: Callable[..., RouterProcess], engines: Engines,
-            redis: RedisServer, *flags: str) -> RouterProcess:
-    router = router_process([("127.0.0.1", engines.ports[0])], [("127.0.0.1", engines.ports[1])],
-                            extra=("--workers", "2", "--store", redis.url,
-                                   "--health-interval", "0.5", *flags))
+def _router(
+    router_process: Callable[..., RouterProcess], engines: Engines, redis: RedisServer, *flags: str
+) -> RouterProcess:
+    router = router_process(
+        [("127.0.0.1", engines.ports[0])],
+        [("127.0.0.1", engines.ports[1])],
+        extra=("--workers", "2", "--store", redis.url, "--health-interval", "0.5", *flags),
+    )
     wait_for(lambda: len(_workers(router)) == 2, timeout=20, what="two workers")
     return router
 
 
 def test_killed_worker_is_replaced_and_conversations_keep_hitting(
-        router_process: Callable[..., RouterProcess], engines: Engines,
-        redis_server: RedisServer) -> None:
+    router_process: Callable[..., RouterProcess], engines: Engines, redis_server: RedisServer
+) -> None:
     router = _router(router_process, engines, redis_server)
-    convs = {f"conv-{i}": [{"role": "user", "content": f"hello number {i} " * 8}]
-             for i in range(8)}
+    convs = {f"conv-{i}": [{"role": "user", "content": f"hello number {i} " * 8}] for i in range(8)}
     for conv, msgs in convs.items():  # turn 1 of each, stored in Redis
         status, text = _turn(router.url, conv, msgs)
         assert status == 200
@@ -122,19 +129,24 @@ def test_killed_worker_is_replaced_and_conversations_keep_hitting(
     engines.p.prefill_delay = 1.5  # the next turns are in flight when the victim dies
     asked = len(engines.p.received)
     with ThreadPoolExecutor(16) as pool:
-        flight = [pool.submit(_turn, router.url, f"flight-{i}",
-                              [{"role": "user", "content": f"in flight {i}"}])
-                  for i in range(16)]
-        wait_for(lambda: len(engines.p.received) - asked >= 16, timeout=20,
-                 what="16 turns at P")
+        flight = [
+            pool.submit(
+                _turn, router.url, f"flight-{i}", [{"role": "user", "content": f"in flight {i}"}]
+            )
+            for i in range(16)
+        ]
+        wait_for(lambda: len(engines.p.received) - asked >= 16, timeout=20, what="16 turns at P")
         kill_pid(victim, "router worker")  # SIGKILL, checked gone
         results = [f.result() for f in flight]
     engines.p.prefill_delay = 0.0
     done = [s for s, _ in results if s == 200]
     assert done, results  # the other worker's turns completed
     assert all(s in (0, 200) for s, _ in results), results  # cut ones: no answer, no 5xx
-    wait_for(lambda: len(_workers(router)) == 2 and victim not in _workers(router),
-             timeout=20, what="the dead worker replaced")
+    wait_for(
+        lambda: len(_workers(router)) == 2 and victim not in _workers(router),
+        timeout=20,
+        what="the dead worker replaced",
+    )
     assert router.proc.returncode is None
     hits_before = engines.hits()
     for conv, msgs in convs.items():  # turn 2: any worker, each on a new connection
@@ -150,25 +162,32 @@ def _restarts(url: str) -> float:
 
 
 def test_worker_exiting_on_its_own_is_replaced_and_counted(
-        router_process: Callable[..., RouterProcess], engines: Engines,
-        redis_server: RedisServer) -> None:
+    router_process: Callable[..., RouterProcess], engines: Engines, redis_server: RedisServer
+) -> None:
     router = _router(router_process, engines, redis_server)
     victim = min(_workers(router))
     kill_pid(victim, "router worker", signal.SIGTERM, timeout=20)  # drains, exits 0 itself
-    wait_for(lambda: len(_workers(router)) == 2 and victim not in _workers(router),
-             timeout=20, what="the worker replaced")
+    wait_for(
+        lambda: len(_workers(router)) == 2 and victim not in _workers(router),
+        timeout=20,
+        what="the worker replaced",
+    )
     wait_for(lambda: _restarts(router.url) == 1.0, timeout=10, what="restarts == 1")
     assert router.proc.returncode is None
 
 
 def test_sigterm_drains_in_flight_turns_and_exits_zero(
-        router_process: Callable[..., RouterProcess], engines: Engines,
-        redis_server: RedisServer) -> None:
+    router_process: Callable[..., RouterProcess], engines: Engines, redis_server: RedisServer
+) -> None:
     router = _router(router_process, engines, redis_server)
     engines.p.prefill_delay = 1.5
     with ThreadPoolExecutor(4) as pool:
-        flight = [pool.submit(_turn, router.url, f"drain-{i}",
-                              [{"role": "user", "content": f"drain {i}"}]) for i in range(4)]
+        flight = [
+            pool.submit(
+                _turn, router.url, f"drain-{i}", [{"role": "user", "content": f"drain {i}"}]
+            )
+            for i in range(4)
+        ]
         wait_for(lambda: len(engines.p.received) >= 4, timeout=20, what="4 turns at P")
         router.proc.send_signal(signal.SIGTERM)
         results = [f.result() for f in flight]
@@ -178,13 +197,16 @@ def test_sigterm_drains_in_flight_turns_and_exits_zero(
 
 
 def test_too_many_deaths_stop_the_router_with_exit_1(
-        router_process: Callable[..., RouterProcess], engines: Engines,
-        redis_server: RedisServer) -> None:
+    router_process: Callable[..., RouterProcess], engines: Engines, redis_server: RedisServer
+) -> None:
     router = _router(router_process, engines, redis_server, "--worker-max-deaths", "1")
     first = min(_workers(router))
     kill_pid(first, "router worker")
-    wait_for(lambda: len(_workers(router)) == 2 and first not in _workers(router),
-             timeout=20, what="the first death replaced")
+    wait_for(
+        lambda: len(_workers(router)) == 2 and first not in _workers(router),
+        timeout=20,
+        what="the first death replaced",
+    )
     kill_pid(min(_workers(router)), "router worker")
     wait_for(lambda: router.proc.returncode is not None, timeout=30, what="the router exits")
     assert router.proc.returncode == 1

@@ -23,27 +23,49 @@ from bidir_kv.launch.process import free_port, process_running
 
 def _shim(tmp_path: Path) -> Path:
     shim = tmp_path / "vllm"
-    shim.write_text(f"#!/bin/sh\n[ \"$1\" = serve ] && shift\nexec {sys.executable} -m bidir_kv "
-                    "engine \"$@\"\n")
+    shim.write_text(
+        f'#!/bin/sh\n[ "$1" = serve ] && shift\nexec {sys.executable} -m bidir_kv engine "$@"\n'
+    )
     shim.chmod(0o755)
     return shim
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bidir_kv", "serve", *args],
-                          capture_output=True, text=True, timeout=120, check=False)
-
-
+    return subprocess.run(
+        [sys.executable, "-m", "bidir_kv", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_serve_starts_waits_and_stop_cleans_up(tmp_path: Path) -> None:
     port, side = free_port(), free_port()
     run_dir = tmp_path / "run"
-    started = _serve("--role", "decode", "--model", "tiny", "--device", "cpu",
-                     "--vllm", str(_shim(tmp_path)), "--host", "127.0.0.1",
-                     "--port", str(port), "--side-channel-port", str(side),
-                     "--decoder-kv-blocks-ttl", "42", "--run-dir", str(run_dir),
-                     "--health-timeout", "60", "--nixl-debug")
+    started = _serve(
+        "--role",
+        "decode",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--vllm",
+        str(_shim(tmp_path)),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--side-channel-port",
+        str(side),
+        "--decoder-kv-blocks-ttl",
+        "42",
+        "--run-dir",
+        str(run_dir),
+        "--health-timeout",
+        "60",
+        "--nixl-debug",
+    )
     pidfile = run_dir / f"decode-{port}.pid"
     record = read_record(pidfile) if pidfile.exists() else None
     try:
@@ -67,9 +89,20 @@ def test_a_node_that_dies_is_reported_with_its_log(tmp_path: Path) -> None:
     bad = tmp_path / "vllm"
     bad.write_text("#!/bin/sh\necho 'no such model: $3' >&2\nexit 3\n")
     bad.chmod(0o755)
-    out = _serve("--role", "prefill", "--model", "missing", "--vllm", str(bad),
-                 "--port", str(free_port()), "--run-dir", str(tmp_path / "run"),
-                 "--health-timeout", "30")
+    out = _serve(
+        "--role",
+        "prefill",
+        "--model",
+        "missing",
+        "--vllm",
+        str(bad),
+        "--port",
+        str(free_port()),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--health-timeout",
+        "30",
+    )
     assert out.returncode == 1
     assert "exited with code 3" in out.stderr and "no such model" in out.stderr
     assert not list((tmp_path / "run").glob("*.pid"))
@@ -77,7 +110,10 @@ def test_a_node_that_dies_is_reported_with_its_log(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("which", ["pidfile", "run-dir"])
 def test_stop_without_a_node_says_so(tmp_path: Path, which: str) -> None:
-    args = ["--pidfile", str(tmp_path / "x.pid")] if which == "pidfile" else [
-        "--run-dir", str(tmp_path)]
+    args = (
+        ["--pidfile", str(tmp_path / "x.pid")]
+        if which == "pidfile"
+        else ["--run-dir", str(tmp_path)]
+    )
     out = _serve("stop", *args)
     assert out.returncode == 0 and ("no such pidfile" in out.stdout or "no pidfiles" in out.stdout)

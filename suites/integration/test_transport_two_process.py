@@ -27,11 +27,20 @@ SEED = 5
 def _spawn_owner(kv_backend: str, workdir: Path) -> PeerProcess:
     return spawn(
         [
-            "owner", "--transport", kv_backend, "--num-blocks", str(NUM_BLOCKS),
-            "--block-nbytes", str(BLOCK_NBYTES), "--seed", str(SEED), "--engine-id", "d-1",
+            "owner",
+            "--transport",
+            kv_backend,
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--block-nbytes",
+            str(BLOCK_NBYTES),
+            "--seed",
+            str(SEED),
+            "--engine-id",
+            "d-1",
         ],
         workdir,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +82,12 @@ def _wait_notifs(
     owner: PeerProcess, readers: set[str], n: int, timeout: float = 30.0
 ) -> list[tuple[str, str]]:
     """The owner's notifications from ``readers`` once there are ``n``."""
+
     def enough() -> list[tuple[str, str]] | None:
         got = [(r, m) for r, m in owner.notifications() if r in readers]
         return got if len(got) >= n else None
 
-    return wait_for(enough, timeout, f"{n} notification(s) from {sorted(readers)}",
-                    interval=0.01)
+    return wait_for(enough, timeout, f"{n} notification(s) from {sorted(readers)}", interval=0.01)
 
 
 async def test_read_across_processes(kv_backend: str, owner: PeerProcess) -> None:
@@ -144,8 +153,9 @@ async def test_two_readers_each_notify_exactly_once(kv_backend: str, owner: Peer
     )
 
 
-async def test_dead_owner_fails_the_read_instead_of_hanging(kv_backend: str,
-                                                           own_owner: PeerProcess) -> None:
+async def test_dead_owner_fails_the_read_instead_of_hanging(
+    kv_backend: str, own_owner: PeerProcess
+) -> None:
     owner = own_owner
     agent, peer, _ = await _connect(kv_backend, owner, "reader-4")
     agent.io_timeout = 10.0

@@ -62,16 +62,21 @@ def local_node(run_dir: Path) -> Iterator[Callable[[ServeSpec], EngineClient]]:
 
 
 def test_d_on_its_host_through_ssh_reads_cross_the_veth(
-    two_hosts: TwoHosts, ssh_launch: Callable[..., SshNode],
-    local_node: Callable[[ServeSpec], EngineClient], run_dir: Path,
+    two_hosts: TwoHosts,
+    ssh_launch: Callable[..., SshNode],
+    local_node: Callable[[ServeSpec], EngineClient],
+    run_dir: Path,
 ) -> None:
     hosts = two_hosts
     d_spec = node_spec("decode", hosts.d_addr, hosts.d_addr, 8200, 5601)
     node = ssh_launch(emulator_command(d_spec, *EMULATOR), name="decode")
     # P's HTTP on its veth address too: D calls back to it (the emulator's claim); this
     # process reaches it through the local route, not across the veth
-    p = local_node(node_spec("prefill", hosts.p_addr, hosts.p_addr, free_port(hosts.p_addr),
-                         free_port(hosts.p_addr)))
+    p = local_node(
+        node_spec(
+            "prefill", hosts.p_addr, hosts.p_addr, free_port(hosts.p_addr), free_port(hosts.p_addr)
+        )
+    )
     d_url = f"http://{hosts.d_addr}:8200"
     node.wait_healthy(d_url + "/health", 60, log_copy=run_dir / "decode.log")
     d = client("decode", hosts.d_addr, 8200)
@@ -94,7 +99,8 @@ def test_d_on_its_host_through_ssh_reads_cross_the_veth(
 
 
 def test_negative_control_one_host_fails_the_fabric_gate(
-    two_hosts: TwoHosts, local_node: Callable[[ServeSpec], EngineClient],
+    two_hosts: TwoHosts,
+    local_node: Callable[[ServeSpec], EngineClient],
 ) -> None:
     """P and D on one host: the read goes over loopback, the veth's counters stay flat,
     and the gate fails naming the interface and its counter."""
@@ -112,20 +118,25 @@ def test_negative_control_one_host_fails_the_fabric_gate(
 
 @pytest.mark.parametrize("case", ["refused login", "unreachable host"])
 def test_bad_ssh_target_fails_once_in_one_line_and_leaves_nothing(
-    two_hosts: TwoHosts, case: str, run_dir: Path,
+    two_hosts: TwoHosts,
+    case: str,
+    run_dir: Path,
 ) -> None:
     hosts = two_hosts
     good = ssh_host(hosts)
     assert hosts.bad_ssh is not None
-    target = (good.__class__(hosts.d_addr, user="root", options=hosts.bad_ssh.options)
-              if case == "refused login" else good.__class__(hosts.spare_addr, user="root",
-                                                             options=good.options))
+    target = (
+        good.__class__(hosts.d_addr, user="root", options=hosts.bad_ssh.options)
+        if case == "refused login"
+        else good.__class__(hosts.spare_addr, user="root", options=good.options)
+    )
     before = sorted(hosts.wait_ssh_sessions_closed())
     spec = node_spec("decode", hosts.d_addr, hosts.d_addr, 8200, 5601)
     remote = run_dir / "remote"
     with pytest.raises(LaunchFailed) as failure:
-        SshLauncher(target, run_dir=str(remote)).start(emulator_command(spec, *EMULATOR),
-                                                       name="decode")
+        SshLauncher(target, run_dir=str(remote)).start(
+            emulator_command(spec, *EMULATOR), name="decode"
+        )
     text = str(failure.value)
     assert "\n" not in text and text.startswith(f"ssh root@{target.host}: "), text
     cause = "Permission denied" if case == "refused login" else "No route to host"
@@ -135,7 +146,7 @@ def test_bad_ssh_target_fails_once_in_one_line_and_leaves_nothing(
     assert not remote.exists()
 
 
-_INNER = '''
+_INNER = """
 import threading
 from pathlib import Path
 
@@ -161,14 +172,13 @@ def test_fails(ssh_launch, two_hosts):
 def test_interrupted(ssh_launch, two_hosts):
     _start(ssh_launch, two_hosts, "interrupted", 8400)
     threading.Event().wait(120)  # blocks until the outer test interrupts this run
-'''
-
-
+"""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(
-    tmp_path: Path, sig: signal.Signals,
+    tmp_path: Path,
+    sig: signal.Signals,
 ) -> None:
     """A pytest run whose first test fails and whose second is interrupted (Ctrl-C, or a
     cancelled CI job's SIGTERM) still stops both nodes through their pidfiles on D's host."""
@@ -177,13 +187,34 @@ def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(
     inner = tmp_path / "test_inner.py"
     inner.write_text(textwrap.dedent(_INNER.format(out=str(out))))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "bidir_kv.testing.plugin",
-         "-q", "-o", "addopts=", "--basetemp", str(tmp_path / "inner-tmp"), str(inner)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "bidir_kv.testing.plugin",
+            "-q",
+            "-o",
+            "addopts=",
+            "--basetemp",
+            str(tmp_path / "inner-tmp"),
+            str(inner),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
-        wait_for(lambda: (out / "interrupted.pid").exists() or proc.poll() is not None, 180,
-                 "the inner run's second node")
+        wait_for(
+            lambda: (out / "interrupted.pid").exists() or proc.poll() is not None,
+            180,
+            "the inner run's second node",
+        )
         assert proc.poll() is None, proc.communicate()[0]
         failing = int((out / "failing.pid").read_text())
         assert not process_running(failing), "the failed test's node still runs"
@@ -204,23 +235,45 @@ def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(
 
 
 def test_doctor_fabric_check_sees_the_read_cross_the_veth_and_not_loopback(
-    two_hosts: TwoHosts, ssh_launch: Callable[..., SshNode],
-    local_node: Callable[[ServeSpec], EngineClient], run_dir: Path,
+    two_hosts: TwoHosts,
+    ssh_launch: Callable[..., SshNode],
+    local_node: Callable[[ServeSpec], EngineClient],
+    run_dir: Path,
 ) -> None:
     """`bidir-kv doctor --fabric if:<P's veth>`: PASS for D on its own host (through ssh),
     FAIL naming the interface and its counter for a pair on loopback."""
     hosts = two_hosts
-    node = ssh_launch(emulator_command(node_spec("decode", hosts.d_addr, hosts.d_addr, 8200,
-                                                 5601), *EMULATOR), name="decode")
-    p = local_node(node_spec("prefill", hosts.p_addr, hosts.p_addr, free_port(hosts.p_addr),
-                             free_port(hosts.p_addr)))
+    node = ssh_launch(
+        emulator_command(node_spec("decode", hosts.d_addr, hosts.d_addr, 8200, 5601), *EMULATOR),
+        name="decode",
+    )
+    p = local_node(
+        node_spec(
+            "prefill", hosts.p_addr, hosts.p_addr, free_port(hosts.p_addr), free_port(hosts.p_addr)
+        )
+    )
     node.wait_healthy(f"http://{hosts.d_addr}:8200/health", 60)
     out = subprocess.run(
-        [sys.executable, "-m", "bidir_kv", "doctor", "--prefill-url", p.url, "--decode-url",
-         f"http://{hosts.d_addr}:8200", "--no-host-checks", "--json",
-         "--fabric", f"if:{hosts.p_if}"],
-        capture_output=True, text=True, timeout=120, check=False,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        [
+            sys.executable,
+            "-m",
+            "bidir_kv",
+            "doctor",
+            "--prefill-url",
+            p.url,
+            "--decode-url",
+            f"http://{hosts.d_addr}:8200",
+            "--no-host-checks",
+            "--json",
+            "--fabric",
+            f"if:{hosts.p_if}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     results = {r["name"]: r for r in json.loads(out.stdout)}
     fabric = results["fabric: the D->P read crossed P's NIC"]
     assert fabric["status"] == "PASS", fabric
@@ -229,7 +282,11 @@ def test_doctor_fabric_check_sees_the_read_cross_the_veth_and_not_loopback(
     lo = "127.0.0.1"
     d1 = local_node(node_spec("decode", lo, lo, free_port(), free_port()))
     p1 = local_node(node_spec("prefill", lo, lo, free_port(), free_port()))
-    ctx = Context(prefill_url=p1.url, decode_url=d1.url, host_checks=False,
-                  fabric=local_probe(f"if:{hosts.p_if}"))
+    ctx = Context(
+        prefill_url=p1.url,
+        decode_url=d1.url,
+        host_checks=False,
+        fabric=local_probe(f"if:{hosts.p_if}"),
+    )
     (fail,) = [r for r in run(ctx) if r.name.startswith("fabric:")]
     assert fail.status == "FAIL" and f"{hosts.p_if} rx_bytes" in fail.detail, fail

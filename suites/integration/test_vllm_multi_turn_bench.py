@@ -36,10 +36,10 @@ CONVERSATIONS, TURNS = 8, 5
 # The benchmark imports one helper from vLLM's package, for logging its arguments with
 # secrets hidden. This is our stand-in, written beside it at run time: the arguments as a
 # dict, the named fields that are set replaced by a marker.
-SHIM = '''\
+SHIM = """\
 def redact_sensitive_namespace(namespace, fields):
     return {k: ("<redacted>" if k in fields and v else v) for k, v in vars(namespace).items()}
-'''
+"""
 
 
 def bench_dir() -> Path:
@@ -52,9 +52,11 @@ def bench(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     """The cached benchmark with its ``vllm`` stand-in on its path (skip/fail if absent)."""
     where = bench_dir()
     if not (where / BENCH).is_file() or not (where / "deps" / "pandas").is_dir():
-        skip_or_fail(request.config, "integration",
-                     f"vLLM's multi-turn benchmark not cached at {where} "
-                     "(ci/provision.d/vllm-mt-bench.sh)")
+        skip_or_fail(
+            request.config,
+            "integration",
+            f"vLLM's multi-turn benchmark not cached at {where} (ci/provision.d/vllm-mt-bench.sh)",
+        )
     shim = tmp_path_factory.mktemp("vllm-shim")
     pkg = shim / "vllm" / "benchmarks" / "lib"
     pkg.mkdir(parents=True)
@@ -71,34 +73,62 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (made / "tokenizer.json").is_file():
         return made
     out = tmp_path_factory.mktemp("tokenizer") / "tiny"
-    subprocess.run([sys.executable, str(ROOT / "fixtures/tiny_model.py"), "--tokenizer-only",
-                    "--out", str(out)], check=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "fixtures/tiny_model.py"),
+            "--tokenizer-only",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=120,
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # P without prefix caching: every token it takes from D shows up as external_kv_transfer
-    with emulated_router_topology(request.config, tmp_path_factory.mktemp("router-mt"),
-                                  prefix_caching_on_p=False,
-                                  engine_args=("--kv-guard", "off")) as t:
+    with emulated_router_topology(
+        request.config,
+        tmp_path_factory.mktemp("router-mt"),
+        prefix_caching_on_p=False,
+        engine_args=("--kv-guard", "off"),
+    ) as t:
         yield t
 
 
 def dataset(path: Path) -> Path:
     """Conversations in the benchmark's input format (ShareGPT-like, OpenAI roles)."""
     rng = random.Random("vllm-multi-turn")
-    words = ["dragons", "castles", "rivers", "knights", "forests", "storms", "ships",
-             "lanterns", "maps", "towers"]
+    words = [
+        "dragons",
+        "castles",
+        "rivers",
+        "knights",
+        "forests",
+        "storms",
+        "ships",
+        "lanterns",
+        "maps",
+        "towers",
+    ]
     convs = []
     for c in range(CONVERSATIONS):
         msgs = []
         for t in range(TURNS):
             n = 60 if t == 0 else 12
-            msgs.append({"role": "user", "content": f"Conversation {c}, question {t}: "
-                         + " ".join(rng.choice(words) for _ in range(n))})  # fmt: skip
-            msgs.append({"role": "assistant",
-                         "content": " ".join(rng.choice(words) for _ in range(10))})
+            msgs.append(
+                {
+                    "role": "user",
+                    "content": f"Conversation {c}, question {t}: "
+                    + " ".join(rng.choice(words) for _ in range(n)),
+                }
+            )
+            msgs.append(
+                {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(10))}
+            )
         convs.append({"id": f"c{c}", "messages": msgs})
     path.write_text(json.dumps(convs))
     return path
@@ -107,28 +137,54 @@ def dataset(path: Path) -> Path:
 def run_bench(bench: Path, tokenizer: Path, url: str, data: Path, out: Path) -> list[Any]:
     """One benchmark run, as its README runs it, minus ``--send-conversation-id``."""
     where = bench_dir()
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(where / "deps"), str(bench), str(where)])}
-    argv = [sys.executable, str(where / BENCH), "--input-file", str(data),
-            "--model", str(tokenizer), "--served-model-name", "tiny", "--url", url,
-            "--num-clients", "2", "--max-active-conversations", "4", "--seed", "1",
-            "--no-early-stop", "--output-file", str(out)]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(where / "deps"), str(bench), str(where)]),
+    }
+    argv = [
+        sys.executable,
+        str(where / BENCH),
+        "--input-file",
+        str(data),
+        "--model",
+        str(tokenizer),
+        "--served-model-name",
+        "tiny",
+        "--url",
+        url,
+        "--num-clients",
+        "2",
+        "--max-active-conversations",
+        "4",
+        "--seed",
+        "1",
+        "--no-early-stop",
+        "--output-file",
+        str(out),
+    ]
     assert "--send-conversation-id" not in argv
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env,
-                       cwd=out.parent)  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
     (out.parent / f"{out.stem}.log").write_text(r.stdout + r.stderr)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return list(json.loads(out.read_text()))
 
 
 def answers(conversations: list[Any]) -> dict[tuple[str, int], str]:
-    return {(c["id"], i): m["content"] for c in conversations
-            for i, m in enumerate(c["messages"]) if m["role"] == "assistant"}
+    return {
+        (c["id"], i): m["content"]
+        for c in conversations
+        for i, m in enumerate(c["messages"])
+        if m["role"] == "assistant"
+    }
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
 def test_vllm_benchmark_without_conversation_id_gets_hits(
-    request: pytest.FixtureRequest, bench: Path, tokenizer: Path, topo: Any, run_dir: Path,
+    request: pytest.FixtureRequest,
+    bench: Path,
+    tokenizer: Path,
+    topo: Any,
+    run_dir: Path,
     store: str,
 ) -> None:
     extra: tuple[str, ...] = ()
@@ -136,12 +192,16 @@ def test_vllm_benchmark_without_conversation_id_gets_hits(
         redis = request.getfixturevalue("redis_server")
         extra = ("--store", redis.url)
     router: RouterProcess = start_router_process(
-        run_dir, [(n.host, n.port) for n in topo.prefill], [(n.host, n.port) for n in topo.decode],
-        extra=("--block-size", "16", "--health-interval", "0.5", *extra))
+        run_dir,
+        [(n.host, n.port) for n in topo.prefill],
+        [(n.host, n.port) for n in topo.decode],
+        extra=("--block-size", "16", "--health-interval", "0.5", *extra),
+    )
     try:
         data = dataset(run_dir / "conversations.json")
-        reference = run_bench(bench, tokenizer, topo.prefill[0].url, data,
-                              run_dir / "reference.json")
+        reference = run_bench(
+            bench, tokenizer, topo.prefill[0].url, data, run_dir / "reference.json"
+        )
         p0, r0 = scrape(topo.prefill[0].url), scrape(router.url)
         routed = run_bench(bench, tokenizer, router.url, data, run_dir / "routed.json")
         dp, dr = scrape(topo.prefill[0].url) - p0, scrape(router.url) - r0
@@ -160,8 +220,10 @@ def test_vllm_benchmark_without_conversation_id_gets_hits(
 
     want, got = answers(reference), answers(routed)
     compared = set(want) & set(got)
-    print(f"{store}: {requests:g} requests, {hits:g} hits of {later:g} turns >= 2, "
-          f"{took:g} tokens pulled, {len(compared)} answers compared")
+    print(
+        f"{store}: {requests:g} requests, {hits:g} hits of {later:g} turns >= 2, "
+        f"{took:g} tokens pulled, {len(compared)} answers compared"
+    )
     # the benchmark writes only the conversations that finished (its clients stop once
     # they run out of conversations, e.g. 6 of 8), and which ones finish depends on
     # timing: every answer of every conversation both runs finished is compared

@@ -62,8 +62,9 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pip(python: str, *args: str) -> None:
     """Run pip quietly (its cache on, its version check off); fail with its output."""
     env = {**clean_env(), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    done = subprocess.run([python, "-m", "pip", "-q", *args], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [python, "-m", "pip", "-q", *args], capture_output=True, text=True, env=env, timeout=600
+    )
     assert done.returncode == 0, f"pip {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
 
 
@@ -82,16 +83,21 @@ def outside(tmp_path: Path, venv: Path) -> tuple[Path, dict[str, str]]:
 
 def command(outside: tuple[Path, dict[str, str]], *args: str) -> subprocess.CompletedProcess[str]:
     cwd, env = outside
-    return subprocess.run(["bidir-kv", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        ["bidir-kv", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
-def test_the_package_is_the_installed_one(
-    outside: tuple[Path, dict[str, str]], venv: Path
-) -> None:
+def test_the_package_is_the_installed_one(outside: tuple[Path, dict[str, str]], venv: Path) -> None:
     cwd, env = outside
-    done = subprocess.run([str(venv / "python"), "-c", "import bidir_kv; print(bidir_kv.__file__)"],
-                          cwd=cwd, env=env, capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [str(venv / "python"), "-c", "import bidir_kv; print(bidir_kv.__file__)"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert Path(done.stdout.strip()).is_relative_to(venv.parent)
 
 
@@ -113,8 +119,11 @@ def engine(outside: tuple[Path, dict[str, str]]) -> Iterator[str]:
     """``bidir-kv engine`` with its default profile on a free loopback port; its URL."""
     cwd, env = outside
     port = free_port()
-    env = {**env, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}  # fmt: skip
+    env = {
+        **env,
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+    }
     proc = ManagedProcess(
         "engine",
         ["bidir-kv", "engine", "wheel-model", "--host", "127.0.0.1", "--port", str(port)],

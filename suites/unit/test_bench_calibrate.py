@@ -66,12 +66,22 @@ def _rec(leg: str, point: int, turn: int, conv: int, clients: int = 1) -> Reques
     # two: each conversation on its own client, both turns arriving together
     start_s = turn if clients == 2 else conv * 3 + turn
     return RequestRecord(
-        ttft_ms=10.0, tpot_ms=2.5, latency_ms=50.0, start_time_ms=start_s * 1000.0,
-        input_num_turns=2 * turn - 1, input_num_tokens=point + NEW, output_num_tokens=8,
-        output_num_chunks=8, output_num_first_chunk_tokens=1, approx_cached_percent=90.0,
-        conversation_id=f"c{conv}", client_id=conv if clients == 2 else 0, leg=leg,
-        point=point, turn=turn,
-    )  # fmt: skip
+        ttft_ms=10.0,
+        tpot_ms=2.5,
+        latency_ms=50.0,
+        start_time_ms=start_s * 1000.0,
+        input_num_turns=2 * turn - 1,
+        input_num_tokens=point + NEW,
+        output_num_tokens=8,
+        output_num_chunks=8,
+        output_num_first_chunk_tokens=1,
+        approx_cached_percent=90.0,
+        conversation_id=f"c{conv}",
+        client_id=conv if clients == 2 else 0,
+        leg=leg,
+        point=point,
+        turn=turn,
+    )
 
 
 def make_run(root: Path, step_us: float = STEP_US, clients: int = 1) -> Path:
@@ -92,10 +102,15 @@ def make_run(root: Path, step_us: float = STEP_US, clients: int = 1) -> Path:
             per_req = REQ_FIXED_US + RECOMPUTE_US * computed
             if clients == 2:  # one request of each pair waits for the other's compute
                 per_req += RECOMPUTE_US * computed / 2
-            rows: dict[str, list] = {"prefill0": [
-                ["vllm:prompt_tokens_by_source_total", {"source": "local_compute"},
-                 REQUESTS * computed],
-            ]}  # fmt: skip
+            rows: dict[str, list] = {
+                "prefill0": [
+                    [
+                        "vllm:prompt_tokens_by_source_total",
+                        {"source": "local_compute"},
+                        REQUESTS * computed,
+                    ],
+                ]
+            }
             if leg == "on":
                 nbytes, descs = point * 64.0, point / 16 * (2 + i)
                 xfer = PULL_FIXED_US + PER_DESC_US * descs + US_PER_BYTE * nbytes
@@ -107,20 +122,28 @@ def make_run(root: Path, step_us: float = STEP_US, clients: int = 1) -> Path:
                     ["vllm:nixl_xfer_time_seconds_count", {}, REQUESTS],
                     ["vllm:nixl_bytes_transferred_sum", {}, REQUESTS * nbytes],
                     ["vllm:nixl_num_descriptors_sum", {}, REQUESTS * descs],
-                    ["vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"},
-                     REQUESTS * point],
-                ]  # fmt: skip
+                    [
+                        "vllm:prompt_tokens_by_source_total",
+                        {"source": "external_kv_transfer"},
+                        REQUESTS * point,
+                    ],
+                ]
             rows["router0"] = [
-                ["bidir_kv_router_prefill_duration_seconds_sum", {"outcome": "ok"},
-                 REQUESTS * per_req * 1e-6],
+                [
+                    "bidir_kv_router_prefill_duration_seconds_sum",
+                    {"outcome": "ok"},
+                    REQUESTS * per_req * 1e-6,
+                ],
                 ["bidir_kv_router_prefill_duration_seconds_count", {"outcome": "ok"}, REQUESTS],
-            ]  # fmt: skip
+            ]
             info = {"duration_s": 1.0, "metrics_delta": rows}
             (out / leg / f"{point_name(point)}.metrics.json").write_text(json.dumps(info))
     manifest = {
-        "topology": "emulator", "profile": "tiny", "num_clients": clients,
+        "topology": "emulator",
+        "profile": "tiny",
+        "num_clients": clients,
         "engines": {"block_size": 16},
-    }  # fmt: skip
+    }
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 

@@ -176,12 +176,22 @@ PREFILL = {"off": (150, 150, 160), "on": (150, 20, 30), "on+bidir-kv": (150, 22,
 
 def _rec(leg: str, conv: int, turn: int, ttft: float) -> RequestRecord:
     return RequestRecord(
-        ttft_ms=ttft, tpot_ms=2.0, latency_ms=ttft + 30, start_time_ms=float(turn),
-        input_num_turns=2 * turn - 1, input_num_tokens=POINT + 80 * turn,
-        output_num_tokens=16, output_num_chunks=16, output_num_first_chunk_tokens=1,
-        approx_cached_percent=0.0, conversation_id=f"c{conv}", client_id=0, leg=leg,
-        point=POINT, turn=turn,
-    )  # fmt: skip
+        ttft_ms=ttft,
+        tpot_ms=2.0,
+        latency_ms=ttft + 30,
+        start_time_ms=float(turn),
+        input_num_turns=2 * turn - 1,
+        input_num_tokens=POINT + 80 * turn,
+        output_num_tokens=16,
+        output_num_chunks=16,
+        output_num_first_chunk_tokens=1,
+        approx_cached_percent=0.0,
+        conversation_id=f"c{conv}",
+        client_id=0,
+        leg=leg,
+        point=POINT,
+        turn=turn,
+    )
 
 
 def make_session(root: Path) -> Path:
@@ -189,11 +199,16 @@ def make_session(root: Path) -> Path:
     writes them: stats, metrics (vLLM's P prefill histogram), router logs, manifest."""
     out = root / "session"
     manifest: dict = {
-        "topology": "vllm-cpu", "model": "tiny", "complete": True, "legs": list(TTFT),
+        "topology": "vllm-cpu",
+        "model": "tiny",
+        "complete": True,
+        "legs": list(TTFT),
         "connector": "stock",
         "leg_connectors": {"off": "stock", "on": "stock", "on+bidir-kv": "bidir-kv"},
-        "workload": {"num_conversations": 4, "num_turns": 3}, "runs": {}, "nodes": {},
-    }  # fmt: skip
+        "workload": {"num_conversations": 4, "num_turns": 3},
+        "runs": {},
+        "nodes": {},
+    }
     for leg in TTFT:
         (out / leg).mkdir(parents=True)
         recs, log = [], []
@@ -206,10 +221,12 @@ def make_session(root: Path) -> Path:
                 log.append(f"INFO [{rid}] Prefill done in {PREFILL[leg][turn - 1] + (conv == 3)}ms")
         write_records(out / leg / f"{point_name(POINT)}.stats.json", recs)
         engine_ms = {"off": 140.0, "on": 40.0, "on+bidir-kv": 42.0}[leg]
-        metrics = {"prefill0": [
-            ["vllm:request_prefill_time_seconds_sum", {}, 12 * engine_ms / 1e3],
-            ["vllm:request_prefill_time_seconds_count", {}, 12],
-        ]}  # fmt: skip
+        metrics = {
+            "prefill0": [
+                ["vllm:request_prefill_time_seconds_sum", {}, 12 * engine_ms / 1e3],
+                ["vllm:request_prefill_time_seconds_count", {}, 12],
+            ]
+        }
         info = {"duration_s": 1.0, "interrupted": False, "metrics_delta": metrics}
         (out / leg / f"{point_name(POINT)}.metrics.json").write_text(json.dumps(info))
         log_path = out / "logs" / leg / "router.log"

@@ -23,13 +23,24 @@ from bidir_kv.bench.summary import summarize_result
 
 def _record(turn: int, ttft_ms: float, ok: bool = True, tokens: int = 1000) -> RequestRecord:
     return RequestRecord(
-        ttft_ms=ttft_ms, tpot_ms=5.0 if ok else 0.0, latency_ms=ttft_ms + 40.0 if ok else 3.0,
-        start_time_ms=10.0 * turn, input_num_turns=2 * turn - 1, input_num_tokens=tokens,
-        output_num_tokens=8 if ok else 0, output_num_chunks=8 if ok else 0,
-        output_num_first_chunk_tokens=1 if ok else 0, approx_cached_percent=50.0,
-        conversation_id=f"c{turn}", client_id=0, leg="on", point=1000, turn=turn, ok=ok,
+        ttft_ms=ttft_ms,
+        tpot_ms=5.0 if ok else 0.0,
+        latency_ms=ttft_ms + 40.0 if ok else 3.0,
+        start_time_ms=10.0 * turn,
+        input_num_turns=2 * turn - 1,
+        input_num_tokens=tokens,
+        output_num_tokens=8 if ok else 0,
+        output_num_chunks=8 if ok else 0,
+        output_num_first_chunk_tokens=1 if ok else 0,
+        approx_cached_percent=50.0,
+        conversation_id=f"c{turn}",
+        client_id=0,
+        leg="on",
+        point=1000,
+        turn=turn,
+        ok=ok,
         error=None if ok else "HTTPStatusError: 502 Bad Gateway",
-    )  # fmt: skip
+    )
 
 
 def test_failed_requests_are_counted_apart_not_averaged_into_latency(tmp_path: Path) -> None:

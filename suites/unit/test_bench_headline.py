@@ -129,12 +129,15 @@ def test_cpu_seconds_count_the_whole_tree(tmp_path: Path) -> None:
     import sys
 
     ready = tmp_path / "burnt"
-    burn = ("import time, pathlib\n"
-            "while time.process_time() < 0.3: pass\n"
-            f"pathlib.Path({str(ready)!r}).write_text('x')\n"
-            "time.sleep(60)\n")
-    shell = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"$0\" & wait", burn],
-                             start_new_session=True)
+    burn = (
+        "import time, pathlib\n"
+        "while time.process_time() < 0.3: pass\n"
+        f"pathlib.Path({str(ready)!r}).write_text('x')\n"
+        "time.sleep(60)\n"
+    )
+    shell = subprocess.Popen(
+        ["sh", "-c", f'{sys.executable} -c "$0" & wait', burn], start_new_session=True
+    )
     try:
         from bidir_kv.testing.poll import wait_for
 

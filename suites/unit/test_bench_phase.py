@@ -8,17 +8,31 @@ from bidir_kv.bench.stats import RequestRecord
 
 
 def _rec(client: int, start: float, ttft: float, turn: int, ok: bool = True) -> RequestRecord:
-    return RequestRecord(ttft_ms=ttft, tpot_ms=4.0, latency_ms=ttft + 1400.0,
-                         start_time_ms=start, input_num_turns=turn, input_num_tokens=24000,
-                         output_num_tokens=300, output_num_chunks=300,
-                         output_num_first_chunk_tokens=1, approx_cached_percent=0.0,
-                         conversation_id=f"c{client}", client_id=client, turn=turn, ok=ok)
+    return RequestRecord(
+        ttft_ms=ttft,
+        tpot_ms=4.0,
+        latency_ms=ttft + 1400.0,
+        start_time_ms=start,
+        input_num_turns=turn,
+        input_num_tokens=24000,
+        output_num_tokens=300,
+        output_num_chunks=300,
+        output_num_first_chunk_tokens=1,
+        approx_cached_percent=0.0,
+        conversation_id=f"c{client}",
+        client_id=client,
+        turn=turn,
+        ok=ok,
+    )
 
 
-def _two_clients(offset: float, ttft: float, turns: int = 10, cycle: float = 2100.0,
-                 ) -> list[RequestRecord]:
-    return [_rec(c, t * cycle + c * offset, ttft, t + 1)
-            for t in range(turns) for c in (0, 1)]
+def _two_clients(
+    offset: float,
+    ttft: float,
+    turns: int = 10,
+    cycle: float = 2100.0,
+) -> list[RequestRecord]:
+    return [_rec(c, t * cycle + c * offset, ttft, t + 1) for t in range(turns) for c in (0, 1)]
 
 
 def test_staggered_clients_touch_only_at_the_edges() -> None:
@@ -47,8 +61,9 @@ def test_a_long_turn_long_before_still_counts() -> None:
 def test_the_headline_names_the_state() -> None:
     from bidir_kv.report.headline import Headline, headline_text
 
-    base = dict(point=24000, ratio=1.9, engine_cpu_ms=20.0, on_prefill_ms=400.0,
-                foreign_load_per_core=0.1)
+    base = dict(
+        point=24000, ratio=1.9, engine_cpu_ms=20.0, on_prefill_ms=400.0, foreign_load_per_core=0.1
+    )
     text = headline_text(Headline(**base, off_overlapped=(38, 40)))  # type: ignore[arg-type]
     assert "OFF turns overlapping another client's on P: 38 of 40 (overlapped clients" in text
     text = headline_text(Headline(**base, off_overlapped=(0, 40)))  # type: ignore[arg-type]

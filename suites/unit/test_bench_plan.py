@@ -140,9 +140,11 @@ def test_old_profile_files_still_load() -> None:
     from bidir_kv.engine.profiles import CostProfile
 
     old = CostProfile(
-        name="old", kv_bytes_per_token_target=1000, transfer_overhead_us=2000.0,
+        name="old",
+        kv_bytes_per_token_target=1000,
+        transfer_overhead_us=2000.0,
         transfer_gbytes_per_s=10.0,
-    )  # fmt: skip
+    )
     assert old.transfer_seconds(1000) == pytest.approx((2000 + 1000 * 1000 / 10e3) * 1e-6)
     assert old.descriptors(1000) == 0
 
@@ -253,18 +255,30 @@ def test_plan_cli_prints_a_plan(capsys) -> None:
 
 
 def test_recommend_threshold_reasons_name_every_pull_term() -> None:
-    calibrated = CostModel(30.0, 0.0, 1.5, 2500.0, kv_bytes_per_token=1000.0,
-                           xfer_us_per_descriptor=0.5, descriptors_per_token=10.0,
-                           pull_after_us_per_token=2.0)  # fmt: skip
+    calibrated = CostModel(
+        30.0,
+        0.0,
+        1.5,
+        2500.0,
+        kv_bytes_per_token=1000.0,
+        xfer_us_per_descriptor=0.5,
+        descriptors_per_token=10.0,
+        pull_after_us_per_token=2.0,
+    )
     t, why = recommend_threshold(calibrated, block_size=16)
-    assert t == 128 and "a pull costs 2500 µs fixed + 8.500 µs/token (bytes 1.500, " \
-        "descriptors 5.000, P's work around the READ 2.000), recompute costs 30.000" in why
+    assert (
+        t == 128
+        and "a pull costs 2500 µs fixed + 8.500 µs/token (bytes 1.500, "
+        "descriptors 5.000, P's work around the READ 2.000), recompute costs 30.000"
+        in why
+    )
     t, why = recommend_threshold(CostModel(30.0, 0.0, 1.5, 2500.0, kv_bytes_per_token=1000.0))
     assert t == 96 and "+ 1.500 µs/token, recompute costs 30.000 µs/token" in why
     never, why = recommend_threshold(CostModel(1.0, 0.0, 2.0, 2500.0, kv_bytes_per_token=1.0))
     assert never is None and why == (
         "pulling never pays: per-token transfer (2.00 µs) is not cheaper than recompute — keep "
-        "bidirectional_kv_xfer off, or make pulls cheaper (bandwidth, fewer descriptors)")
+        "bidirectional_kv_xfer off, or make pulls cheaper (bandwidth, fewer descriptors)"
+    )
     # a pull that costs nothing fixed pays from the first token: at least 1, a whole block
     free = CostModel(30.0, 0.0, 1.5, 0.0, kv_bytes_per_token=1.0)
     assert recommend_threshold(free, block_size=1)[0] == 1
@@ -276,8 +290,7 @@ def _row(ttl: float, miss: float, gib: float) -> TtlRow:
 
 
 def test_recommend_ttl_each_branch() -> None:
-    rows = [_row(480, 0.01, 40.0), _row(60, 0.2, 5.0), _row(120, 0.05, 10.0),
-            _row(240, 0.03, 20.0)]  # fmt: skip
+    rows = [_row(480, 0.01, 40.0), _row(60, 0.2, 5.0), _row(120, 0.05, 10.0), _row(240, 0.03, 20.0)]
     best, why = recommend_ttl(rows, miss_target=0.05)  # exactly on the target: meets it
     assert best.ttl_s == 120 and why.startswith("the smallest TTL whose expiry miss rate (5.0%)")
     best, why = recommend_ttl(rows, miss_target=0.001, kv_budget_gib=25.0)  # none meets it
@@ -297,7 +310,8 @@ def test_hardware_terms_and_notes() -> None:
     assert c.source == "hardware" and c.sources == ()
     hw = Hardware()
     assert c.recompute_us_per_token_ctx == pytest.approx(
-        qwen.context_flops_per_token() * 1000 / hw.flops_per_s * 1e6, rel=1e-12)
+        qwen.context_flops_per_token() * 1000 / hw.flops_per_s * 1e6, rel=1e-12
+    )
     assert c.notes[0] == "qwen3-32b: GQA, 64 layers, 32.0B active of 32.8B params"
     d = c.to_dict()
     assert d["notes"] == list(c.notes) and d["sources"] == []
@@ -342,8 +356,16 @@ def test_cost_terms_at_their_edges() -> None:
     ctx_only = CostModel(0.0, 0.5, 1.0, 2500.0, kv_bytes_per_token=1.0)  # attention alone
     assert ctx_only.recompute_us(-5) == 0.0 and ctx_only.pull_us(0) == 0.0  # no fixed part
     assert ctx_only.pull_us(1) == 2501.0
-    timed = CostModel(1.0, 0.0, 1.0, 0.0, kv_bytes_per_token=1.0, decode_ttft_fixed_us=900.0,
-                      decode_ttft_us_per_token=2.0, prefill_fixed_us=7000.0)  # fmt: skip
+    timed = CostModel(
+        1.0,
+        0.0,
+        1.0,
+        0.0,
+        kv_bytes_per_token=1.0,
+        decode_ttft_fixed_us=900.0,
+        decode_ttft_us_per_token=2.0,
+        prefill_fixed_us=7000.0,
+    )
     assert timed.decode_ttft_us(0) == 900.0 and timed.decode_ttft_us(10) == 920.0
     (row,) = ttft_rows(timed, [100], new_tokens=10, threshold=10**6, fixed_us=50.0)
     assert row.off_ms == pytest.approx((100 * 1.0 + 50.0 + 7000.0 + 900.0 + 200.0) / 1e3)

@@ -18,10 +18,19 @@ from bidir_kv.bench.stats import (
 
 # the fields of vLLM's multi-turn benchmark --stats-json-output, in order (docs/protocol.md §10.3)
 UPSTREAM = [
-    "ttft_ms", "tpot_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
-    "output_num_tokens", "output_num_chunks", "output_num_first_chunk_tokens",
-    "approx_cached_percent", "conversation_id", "client_id",
-]  # fmt: skip
+    "ttft_ms",
+    "tpot_ms",
+    "latency_ms",
+    "start_time_ms",
+    "input_num_turns",
+    "input_num_tokens",
+    "output_num_tokens",
+    "output_num_chunks",
+    "output_num_first_chunk_tokens",
+    "approx_cached_percent",
+    "conversation_id",
+    "client_id",
+]
 
 
 def record(**kw) -> RequestRecord:

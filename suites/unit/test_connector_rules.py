@@ -25,10 +25,14 @@ PROPS = settings(max_examples=80, deadline=None, database=None)
 def d_params(held: list[int], *, chain: bool = True, **extra: object) -> dict[str, object]:
     """D's dict for a D that holds KV for ``held`` (block ids 100, 101, ...)."""
     out: dict[str, object] = {
-        "do_remote_prefill": False, "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
         "remote_block_ids": [[100 + i for i in range(cdiv(len(held), BS))]],
-        "remote_engine_id": "d", "remote_request_id": "r", "remote_host": "h",
-        "remote_port": 1, "remote_num_tokens": len(held),
+        "remote_engine_id": "d",
+        "remote_request_id": "r",
+        "remote_host": "h",
+        "remote_port": 1,
+        "remote_num_tokens": len(held),
     }
     if chain:
         out[CHAIN_KEY] = HeldTokens.of(held, BS).to_wire()
@@ -81,14 +85,18 @@ def test_shorter_prompt_is_capped_to_its_own_full_blocks() -> None:
     assert p is not None and p.verified == 3 * BS and p.tokens == 2 * BS
 
 
-@pytest.mark.parametrize("refusal, params, kw", [
-    (Refusal.FEATURE_OFF, d_params(D), {"bidirectional": False}),
-    (Refusal.HOST_BUFFER, d_params(D), {"host_buffer": True}),
-    (Refusal.ALREADY_READ, d_params(D, _remote_blocks_processed=True), {}),
-    (Refusal.BLOCK_LAYOUT, d_params(D, remote_block_ids=[[1, 2, 3, 4, 5, 6], [9]]), {}),
-])  # fmt: skip
-def test_refusals_answer_local_compute(refusal: Refusal, params: dict[str, object],
-                                       kw: dict[str, object]) -> None:
+@pytest.mark.parametrize(
+    "refusal, params, kw",
+    [
+        (Refusal.FEATURE_OFF, d_params(D), {"bidirectional": False}),
+        (Refusal.HOST_BUFFER, d_params(D), {"host_buffer": True}),
+        (Refusal.ALREADY_READ, d_params(D, _remote_blocks_processed=True), {}),
+        (Refusal.BLOCK_LAYOUT, d_params(D, remote_block_ids=[[1, 2, 3, 4, 5, 6], [9]]), {}),
+    ],
+)
+def test_refusals_answer_local_compute(
+    refusal: Refusal, params: dict[str, object], kw: dict[str, object]
+) -> None:
     p = plan(params, [*D, 9], **kw)
     assert p is not None and p.tokens == 0 and p.reason == refusal
     assert p.offered == len(D) and p.verified is None  # what stock vLLM would have loaded
@@ -122,8 +130,11 @@ def test_not_d_params_leave_the_decision_to_vllm() -> None:
 
 
 def test_malformed_or_foreign_chain_is_unverified() -> None:
-    for bad in ({"v": 99}, {"v": 1, "chain": ["zz"], "tail": "", "num_tokens": 1,
-                            "block_size": BS}, "x"):
+    for bad in (
+        {"v": 99},
+        {"v": 1, "chain": ["zz"], "tail": "", "num_tokens": 1, "block_size": BS},
+        "x",
+    ):
         assert HeldTokens.from_params({CHAIN_KEY: bad}) is None
     other_bs = d_params(D)
     other_bs[CHAIN_KEY] = HeldTokens.of(D, 2 * BS).to_wire()
@@ -152,8 +163,10 @@ def test_cut_lists_make_vllms_suffix_trim_pair_by_position(
     assert suffix_trim_pairing(cut[0], n_local) == position_pairing(remote[0], hit, pull, BS)
 
 
-@pytest.mark.parametrize("version, release", [("0.32.0", "0.32"), ("0.32.0+cpu", "0.32"),
-                                              ("0.33.0", "0.33"), ("0.33.2rc1", "0.33")])
+@pytest.mark.parametrize(
+    "version, release",
+    [("0.32.0", "0.32"), ("0.32.0+cpu", "0.32"), ("0.33.0", "0.33"), ("0.33.2rc1", "0.33")],
+)
 def test_supported_vllm_versions_load(version: str, release: str) -> None:
     assert check_vllm_version(version) == release
 
@@ -196,21 +209,32 @@ def test_router_trimmed_dict_reads_the_trimmed_prefix() -> None:
     still proves that prefix, so P reads it as stock vLLM would, never more."""
     keep = 3 * BS
     prompt = [*D[: keep + 2], 7, *D[keep + 3 :], 9]  # the history differs in block 3
-    trimmed = d_params(D, remote_num_tokens=keep,
-                       remote_block_ids=[[100 + i for i in range(keep // BS)]])
+    trimmed = d_params(
+        D, remote_num_tokens=keep, remote_block_ids=[[100 + i for i in range(keep // BS)]]
+    )
     p = plan(trimmed, prompt)
     assert p is not None and p.tokens == keep and p.verified == keep
     # the router may only lower the count: never read past it even where the chain matches
     same = [*D, 9]
-    p = plan(d_params(D, remote_num_tokens=keep,
-                      remote_block_ids=[[100 + i for i in range(keep // BS)]]), same)
+    p = plan(
+        d_params(
+            D, remote_num_tokens=keep, remote_block_ids=[[100 + i for i in range(keep // BS)]]
+        ),
+        same,
+    )
     assert p is not None and p.tokens == keep
 
 
 def test_chain_shorter_than_the_offer_reads_nothing() -> None:
     """A dict offering more than D's chain covers is not D's word: nothing is read."""
-    p = plan(d_params(D[: 2 * BS], remote_num_tokens=len(D),
-                      remote_block_ids=[[100 + i for i in range(cdiv(len(D), BS))]]), [*D, 9])
+    p = plan(
+        d_params(
+            D[: 2 * BS],
+            remote_num_tokens=len(D),
+            remote_block_ids=[[100 + i for i in range(cdiv(len(D), BS))]],
+        ),
+        [*D, 9],
+    )
     assert p is not None and p.tokens == 0 and p.verified == 0
 
 

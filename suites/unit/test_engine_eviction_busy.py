@@ -26,8 +26,12 @@ def _owner() -> tuple[HandleOwner, BlockManager, list[float]]:
     profile = CostProfile("tiny", kv_bytes_per_token=LAYERS * 4, num_layers=LAYERS)
     kv = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
     settings = EngineSettings(model="m", served_names=["m"], kv=kv, profile=profile)
-    blocks = BlockManager(KVPool.allocate(NUM_BLOCKS, BS * profile.kv_bytes_per_token), BS,
-                          LAYERS, enable_prefix_caching=False)  # fmt: skip
+    blocks = BlockManager(
+        KVPool.allocate(NUM_BLOCKS, BS * profile.kv_bytes_per_token),
+        BS,
+        LAYERS,
+        enable_prefix_caching=False,
+    )
     now = [0.0]
     # the owner asks its worker only for the clock and the fence table (none here)
     worker = cast(Any, SimpleNamespace(clock=lambda: now[0], fence=None))

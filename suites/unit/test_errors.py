@@ -25,9 +25,10 @@ from bidir_kv.errors import BidirKVError
 
 PACKAGE = Path(bidir_kv.__file__).parent
 BUILTIN_EXCEPTIONS = {
-    name for name, obj in vars(builtins).items()
+    name
+    for name, obj in vars(builtins).items()
     if isinstance(obj, type) and issubclass(obj, BaseException)
-}  # fmt: skip
+}
 
 
 def _import_all() -> tuple[list[ModuleType], list[Path]]:
@@ -108,8 +109,16 @@ def test_every_exception_derives_from_the_base_through_one_area() -> None:
 
 def test_the_areas() -> None:
     areas = {c.__name__ for c in BidirKVError.__subclasses__() if c.__module__ == errors.__name__}
-    assert areas == {"CheckFailure", "ConfigError", "EngineError", "IntakeError",
-                     "KVTransferError", "PlanError", "RouterError", "TopologyError"}
+    assert areas == {
+        "CheckFailure",
+        "ConfigError",
+        "EngineError",
+        "IntakeError",
+        "KVTransferError",
+        "PlanError",
+        "RouterError",
+        "TopologyError",
+    }
     assert set(errors.__all__) == areas | {"BidirKVError"}
 
 
@@ -138,10 +147,11 @@ def test_the_tree_check_on_planted_classes() -> None:
 
 def test_the_ast_check_on_a_planted_module(tmp_path: Path) -> None:
     path = tmp_path / "worker.py"
-    path.write_text("class A(RuntimeError):\n    pass\n\n\nclass B(KVTransferError, ValueError):"
-                    "\n    pass\n\n\nclass C(x.TransportError, RuntimeError):\n    pass\n")
-    assert unimportable_violations(path, {"KVTransferError", "TransportError"}) == [
-        "worker.py: A"]
+    path.write_text(
+        "class A(RuntimeError):\n    pass\n\n\nclass B(KVTransferError, ValueError):"
+        "\n    pass\n\n\nclass C(x.TransportError, RuntimeError):\n    pass\n"
+    )
+    assert unimportable_violations(path, {"KVTransferError", "TransportError"}) == ["worker.py: A"]
 
 
 def test_builtin_bases_stay_for_callers_that_catch_them() -> None:
@@ -153,9 +163,14 @@ def test_builtin_bases_stay_for_callers_that_catch_them() -> None:
     from bidir_kv.testing.poll import WaitTimeout
 
     assert ConfigError is errors.ConfigError
-    for cls, builtin in [(ConfigError, ValueError), (DistributionError, ValueError),
-                         (ProtocolError, ValueError), (StoreError, RuntimeError),
-                         (ProcessFailed, RuntimeError), (WaitTimeout, AssertionError)]:
+    for cls, builtin in [
+        (ConfigError, ValueError),
+        (DistributionError, ValueError),
+        (ProtocolError, ValueError),
+        (StoreError, RuntimeError),
+        (ProcessFailed, RuntimeError),
+        (WaitTimeout, AssertionError),
+    ]:
         assert issubclass(cls, builtin), cls
 
 
@@ -201,18 +216,30 @@ def _engine_cases() -> list[tuple[BidirKVError, int, str, str]]:
         (errors.IntakeError("bad"), 400, "bad", "BadRequestError"),
         (errors.EngineError("boom"), 500, "Internal server error", "InternalServerError"),
         # what the engine raises today
-        (FaultError("drop_rate: expected a number"), 400, "drop_rate: expected a number",
-         "BadRequestError"),
+        (
+            FaultError("drop_rate: expected a number"),
+            400,
+            "drop_rate: expected a number",
+            "BadRequestError",
+        ),
         (ChatTemplateError("no bad roles"), 400, "no bad roles", "BadRequestError"),
         (InputError(400, "not JSON"), 400, "not JSON", "BadRequestError"),
         (InputError(413, "too big"), 413, "too big", "RequestEntityTooLarge"),
         (InputError(415, "charset"), 415, "charset", "UnsupportedMediaType"),
         (ApiError(400, "'n' must be 1"), 400, "'n' must be 1", "BadRequestError"),
-        (ApiError(404, "The model `x` does not exist.", "NotFoundError"), 404,
-         "The model `x` does not exist.", "NotFoundError"),
+        (
+            ApiError(404, "The model `x` does not exist.", "NotFoundError"),
+            404,
+            "The model `x` does not exist.",
+            "NotFoundError",
+        ),
         (RequestError(400, "too long"), 400, "too long", "BadRequestError"),
-        (RequestError(500, "Internal server error"), 500, "Internal server error",
-         "InternalServerError"),
+        (
+            RequestError(500, "Internal server error"),
+            500,
+            "Internal server error",
+            "InternalServerError",
+        ),
         (RequestError(503, "waited"), 503, "waited", "ServiceUnavailableError"),
     ]
 
@@ -231,8 +258,12 @@ def _router_cases() -> list[tuple[BidirKVError, int, str, str]]:
         (InputError(400, "'n' must be 1"), 400, "'n' must be 1", "BadRequestError"),
         (InputError(413, "too big"), 413, "too big", "RequestEntityTooLarge"),
         (InputError(415, "charset"), 415, "charset", "UnsupportedMediaType"),
-        (IdentityError("conversation_id must be a string"), 400,
-         "conversation_id must be a string", "BadRequestError"),
+        (
+            IdentityError("conversation_id must be a string"),
+            400,
+            "conversation_id must be a string",
+            "BadRequestError",
+        ),
         (StoreError("redis down"), 503, "redis down", "ServiceUnavailable"),
         (UpstreamFailure(Cause.TIMEOUT, "slow"), 504, "slow", "GatewayTimeout"),
         (UpstreamFailure(Cause.UNREACHABLE, "gone"), 502, "gone", "BadGateway"),

@@ -38,14 +38,18 @@ def sysfs(tmp_path: Path) -> Path:
 
 def test_efa_reader_sums_rdma_read_bytes_over_every_device_and_port(sysfs: Path) -> None:
     counters = efa_counters(root=sysfs / "infiniband")
-    assert [c.label for c in counters] == ["rdmap0s31 port 1 rdma_read_bytes",
-                                           "rdmap16s27 port 1 rdma_read_bytes"]
+    assert [c.label for c in counters] == [
+        "rdmap0s31 port 1 rdma_read_bytes",
+        "rdmap16s27 port 1 rdma_read_bytes",
+    ]
     before = read_counters(counters)
     _efa(sysfs / "infiniband", "rdmap0s31", 1, rdma_read_bytes=100 + 600)
     _efa(sysfs / "infiniband", "rdmap16s27", 1, rdma_read_bytes=5 + 400)
     delta = deltas(before, read_counters(counters))
-    assert delta == {"rdmap0s31 port 1 rdma_read_bytes": 600,
-                     "rdmap16s27 port 1 rdma_read_bytes": 400}
+    assert delta == {
+        "rdmap0s31 port 1 rdma_read_bytes": 600,
+        "rdmap16s27 port 1 rdma_read_bytes": 400,
+    }
     assert gate_fabric(delta, 1000, EFA_OVERHEAD, what="P's EFA devices") == 1000
 
 
@@ -74,11 +78,14 @@ def test_flat_counters_fail_naming_every_device_and_counter(sysfs: Path) -> None
     assert "rdmap16s27 port 1 rdma_read_bytes +0" in text
 
 
-@pytest.mark.parametrize(("counted", "message"), [
-    (500, r"500 bytes counted on eth1 < 1,000 KV bytes expected .*part of the reads"),
-    (1300, r"1,300 bytes counted on eth1 > 1,000 KV bytes expected \(×1.25 overhead"),
-    (-1, r"went backwards"),
-])
+@pytest.mark.parametrize(
+    ("counted", "message"),
+    [
+        (500, r"500 bytes counted on eth1 < 1,000 KV bytes expected .*part of the reads"),
+        (1300, r"1,300 bytes counted on eth1 > 1,000 KV bytes expected \(×1.25 overhead"),
+        (-1, r"went backwards"),
+    ],
+)
 def test_too_few_or_too_many_bytes_fail(counted: int, message: str) -> None:
     with pytest.raises(FabricFailure, match=message):
         gate_fabric({"eth1 rx_bytes": counted}, 1000, 1.25, what="eth1")

@@ -44,8 +44,9 @@ def _proc(tmp_path: Path, name: str, code: str) -> ManagedProcess:
 
 def _tree(tmp_path: Path, name: str = "tree") -> ManagedProcess:
     """A shell with two children: three processes in one group."""
-    return ManagedProcess(name, ["sh", "-c", "sleep 60 & sleep 60 & wait"],
-                          tmp_path / f"{name}.log").start()
+    return ManagedProcess(
+        name, ["sh", "-c", "sleep 60 & sleep 60 & wait"], tmp_path / f"{name}.log"
+    ).start()
 
 
 def _exited(tmp_path: Path, name: str = "gone") -> ManagedProcess:
@@ -75,8 +76,9 @@ def test_killing_a_process_that_already_exited_fails_the_fault(tmp_path: Path) -
     assert "already exited with code 0" in msg and "bye" in msg  # the node's log tail
 
 
-def test_killing_a_running_process_is_verified_gone(tmp_path: Path,
-                                                    started: list[ManagedProcess]) -> None:
+def test_killing_a_running_process_is_verified_gone(
+    tmp_path: Path, started: list[ManagedProcess]
+) -> None:
     proc = _proc(tmp_path, "live", "import time; time.sleep(60)")
     started.append(proc)
     assert kill_process(proc) == -signal.SIGKILL
@@ -94,8 +96,10 @@ def test_kill_pid_of_a_process_gone_fails_and_of_a_running_one_holds(
 ) -> None:
     gone = _exited(tmp_path)
     assert gone.pid is not None
-    with pytest.raises(AssertionError, match=f"{NOT_APPLIED}kill of worker \\(pid {gone.pid}\\)"
-                       ": it was not running"):
+    with pytest.raises(
+        AssertionError,
+        match=f"{NOT_APPLIED}kill of worker \\(pid {gone.pid}\\): it was not running",
+    ):
         kill_pid(gone.pid, "worker")
     live = _tree(tmp_path)
     started.append(live)
@@ -108,8 +112,9 @@ def test_kill_pid_of_a_process_gone_fails_and_of_a_running_one_holds(
 # ---- stop --------------------------------------------------------------------------------
 
 
-def test_stop_of_a_running_tree_leaves_none_of_it(tmp_path: Path,
-                                                  started: list[ManagedProcess]) -> None:
+def test_stop_of_a_running_tree_leaves_none_of_it(
+    tmp_path: Path, started: list[ManagedProcess]
+) -> None:
     proc = _tree(tmp_path)
     started.append(proc)
     assert proc.pid is not None
@@ -124,15 +129,17 @@ def test_stop_of_an_exited_process_fails(tmp_path: Path) -> None:
         stop_process(proc)
 
 
-def test_a_stop_that_does_nothing_fails(tmp_path: Path, started: list[ManagedProcess],
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stop_that_does_nothing_fails(
+    tmp_path: Path, started: list[ManagedProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
     proc = _tree(tmp_path, "stubborn")
     started.append(proc)
     monkeypatch.setattr(proc, "stop", lambda timeout=10.0: None)
     with pytest.raises(AssertionError) as err:
         stop_process(proc, gone_within=0.3)
-    assert str(err.value).startswith(f"{NOT_APPLIED}stubborn (pid {proc.pid}) still runs "
-                                     "after its stop (processes left: [")
+    assert str(err.value).startswith(
+        f"{NOT_APPLIED}stubborn (pid {proc.pid}) still runs after its stop (processes left: ["
+    )
 
 
 # ---- pause -------------------------------------------------------------------------------
@@ -153,35 +160,40 @@ def test_pause_stops_every_process_of_the_tree_and_resumes_them(
 
 def test_pause_of_an_exited_process_fails(tmp_path: Path) -> None:
     proc = _exited(tmp_path)
-    with pytest.raises(AssertionError, match=f"^{NOT_APPLIED}pause of gone .*already exited"), \
-            pause_process(proc):
+    with (
+        pytest.raises(AssertionError, match=f"^{NOT_APPLIED}pause of gone .*already exited"),
+        pause_process(proc),
+    ):
         pytest.fail("the block ran")
 
 
-def test_a_pause_whose_sigstop_goes_nowhere_fails(tmp_path: Path, started: list[ManagedProcess],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_pause_whose_sigstop_goes_nowhere_fails(
+    tmp_path: Path, started: list[ManagedProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
     proc = _tree(tmp_path, "busy")
     started.append(proc)
     real = proc.send_signal
-    monkeypatch.setattr(proc, "send_signal",
-                        lambda sig: None if sig == signal.SIGSTOP else real(sig))
+    monkeypatch.setattr(
+        proc, "send_signal", lambda sig: None if sig == signal.SIGSTOP else real(sig)
+    )
     with pytest.raises(AssertionError) as err, pause_process(proc, timeout=0.3):
         pytest.fail("the block ran")
     assert str(err.value).startswith(f"{NOT_APPLIED}pause of busy (pid {proc.pid}): processes {{")
     assert "are not stopped 0.3 s after SIGSTOP" in str(err.value)
 
 
-def test_a_resume_whose_sigcont_goes_nowhere_fails(tmp_path: Path, started: list[ManagedProcess],
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_resume_whose_sigcont_goes_nowhere_fails(
+    tmp_path: Path, started: list[ManagedProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
     proc = _tree(tmp_path, "frozen")
     started.append(proc)
     real = proc.send_signal
-    monkeypatch.setattr(proc, "send_signal",
-                        lambda sig: None if sig == signal.SIGCONT else real(sig))
+    monkeypatch.setattr(
+        proc, "send_signal", lambda sig: None if sig == signal.SIGCONT else real(sig)
+    )
     with pytest.raises(AssertionError) as err, pause_process(proc, timeout=0.3):
         pass
-    assert str(err.value).startswith(f"{NOT_APPLIED}resume of frozen (pid {proc.pid}): "
-                                     "processes [")
+    assert str(err.value).startswith(f"{NOT_APPLIED}resume of frozen (pid {proc.pid}): processes [")
     assert "are still stopped 0.3 s after SIGCONT" in str(err.value)
     real(signal.SIGCONT)
 
@@ -209,8 +221,11 @@ class _Servers(Topology):
         self.procs: list[ManagedProcess] = []
 
     def _serve(self, port: int) -> ManagedProcess:
-        proc = ManagedProcess("server", [sys.executable, "-c", _SERVER, str(port)],
-                              self.run_dir / f"server-{len(self.procs)}.log").start()
+        proc = ManagedProcess(
+            "server",
+            [sys.executable, "-c", _SERVER, str(port)],
+            self.run_dir / f"server-{len(self.procs)}.log",
+        ).start()
         self.procs.append(proc)
         wait_http_ok(f"http://127.0.0.1:{port}/health", 20, alive=proc)
         return proc
@@ -261,15 +276,18 @@ def test_a_restart_that_leaves_the_old_pid_fails(servers: Any) -> None:
     node = topo.decode[0]
     with pytest.raises(AssertionError) as err:
         restart_node(topo, node)
-    assert str(err.value) == (f"{NOT_APPLIED}restart of decode-0: the old process "
-                              f"(pid {node.info['pid']}) still runs and no new one was started")
+    assert str(err.value) == (
+        f"{NOT_APPLIED}restart of decode-0: the old process "
+        f"(pid {node.info['pid']}) still runs and no new one was started"
+    )
 
 
 def test_a_restart_that_starts_nothing_fails(servers: Any) -> None:
     topo = servers("stop-only")
     node = topo.decode[0]
-    with pytest.raises(AssertionError, match=f"^{NOT_APPLIED}restart of decode-0: no new "
-                       "process was started"):
+    with pytest.raises(
+        AssertionError, match=f"^{NOT_APPLIED}restart of decode-0: no new process was started"
+    ):
         restart_node(topo, node)
 
 
@@ -321,26 +339,35 @@ def test_a_cut_link_drops_in_the_block_and_passes_after(link: _Link) -> None:
 
 
 def test_a_cut_that_still_passes_fails(link: _Link) -> None:
-    with pytest.raises(AssertionError) as err, \
-            cut_link("the test link", lambda: None, link.up, link.passes, timeout=0.3):
+    with (
+        pytest.raises(AssertionError) as err,
+        cut_link("the test link", lambda: None, link.up, link.passes, timeout=0.3),
+    ):
         pytest.fail("the block ran")
-    assert str(err.value) == (f"{NOT_APPLIED}cut of the test link: traffic still passes "
-                              "0.3 s after the cut")
+    assert str(err.value) == (
+        f"{NOT_APPLIED}cut of the test link: traffic still passes 0.3 s after the cut"
+    )
 
 
 def test_a_restore_that_does_not_restore_fails(link: _Link) -> None:
-    with pytest.raises(AssertionError) as err, \
-            cut_link("the test link", link.down, lambda: None, link.passes, timeout=0.3):
+    with (
+        pytest.raises(AssertionError) as err,
+        cut_link("the test link", link.down, lambda: None, link.passes, timeout=0.3),
+    ):
         pass
-    assert str(err.value) == (f"{NOT_APPLIED}restore of the test link: traffic still drops "
-                              "0.3 s after the restore")
+    assert str(err.value) == (
+        f"{NOT_APPLIED}restore of the test link: traffic still drops 0.3 s after the restore"
+    )
 
 
 def test_a_link_down_before_the_cut_fails(link: _Link) -> None:
     link.down()
-    with pytest.raises(AssertionError, match=f"^{NOT_APPLIED}cut of the test link: the link "
-                       "already drops"), cut_link("the test link", link.down, link.up,
-                                                  link.passes):
+    with (
+        pytest.raises(
+            AssertionError, match=f"^{NOT_APPLIED}cut of the test link: the link already drops"
+        ),
+        cut_link("the test link", link.down, link.up, link.passes),
+    ):
         pytest.fail("the block ran")
 
 
@@ -352,8 +379,9 @@ def test_a_failure_counter_that_did_not_rise_fails() -> None:
     assert confirm_counter_rose("P's failed transfers", lambda: next(values), 0.0) == 1.0
     with pytest.raises(AssertionError) as err:
         confirm_counter_rose("P's failed transfers", lambda: 3.0, 3.0, timeout=0.1)
-    assert str(err.value) == (f"{NOT_APPLIED}P's failed transfers stayed at 3 "
-                              "(0.1 s after the fault)")
+    assert str(err.value) == (
+        f"{NOT_APPLIED}P's failed transfers stayed at 3 (0.1 s after the fault)"
+    )
 
 
 def test_a_fault_only_a_log_shows_must_be_logged_after_the_mark(tmp_path: Path) -> None:
@@ -362,8 +390,9 @@ def test_a_fault_only_a_log_shows_must_be_logged_after_the_mark(tmp_path: Path) 
     mark = log.stat().st_size
     with pytest.raises(AssertionError) as err:
         confirm_logged("D's release fault", log, "releasing fenced", since=mark, timeout=0.1)
-    assert str(err.value) == (f"{NOT_APPLIED}D's release fault: decode.log shows no "
-                              "'releasing fenced' within 0.1 s")
+    assert str(err.value) == (
+        f"{NOT_APPLIED}D's release fault: decode.log shows no 'releasing fenced' within 0.1 s"
+    )
     with log.open("a") as fh:
         fh.write("releasing fenced turn r1\n")
     confirm_logged("D's release fault", log, "releasing fenced", since=mark)
@@ -373,9 +402,11 @@ def test_an_emulator_fault_not_reported_back_fails() -> None:
     confirm_faults("d0", {"stall": True}, {"stall": True, "fail_reads": 0})
     with pytest.raises(AssertionError) as err:
         confirm_faults("d0", {"stall": True, "fail_reads": 2}, {"stall": False})
-    assert str(err.value) == (f"{FAULT_NOT_APPLIED}: d0 reports faults "
-                              "{'stall': False, 'fail_reads': '<absent>'} after being asked for "
-                              "{'stall': True, 'fail_reads': 2}")  # fmt: skip
+    assert str(err.value) == (
+        f"{FAULT_NOT_APPLIED}: d0 reports faults "
+        "{'stall': False, 'fail_reads': '<absent>'} after being asked for "
+        "{'stall': True, 'fail_reads': 2}"
+    )
 
 
 def test_the_campaign_fails_its_rows_with_the_same_words() -> None:
@@ -395,8 +426,11 @@ def test_a_campaign_row_whose_redis_pause_did_nothing_fails(
     redis = _tree(tmp_path, "redis")
     started.append(redis)
     real_kill = os.kill
-    monkeypatch.setattr(campaign.os, "kill",  # a SIGSTOP that goes nowhere
-                        lambda pid, sig: None if sig == signal.SIGSTOP else real_kill(pid, sig))
+    monkeypatch.setattr(
+        campaign.os,
+        "kill",  # a SIGSTOP that goes nowhere
+        lambda pid, sig: None if sig == signal.SIGSTOP else real_kill(pid, sig),
+    )
     monkeypatch.setattr(campaign, "EFFECT_SECONDS", 0.3)
 
     async def warm(tag: str) -> None:
@@ -405,8 +439,10 @@ def test_a_campaign_row_whose_redis_pause_did_nothing_fails(
     ctx = SimpleNamespace(dep=SimpleNamespace(redis_pid=lambda: redis.pid), warm=warm)
     row = asyncio.run(campaign.redis_paused(ctx))  # type: ignore[arg-type]
     assert not row.holds
-    assert row.saw == (f"{FAULT_NOT_APPLIED}: Redis (pid {redis.pid}) is in state S, not "
-                       "stopped, 0.3 s after SIGSTOP")
+    assert row.saw == (
+        f"{FAULT_NOT_APPLIED}: Redis (pid {redis.pid}) is in state S, not "
+        "stopped, 0.3 s after SIGSTOP"
+    )
 
 
 # ---- an expected failure is no cover -----------------------------------------------------
@@ -431,10 +467,26 @@ def test_an_xfail_test_whose_fault_did_not_take_effect_fails(tmp_path: Path) -> 
     (tmp_path / "test_inner.py").write_text(_XFAIL)
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "bidir_kv.testing.plugin",
-         "-q", "-rfx", "-o", "addopts=", str(tmp_path / "test_inner.py")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(repo)})
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "bidir_kv.testing.plugin",
+            "-q",
+            "-rfx",
+            "-o",
+            "addopts=",
+            str(tmp_path / "test_inner.py"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
     text = out.stdout
     assert "1 failed, 1 xfailed" in text, text
     assert "FAILED test_inner.py::test_pinned_but_the_fault_did_nothing" in text, text

@@ -23,13 +23,24 @@ from bidir_kv.wire.fence import (
 
 def test_advert_and_word_round_trip_and_reject_other_shapes() -> None:
     assert advertises_fence({FENCE_KEY: reader_advert()})
-    for bad in (None, {}, {FENCE_KEY: {"v": 2, "reads": True}}, {FENCE_KEY: {"v": 1}},
-                {FENCE_KEY: {"v": 1, "reads": "yes"}}, {FENCE_KEY: True}):
+    for bad in (
+        None,
+        {},
+        {FENCE_KEY: {"v": 2, "reads": True}},
+        {FENCE_KEY: {"v": 1}},
+        {FENCE_KEY: {"v": 1, "reads": "yes"}},
+        {FENCE_KEY: True},
+    ):
         assert not advertises_fence(bad)
     assert word_of({FENCE_KEY: word_to_wire(3, 99)}) == (3, 99)
-    for bad_word in ({"v": 1, "slot": -1, "gen": 5}, {"v": 1, "slot": 0, "gen": 0},
-                     {"v": 1, "slot": True, "gen": 5}, {"v": 1, "slot": 0, "gen": 2**64},
-                     {"v": 2, "slot": 0, "gen": 5}, {"v": 1, "slot": "0", "gen": 5}):
+    for bad_word in (
+        {"v": 1, "slot": -1, "gen": 5},
+        {"v": 1, "slot": 0, "gen": 0},
+        {"v": 1, "slot": True, "gen": 5},
+        {"v": 1, "slot": 0, "gen": 2**64},
+        {"v": 2, "slot": 0, "gen": 5},
+        {"v": 1, "slot": "0", "gen": 5},
+    ):
         assert word_of({FENCE_KEY: bad_word}) is None
 
 
@@ -90,8 +101,9 @@ def test_peer_entries_list_a_peer_by_its_address_else_by_its_engine_id() -> None
     assert peer_entries([("d-1", "10.0.0.2")]) == ("10.0.0.2",)
     assert peer_entries([("d-1", "[fd00::2]"), ("d-2", "::1")]) == ("fd00::2", "::1")
     assert peer_entries([("d-1", "decode-host"), ("d-2", None)]) == ("d-1", "d-2")
-    assert peer_entries([("d-1", "127.0.0.1"), ("d-2", "127.0.0.1"), ("d-3", "h"),
-                         ("d-3", "h2")]) == ("127.0.0.1", "d-3")  # order kept, no repeats
+    assert peer_entries(
+        [("d-1", "127.0.0.1"), ("d-2", "127.0.0.1"), ("d-3", "h"), ("d-3", "h2")]
+    ) == ("127.0.0.1", "d-3")  # order kept, no repeats
     assert peer_entries([(None, None), (None, "name"), ("", "")]) == ()
     assert peer_entries([]) == ()
     allow = PeerAllowlist.parse(list(peer_entries([("d-1", "10.0.0.2")])))

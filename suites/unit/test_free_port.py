@@ -8,7 +8,7 @@ from bidir_kv.launch.process import _ephemeral_range, free_port
 def test_picks_never_repeat_and_lie_apart() -> None:
     ports = [free_port() for _ in range(64)]
     assert len(set(ports)) == len(ports)
-    assert all(abs(a - b) >= 16 for i, a in enumerate(ports) for b in ports[i + 1:])
+    assert all(abs(a - b) >= 16 for i, a in enumerate(ports) for b in ports[i + 1 :])
 
 
 def test_picks_lie_below_the_ephemeral_range() -> None:

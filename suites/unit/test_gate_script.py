@@ -16,8 +16,9 @@ _CASE = '<testcase classname="suites.unit.test_x" name="{name}" time="0.1">{body
 
 def _junit(path: Path, *cases: tuple[str, str]) -> Path:
     body = "".join(_CASE.format(name=n, body=b) for n, b in cases)
-    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}'
-                    "</testsuite></testsuites>")
+    path.write_text(
+        f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}</testsuite></testsuites>'
+    )
     return path
 
 
@@ -37,18 +38,41 @@ def _matrix(path: Path, outcome: str = "xfail", pin: dict[str, str] | None = Non
 
 
 def _bench(path: Path, ok: bool = True) -> Path:
-    gates = [{"length": 1000, "gate": "speedup", "ok": ok,
-              "detail": "length 1000: TTFT speedup 1.1x is below the bound 2.0x"}]
-    path.write_text(json.dumps({"deployment": {"kind": "vllm-cpu"}, "gates": gates,
-                                "lengths": [{"history_tokens": 1000}]}))
+    gates = [
+        {
+            "length": 1000,
+            "gate": "speedup",
+            "ok": ok,
+            "detail": "length 1000: TTFT speedup 1.1x is below the bound 2.0x",
+        }
+    ]
+    path.write_text(
+        json.dumps(
+            {
+                "deployment": {"kind": "vllm-cpu"},
+                "gates": gates,
+                "lengths": [{"history_tokens": 1000}],
+            }
+        )
+    )
     return path
 
 
 def test_all_green_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     unit = _junit(tmp_path / "u.xml", ("test_ok", ""))
     summary = tmp_path / "summary.md"
-    rc = main(["--junit", f"unit={unit}", "--matrix", str(_matrix(tmp_path / "m.json")),
-               "--benchmark", str(_bench(tmp_path / "b.json")), "--summary", str(summary)])
+    rc = main(
+        [
+            "--junit",
+            f"unit={unit}",
+            "--matrix",
+            str(_matrix(tmp_path / "m.json")),
+            "--benchmark",
+            str(_bench(tmp_path / "b.json")),
+            "--summary",
+            str(summary),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "Release gate: PASS" in out and "1 passed, 1 xfail" in out
@@ -67,12 +91,16 @@ def test_a_skip_in_a_required_tier_fails(tmp_path: Path) -> None:
     assert main(["--junit", f"hardware={hw}", "--no-skips", "hardware"]) == 1
 
 
-@pytest.mark.parametrize("pin,why", [
-    ({"reason": "defect (vLLM PR #32553)", "evidence": ""}, "has no evidence"),
-    ({"reason": "it just fails", "evidence": "seen once"}, "cites no upstream issue/PR"),
-])
-def test_an_exemption_without_evidence_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                             pin: dict[str, str], why: str) -> None:
+@pytest.mark.parametrize(
+    "pin,why",
+    [
+        ({"reason": "defect (vLLM PR #32553)", "evidence": ""}, "has no evidence"),
+        ({"reason": "it just fails", "evidence": "seen once"}, "cites no upstream issue/PR"),
+    ],
+)
+def test_an_exemption_without_evidence_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], pin: dict[str, str], why: str
+) -> None:
     assert main(["--matrix", str(_matrix(tmp_path / "m.json", pin=pin))]) == 1
     assert why in capsys.readouterr().out
 

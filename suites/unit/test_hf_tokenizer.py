@@ -72,8 +72,10 @@ messages = st.lists(
 
 def test_built_files_and_config(tok_dir: Path) -> None:
     assert {p.name for p in tok_dir.iterdir()} == {
-        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"
-    }  # fmt: skip
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    }
     cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
     specials = (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"])
@@ -129,9 +131,7 @@ def test_chat_template_equals_transformers(
 ) -> None:
     ours = tok.render_chat(msgs, add_generation_prompt=gen)
     assert ours == auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-    assert tok.encode(ours, add_special_tokens=False) == auto.encode(
-        ours, add_special_tokens=False
-    )
+    assert tok.encode(ours, add_special_tokens=False) == auto.encode(ours, add_special_tokens=False)
 
 
 @given(data=st.data())
@@ -154,8 +154,9 @@ def test_chat_template_shape(tok: HFTokenizer) -> None:
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                          {"type": "text", "text": "b"}]}]  # fmt: skip
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
     joined = "<|im_start|>user\na\nb<|im_end|>\n"  # text parts joined by newlines, as vLLM
     assert tok.render_chat(parts, add_generation_prompt=False) == joined
     none = [{"role": "assistant", "content": None}]
@@ -198,7 +199,7 @@ def test_template_variables_and_errors(tok_dir: Path, tmp_path: Path) -> None:
         "{% generation %}{{ eos_token }}{% endgeneration %}"
     )
     t = HFTokenizer(_copy_with_config(tok_dir, tmp_path / "t", chat_template=tpl))
-    msgs = [{"role": "user", "content": "é\"<"}]
+    msgs = [{"role": "user", "content": 'é"<'}]
     assert t.render_chat(msgs) == '<|bos|>"é\\"<">' + "<|eos|>"
     assert t.render_chat(msgs, greeting="!") == '<|bos|>"é\\"<"!<|eos|>'
     with pytest.raises(ChatTemplateError, match="no bad roles"):

@@ -53,14 +53,24 @@ def test_two_tenants_with_the_same_history_never_share_a_key() -> None:
 
 def test_prompt_changing_fields_are_in_the_scope_sampling_fields_are_not() -> None:
     first, second = body(USER), body(USER, REPLY, NEXT)
-    for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]),
-                         ("chat_template_kwargs", {"enable_thinking": False}),
-                         ("add_generation_prompt", False), ("model", "other"),
-                         ("cache_salt", "s"), ("reasoning_effort", "high"),
-                         ("continue_final_message", True), ("tool_choice", "required")):
+    for field, value in (
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("chat_template_kwargs", {"enable_thinking": False}),
+        ("add_generation_prompt", False),
+        ("model", "other"),
+        ("cache_salt", "s"),
+        ("reasoning_effort", "high"),
+        ("continue_final_message", True),
+        ("tool_choice", "required"),
+    ):
         assert looked_up({**second, field: value}) != stored(first), field
-    for field, value in (("temperature", 0.7), ("max_tokens", 99), ("stream", True),
-                         ("seed", 3), ("stream_options", {"include_usage": True})):
+    for field, value in (
+        ("temperature", 0.7),
+        ("max_tokens", 99),
+        ("stream", True),
+        ("seed", 3),
+        ("stream_options", {"include_usage": True}),
+    ):
         assert looked_up({**second, field: value}) == stored(first), field
 
 
@@ -77,13 +87,20 @@ def test_tool_calls_are_in_the_digest_and_none_means_absent() -> None:
     reply = {"role": "assistant", "content": None, "tool_calls": [call]}
     tool = {"role": "tool", "tool_call_id": "c1", "content": "42"}
     # the openai client's model_dump() adds null fields; a streamed call carries an index
-    echoed = {"role": "assistant", "tool_calls": [{**call, "index": 0}], "refusal": None,
-              "audio": None, "function_call": None, "annotations": []}
+    echoed = {
+        "role": "assistant",
+        "tool_calls": [{**call, "index": 0}],
+        "refusal": None,
+        "audio": None,
+        "function_call": None,
+        "annotations": [],
+    }
     assert looked_up(body(USER, echoed, tool)) == stored(body(USER), reply=reply)
     other = {**reply, "tool_calls": [{**call, "function": {"name": "f", "arguments": "{}"}}]}
     assert looked_up(body(USER, other, tool)) != stored(body(USER), reply=reply)
     assert looked_up(body(USER, {**reply, "tool_calls": None}, tool)) != stored(
-        body(USER), reply=reply)
+        body(USER), reply=reply
+    )
 
 
 def test_content_forms_are_kept_apart() -> None:
@@ -92,18 +109,25 @@ def test_content_forms_are_kept_apart() -> None:
     assert looked_up(body(USER, {**REPLY, "name": "bot"}, NEXT)) != stored(body(USER))
 
 
-@pytest.mark.parametrize(("message", "field"), [
-    ("hello", "messages[1] must be an object"),
-    ({"content": "x"}, "messages[1].role"),
-    ({"role": "user", "content": 5}, "messages[1].content"),
-    ({"role": "user", "content": ["x"]}, "messages[1].content[0]"),
-    ({"role": "assistant", "tool_calls": {"id": "c"}}, "messages[1].tool_calls"),
-    ({"role": "assistant", "tool_calls": [{"id": "c"}]}, "messages[1].tool_calls[0].function"),
-    ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
-     "messages[1].tool_calls[0].function.name"),
-    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]},
-     "messages[1].tool_calls[0].function.arguments"),
-])
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        ("hello", "messages[1] must be an object"),
+        ({"content": "x"}, "messages[1].role"),
+        ({"role": "user", "content": 5}, "messages[1].content"),
+        ({"role": "user", "content": ["x"]}, "messages[1].content[0]"),
+        ({"role": "assistant", "tool_calls": {"id": "c"}}, "messages[1].tool_calls"),
+        ({"role": "assistant", "tool_calls": [{"id": "c"}]}, "messages[1].tool_calls[0].function"),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
+            "messages[1].tool_calls[0].function.name",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]},
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+    ],
+)
 def test_a_malformed_message_is_refused_naming_the_field(message: Any, field: str) -> None:
     with pytest.raises(IdentityError, match=field.replace("[", r"\[").replace("]", r"\]")):
         history_of(body(USER, message), ALICE)
@@ -118,28 +142,54 @@ def test_opt_outs() -> None:
 
 
 def _chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-    return json.dumps({"id": "x", "choices": [{"index": 0, "delta": delta,
-                                               "finish_reason": finish}], **extra}).encode()
+    return json.dumps(
+        {"id": "x", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+    ).encode()
 
 
 def test_reply_assembled_from_a_stream_is_what_the_client_sends_back() -> None:
-    chunks = [_chunk({"role": "assistant", "content": ""}),
-              _chunk({"reasoning_content": "thinking"}),
-              _chunk({"content": "Dragons "}), _chunk({"content": "breathe fire."}),
-              _chunk({}, "stop", kv_transfer_params={"remote_block_ids": [1]})]
+    chunks = [
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"reasoning_content": "thinking"}),
+        _chunk({"content": "Dragons "}),
+        _chunk({"content": "breathe fire."}),
+        _chunk({}, "stop", kv_transfer_params={"remote_block_ids": [1]}),
+    ]
     reply = assemble_reply(chunks)
     assert reply == {"role": "assistant", "content": "Dragons breathe fire.", "tool_calls": None}
     assert looked_up(body(USER, REPLY, NEXT)) == stored(body(USER), reply=reply)
 
 
 def test_streamed_tool_calls_are_merged_by_index() -> None:
-    chunks = [_chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
-                                      "function": {"name": "f", "arguments": ""}}]}),
-              _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]}),
-              _chunk({"tool_calls": [{"index": 1, "id": "c2", "type": "function",
-                                      "function": {"name": "g", "arguments": "{}"}}]}),
-              _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
-              _chunk({}, "tool_calls")]
+    chunks = [
+        _chunk(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": ""},
+                    }
+                ]
+            }
+        ),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]}),
+        _chunk(
+            {
+                "tool_calls": [
+                    {
+                        "index": 1,
+                        "id": "c2",
+                        "type": "function",
+                        "function": {"name": "g", "arguments": "{}"},
+                    }
+                ]
+            }
+        ),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+        _chunk({}, "tool_calls"),
+    ]
     reply = assemble_reply(chunks)
     assert reply is not None and reply["content"] is None
     assert reply["tool_calls"] == [
@@ -153,8 +203,7 @@ def test_the_relay_keeps_payloads_only_when_asked() -> None:
     quiet = StreamRelay(keep_params=False, collect_ids=False, strip_ids=False)
     quiet.process_event(event, b"\n\n")
     assert quiet.result.reply() is None
-    relay = StreamRelay(keep_params=False, collect_ids=False, strip_ids=False,
-                        collect_reply=True)
+    relay = StreamRelay(keep_params=False, collect_ids=False, strip_ids=False, collect_reply=True)
     assert relay.process_event(event, b"\n\n") == event + b"\n\n"  # relayed unchanged
     relay.process_event(b"data: [DONE]", b"\n\n")
     assert relay.result.reply() == {"role": "assistant", "content": "hi", "tool_calls": None}

@@ -13,8 +13,12 @@ from bidir_kv.testing.hw_gates import GateFailure, LengthResult
 
 
 def _result(length: int, off: float, on: float) -> LengthResult:
-    return LengthResult(history_tokens=length, prompt_tokens=length + 182,
-                        off_s=[off, off * 1.01, off * 0.99], on_s=[on, on * 1.02, on * 0.98])
+    return LengthResult(
+        history_tokens=length,
+        prompt_tokens=length + 182,
+        off_s=[off, off * 1.01, off * 0.99],
+        on_s=[on, on * 1.02, on * 0.98],
+    )
 
 
 def _store(storage: Path, name: str, results: list[LengthResult]) -> None:
@@ -22,13 +26,18 @@ def _store(storage: Path, name: str, results: list[LengthResult]) -> None:
     runs = sorted(storage.glob("*/*.json"))
     path = storage / "Linux-CPython-3.11-64bit" / f"{len(runs) + 1:04d}_{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    benches = [{"name": f"test_off_vs_on[{r.history_tokens}]",
-                "fullname": f"suites/hardware/test_release_gate.py::test_off_vs_on"
-                            f"[{r.history_tokens}]",
-                "stats": {"min": 0.1, "max": 0.3, "mean": 0.2, "median": 0.2, "rounds": 3},
-                "extra_info": r.to_dict()} for r in results]
-    path.write_text(json.dumps({"machine_info": {"bidir_kv": {"kind": "vllm-cpu"}},
-                                "benchmarks": benches}))
+    benches = [
+        {
+            "name": f"test_off_vs_on[{r.history_tokens}]",
+            "fullname": f"suites/hardware/test_release_gate.py::test_off_vs_on[{r.history_tokens}]",
+            "stats": {"min": 0.1, "max": 0.3, "mean": 0.2, "median": 0.2, "rounds": 3},
+            "extra_info": r.to_dict(),
+        }
+        for r in results
+    ]
+    path.write_text(
+        json.dumps({"machine_info": {"bidir_kv": {"kind": "vllm-cpu"}}, "benchmarks": benches})
+    )
 
 
 @pytest.fixture
@@ -67,6 +76,9 @@ def test_missing_run_or_length_is_named(storage: Path) -> None:
     with pytest.raises(pytest.UsageError, match=r"--hw-baseline 0042: no stored run matches"):
         load_baseline(str(storage), "0042")
     base = load_baseline(str(storage), "0001")
-    with pytest.raises(GateFailure, match=r"length 4000: baseline .* has no rounds at this "
-                                          r"length \(it has \[2000, 8000\]\)"):
+    with pytest.raises(
+        GateFailure,
+        match=r"length 4000: baseline .* has no rounds at this "
+        r"length \(it has \[2000, 8000\]\)",
+    ):
         gate_baseline(4000, _result(4000, 1, 0.5), base, 10.0)

@@ -19,15 +19,21 @@ from bidir_kv.testing.hw_gates import (
 BLOCK, PER_TOKEN = 128, 2048.0
 
 
-def _result(history: int, off_ms: float, on_ms: float, pulled: int | None = None,
-            rounds: int = 3) -> LengthResult:
+def _result(
+    history: int, off_ms: float, on_ms: float, pulled: int | None = None, rounds: int = 3
+) -> LengthResult:
     pulled = history + 31 if pulled is None else pulled
     slots = -(-pulled // BLOCK) * BLOCK
     return LengthResult(
-        history_tokens=history, prompt_tokens=history + 32 + 150,
-        off_s=[off_ms / 1e3] * rounds, on_s=[on_ms / 1e3] * rounds,
-        pulled_tokens=[pulled] * rounds, bytes_moved=[slots * PER_TOKEN] * rounds,
-        xfer_s=[0.002] * rounds, xfers=[1] * rounds)
+        history_tokens=history,
+        prompt_tokens=history + 32 + 150,
+        off_s=[off_ms / 1e3] * rounds,
+        on_s=[on_ms / 1e3] * rounds,
+        pulled_tokens=[pulled] * rounds,
+        bytes_moved=[slots * PER_TOKEN] * rounds,
+        xfer_s=[0.002] * rounds,
+        xfers=[1] * rounds,
+    )
 
 
 def test_speedup_gate_passes_and_fails_naming_length_bound_measurement() -> None:
@@ -78,8 +84,9 @@ def test_bounds_parse_and_refuse_bad_items() -> None:
 def test_calibrated_bound_follows_the_runs_own_cost_lines() -> None:
     # OFF grows 0.1 ms/token over a 5 ms fixed cost; ON's pull is cheap: speedup grows.
     rows = [_result(n, off_ms=5 + 0.1 * (n + 182), on_ms=5 + 0.1 * 182 + 1) for n in (1000, 3000)]
-    bounds = calibrated_bounds(rows, threshold=64, block_size=BLOCK,
-                               tolerance=0.3, kv_bytes_per_token=PER_TOKEN)
+    bounds = calibrated_bounds(
+        rows, threshold=64, block_size=BLOCK, tolerance=0.3, kv_bytes_per_token=PER_TOKEN
+    )
     for r in rows:
         bound, predicted = bounds[r.history_tokens]
         assert bound == pytest.approx(predicted * 0.7)

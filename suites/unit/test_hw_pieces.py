@@ -14,9 +14,16 @@ from bidir_kv.testing.hw_report import _junit
 
 class _Config:
     def __init__(self, **opts: Any) -> None:
-        self.opts = {"--hw-tp": 4, "--hw-nixl-backend": "LIBFABRIC", "--hw-device": "cuda",
-                     "--hw-threshold": 64, "--hw-p-gpus": "0,1,2,3", "--hw-d-gpus": "4,5,6,7",
-                     "--hw-launch-arg": ["--gpu-memory-utilization", "0.9"], **opts}
+        self.opts = {
+            "--hw-tp": 4,
+            "--hw-nixl-backend": "LIBFABRIC",
+            "--hw-device": "cuda",
+            "--hw-threshold": 64,
+            "--hw-p-gpus": "0,1,2,3",
+            "--hw-d-gpus": "4,5,6,7",
+            "--hw-launch-arg": ["--gpu-memory-utilization", "0.9"],
+            **opts,
+        }
 
     def getoption(self, name: str) -> Any:
         return self.opts[name]
@@ -34,12 +41,26 @@ def test_launched_pair_follows_the_recipe_on_one_host() -> None:
 
 
 def test_junit_counts_failures_and_skips() -> None:
-    cases = [{"nodeid": "suites/hardware/t.py::test_a[1000]", "outcome": "passed",
-              "duration": 1.0, "message": ""},
-             {"nodeid": "suites/hardware/t.py::test_b", "outcome": "failed", "duration": 0.5,
-              "message": "length 1000: below the bound <2.0x>"},
-             {"nodeid": "suites/hardware/t.py::test_c", "outcome": "skipped", "duration": 0.0,
-              "message": ""}]
+    cases = [
+        {
+            "nodeid": "suites/hardware/t.py::test_a[1000]",
+            "outcome": "passed",
+            "duration": 1.0,
+            "message": "",
+        },
+        {
+            "nodeid": "suites/hardware/t.py::test_b",
+            "outcome": "failed",
+            "duration": 0.5,
+            "message": "length 1000: below the bound <2.0x>",
+        },
+        {
+            "nodeid": "suites/hardware/t.py::test_c",
+            "outcome": "skipped",
+            "duration": 0.0,
+            "message": "",
+        },
+    ]
     root = ET.fromstring(_junit(cases))
     assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("3", "1", "1")
     failure = root.find("testcase[@name='test_b']/failure")
@@ -89,7 +110,9 @@ def test_a_failed_measurement_is_not_repeated(monkeypatch: Any) -> None:
     dep = object()
     with pytest.raises(AssertionError, match="HTTP 500"):
         measured.length(dep, 1000)  # type: ignore[arg-type]
-    with pytest.raises(pytest.fail.Exception, match="length 1000 could not be measured: "
-                       "AssertionError: turn 1 failed: HTTP 500"):
+    with pytest.raises(
+        pytest.fail.Exception,
+        match="length 1000 could not be measured: AssertionError: turn 1 failed: HTTP 500",
+    ):
         measured.length(dep, 1000)  # type: ignore[arg-type]
     assert calls == [1000]

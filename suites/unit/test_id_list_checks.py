@@ -87,9 +87,13 @@ def test_check_ids_accepts(ids: Any, expect: list[int]) -> None:
 
 @pytest.mark.parametrize(
     ("ids", "needle"),
-    [([1, True], "not an integer"), ([1, -1], "out of range"), ([1, 10], "out of range"),
-     ([1.0], "not an integer")],
-)  # fmt: skip
+    [
+        ([1, True], "not an integer"),
+        ([1, -1], "out of range"),
+        ([1, 10], "out of range"),
+        ([1.0], "not an integer"),
+    ],
+)
 def test_check_ids_refuses(ids: list[Any], needle: str) -> None:
     with pytest.raises(TransportError, match=needle):
         check_ids(ids, 10, "local")

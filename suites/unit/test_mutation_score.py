@@ -11,17 +11,24 @@ from bidir_kv.tools.mutation_score import main, read_results, score
 
 def _mutants(root: Path) -> Path:
     (root / "bidir_kv" / "policy").mkdir(parents=True)
-    (root / "bidir_kv" / "policy" / "blocks.py.meta").write_text(json.dumps({"exit_code_by_key": {
-        "bidir_kv.policy.blocks.x_cdiv__mutmut_1": 1,
-        "bidir_kv.policy.blocks.x_cdiv__mutmut_2": 1,
-        "bidir_kv.policy.blocks.x_cdiv__mutmut_3": 0,
-        "bidir_kv.policy.blocks.x_cdiv__mutmut_4": 0,
-        "bidir_kv.policy.blocks.x_cdiv__mutmut_5": 33,
-        "bidir_kv.policy.blocks.x_cdiv__mutmut_6": None,
-        "bidir_kv.policy.blocks.x_cdiv__mutmut_7": 36,
-    }}))  # fmt: skip
-    (root / "bidir_kv" / "protocol.py.meta").write_text(json.dumps({"exit_code_by_key": {
-        "bidir_kv.protocol.x_parse__mutmut_1": 0}}))  # fmt: skip
+    (root / "bidir_kv" / "policy" / "blocks.py.meta").write_text(
+        json.dumps(
+            {
+                "exit_code_by_key": {
+                    "bidir_kv.policy.blocks.x_cdiv__mutmut_1": 1,
+                    "bidir_kv.policy.blocks.x_cdiv__mutmut_2": 1,
+                    "bidir_kv.policy.blocks.x_cdiv__mutmut_3": 0,
+                    "bidir_kv.policy.blocks.x_cdiv__mutmut_4": 0,
+                    "bidir_kv.policy.blocks.x_cdiv__mutmut_5": 33,
+                    "bidir_kv.policy.blocks.x_cdiv__mutmut_6": None,
+                    "bidir_kv.policy.blocks.x_cdiv__mutmut_7": 36,
+                }
+            }
+        )
+    )
+    (root / "bidir_kv" / "protocol.py.meta").write_text(
+        json.dumps({"exit_code_by_key": {"bidir_kv.protocol.x_parse__mutmut_1": 0}})
+    )
     return root
 
 
@@ -41,8 +48,16 @@ def test_the_gate_fails_below_the_floor_and_writes_the_survivors(tmp_path: Path)
     mutants, out = _mutants(tmp_path / "mutants"), tmp_path / "out"
     eq = tmp_path / "eq.txt"
     eq.write_text("# name  why\nbidir_kv.policy.blocks.x_cdiv__mutmut_4  same value either way\n")
-    base = ["--mutants", str(mutants), "--scope", "bidir_kv.policy", "--out", str(out),
-            "--equivalents", str(eq)]  # fmt: skip
+    base = [
+        "--mutants",
+        str(mutants),
+        "--scope",
+        "bidir_kv.policy",
+        "--out",
+        str(out),
+        "--equivalents",
+        str(eq),
+    ]
     assert main([*base, "--floor", "0.6"]) == 0
     assert main([*base, "--floor", "0.61"]) == 1
     report = (out / "survivors.md").read_text()

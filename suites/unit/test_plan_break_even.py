@@ -45,14 +45,20 @@ def test_break_even_from_a_targets_hardware_and_shape() -> None:
 
     def pull(n: float) -> float:
         wait_for_next_step = hw.step_us / 2  # the completion is seen at P's next step
-        return (hw.pull_overhead_us + wait_for_next_step
-                + n * rank_bytes / bytes_per_us
-                + n * descriptors_per_token * hw.per_descriptor_us)  # fmt: skip
+        return (
+            hw.pull_overhead_us
+            + wait_for_next_step
+            + n * rank_bytes / bytes_per_us
+            + n * descriptors_per_token * hw.per_descriptor_us
+        )
 
     def recompute(n: float, context: float = 0.0) -> float:
         avg_ctx = context + n / 2
-        return n * (shape.linear_flops_per_token()
-                    + shape.context_flops_per_token() * avg_ctx) / flops_per_us  # fmt: skip
+        return (
+            n
+            * (shape.linear_flops_per_token() + shape.context_flops_per_token() * avg_ctx)
+            / flops_per_us
+        )
 
     cost = CostModel.from_hardware(shape, hw)
     assert break_even_tokens(cost) == pytest.approx(_crossing(pull, recompute), rel=1e-6)
@@ -63,28 +69,44 @@ def test_break_even_from_a_targets_hardware_and_shape() -> None:
 
 def test_break_even_from_a_calibrated_profiles_terms() -> None:
     # a calibration's fields, every one that enters the pull cost set
-    terms = {"recompute_us_per_token": 30.0, "recompute_us_per_token_ctx": 0.4,
-             "xfer_us_per_token": 1.5, "pull_overhead_us": 2500.0,
-             "xfer_us_per_descriptor": 0.5, "descriptors_per_token": 10.0,
-             "step_us": 4000.0, "pull_after_us_per_token": 2.0,
-             "prefill_fixed_us": 7000.0, "decode_ttft_fixed_us": 900.0}  # fmt: skip
+    terms = {
+        "recompute_us_per_token": 30.0,
+        "recompute_us_per_token_ctx": 0.4,
+        "xfer_us_per_token": 1.5,
+        "pull_overhead_us": 2500.0,
+        "xfer_us_per_descriptor": 0.5,
+        "descriptors_per_token": 10.0,
+        "step_us": 4000.0,
+        "pull_after_us_per_token": 2.0,
+        "prefill_fixed_us": 7000.0,
+        "decode_ttft_fixed_us": 900.0,
+    }
     cost = CostModel(kv_bytes_per_token=1000.0, **terms)
 
     def pull(n: float) -> float:
-        return (terms["pull_overhead_us"] + terms["step_us"] / 2
-                + n * (terms["xfer_us_per_token"]
-                       + terms["descriptors_per_token"] * terms["xfer_us_per_descriptor"]
-                       + terms["pull_after_us_per_token"]))  # fmt: skip
+        return (
+            terms["pull_overhead_us"]
+            + terms["step_us"] / 2
+            + n
+            * (
+                terms["xfer_us_per_token"]
+                + terms["descriptors_per_token"] * terms["xfer_us_per_descriptor"]
+                + terms["pull_after_us_per_token"]
+            )
+        )
 
     def recompute(n: float) -> float:  # prefill_fixed_us is paid by both legs alike
-        return n * (terms["recompute_us_per_token"]
-                    + terms["recompute_us_per_token_ctx"] * (n / 2) / 1000)  # fmt: skip
+        return n * (
+            terms["recompute_us_per_token"] + terms["recompute_us_per_token_ctx"] * (n / 2) / 1000
+        )
 
     assert break_even_tokens(cost) == pytest.approx(_crossing(pull, recompute), rel=1e-6)
     # no attention term: the closed form is the fixed part over the per-token saving
     flat = CostModel(kv_bytes_per_token=1000.0, **{**terms, "recompute_us_per_token_ctx": 0.0})
     fixed = terms["pull_overhead_us"] + terms["step_us"] / 2
     saving = terms["recompute_us_per_token"] - (
-        terms["xfer_us_per_token"] + terms["descriptors_per_token"]
-        * terms["xfer_us_per_descriptor"] + terms["pull_after_us_per_token"])  # fmt: skip
+        terms["xfer_us_per_token"]
+        + terms["descriptors_per_token"] * terms["xfer_us_per_descriptor"]
+        + terms["pull_after_us_per_token"]
+    )
     assert break_even_tokens(flat) == pytest.approx(fixed / saving, rel=1e-9)

@@ -552,8 +552,10 @@ def test_a_bad_value_is_described_as_json_and_cut_at_60_characters() -> None:
 
 
 def test_to_json_is_compact() -> None:
-    assert KVTransferParams.parse({"do_remote_decode": True, "remote_port": 1}).to_json() == \
-        '{"do_remote_decode":true,"remote_port":1}'  # fmt: skip
+    assert (
+        KVTransferParams.parse({"do_remote_decode": True, "remote_port": 1}).to_json()
+        == '{"do_remote_decode":true,"remote_port":1}'
+    )
 
 
 def test_sse_data_lines_keep_their_payload_exactly() -> None:
@@ -571,5 +573,7 @@ def test_terminal_chunk_without_params_key_is_copied_without_it() -> None:
     tc = scan_terminal_chunk(b'{"choices":[{"finish_reason":"stop"}]}')
     assert tc is not None and tc.params is None
     assert tc.without_params() == {"choices": [{"finish_reason": "stop"}]}
-    assert tc.with_params(None) == {"choices": [{"finish_reason": "stop"}],
-                                    "kv_transfer_params": None}  # fmt: skip
+    assert tc.with_params(None) == {
+        "choices": [{"finish_reason": "stop"}],
+        "kv_transfer_params": None,
+    }

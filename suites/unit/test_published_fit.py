@@ -26,11 +26,21 @@ from bidir_kv.report.demo import min_turn, published_lines
 
 # the figures issue 24 states (ms), and nothing else
 ISSUE_FIGURES = {
-    2000: {"ttft_off": 158, "ttft_on": 122, "prefill_off": 153, "prefill_on": 128,
-           "kv_transfer": 30},
-    24000: {"ttft_off": 778, "ttft_on": 460, "prefill_off": 744, "prefill_on": 414,
-            "kv_transfer": 130},
-}  # fmt: skip
+    2000: {
+        "ttft_off": 158,
+        "ttft_on": 122,
+        "prefill_off": 153,
+        "prefill_on": 128,
+        "kv_transfer": 30,
+    },
+    24000: {
+        "ttft_off": 778,
+        "ttft_on": 460,
+        "prefill_off": 744,
+        "prefill_on": 414,
+        "kv_transfer": 130,
+    },
+}
 
 
 def _table(figures: dict[int, dict[str, float]]) -> PublishedTable:
@@ -46,11 +56,21 @@ def _figures_of(cost: CostModel, table: PublishedTable, points: list[int]) -> di
         prompt, pulled = table.mean_prompt_tokens(p), table.mean_pulled_tokens(p)
         off = cost.prefill_fixed_us + cost.recompute_us(prompt)
         xfer = cost.pull_overhead_us + pulled * cost.xfer_us_per_token
-        on = (cost.prefill_fixed_us + cost.recompute_us(prompt - pulled, pulled) + xfer
-              + cost.step_us / 2 + pulled * cost.pull_after_us_per_token)  # fmt: skip
+        on = (
+            cost.prefill_fixed_us
+            + cost.recompute_us(prompt - pulled, pulled)
+            + xfer
+            + cost.step_us / 2
+            + pulled * cost.pull_after_us_per_token
+        )
         part = cost.decode_ttft_us(prompt)
-        out[p] = {"prefill_off": off / 1e3, "prefill_on": on / 1e3, "kv_transfer": xfer / 1e3,
-                  "ttft_off": (off + part) / 1e3, "ttft_on": (on + part) / 1e3}  # fmt: skip
+        out[p] = {
+            "prefill_off": off / 1e3,
+            "prefill_on": on / 1e3,
+            "kv_transfer": xfer / 1e3,
+            "ttft_off": (off + part) / 1e3,
+            "ttft_on": (on + part) / 1e3,
+        }
     return out
 
 
@@ -76,11 +96,17 @@ def test_the_fit_recovers_known_terms_from_a_table() -> None:
     """A table generated from known terms gives those terms back (at three lengths the
     ON residual's intercept, half a step, is identifiable too)."""
     truth = CostModel(
-        recompute_us_per_token=20.0, recompute_us_per_token_ctx=20.0 * 0.0328,
-        xfer_us_per_token=5.0, pull_overhead_us=8000.0, kv_bytes_per_token=262_144.0,
-        prefill_fixed_us=50_000.0, step_us=4000.0, pull_after_us_per_token=6.0,
-        decode_ttft_fixed_us=3000.0, decode_ttft_us_per_token=1.5,
-    )  # fmt: skip
+        recompute_us_per_token=20.0,
+        recompute_us_per_token_ctx=20.0 * 0.0328,
+        xfer_us_per_token=5.0,
+        pull_overhead_us=8000.0,
+        kv_bytes_per_token=262_144.0,
+        prefill_fixed_us=50_000.0,
+        step_us=4000.0,
+        pull_after_us_per_token=6.0,
+        decode_ttft_fixed_us=3000.0,
+        decode_ttft_us_per_token=1.5,
+    )
     table = _table({})
     table = replace(table, figures_ms=_figures_of(truth, table, [2000, 12000, 24000]))
     inp = table_input(table)
@@ -104,10 +130,15 @@ def test_the_fit_takes_the_clients_wait_out_of_a_table() -> None:
     w = closed_loop_wait_us(500.0, 1500.0, 2)
     assert w == pytest.approx(500.0**2 / (2 * (500.0 + w + 1500.0)))
     truth = CostModel(
-        recompute_us_per_token=15.0, recompute_us_per_token_ctx=15.0 * 0.0328,
-        xfer_us_per_token=4.5, pull_overhead_us=9000.0, kv_bytes_per_token=262_144.0,
-        prefill_fixed_us=70_000.0, pull_after_us_per_token=6.5, decode_ttft_us_per_token=1.0,
-    )  # fmt: skip
+        recompute_us_per_token=15.0,
+        recompute_us_per_token_ctx=15.0 * 0.0328,
+        xfer_us_per_token=4.5,
+        pull_overhead_us=9000.0,
+        kv_bytes_per_token=262_144.0,
+        prefill_fixed_us=70_000.0,
+        pull_after_us_per_token=6.5,
+        decode_ttft_us_per_token=1.0,
+    )
     table = _table({p: dict.fromkeys(ISSUE_FIGURES[2000], 1.0) for p in (2000, 24000)})
     blank = table_input(table, decode_us_per_token=3720.0)
     made: dict[int, dict[str, float]] = {p: {} for p in (2000, 24000)}
@@ -191,10 +222,15 @@ def test_glm5_is_predicted_not_fitted() -> None:
 def test_demo_prints_the_published_figure_beside_its_own() -> None:
     table = _table(ISSUE_FIGURES)
     measured = {
-        2000: {"ttft_off": 170.0, "ttft_on": 120.0, "prefill_off": 153.0, "prefill_on": None,
-               "kv_transfer": 40.0},
+        2000: {
+            "ttft_off": 170.0,
+            "ttft_on": 120.0,
+            "prefill_off": 153.0,
+            "prefill_on": None,
+            "kv_transfer": 40.0,
+        },
         12000: {"ttft_off": 400.0},  # not in the table: not shown
-    }  # fmt: skip
+    }
     lines = published_lines(table, measured)
     body = "\n".join(lines)
     assert "band ±15%" in lines[0]

@@ -13,8 +13,18 @@ def settings(*argv: str) -> RouterSettings:
 
 
 def test_upstream_flags_and_defaults() -> None:
-    s = settings("--prefiller-host", "p1", "p2", "--prefiller-port", "8100", "8101",
-                 "--decoder-hosts", "d1", "--decoder-ports", "8200")
+    s = settings(
+        "--prefiller-host",
+        "p1",
+        "p2",
+        "--prefiller-port",
+        "8100",
+        "8101",
+        "--decoder-hosts",
+        "d1",
+        "--decoder-ports",
+        "8200",
+    )
     assert s.prefill_hosts == ("p1", "p2") and s.prefill_ports == (8100, 8101)
     assert s.decode_hosts == ("d1",) and s.decode_ports == (8200,)
     assert s.cache_ttl == 450 and s.decode_stream == "always"
@@ -45,9 +55,9 @@ def test_upstream_flags_and_defaults() -> None:
         (["--lease-sweep-interval", "-1"], "--lease-sweep-interval must be >= 0"),
     ],
 )
-def test_bad_combinations_are_refused_with_a_clear_message(argv: list[str], message: str,
-                                                           capsys: pytest.CaptureFixture[str]
-                                                           ) -> None:
+def test_bad_combinations_are_refused_with_a_clear_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 
@@ -60,17 +70,38 @@ def test_decode_stream_choices() -> None:
 
 def test_placement_and_release_bounds_are_flags_defaulting_to_the_settings() -> None:
     d, r = settings(), RouterSettings()
-    assert (d.held_weight, d.release_concurrency, d.max_pending_releases, d.workers) == \
-        (r.held_weight, r.release_concurrency, r.max_pending_releases, r.workers)
-    s = settings("--held-weight", "0.5", "--release-concurrency", "8",
-                 "--max-pending-releases", "16", "--workers", "3", "--store", "redis://h:1/0")
-    assert (s.held_weight, s.release_concurrency, s.max_pending_releases, s.workers) == \
-        (0.5, 8, 16, 3)
+    assert (d.held_weight, d.release_concurrency, d.max_pending_releases, d.workers) == (
+        r.held_weight,
+        r.release_concurrency,
+        r.max_pending_releases,
+        r.workers,
+    )
+    s = settings(
+        "--held-weight",
+        "0.5",
+        "--release-concurrency",
+        "8",
+        "--max-pending-releases",
+        "16",
+        "--workers",
+        "3",
+        "--store",
+        "redis://h:1/0",
+    )
+    assert (s.held_weight, s.release_concurrency, s.max_pending_releases, s.workers) == (
+        0.5,
+        8,
+        16,
+        3,
+    )
 
 
 def test_lease_flags_default_to_the_settings() -> None:
     d, r = settings(), RouterSettings()
-    assert (d.conversation_lease, d.lease_sweep_interval) == \
-        (r.conversation_lease, r.lease_sweep_interval) == (None, 0.5)
+    assert (
+        (d.conversation_lease, d.lease_sweep_interval)
+        == (r.conversation_lease, r.lease_sweep_interval)
+        == (None, 0.5)
+    )
     s = settings("--conversation-lease", "30", "--lease-sweep-interval", "0")
     assert (s.conversation_lease, s.lease_sweep_interval) == (30.0, 0.0)

@@ -14,8 +14,10 @@ CHAT = "/v1/chat/completions"
 
 async def test_engine_ids_are_learnt_from_params_and_a_404_is_never_retried() -> None:
     async with StubStack() as s:
-        status, _, _ = await s.post(CHAT, {"model": "tiny", "max_tokens": 4, "messages": [
-            {"role": "user", "content": "hello"}]})
+        status, _, _ = await s.post(
+            CHAT,
+            {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]},
+        )
         assert status == 200
         p_node, d_node = s.flow.prefill.nodes[0], s.flow.decode.nodes[0]
         assert (p_node.engine_id, d_node.engine_id) == ("p0-engine", "d0-engine")

@@ -22,8 +22,14 @@ CHAT = "/v1/chat/completions"
 
 
 def chat_body(messages: list[dict[str, str]], conv: str | None = "c1", **extra: Any) -> dict:
-    body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 8,
-                            "stream": True, "stream_options": {"include_usage": False}, **extra}
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": False},
+        **extra,
+    }
     if conv is not None:
         body["conversation_id"] = conv
     return body
@@ -42,28 +48,40 @@ def text_of(events: list[bytes]) -> str:
 
 def legs(engine: StubEngine) -> list[dict[str, Any]]:
     """What the engine received for client turns (not the router's releases of D's blocks)."""
-    return [r for r in engine.received
-            if not r["headers"].get("x-request-id", "").startswith("release-")]
+    return [
+        r
+        for r in engine.received
+        if not r["headers"].get("x-request-id", "").startswith("release-")
+    ]
 
 
 def last_params(engine: StubEngine) -> KVTransferParams | None:
     body = legs(engine)[-1]["body"]
-    return None if body.get("kv_transfer_params") is None else KVTransferParams.parse(
-        body["kv_transfer_params"])
+    return (
+        None
+        if body.get("kv_transfer_params") is None
+        else KVTransferParams.parse(body["kv_transfer_params"])
+    )
 
 
-async def two_turns(stack: StubStack, headers: dict[str, str] | None = None,
-                    conv: str = "c1", second_headers: dict[str, str] | None = None,
-                    rewrite: bool = False) -> tuple[int, list[bytes]]:
+async def two_turns(
+    stack: StubStack,
+    headers: dict[str, str] | None = None,
+    conv: str = "c1",
+    second_headers: dict[str, str] | None = None,
+    rewrite: bool = False,
+) -> tuple[int, list[bytes]]:
     msgs = [{"role": "user", "content": "hello there, tell me a story"}]
     status, _, events = await stack.post(CHAT, chat_body(msgs, conv), headers)
     assert status == 200, events
     answer = text_of(events)
     assert len(answer) == 8
-    msgs2 = [*msgs, {"role": "assistant", "content": answer if not rewrite else "REWRITTEN"},
-             {"role": "user", "content": "go on"}]
-    status, _, events = await stack.post(CHAT, chat_body(msgs2, conv),
-                                         second_headers or headers)
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": answer if not rewrite else "REWRITTEN"},
+        {"role": "user", "content": "go on"},
+    ]
+    status, _, events = await stack.post(CHAT, chat_body(msgs2, conv), second_headers or headers)
     return status, events
 
 
@@ -90,8 +108,11 @@ async def test_miss_then_hit_wire_shape() -> None:
         assert events[-1] == b"[DONE]"
         # turn 2: D's dict goes to P, forced to the hit shape
         answer = text_of(events)
-        msgs2 = [*msgs, {"role": "assistant", "content": answer},
-                 {"role": "user", "content": "go on"}]
+        msgs2 = [
+            *msgs,
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "go on"},
+        ]
         status, _, _ = await s.post(CHAT, chat_body(msgs2))
         assert status == 200
         hit = last_params(p)
@@ -168,8 +189,9 @@ async def test_guard_trims_to_block_aligned_prefix_with_block_size() -> None:
 async def test_tenant_isolation() -> None:
     async with StubStack() as s:
         alice = {"Authorization": "Bearer alice"}
-        status, _ = await two_turns(s, headers=alice,
-                                    second_headers={"Authorization": "Bearer mallory"})
+        status, _ = await two_turns(
+            s, headers=alice, second_headers={"Authorization": "Bearer mallory"}
+        )
         assert status == 200
         assert last_params(s.prefill[0]) == KVTransferParams.miss()
         assert counter(s.flow, "cache_hits") == 0
@@ -177,10 +199,16 @@ async def test_tenant_isolation() -> None:
 
 async def test_client_kv_params_are_dropped() -> None:
     async with StubStack() as s:
-        forged = {"do_remote_decode": True, "do_remote_prefill": False,
-                  "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "victim",
-                  "remote_request_id": "r", "remote_host": "10.9.9.9", "remote_port": 1,
-                  "remote_num_tokens": 48}
+        forged = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_block_ids": [[1, 2, 3]],
+            "remote_engine_id": "victim",
+            "remote_request_id": "r",
+            "remote_host": "10.9.9.9",
+            "remote_port": 1,
+            "remote_num_tokens": 48,
+        }
         body = chat_body([{"role": "user", "content": "hi"}], kv_transfer_params=forged)
         status, _, _ = await s.post(CHAT, body)
         assert status == 200
@@ -272,8 +300,9 @@ async def test_second_prefill_takes_over_when_one_is_down() -> None:
     async with StubStack(num_prefill=2) as s:
         await s.stop_engine("prefill", 0)
         for _ in range(3):
-            status, _, _ = await s.post(CHAT, chat_body([{"role": "user", "content": "x"}],
-                                                        conv=None))
+            status, _, _ = await s.post(
+                CHAT, chat_body([{"role": "user", "content": "x"}], conv=None)
+            )
             assert status == 200
         assert len(legs(s.prefill[1])) == 3
 
@@ -284,8 +313,11 @@ async def test_two_by_two_stickiness() -> None:
         for _ in range(4):
             status, _, events = await s.post(CHAT, chat_body(msgs, conv="st"))
             assert status == 200
-            msgs = [*msgs, {"role": "assistant", "content": text_of(events)},
-                    {"role": "user", "content": "more"}]
+            msgs = [
+                *msgs,
+                {"role": "assistant", "content": text_of(events)},
+                {"role": "user", "content": "more"},
+            ]
         got_d = [len(e.received) for e in s.decode]
         got_p = [len(e.received) for e in s.prefill]
         assert sorted(got_d) == [0, 4] and sorted(got_p) == [0, 4]
@@ -345,8 +377,11 @@ async def test_stale_entry_is_discarded() -> None:
         msgs = [{"role": "user", "content": "old"}]
         _status, _, events = await s.post(CHAT, chat_body(msgs))
         now[0] += 451
-        msgs2 = [*msgs, {"role": "assistant", "content": text_of(events)},
-                 {"role": "user", "content": "again"}]
+        msgs2 = [
+            *msgs,
+            {"role": "assistant", "content": text_of(events)},
+            {"role": "user", "content": "again"},
+        ]
         await s.post(CHAT, chat_body(msgs2))
         assert counter(s.flow, "cache_stale") == 1
         assert last_params(s.prefill[0]) == KVTransferParams.miss()
@@ -381,8 +416,11 @@ async def test_health_checks_move_conversations_off_a_dead_decode_node() -> None
         while node.healthy and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)
         assert not node.healthy and "health" in (node.last_error or "")
-        msgs2 = [*msgs, {"role": "assistant", "content": text_of(events)},
-                 {"role": "user", "content": "still there?"}]
+        msgs2 = [
+            *msgs,
+            {"role": "assistant", "content": text_of(events)},
+            {"role": "user", "content": "still there?"},
+        ]
         status, _, _ = await s.post(CHAT, chat_body(msgs2, conv="h"))
         assert status == 200
         assert counter(s.flow, "cache_misses", reason="holder_down") == 1
@@ -394,8 +432,9 @@ async def test_unreachable_decode_is_replaced_by_another() -> None:
     async with StubStack(num_decode=2) as s:
         await s.stop_engine("decode", 0)
         for _ in range(2):
-            status, _, events = await s.post(CHAT, chat_body([{"role": "user", "content": "x"}],
-                                                             conv=None))
+            status, _, events = await s.post(
+                CHAT, chat_body([{"role": "user", "content": "x"}], conv=None)
+            )
             assert status == 200 and events[-1] == b"[DONE]"
         assert len(s.decode[1].received) == 2
         assert not s.flow.decode.nodes[0].healthy
@@ -404,6 +443,7 @@ async def test_unreachable_decode_is_replaced_by_another() -> None:
 
 async def test_health_checks_need_two_bad_answers_but_one_refused_connection() -> None:
     from bidir_kv.router.upstreams import HealthChecker
+
     async with StubStack(num_decode=2) as s:
         assert s.session is not None
         checker = HealthChecker([s.flow.decode], s.session, interval=0)

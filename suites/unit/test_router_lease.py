@@ -34,16 +34,28 @@ def test_lease_wire_key() -> None:
     params = {"remote_num_tokens": 3, LEASE_KEY: lease_to_wire(30)}
     assert lease_of(params) == 30.0
     assert lease_of(KVTransferParams.parse(params).extra) == 30.0  # routers keep the key
-    for bad in (None, {"v": 2, "idle_seconds": 30}, {"v": 1, "idle_seconds": -1},
-                {"v": 1, "idle_seconds": True}, {"v": 1}, "30"):
+    for bad in (
+        None,
+        {"v": 2, "idle_seconds": 30},
+        {"v": 1, "idle_seconds": -1},
+        {"v": 1, "idle_seconds": True},
+        {"v": 1},
+        "30",
+    ):
         assert lease_of({LEASE_KEY: bad}) is None, bad
     assert lease_of({}) is None
 
 
 def entry(created: float, lease: float | None) -> Entry:
-    params = KVTransferParams.build(do_remote_decode=True, remote_block_ids=[[1, 2]],
-                                    remote_engine_id="d", remote_request_id="r",
-                                    remote_host="h", remote_port=1, remote_num_tokens=20)
+    params = KVTransferParams.build(
+        do_remote_decode=True,
+        remote_block_ids=[[1, 2]],
+        remote_engine_id="d",
+        remote_request_id="r",
+        remote_host="h",
+        remote_port=1,
+        remote_num_tokens=20,
+    )
     return Entry(params=params, decode="d:1", prefill="p:1", created=created, lease=lease)
 
 
@@ -83,20 +95,26 @@ async def test_memory_store_lease_clock() -> None:
 
 
 def body(conv: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                           "max_tokens": 8, "stream": True}
+    out: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "stream": True,
+    }
     if conv is not None:
         out["conversation_id"] = conv
     return out
 
 
 def releases(engine: StubEngine) -> list[dict[str, Any]]:
-    return [r for r in engine.received
-            if r["headers"].get("x-request-id", "").startswith("release-")]
+    return [
+        r for r in engine.received if r["headers"].get("x-request-id", "").startswith("release-")
+    ]
 
 
-async def call(s: StubStack, method: str, path: str,
-               headers: dict[str, str] | None = None) -> tuple[int, Any]:
+async def call(
+    s: StubStack, method: str, path: str, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     assert s.session is not None
     async with s.session.request(method, s.url + path, headers=headers) as resp:
         return resp.status, await resp.json()
@@ -114,15 +132,16 @@ async def test_close_keepalive_and_idle_expiry_through_the_router() -> None:
         st, ans = await call(s, "POST", "/v1/conversations/a/keepalive")
         assert st == 200 and ans["lease_seconds"] == 5.0 and ans["expires_in"] == 5.0
         st, ans = await call(s, "DELETE", "/v1/conversations/a")
-        assert st == 200 and ans == {"id": "a", "object": "conversation.deleted",
-                                     "deleted": True}
+        assert st == 200 and ans == {"id": "a", "object": "conversation.deleted", "deleted": True}
         await s.flow.releaser.drain()
         assert counter(s.flow, "releases", reason="closed") == 1
         (rel,) = releases(s.prefill[0])
         assert rel["body"]["kv_transfer_params"]["remote_num_tokens"] == 0
-        for method, path in (("DELETE", "/v1/conversations/a"),
-                             ("POST", "/v1/conversations/a/keepalive"),
-                             ("POST", "/v1/conversations/nobody/keepalive")):
+        for method, path in (
+            ("DELETE", "/v1/conversations/a"),
+            ("POST", "/v1/conversations/a/keepalive"),
+            ("POST", "/v1/conversations/nobody/keepalive"),
+        ):
             st, ans = await call(s, method, path)
             assert st == 404 and "'" in ans["error"]["message"], (method, path, ans)
         # another tenant cannot close or renew this tenant's conversation
@@ -162,8 +181,12 @@ def test_engine_config_key() -> None:
 
     assert cfg(bidir_kv_lease_seconds=30).conversation_lease == 30.0
     assert cfg().conversation_lease is None
-    assert cfg(bidir_kv_lease_seconds=2).to_dict()["kv_connector_extra_config"][
-        "bidir_kv_lease_seconds"] == 2  # passed on verbatim to a vLLM launched with it
+    assert (
+        cfg(bidir_kv_lease_seconds=2).to_dict()["kv_connector_extra_config"][
+            "bidir_kv_lease_seconds"
+        ]
+        == 2
+    )  # passed on verbatim to a vLLM launched with it
     for bad in (0, -1, "30", True):
         with pytest.raises(ConfigError, match="bidir_kv_lease_seconds"):
             cfg(bidir_kv_lease_seconds=bad)

@@ -24,10 +24,19 @@ from bidir_kv.router.sse import event_end, strip_null_params, take_int_list, unt
 from bidir_kv.router.store import Entry, MemoryStore
 
 D_PARAMS = {
-    "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[7, 8, 9]],
-    "remote_engine_id": "d", "remote_request_id": "cmpl-d-1", "remote_host": "10.0.0.2",
-    "remote_port": 5700, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 40,
-    "remote_blocks_expiry_time": 838.0, "transfer_mode": "pull",
+    "do_remote_prefill": False,
+    "do_remote_decode": True,
+    "remote_block_ids": [[7, 8, 9]],
+    "remote_engine_id": "d",
+    "remote_request_id": "cmpl-d-1",
+    "remote_host": "10.0.0.2",
+    "remote_port": 5700,
+    "tp_size": 1,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 40,
+    "remote_blocks_expiry_time": 838.0,
+    "transfer_mode": "pull",
 }
 
 
@@ -93,10 +102,17 @@ def test_cache_salt_per_tenant_none_for_anonymous() -> None:
 
 def test_path_conversation_key_is_the_callers_tenant() -> None:
     key = path_conversation_key("c1", {"Authorization": "Bearer alice"})
-    assert (key.tenant, key.conversation_id, key.source) == (tenant_digest("Bearer alice"), "c1",
-                                                             "path")
-    assert key.storage_key == conversation_key({"conversation_id": "c1"},
-                                               {"Authorization": "Bearer alice"}).storage_key  # type: ignore[union-attr]
+    assert (key.tenant, key.conversation_id, key.source) == (
+        tenant_digest("Bearer alice"),
+        "c1",
+        "path",
+    )
+    assert (
+        key.storage_key
+        == conversation_key(
+            {"conversation_id": "c1"}, {"Authorization": "Bearer alice"}
+        ).storage_key
+    )  # type: ignore[union-attr]
     with pytest.raises(IdentityError, match=r"^the conversation id in the path is empty$"):
         path_conversation_key("", {})
     with pytest.raises(IdentityError, match=r"^the conversation id in the path is longer"):
@@ -118,8 +134,13 @@ def test_log_safe_escapes_what_could_forge_a_line_and_cuts() -> None:
 
 @pytest.mark.parametrize("key", ["reasoning", "reasoning_content", "tool_calls", "function_call"])
 def test_untracked_delta_detects_each_key(key: str) -> None:
-    value = [{"index": 0}] if key == "tool_calls" else {"name": "f"} if key == "function_call" \
+    value = (
+        [{"index": 0}]
+        if key == "tool_calls"
+        else {"name": "f"}
+        if key == "function_call"
         else "think"
+    )
     chunk = json.dumps({"choices": [{"delta": {key: value}}]}).encode()
     assert untracked_delta(chunk) == key
 
@@ -162,11 +183,19 @@ def _chunk(obj: dict) -> bytes:
 
 def test_relay_captures_terminal_params_and_strips_them() -> None:
     relay = StreamRelay(keep_params=False, collect_ids=True, strip_ids=True)
-    first = _chunk({"choices": [{"delta": {"content": "a"}, "finish_reason": None,
-                                 "token_ids": [97]}], "prompt_token_ids": [1, 2, 3],
-                    "kv_transfer_params": None})
-    last = _chunk({"choices": [{"delta": {"content": "b"}, "finish_reason": "length",
-                                "token_ids": [98]}], "kv_transfer_params": D_PARAMS})
+    first = _chunk(
+        {
+            "choices": [{"delta": {"content": "a"}, "finish_reason": None, "token_ids": [97]}],
+            "prompt_token_ids": [1, 2, 3],
+            "kv_transfer_params": None,
+        }
+    )
+    last = _chunk(
+        {
+            "choices": [{"delta": {"content": "b"}, "finish_reason": "length", "token_ids": [98]}],
+            "kv_transfer_params": D_PARAMS,
+        }
+    )
     out1 = relay.process_event(first, b"\n\n")
     out2 = relay.process_event(last, b"\n\n")
     relay.process_event(b"data: [DONE]", b"\n\n")
@@ -181,8 +210,12 @@ def test_relay_captures_terminal_params_and_strips_them() -> None:
 def test_relay_captures_params_from_a_chunk_of_their_own() -> None:
     """D may send its params in a chunk after the one carrying finish_reason."""
     relay = StreamRelay(keep_params=False, collect_ids=False, strip_ids=False)
-    last = _chunk({"choices": [{"delta": {"content": "b"}, "finish_reason": "length"}],
-                   "kv_transfer_params": None})
+    last = _chunk(
+        {
+            "choices": [{"delta": {"content": "b"}, "finish_reason": "length"}],
+            "kv_transfer_params": None,
+        }
+    )
     own = _chunk({"choices": [], "kv_transfer_params": D_PARAMS})
     out = relay.process_event(last, b"\n\n") + relay.process_event(own, b"\n\n")
     relay.process_event(b"data: [DONE]", b"\n\n")
@@ -201,16 +234,28 @@ def test_relay_forwards_plain_chunks_byte_for_byte() -> None:
 
 def test_relay_keep_params_leaves_terminal_chunk() -> None:
     relay = StreamRelay(keep_params=True, collect_ids=False, strip_ids=False)
-    last = _chunk({"choices": [{"delta": {}, "finish_reason": "stop"}],
-                   "kv_transfer_params": D_PARAMS})
+    last = _chunk(
+        {"choices": [{"delta": {}, "finish_reason": "stop"}], "kv_transfer_params": D_PARAMS}
+    )
     assert relay.process_event(last, b"\n\n") == last + b"\n\n"
     assert relay.result.params is not None
 
 
 def test_synthesize_sse_chat_with_usage() -> None:
-    body = {"id": "x", "created": 1, "model": "m", "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "hi", "tool_calls": []},
-         "finish_reason": "stop", "logprobs": None}], "usage": {"total_tokens": 3}}
+    body = {
+        "id": "x",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi", "tool_calls": []},
+                "finish_reason": "stop",
+                "logprobs": None,
+            }
+        ],
+        "usage": {"total_tokens": 3},
+    }
     events = [e for e in synthesize_sse(body, "chat/completions", True).split(b"\n\n") if e]
     chunk = json.loads(events[0][6:])
     assert chunk["object"] == "chat.completion.chunk"
@@ -366,13 +411,25 @@ def test_entry_round_trip() -> None:
 def test_relay_handles_non_compact_json_too() -> None:
     """vLLM sends compact JSON (fast path); other servers may not."""
     relay = StreamRelay(keep_params=False, collect_ids=True, strip_ids=True)
-    plain = b"data: " + json.dumps({"choices": [{"delta": {"content": "a"}, "finish_reason": None,
-                                                 "token_ids": [97]}],
-                                    "prompt_token_ids": [1, 2], "kv_transfer_params": None}
-                                   ).encode()
-    last = b"data: " + json.dumps({"choices": [{"delta": {}, "finish_reason": "stop",
-                                                "token_ids": [98]}],
-                                   "kv_transfer_params": D_PARAMS}).encode()
+    plain = (
+        b"data: "
+        + json.dumps(
+            {
+                "choices": [{"delta": {"content": "a"}, "finish_reason": None, "token_ids": [97]}],
+                "prompt_token_ids": [1, 2],
+                "kv_transfer_params": None,
+            }
+        ).encode()
+    )
+    last = (
+        b"data: "
+        + json.dumps(
+            {
+                "choices": [{"delta": {}, "finish_reason": "stop", "token_ids": [98]}],
+                "kv_transfer_params": D_PARAMS,
+            }
+        ).encode()
+    )
     out = relay.process_event(plain, b"\n\n") + relay.process_event(last, b"\n\n")
     assert b"kv_transfer_params" not in out and b"token_ids" not in out
     result = relay.result

@@ -15,8 +15,13 @@ pytestmark = pytest.mark.unit
 
 
 def pool(n: int = 2, held_weight: float = 0.25, held_ttl: float = 450.0) -> UpstreamPool:
-    return UpstreamPool("decode", ["127.0.0.1"] * n, list(range(9000, 9000 + n)),
-                        held_weight=held_weight, held_ttl=held_ttl)
+    return UpstreamPool(
+        "decode",
+        ["127.0.0.1"] * n,
+        list(range(9000, 9000 + n)),
+        held_weight=held_weight,
+        held_ttl=held_ttl,
+    )
 
 
 def test_rule() -> None:
@@ -70,8 +75,13 @@ async def test_router_reserves_d_during_the_p_leg() -> None:
         s.flow.decode.nodes[0].reserved = 1  # D0 busy with one turn already
 
         async def one(i: int) -> int:
-            body = {"model": "tiny", "messages": [{"role": "user", "content": f"c{i}"}],
-                    "max_tokens": 2, "stream": False, "conversation_id": f"c{i}"}
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": f"c{i}"}],
+                "max_tokens": 2,
+                "stream": False,
+                "conversation_id": f"c{i}",
+            }
             status, _, _ = await s.post("/v1/chat/completions", body)
             return status
 

@@ -17,10 +17,15 @@ from bidir_kv.router import relay as relay_module
 from bidir_kv.router.relay import StreamRelay, synthesize_sse
 
 D_PARAMS = {
-    "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[7, 8, 9]],
-    "remote_engine_id": "d", "remote_request_id": "cmpl-d-1", "remote_host": "10.0.0.2",
-    "remote_port": 5700, "remote_num_tokens": 40,
-}  # fmt: skip
+    "do_remote_prefill": False,
+    "do_remote_decode": True,
+    "remote_block_ids": [[7, 8, 9]],
+    "remote_engine_id": "d",
+    "remote_request_id": "cmpl-d-1",
+    "remote_host": "10.0.0.2",
+    "remote_port": 5700,
+    "remote_num_tokens": 40,
+}
 SEP = b"\n\n"
 
 
@@ -80,26 +85,34 @@ def _pieces(stream: bytes, size: int) -> list[bytes]:
     return [stream[i : i + size] for i in range(0, len(stream), size)]
 
 
-async def _pump(monkeypatch: pytest.MonkeyPatch, d: FakeD, client: FakeClient,
-                **kw: Any) -> StreamRelay:  # fmt: skip
+async def _pump(
+    monkeypatch: pytest.MonkeyPatch, d: FakeD, client: FakeClient, **kw: Any
+) -> StreamRelay:
     monkeypatch.setattr(relay_module, "time", SimpleNamespace(perf_counter=d.clock))
     relay = StreamRelay(**{"keep_params": False, "collect_ids": False, "strip_ids": False, **kw})
     await relay.pump(d, client)  # type: ignore[arg-type]
     return relay
 
 
-PLAIN = data({"choices": [{"delta": {"content": "a"}, "finish_reason": None}],
-              "kv_transfer_params": None})  # fmt: skip
+PLAIN = data(
+    {"choices": [{"delta": {"content": "a"}, "finish_reason": None}], "kv_transfer_params": None}
+)
 LAST = data({"choices": [{"delta": {}, "finish_reason": "stop"}], "kv_transfer_params": D_PARAMS})
 STREAM = b": keep-alive" + SEP + PLAIN + b"\r\n\r\n" + LAST + SEP + b"data: [DONE]" + SEP
-RELAYED = (b": keep-alive" + SEP
-           + data({"choices": [{"delta": {"content": "a"}, "finish_reason": None}]}) + SEP
-           + data({"choices": [{"delta": {}, "finish_reason": "stop"}]}) + SEP)  # fmt: skip
+RELAYED = (
+    b": keep-alive"
+    + SEP
+    + data({"choices": [{"delta": {"content": "a"}, "finish_reason": None}]})
+    + SEP
+    + data({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+    + SEP
+)
 
 
 @pytest.mark.parametrize("size", [1, 7, 64, len(STREAM)])
-async def test_pump_relays_a_stream_cut_anywhere(monkeypatch: pytest.MonkeyPatch,
-                                                 size: int) -> None:  # fmt: skip
+async def test_pump_relays_a_stream_cut_anywhere(
+    monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
     d, client = FakeD(_pieces(STREAM, size)), FakeClient()
     relay = await _pump(monkeypatch, d, client)
     assert client.body == RELAYED  # [DONE] held back until finish()
@@ -125,8 +138,10 @@ async def test_pump_passes_empty_events_and_a_last_event_without_separator(
     assert client.body == PLAIN + SEP + SEP + LAST + SEP and client.eof
 
 
-ERROR = b'data: {"error":{"message":"decode node failed mid-stream: %s","type":"BadGateway",' \
-        b'"code":502}}\n\n'  # fmt: skip
+ERROR = (
+    b'data: {"error":{"message":"decode node failed mid-stream: %s","type":"BadGateway",'
+    b'"code":502}}\n\n'
+)
 
 
 async def test_pump_reports_a_stream_that_ends_before_the_terminal_chunk(
@@ -151,12 +166,16 @@ async def test_pump_without_a_finish_reason_but_with_done_is_no_failure(
     assert client.body == PLAIN + SEP
 
 
-@pytest.mark.parametrize(("exc", "failure"), [
-    (aiohttp.ClientPayloadError("connection reset"), "ClientPayloadError: connection reset"),
-    (TimeoutError(), "TimeoutError"),
-])  # fmt: skip
-async def test_pump_names_what_broke_d_off(monkeypatch: pytest.MonkeyPatch, exc: Exception,
-                                           failure: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("exc", "failure"),
+    [
+        (aiohttp.ClientPayloadError("connection reset"), "ClientPayloadError: connection reset"),
+        (TimeoutError(), "TimeoutError"),
+    ],
+)
+async def test_pump_names_what_broke_d_off(
+    monkeypatch: pytest.MonkeyPatch, exc: Exception, failure: str
+) -> None:
     d, client = FakeD([PLAIN + SEP], fail=exc), FakeClient()
     relay = await _pump(monkeypatch, d, client, keep_params=True)
     assert relay.result.failure == failure
@@ -192,7 +211,12 @@ async def test_finish_when_the_client_leaves_at_the_end() -> None:
 def test_a_fresh_relay_has_learnt_nothing() -> None:
     r = StreamRelay(keep_params=False, collect_ids=True, strip_ids=False).result
     assert (r.params, r.finish_reason, r.untracked, r.failure, r.terminal_params_key) == (
-        None, None, None, None, None)  # fmt: skip
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
     assert r.client_gone is False and r.done is False and r.upstream_seconds == 0.0
     assert r.generated_ids is None and r.prompt_ids is None and r.collected_ids
     assert r.reply_chunks is None and r.reply_message is None and r.reply() is None
@@ -217,14 +241,20 @@ def test_events_other_than_data_and_done_pass_as_they_are() -> None:
 def test_null_params_are_cut_wherever_they_stand_and_the_rest_kept_byte_for_byte() -> None:
     relay = StreamRelay(keep_params=False, collect_ids=False, strip_ids=False)
     first = 'data: {"kv_transfer_params":null,"choices":[{"delta":{"content":"é"}}]}'.encode()
-    assert relay.process_event(first, SEP) == \
-        'data: {"choices":[{"delta":{"content":"é"}}]}'.encode() + SEP  # fmt: skip
+    assert (
+        relay.process_event(first, SEP)
+        == 'data: {"choices":[{"delta":{"content":"é"}}]}'.encode() + SEP
+    )
     last = 'data: {"choices":[{"delta":{"content":"é"}}],"kv_transfer_params":null}'.encode()
-    assert relay.process_event(last, SEP) == \
-        'data: {"choices":[{"delta":{"content":"é"}}]}'.encode() + SEP  # fmt: skip
+    assert (
+        relay.process_event(last, SEP)
+        == 'data: {"choices":[{"delta":{"content":"é"}}]}'.encode() + SEP
+    )
     spaced = 'data: {"choices": [{"delta": {"content": "é"}}], "kv_transfer_params": null}'.encode()
-    assert relay.process_event(spaced, SEP) == \
-        'data: {"choices": [{"delta": {"content": "é"}}]}'.encode() + SEP  # fmt: skip
+    assert (
+        relay.process_event(spaced, SEP)
+        == 'data: {"choices": [{"delta": {"content": "é"}}]}'.encode() + SEP
+    )
     # an odd spelling strip_null_params does not know: decoded, the key dropped
     odd = b'data: {"kv_transfer_params" :null,"choices":[]}'
     assert relay.process_event(odd, SEP) == b'data: {"choices":[]}' + SEP
@@ -267,10 +297,13 @@ def test_terminal_chunk_records_whether_it_carried_the_params_key() -> None:
     last = data({"choices": [{"delta": {}, "finish_reason": "length"}]})
     assert relay.process_event(last, SEP) == last + SEP
     assert relay.result.terminal_params_key is False and relay.result.finish_reason == "length"
-    with_key = data({"choices": [{"delta": {}, "finish_reason": "stop"}],
-                     "kv_transfer_params": None})  # fmt: skip
-    assert relay.process_event(with_key, SEP) == \
-        data({"choices": [{"delta": {}, "finish_reason": "stop"}]}) + SEP  # fmt: skip
+    with_key = data(
+        {"choices": [{"delta": {}, "finish_reason": "stop"}], "kv_transfer_params": None}
+    )
+    assert (
+        relay.process_event(with_key, SEP)
+        == data({"choices": [{"delta": {}, "finish_reason": "stop"}]}) + SEP
+    )
     assert relay.result.terminal_params_key is True and relay.result.params is None
 
 
@@ -293,8 +326,10 @@ def test_terminal_chunk_with_invalid_params_or_json() -> None:
     bad = dict(D_PARAMS, remote_port="x")
     last = data({"choices": [{"delta": {}, "finish_reason": "stop"}], "kv_transfer_params": bad})
     relay = StreamRelay(keep_params=False, collect_ids=False, strip_ids=False)
-    assert relay.process_event(last, SEP) == \
-        data({"choices": [{"delta": {}, "finish_reason": "stop"}]}) + SEP  # fmt: skip
+    assert (
+        relay.process_event(last, SEP)
+        == data({"choices": [{"delta": {}, "finish_reason": "stop"}]}) + SEP
+    )
     assert relay.result.params is None
     keep = StreamRelay(keep_params=True, collect_ids=False, strip_ids=False)
     assert keep.process_event(last, SEP) == last + SEP
@@ -316,14 +351,21 @@ def test_reply_collected_from_the_streamed_chunks() -> None:
 
 
 ANSWER = {
-    "id": "cmpl-1", "object": "chat.completion", "prompt_token_ids": [1, 2],
+    "id": "cmpl-1",
+    "object": "chat.completion",
+    "prompt_token_ids": [1, 2],
     "choices": [
-        {"index": 0, "finish_reason": "stop", "token_ids": [5, 6], "prompt_token_ids": [7],
-         "message": {"role": "assistant", "content": "hi", "reasoning_content": "hm"}},
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "token_ids": [5, 6],
+            "prompt_token_ids": [7],
+            "message": {"role": "assistant", "content": "hi", "reasoning_content": "hm"},
+        },
         "not a choice",
     ],
     "kv_transfer_params": D_PARAMS,
-}  # fmt: skip
+}
 
 
 def test_digest_response_captures_and_strips() -> None:
@@ -380,36 +422,100 @@ def _events(raw: bytes) -> list[Any]:
 
 
 def test_synthesize_sse_chat_every_field() -> None:
-    body = {"id": "x", "created": 1, "model": "m", "object": "chat.completion", "choices": [
-        {"index": 3, "finish_reason": "tool_calls", "stop_reason": None, "logprobs": None,
-         "token_ids": [3], "message": {"role": "assistant", "tool_calls": [], "content": "hi",
-                                       "reasoning_content": None, "function_call": {"n": 1}}},
-        {"finish_reason": "stop", "message": {"content": "yo", "tool_calls": [
-            {"id": "a", "type": "function"}, {"id": "b", "type": "function"}]}},
-    ], "usage": {"total_tokens": 3}}  # fmt: skip
+    body = {
+        "id": "x",
+        "created": 1,
+        "model": "m",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 3,
+                "finish_reason": "tool_calls",
+                "stop_reason": None,
+                "logprobs": None,
+                "token_ids": [3],
+                "message": {
+                    "role": "assistant",
+                    "tool_calls": [],
+                    "content": "hi",
+                    "reasoning_content": None,
+                    "function_call": {"n": 1},
+                },
+            },
+            {
+                "finish_reason": "stop",
+                "message": {
+                    "content": "yo",
+                    "tool_calls": [
+                        {"id": "a", "type": "function"},
+                        {"id": "b", "type": "function"},
+                    ],
+                },
+            },
+        ],
+        "usage": {"total_tokens": 3},
+    }
     raw = synthesize_sse(body, "chat/completions", include_usage=True)
     assert raw.startswith(b'data: {"id":"x","created":1,"model":"m","object":"chat.completion.')
     assert _events(raw) == [
-        {"id": "x", "created": 1, "model": "m", "object": "chat.completion.chunk", "choices": [
-            {"index": 3, "delta": {"role": "assistant", "content": "hi", "function_call": {"n": 1}},
-             "logprobs": None, "finish_reason": "tool_calls", "stop_reason": None,
-             "token_ids": [3]},
-            {"index": 0, "delta": {"role": "assistant", "content": "yo", "tool_calls": [
-                {"id": "a", "type": "function", "index": 0},
-                {"id": "b", "type": "function", "index": 1}]}, "finish_reason": "stop"}]},
-        {"id": "x", "created": 1, "model": "m", "object": "chat.completion.chunk", "choices": [],
-         "usage": {"total_tokens": 3}},
+        {
+            "id": "x",
+            "created": 1,
+            "model": "m",
+            "object": "chat.completion.chunk",
+            "choices": [
+                {
+                    "index": 3,
+                    "delta": {"role": "assistant", "content": "hi", "function_call": {"n": 1}},
+                    "logprobs": None,
+                    "finish_reason": "tool_calls",
+                    "stop_reason": None,
+                    "token_ids": [3],
+                },
+                {
+                    "index": 0,
+                    "delta": {
+                        "role": "assistant",
+                        "content": "yo",
+                        "tool_calls": [
+                            {"id": "a", "type": "function", "index": 0},
+                            {"id": "b", "type": "function", "index": 1},
+                        ],
+                    },
+                    "finish_reason": "stop",
+                },
+            ],
+        },
+        {
+            "id": "x",
+            "created": 1,
+            "model": "m",
+            "object": "chat.completion.chunk",
+            "choices": [],
+            "usage": {"total_tokens": 3},
+        },
         b"[DONE]",
-    ]  # fmt: skip
+    ]
     assert _events(synthesize_sse(body, "chat/completions", include_usage=False))[1] == b"[DONE]"
 
 
 def test_synthesize_sse_completions_and_no_usage() -> None:
-    body = {"id": "y", "choices": [{"index": 1, "text": "abc", "finish_reason": "length"},
-                                   {"finish_reason": "stop"}], "usage": None}  # fmt: skip
-    assert _events(synthesize_sse(body, "completions", include_usage=True)) == [
-        {"id": "y", "object": "text_completion", "choices": [
+    body = {
+        "id": "y",
+        "choices": [
             {"index": 1, "text": "abc", "finish_reason": "length"},
-            {"index": 0, "text": "", "finish_reason": "stop"}]},
+            {"finish_reason": "stop"},
+        ],
+        "usage": None,
+    }
+    assert _events(synthesize_sse(body, "completions", include_usage=True)) == [
+        {
+            "id": "y",
+            "object": "text_completion",
+            "choices": [
+                {"index": 1, "text": "abc", "finish_reason": "length"},
+                {"index": 0, "text": "", "finish_reason": "stop"},
+            ],
+        },
         b"[DONE]",
-    ]  # fmt: skip
+    ]

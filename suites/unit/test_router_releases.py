@@ -20,16 +20,21 @@ CHAT = "/v1/chat/completions"
 
 
 def body(conv: str | None, text: str = "hello there") -> dict[str, Any]:
-    out: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": text}],
-                           "max_tokens": 8, "stream": True}
+    out: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 8,
+        "stream": True,
+    }
     if conv is not None:
         out["conversation_id"] = conv
     return out
 
 
 def releases(engine: StubEngine) -> list[dict[str, Any]]:
-    return [r for r in engine.received
-            if r["headers"].get("x-request-id", "").startswith("release-")]
+    return [
+        r for r in engine.received if r["headers"].get("x-request-id", "").startswith("release-")
+    ]
 
 
 def d_params(engine: StubEngine, index: int) -> KVTransferParams:

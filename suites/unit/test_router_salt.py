@@ -15,16 +15,21 @@ CHAT = "/v1/chat/completions"
 
 
 def body(**extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": "same prompt"}],
-            "max_tokens": 4, "stream": False, "conversation_id": "c", **extra}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "same prompt"}],
+        "max_tokens": 4,
+        "stream": False,
+        "conversation_id": "c",
+        **extra,
+    }
 
 
 def salts(s: StubStack) -> list[Any]:
     """cache_salt of every client leg P and D received, in order (releases excluded)."""
     out = []
     for eng in (*s.prefill, *s.decode):
-        out += [r["body"].get("cache_salt", "<none>") for r in eng.received
-                if r["path"] == CHAT]
+        out += [r["body"].get("cache_salt", "<none>") for r in eng.received if r["path"] == CHAT]
     return out
 
 

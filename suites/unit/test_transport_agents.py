@@ -223,6 +223,7 @@ async def test_fence_words_nixl_cannot_register_mean_no_fence(
     """A fence table NIXL refuses: one warning, an agent without the fence (no
     metadata fields, so peers read it as stock), and KV reads still work. (TCP serves
     the words from its data port: nothing to register.)"""
+
     class Refusing:
         def __init__(self, inner: object) -> None:
             self.inner, self.calls = inner, 0

@@ -49,5 +49,3 @@ async def test_gone_owner_is_a_transport_error() -> None:
         assert not np.any(reader.pool.data)
     finally:
         await reader.close()
-
-

@@ -49,8 +49,7 @@ def test_no_wire_version_is_kept_outside_the_registry() -> None:
     stray = {
         str(path.relative_to(PACKAGE)): names
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path != REGISTRY
-        and (names := _int_version_constants(path.read_text(encoding="utf-8")))
+        if path != REGISTRY and (names := _int_version_constants(path.read_text(encoding="utf-8")))
     }
     assert not stray, f"wire versions outside bidir_kv/wire/versions.py: {stray}"
 

@@ -218,8 +218,12 @@ class NixlAgent(KVAgent):
                 "NIXL_INIT_AGENT", _word_descs(self._scratch.ctypes.data, 1), _MEM
             )
         except Exception as exc:
-            logger.warning("NIXL agent %s: fence words could not be registered (%s); "
-                           "running without the fence (stock behaviour)", self.name, exc)
+            logger.warning(
+                "NIXL agent %s: fence words could not be registered (%s); "
+                "running without the fence (stock behaviour)",
+                self.name,
+                exc,
+            )
             self._fence_reg = self._scratch_local = None
             return
         self.fence_registered = words is not None
@@ -266,8 +270,11 @@ class NixlAgent(KVAgent):
                 peer.fence_dlist = agent.prep_xfer_dlist(name, _word_descs(base, slots), _MEM)
                 peer.fence_slots = slots
             except Exception as exc:
-                logger.warning("NIXL peer %s: its fence words cannot be prepared (%s); its "
-                               "reads go unfenced", name, exc)
+                logger.warning(
+                    "NIXL peer %s: its fence words cannot be prepared (%s); its reads go unfenced",
+                    name,
+                    exc,
+                )
         self._peers[name] = peer
         return name
 

@@ -132,7 +132,11 @@ class TcpAgent(KVAgent):
             old.drop_idle()
         slots = md.get(wire.FENCE_SLOTS)
         peer = _Peer(
-            md["name"], md["host"], int(md["port"]), int(md["num_blocks"]), int(md["block_nbytes"]),
+            md["name"],
+            md["host"],
+            int(md["port"]),
+            int(md["num_blocks"]),
+            int(md["block_nbytes"]),
             fence_slots=slots if isinstance(slots, int) and slots > 0 else 0,
         )
         self._peers[peer.name] = peer

@@ -208,6 +208,7 @@ class ConversationStore(abc.ABC):
     async def _close(self, key: str) -> tuple[Entry | None, bool]:
         """Atomically: pop the entry, record the close (now), and say whether a turn
         of ``key`` is in flight."""
+
     async def ping(self) -> None:  # noqa: B027 - optional hook, nothing to check in memory
         """Raise :class:`StoreError` when the store is unreachable."""
 

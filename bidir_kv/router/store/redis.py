@@ -96,8 +96,11 @@ class RedisStore(ConversationStore):
         # ``wait_timeout``) for a free connection; redis-py's default pool raises
         # "Too many connections" past 100 instead.
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=wait_timeout,
-            socket_timeout=5, socket_connect_timeout=5,
+            url,
+            max_connections=max_connections,
+            timeout=wait_timeout,
+            socket_timeout=5,
+            socket_connect_timeout=5,
         )
         self._redis: Any = aioredis.Redis(connection_pool=pool)
 
@@ -155,11 +158,25 @@ class RedisStore(ConversationStore):
         lease = "" if entry.lease is None else repr(lease_deadline(entry.created, entry.lease))
         # the old value: an entry this one overwrites (concurrent turns of one
         # conversation) is reported, so its blocks on D are released
-        done = await self._run("SET", self._redis.eval(
-            _PUT, 6, name, closed, in_flight, self._index, self._leases, self._idle,
-            "" if since is None else repr(since), entry.to_bytes(),
-            str(int((self.ttl + self.GRACE) * 1000)), repr(entry.created), lease,
-            "" if entry.lease is None else repr(entry.lease)))
+        done = await self._run(
+            "SET",
+            self._redis.eval(
+                _PUT,
+                6,
+                name,
+                closed,
+                in_flight,
+                self._index,
+                self._leases,
+                self._idle,
+                "" if since is None else repr(since),
+                entry.to_bytes(),
+                str(int((self.ttl + self.GRACE) * 1000)),
+                repr(entry.created),
+                lease,
+                "" if entry.lease is None else repr(entry.lease),
+            ),
+        )
         if not int(done[0]):
             return False
         old, count = done[1], done[2]
@@ -217,9 +234,19 @@ class RedisStore(ConversationStore):
 
     async def renew(self, key: str) -> Renewal | None:
         now = self.now()
-        idle = await self._run("keep-alive", self._redis.eval(
-            _RENEW, 4, self._key(key), self._index, self._leases, self._idle,
-            repr(now), repr(stale_cutoff(now, self.ttl))))
+        idle = await self._run(
+            "keep-alive",
+            self._redis.eval(
+                _RENEW,
+                4,
+                self._key(key),
+                self._index,
+                self._leases,
+                self._idle,
+                repr(now),
+                repr(stale_cutoff(now, self.ttl)),
+            ),
+        )
         if idle is None:
             return None
         if idle in (b"", ""):
@@ -228,8 +255,10 @@ class RedisStore(ConversationStore):
         return Renewal(lease, lease_deadline(now, lease))
 
     async def expire_leases(self) -> int:
-        raws = await self._run("lease expiry", self._redis.eval(
-            _EXPIRE, 3, self._leases, self._index, self._idle, repr(self.now())))
+        raws = await self._run(
+            "lease expiry",
+            self._redis.eval(_EXPIRE, 3, self._leases, self._index, self._idle, repr(self.now())),
+        )
         self._evicted(self._decode(list(raws or [])), "lease_expired")
         return len(raws or [])
 

@@ -19,14 +19,21 @@ from typing import Self
 __all__ = ["Drip", "FakeNode", "http_answer"]
 
 MODEL = "tiny"
-METRICS = (b"# TYPE vllm:nixl_num_failed_transfers counter\n"
-           b"vllm:nixl_num_failed_transfers_total 0.0\n"
-           b"# TYPE vllm:nixl_num_kv_expired_reqs counter\n"
-           b"vllm:nixl_num_kv_expired_reqs_total 0.0\n")
+METRICS = (
+    b"# TYPE vllm:nixl_num_failed_transfers counter\n"
+    b"vllm:nixl_num_failed_transfers_total 0.0\n"
+    b"# TYPE vllm:nixl_num_kv_expired_reqs counter\n"
+    b"vllm:nixl_num_kv_expired_reqs_total 0.0\n"
+)
 
 
-def http_answer(body: bytes | str | object, *, status: str = "200 OK",
-                headers: dict[str, str] | None = None, length: int | None = None) -> bytes:
+def http_answer(
+    body: bytes | str | object,
+    *,
+    status: str = "200 OK",
+    headers: dict[str, str] | None = None,
+    length: int | None = None,
+) -> bytes:
     """Raw bytes of an HTTP/1.1 answer; ``length`` overrides Content-Length (a lie
     truncates the body), a ``Date`` header is added unless ``headers`` has one."""
     if isinstance(body, str):
@@ -35,8 +42,12 @@ def http_answer(body: bytes | str | object, *, status: str = "200 OK",
         raw = body
     else:
         raw = json.dumps(body).encode()
-    hdrs = {"Date": email.utils.formatdate(usegmt=True), "Connection": "close",
-            "Content-Type": "application/json", **(headers or {})}
+    hdrs = {
+        "Date": email.utils.formatdate(usegmt=True),
+        "Connection": "close",
+        "Content-Type": "application/json",
+        **(headers or {}),
+    }
     hdrs["Content-Length"] = str(len(raw) if length is None else length)
     head = f"HTTP/1.1 {status}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items())
     return head.encode() + b"\r\n" + raw
@@ -83,8 +94,12 @@ class FakeNode:
         self._thread.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         self._sock.close()
@@ -111,8 +126,9 @@ class FakeNode:
                     head += chunk
                 path = head.split(b" ", 2)[1].decode(errors="replace").split("?")[0]
                 self.seen.append(path)
-                answer = self.answers.get(path, http_answer({"detail": "Not Found"},
-                                                            status="404 Not Found"))
+                answer = self.answers.get(
+                    path, http_answer({"detail": "Not Found"}, status="404 Not Found")
+                )
                 if isinstance(answer, Drip):
                     self._drip(conn, answer)
                 elif isinstance(answer, bytes):
@@ -126,6 +142,6 @@ class FakeNode:
         data = b"HTTP/1.1 200 OK\r\nX-Pad: "
         i = 0
         while not self._stop.is_set():
-            conn.sendall(data[i:i + 1] if i < len(data) else b"a")
+            conn.sendall(data[i : i + 1] if i < len(data) else b"a")
             i += 1
             self._stop.wait(drip.every)

@@ -57,8 +57,9 @@ def relay_app(prefill_url: str, decode_url: str, prefill_host: str, decode_host:
             d_body["kv_transfer_params"] = dict(miss)
 
         async def gen() -> Any:
-            async with client.stream("POST", f"{decode_url}/v1/chat/completions", json=d_body,
-                                     headers=headers) as resp:
+            async with client.stream(
+                "POST", f"{decode_url}/v1/chat/completions", json=d_body, headers=headers
+            ) as resp:
                 async for line in resp.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
@@ -89,6 +90,13 @@ def serve_relay(argv: Sequence[str]) -> int:
     app = relay_app(f"http://{args.prefill}", f"http://{args.decode}", p_host, d_host)
     # httptools, uvicorn's fast parser (what "auto" picks when installed; the upstream
     # proxy's environment has it): a baseline on the slower h11 would flatter our router
-    uvicorn.run(app, host=HOST, port=args.port, log_level="warning", access_log=False,
-                loop="auto", http="httptools")
+    uvicorn.run(
+        app,
+        host=HOST,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        loop="auto",
+        http="httptools",
+    )
     return 0

@@ -86,12 +86,20 @@ class StubEngine:
     def _params(self, prefill: bool, num_tokens: int, rid: str) -> dict[str, Any]:
         blocks = list(range(1, cdiv(num_tokens, BLOCK) + 1)) if num_tokens else []
         out: dict[str, Any] = {
-            "do_remote_prefill": prefill, "do_remote_decode": not prefill,
-            "remote_block_ids": [blocks], "remote_engine_id": f"{self.name}-engine",
-            "remote_request_id": rid, "remote_host": "localhost", "remote_port": self.side_port,
-            "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": num_tokens,
+            "do_remote_prefill": prefill,
+            "do_remote_decode": not prefill,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": f"{self.name}-engine",
+            "remote_request_id": rid,
+            "remote_host": "localhost",
+            "remote_port": self.side_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": num_tokens,
             "remote_blocks_expiry_time": None if prefill else 1000.0,
-            "remote_registration_generation": 0, "transfer_mode": "pull",
+            "remote_registration_generation": 0,
+            "transfer_mode": "pull",
         }
         if prefill:
             out["remote_prefill_cached_tokens"] = 0
@@ -117,9 +125,13 @@ class StubEngine:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
         if self.record:
-            self.received.append({"path": request.path,
-                                  "headers": {k.lower(): v for k, v in request.headers.items()},
-                                  "body": body})
+            self.received.append(
+                {
+                    "path": request.path,
+                    "headers": {k.lower(): v for k, v in request.headers.items()},
+                    "body": body,
+                }
+            )
         params = params_from_request(body)
         prompt = render_prompt(body, chat)
         rid = f"cmpl-{self.name}-{next(self._ids)}"
@@ -128,7 +140,11 @@ class StubEngine:
         return await self._decode(request, body, prompt, rid, chat)
 
     async def _prefill(
-        self, body: dict[str, Any], params: KVTransferParams, prompt: list[int], rid: str,
+        self,
+        body: dict[str, Any],
+        params: KVTransferParams,
+        prompt: list[int],
+        rid: str,
         chat: bool,
     ) -> web.Response:
         if self.prefill_delay:
@@ -143,12 +159,18 @@ class StubEngine:
             self.fail_hits -= 1
             return web.json_response({"error": {"message": "Internal server error"}}, status=500)
         out = self._complete(body, prompt, _gen_tokens(prompt, 1), "length", rid, chat)
-        out["kv_transfer_params"] = self._params(True, len(prompt), rid) if self.return_params \
-            else None
+        out["kv_transfer_params"] = (
+            self._params(True, len(prompt), rid) if self.return_params else None
+        )
         return web.json_response(out)
 
     def _complete(
-        self, body: dict[str, Any], prompt: list[int], gen: list[int], finish: str, rid: str,
+        self,
+        body: dict[str, Any],
+        prompt: list[int],
+        gen: list[int],
+        finish: str,
+        rid: str,
         chat: bool,
     ) -> dict[str, Any]:
         text = bytes(gen).decode()
@@ -160,12 +182,18 @@ class StubEngine:
             choice["message"] = msg
         else:
             choice["text"] = text
-        out: dict[str, Any] = {"id": rid, "object": "chat.completion" if chat else
-                               "text_completion", "created": 0, "model": body.get("model"),
-                               "choices": [choice],
-                               "usage": {"prompt_tokens": len(prompt),
-                                         "completion_tokens": len(gen),
-                                         "total_tokens": len(prompt) + len(gen)}}
+        out: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": 0,
+            "model": body.get("model"),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(gen),
+                "total_tokens": len(prompt) + len(gen),
+            },
+        }
         if body.get("return_token_ids"):
             choice["token_ids"] = gen
             if chat:
@@ -197,8 +225,11 @@ class StubEngine:
                 await resp.write_eof()
                 return resp
             last = i == n - 1
-            choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                      "finish_reason": "length" if last else None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": "length" if last else None,
+            }
             if chat:
                 delta: dict[str, Any] = {"content": chr(tok)}
                 if i == 0:
@@ -206,15 +237,26 @@ class StubEngine:
                     if self.reasoning:
                         delta["reasoning_content"] = "hmm"
                     if self.tool_call:
-                        delta["tool_calls"] = [{"index": 0, "id": "t1", "type": "function",
-                                                "function": {"name": "f", "arguments": "{}"}}]
+                        delta["tool_calls"] = [
+                            {
+                                "index": 0,
+                                "id": "t1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{}"},
+                            }
+                        ]
                 choice["delta"] = delta
             else:
                 choice["text"] = chr(tok)
             if want_ids:
                 choice["token_ids"] = [tok]
-            chunk: dict[str, Any] = {"id": rid, "object": obj, "created": 0,
-                                     "model": body.get("model"), "choices": [choice]}
+            chunk: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": 0,
+                "model": body.get("model"),
+                "choices": [choice],
+            }
             if want_ids and i == 0 and self.stream_prompt_ids:
                 if chat:
                     chunk["prompt_token_ids"] = prompt
@@ -222,14 +264,21 @@ class StubEngine:
                     choice["prompt_token_ids"] = prompt
             if self.stream_params and (chat or last) and not self.params_apart:
                 chunk["kv_transfer_params"] = d_params if last else None  # 0.32: never
-            await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
-                             + b"\n\n")
+            await resp.write(
+                b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+            )
             if last and self.stream_params and self.params_apart:
-                own: dict[str, Any] = {"id": rid, "object": obj, "created": 0,
-                                       "model": body.get("model"), "choices": [],
-                                       "kv_transfer_params": d_params}
-                await resp.write(b"data: " + json.dumps(own, separators=(",", ":")).encode()
-                                 + b"\n\n")
+                own: dict[str, Any] = {
+                    "id": rid,
+                    "object": obj,
+                    "created": 0,
+                    "model": body.get("model"),
+                    "choices": [],
+                    "kv_transfer_params": d_params,
+                }
+                await resp.write(
+                    b"data: " + json.dumps(own, separators=(",", ":")).encode() + b"\n\n"
+                )
             if i == 0 and self.gate is not None:
                 await self.gate.wait()
         await resp.write(b"data: [DONE]\n\n")

@@ -38,9 +38,7 @@ def request_amx() -> None:
         pass
 
 
-def within_allowed(
-    numa_cores: Sequence[Sequence[int]], allowed: set[int]
-) -> list[list[int]]:
+def within_allowed(numa_cores: Sequence[Sequence[int]], allowed: set[int]) -> list[list[int]]:
     """Each NUMA node's cores limited to ``allowed``; nodes left empty are dropped."""
     kept = ([c for c in node if c in allowed] for node in numa_cores)
     return [node for node in kept if node]
@@ -53,9 +51,12 @@ def limit_kv_cores(module: ModuleType) -> None:
         platform_cls, "discover_numa_topology", None
     )
     if original is None:  # another vLLM version: say so in the server's log
-        print(f"bidir-kv sitecustomize: {module.__name__}.CpuPlatform has no "
-              "discover_numa_topology; the KV-transfer core is left to vLLM",
-              file=sys.stderr, flush=True)
+        print(
+            f"bidir-kv sitecustomize: {module.__name__}.CpuPlatform has no "
+            "discover_numa_topology; the KV-transfer core is left to vLLM",
+            file=sys.stderr,
+            flush=True,
+        )
         return
 
     def discover_numa_topology(cls: type) -> list[list[int]]:
