@@ -19,16 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from bidir_kv.policy import block_hashes, tail_hash, valid_conversation_lease
-from bidir_kv.wire.versions import LEASE, TOKEN_CHAIN
+from bidir_kv.wire.versions import LEASE, TOKEN_CHAIN, VERIFY
 
 __all__ = [
     "CHAIN_KEY",
     "LEASE_CONFIG_KEY",
     "LEASE_KEY",
+    "VERIFY_KEY",
     "HeldTokens",
+    "advertises_verify",
     "configured_lease",
     "lease_of",
     "lease_to_wire",
+    "verifier_advert",
 ]
 
 CHAIN_KEY = "bidir_kv_chain"
@@ -39,6 +42,24 @@ CHAIN_KEY = "bidir_kv_chain"
 # conversation alive and free D's blocks (notify-only) once it goes idle. P ignores it.
 LEASE_CONFIG_KEY = "bidir_kv_lease_seconds"
 LEASE_KEY = "bidir_kv_lease"
+
+# A reader that caps every pull at the prefix D's chain (CHAIN_KEY) proves says so in
+# the dict it hands on with its prefill (P's dict to the router), the way the fence
+# advert does: ``"bidir_kv_verify": {"v": 1, "chain": true}``. A router seeing it from a
+# prefill node may forward D's whole dict for a rewritten history and let that P read
+# the proven prefix; without it (stock vLLM) the router must trim or refuse itself.
+VERIFY_KEY = "bidir_kv_verify"
+
+
+def verifier_advert() -> dict[str, Any]:
+    """What a chain-verifying reader adds to the dict it hands on with its prefill."""
+    return {"v": VERIFY.version, "chain": True}
+
+
+def advertises_verify(params: Mapping[str, Any] | None) -> bool:
+    """Whether ``params`` (a P-node dict) say their reader verifies D's token chain."""
+    obj = params.get(VERIFY_KEY) if params else None
+    return isinstance(obj, Mapping) and obj.get("v") == VERIFY.version and obj.get("chain") is True
 
 
 def configured_lease(value: object) -> float | None:

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FENCE", "LEASE", "NOTIFICATIONS", "TOKEN_CHAIN", "TRANSPORT", "WIRES", "Wire"]
+__all__ = [
+    "FENCE",
+    "LEASE",
+    "NOTIFICATIONS",
+    "TOKEN_CHAIN",
+    "TRANSPORT",
+    "VERIFY",
+    "WIRES",
+    "Wire",
+]
 
 
 @dataclass(frozen=True)
@@ -73,4 +82,13 @@ FENCE = Wire(
     ),
 )
 
-WIRES: tuple[Wire, ...] = (TRANSPORT, NOTIFICATIONS, TOKEN_CHAIN, LEASE, FENCE)
+VERIFY = Wire(
+    "verify",
+    "bidir_kv.wire.params",
+    (
+        "a reader's advert under bidir_kv_verify {v, chain} in the dict it hands on with "
+        "its prefill: it reads only the prefix D's token chain proves",
+    ),
+)
+
+WIRES: tuple[Wire, ...] = (TRANSPORT, NOTIFICATIONS, TOKEN_CHAIN, LEASE, FENCE, VERIFY)

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from bidir_kv.wire import versions
-from bidir_kv.wire.params import HeldTokens, lease_to_wire
+from bidir_kv.wire.params import (
+    HeldTokens,
+    advertises_verify,
+    lease_to_wire,
+    verifier_advert,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -29,6 +34,15 @@ def test_the_values_on_the_wire_carry_the_registry_versions() -> None:
     held = HeldTokens.of(list(range(10)), 4)
     assert held.to_wire()["v"] == versions.TOKEN_CHAIN.version
     assert lease_to_wire(30)["v"] == versions.LEASE.version
+    assert verifier_advert()["v"] == versions.VERIFY.version
+
+
+def test_the_verify_advert_is_recognised_only_at_its_version() -> None:
+    assert advertises_verify({"bidir_kv_verify": verifier_advert()})
+    assert not advertises_verify({"bidir_kv_verify": {"v": 99, "chain": True}})
+    assert not advertises_verify({"bidir_kv_verify": {"v": versions.VERIFY.version}})
+    assert not advertises_verify({"bidir_kv_fence": {"v": 1, "reads": True}})
+    assert not advertises_verify(None)
 
 
 def _int_version_constants(source: str) -> list[str]:
