@@ -83,3 +83,17 @@ async def test_delete_without_entry_or_turn_is_still_404() -> None:
         assert s.session is not None
         async with s.session.delete(s.url + "/v1/conversations/nobody") as resp:
             assert resp.status == 404
+
+
+async def test_close_wins_over_a_first_turn_in_flight_redis_store(
+    redis_server: RedisServer,
+) -> None:
+    """A turn that found no entry is in flight too (the memory store's case is in the
+    unit tier: suites/unit/test_router_close_missed.py)."""
+    from suites.unit.test_router_close_missed import close_during_the_first_turn
+
+    store = RedisStore(redis_server.url, ttl=450, max_entries=100, prefix="first:")
+    try:
+        await close_during_the_first_turn(store)
+    finally:
+        await store.close()

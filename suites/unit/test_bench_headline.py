@@ -165,3 +165,40 @@ def test_a_real_engines_cpu_is_not_judged_as_overhead(tmp_path: Path) -> None:
     (out / "manifest.json").write_text(json.dumps(manifest))
     h = headline(summarize_result(load_result(out)))
     assert h is not None and any("own CPU" in p for p in h.problems)
+
+
+def _two_clients_at(out: Path, leg: str, point: int, *, overlapped: bool) -> None:
+    """Rewrite one leg's records at ``point``: two clients whose turns overlap (the
+    second starts 100 ms into the first's 800 ms TTFT) or are staggered (it starts as
+    the first's TTFT ends)."""
+    from bidir_kv.bench.runner import point_name
+    from bidir_kv.bench.stats import write_records
+    from suites.unit.test_bench_report import rec
+
+    offset = 100.0 if overlapped else 900.0
+    recs = []
+    for turn in (1, 2, 3):
+        for client in (0, 1):
+            r = rec(leg, point, turn, 800.0, f"c{client}")
+            r.client_id = client
+            r.start_time_ms = turn * 5000.0 + client * offset
+            recs.append(r)
+    write_records(out / leg / f"{point_name(point)}.stats.json", recs)
+
+
+@pytest.mark.parametrize(("off_overlapped", "on_overlapped"), [(True, False), (False, True)])
+def test_headline_phase_state_is_the_off_legs(
+    tmp_path: Path, off_overlapped: bool, on_overlapped: bool
+) -> None:
+    """The headline says which phase state the OFF figure ran in: read from the OFF
+    leg's turns, whatever the ON leg's clients did."""
+    out = _with_overhead(tmp_path, load1=0.6, engine_cpu_ms=0.1)
+    point = max(POINTS)
+    _two_clients_at(out, "off", point, overlapped=off_overlapped)
+    _two_clients_at(out, "on", point, overlapped=on_overlapped)
+    h = headline(summarize_result(load_result(out)))
+    assert h is not None and h.point == point
+    measured = 4  # turns 2 and 3 of both clients (min_turn 2)
+    assert h.off_overlapped == ((measured if off_overlapped else 0), measured)
+    state = "overlapped clients" if off_overlapped else "staggered clients"
+    assert f"{h.off_overlapped[0]} of {measured} ({state}" in headline_text(h)

@@ -162,6 +162,27 @@ def test_break_even_linear() -> None:
     assert never is None and "never" in why
 
 
+@pytest.mark.parametrize(
+    ("fixed_us", "exact", "threshold"),
+    [
+        (2250.0, 112.5, 128),  # just past a block boundary: the next block, not 112
+        (1930.0, 96.5, 112),
+        (2240.0, 112.0, 112),  # on a boundary: that block
+        (10.0, 0.5, 16),  # under one token: one whole block
+    ],
+)
+def test_threshold_rounds_a_fractional_break_even_up_to_the_next_block(
+    fixed_us: float, exact: float, threshold: int
+) -> None:
+    """Below the break-even a pull costs more than recomputing, so the threshold is the
+    first whole block at or past it, never the block before it."""
+    model = cost(a=21.0, x=1.0, o=fixed_us)  # 20 µs saved per token
+    assert break_even_tokens(model) == pytest.approx(exact)
+    t, why = recommend_threshold(model, block_size=16)
+    assert t == threshold and f"pull pays from {exact:.1f} tokens" in why
+    assert t is not None and t >= exact and t % 16 == 0
+
+
 @given(
     a=st.floats(0.1, 100),
     b=st.one_of(st.just(0.0), st.floats(1e-6, 5)),

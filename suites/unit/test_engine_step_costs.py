@@ -173,3 +173,46 @@ def test_decode_steps_keep_the_profiles_pace_however_late_each_wake_up(
     assert busy == pytest.approx(0.400 + clock.late, abs=1e-9)
     # an idle engine starts a new timeline: no credit for the time it waited
     assert after_idle == pytest.approx(0.004 + clock.late, abs=1e-9)
+
+
+def test_after_a_stall_steps_make_up_at_most_the_catch_up_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop wakes 50 ms late once (a pause of the process, a busy core): the steps
+    after it make up at most the catch-up cap (5 ms), the rest of the stall is not made
+    up by running steps back to back, which would send a burst of tokens."""
+    import asyncio
+
+    from bidir_kv.engine import steps
+
+    prof = CostProfile(
+        "dec", decode_us_per_step=4000.0, kv_bytes_per_token=LAYERS * 4, num_layers=LAYERS
+    )
+    clock = _Clock(late=0.0)
+    loop = _loop(prof, budget=64)
+    req = _running(loop, "r", 16, 1, ignore_eos=True)
+    req.blocks = list(range(1, 21))
+    req.num_computed, req.max_tokens = 16, 10_000
+    req.tokens.append(200)
+    req.output.append(200)
+
+    async def scenario() -> list[float]:
+        monkeypatch.setattr(steps.time, "perf_counter", clock.perf_counter)
+        monkeypatch.setattr(steps.asyncio, "sleep", clock.sleep)
+        for _ in range(10):
+            await loop._step()
+        clock.now += 0.050  # the stall: the next step starts 50 ms after the last ended
+        took = []
+        for _ in range(10):
+            t = clock.now
+            await loop._step()
+            took.append(clock.now - t)
+        return took
+
+    took = asyncio.run(scenario())
+    # 10 steps of 4 ms less the 5 ms cap: the first step after the stall has no time
+    # left to wait, the second waits 3 ms, then every step takes the profile's 4 ms
+    assert sum(took) == pytest.approx(0.040 - 0.005, abs=1e-9)
+    assert took[0] == pytest.approx(0.0, abs=1e-9)
+    assert took[1] == pytest.approx(0.003, abs=1e-9)
+    assert took[2:] == pytest.approx([0.004] * 8, abs=1e-9)

@@ -94,3 +94,14 @@ def test_too_few_or_too_many_bytes_fail(counted: int, message: str) -> None:
 def test_bytes_within_the_overhead_pass() -> None:
     assert gate_fabric({"eth1 rx_bytes": 1000}, 1000, 1.25) == 1000
     assert gate_fabric({"eth1 rx_bytes": 1250}, 1000, 1.25) == 1250
+
+
+@pytest.mark.parametrize("counted", [999, 800, 501])
+@pytest.mark.parametrize("overhead", [1.25, 2.0])
+def test_any_shortfall_below_the_expected_bytes_fails(counted: int, overhead: float) -> None:
+    """The overhead factor allows bytes *above* the expected ones (headers, the side
+    channel); below them, by any amount, part of the KV went another way: a fifth of the
+    bytes missing must not pass because the factor is 1.25."""
+    with pytest.raises(FabricFailure, match=rf"{counted:,} bytes counted on eth1 < 1,000 KV"):
+        gate_fabric({"eth1 rx_bytes": counted}, 1000, overhead, what="eth1")
+    assert gate_fabric({"eth1 rx_bytes": 1000}, 1000, overhead, what="eth1") == 1000

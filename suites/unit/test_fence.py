@@ -129,3 +129,22 @@ def test_connector_turns_budget_pressure_and_slots() -> None:
     assert not turns.is_fenced("a") and turns.held_blocks() == 12
     again = turns.retain("d", 1, fenced=True)
     assert again is not None and again[0] == a[0] and again[1] > b[1]
+
+
+def test_connector_budget_counts_turns_being_released_as_gone() -> None:
+    """A turn already being released (its fence bumped, its blocks freed when the worker
+    reports it) no longer counts as held: pressure never releases more turns than the
+    budget needs (docs/connector.md §5)."""
+    from bidir_kv.connector.retention import RetainedTurns
+
+    turns = RetainedTurns(slots=8)
+    for rid in "abcd":
+        turns.retain(rid, 4, fenced=True)  # 16 blocks held, oldest first
+    # a budget of 12 of 20 blocks: releasing "a" (4 blocks) is enough
+    assert turns.over_budget(0.6, 20) == ["a"]
+    # "a" is on its way out: the other 12 blocks fit, nothing more is released
+    assert turns.over_budget(0.6, 20, releasing={"a"}) == []
+    # a budget of 8: one more turn than "a", the oldest not already released
+    assert turns.over_budget(0.4, 20, releasing={"a"}) == ["b"]
+    assert turns.over_budget(0.4, 20, releasing={"a", "b"}) == []
+    assert turns.over_budget(0.2, 20, keep="c", releasing={"a"}) == ["b", "d"]

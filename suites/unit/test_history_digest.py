@@ -51,19 +51,44 @@ def test_two_tenants_with_the_same_history_never_share_a_key() -> None:
     assert looked_up(second, MALLORY) == stored(body(USER), MALLORY)
 
 
-def test_prompt_changing_fields_are_in_the_scope_sampling_fields_are_not() -> None:
+# Every request field of vLLM's chat API that changes the tokens a template renders from
+# the same messages, with a value to set (written out here, not read from SCOPE_FIELDS: a
+# field dropped from the scope must fail this test).
+PROMPT_CHANGING = (
+    ("model", "other"),
+    ("cache_salt", "s"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("parallel_tool_calls", False),
+    ("chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}"),
+    ("chat_template_kwargs", {"enable_thinking": False}),
+    ("add_generation_prompt", False),
+    ("continue_final_message", True),
+    ("add_special_tokens", True),
+    ("documents", [{"title": "t", "text": "x"}]),
+    ("reasoning_effort", "high"),
+    ("include_reasoning", False),
+    ("thinking_token_budget", 128),
+    ("mm_processor_kwargs", {"num_crops": 4}),
+    ("media_io_kwargs", {"video": {"num_frames": 8}}),
+)
+
+
+@pytest.mark.parametrize(("field", "value"), PROMPT_CHANGING, ids=[f for f, _ in PROMPT_CHANGING])
+def test_a_prompt_changing_field_is_in_the_scope(field: str, value: Any) -> None:
+    """Two requests that differ only in ``field`` never share a key: set on one turn
+    only, or set to another value on each; the same value on both turns still finds."""
     first, second = body(USER), body(USER, REPLY, NEXT)
-    for field, value in (
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("chat_template_kwargs", {"enable_thinking": False}),
-        ("add_generation_prompt", False),
-        ("model", "other"),
-        ("cache_salt", "s"),
-        ("reasoning_effort", "high"),
-        ("continue_final_message", True),
-        ("tool_choice", "required"),
-    ):
-        assert looked_up({**second, field: value}) != stored(first), field
+    assert looked_up({**second, field: value}) != stored(first)
+    assert looked_up(second) != stored({**first, field: value})
+    assert looked_up({**second, field: value}) != stored({**first, field: [value]})
+    assert looked_up({**second, field: value}) == stored({**first, field: value})
+
+
+def test_sampling_fields_are_not_in_the_scope() -> None:
+    first, second = body(USER), body(USER, REPLY, NEXT)
     for field, value in (
         ("temperature", 0.7),
         ("max_tokens", 99),

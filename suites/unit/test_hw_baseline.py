@@ -82,3 +82,18 @@ def test_missing_run_or_length_is_named(storage: Path) -> None:
         r"length \(it has \[2000, 8000\]\)",
     ):
         gate_baseline(4000, _result(4000, 1, 0.5), base, 10.0)
+
+
+def test_the_newest_of_several_matching_runs_is_the_baseline(storage: Path) -> None:
+    """Runs saved under one name (a release stored each week) are compared against the
+    newest: the fixture's 0001_release is 2.0x at 2000 tokens, 0003_release 2.5x."""
+    _store(storage, "candidate", [_result(2000, 0.40, 0.40)])
+    _store(storage, "release", [_result(2000, 0.50, 0.20)])
+    base = load_baseline(str(storage), "release")
+    assert base.source.endswith("0003_release.json"), base.source
+    assert base.lengths[2000]["speedup"] == pytest.approx(2.5)
+    # a candidate as good as the old release but 20 % behind the newest one fails
+    with pytest.raises(GateFailure, match=r"speedup fell 20.0 %.*0003_release.json"):
+        gate_baseline(2000, _result(2000, 0.40, 0.20), base, 10.0)
+    # a glob over every run: still the newest (0003), not the oldest
+    assert load_baseline(str(storage), "*").source.endswith("0003_release.json")

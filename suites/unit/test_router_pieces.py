@@ -401,6 +401,18 @@ async def test_memory_store_close_wins_over_the_turn_in_flight() -> None:
     assert await store.put("a", _entry(102.0))  # no start given: stored
 
 
+async def test_memory_store_remembers_a_close_during_a_turn_that_found_nothing() -> None:
+    now = [100.0]
+    store = MemoryStore(ttl=10, max_entries=4, now=lambda: now[0])
+    started = now[0]
+    assert (await store.take("a")).entry is None  # turn 1: nothing stored yet
+    now[0] = 100.5
+    assert await store.end("a")  # a turn is in flight: the close is answered, not 404
+    now[0] = 101.0
+    assert not await store.put("a", _entry(101.0), since=started)  # the turn stores nothing
+    assert (await store.take("a")).entry is None
+
+
 def test_entry_round_trip() -> None:
     e = _entry(5.5, [1, 2, 70000])
     back = Entry.from_bytes(e.to_bytes())

