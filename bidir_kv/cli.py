@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("bidir_kv.report.demo", "emulated 1P1D + router, OFF/ON sweep, report"),
     "campaign": ("bidir_kv.campaign.cli", "load, fault and bad-input campaigns, one table"),
     "plan": ("bidir_kv.plan.cli", "break-even threshold, TTFT saving and TTL memory planner"),
+    "calibrate": (
+        "bidir_kv.plan.live",
+        "measure a running P/D pair in minutes and write its cost profile",
+    ),
     "serve": ("bidir_kv.serve.cli", "start one vLLM P or D node as the published recipe does"),
     "doctor": ("bidir_kv.doctor.cli", "troubleshooting checks for a P/D pair, PASS/WARN/FAIL"),
 }

@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from bidir_kv.bench.runner import PointResult, RunOptions, run_point
+from bidir_kv.bench.runner import ConversationState, PointResult, RunOptions, run_point
 from bidir_kv.bench.workload import Conversation
 
 __all__ = ["Interrupt", "run_point_interruptible", "terminate"]
@@ -52,8 +52,12 @@ def run_point_interruptible(
     leg: str,
     on_request: Callable[..., None],
     intr: Interrupt,
+    *,
+    upto_turn: int | None = None,
+    states: dict[str, ConversationState] | None = None,
 ) -> PointResult:
-    """Run one point; a first Ctrl-C sets the runner's stop event instead of raising."""
+    """Run one point; a first Ctrl-C sets the runner's stop event instead of raising.
+    ``upto_turn`` and ``states``: as :func:`~bidir_kv.bench.runner.run_point`."""
 
     async def go() -> PointResult:
         stop = asyncio.Event()
@@ -66,7 +70,15 @@ def run_point_interruptible(
 
         loop.add_signal_handler(signal.SIGINT, first_sigint)
         try:
-            return await run_point(convs, opts, leg=leg, on_request=on_request, stop=stop)
+            return await run_point(
+                convs,
+                opts,
+                leg=leg,
+                on_request=on_request,
+                stop=stop,
+                upto_turn=upto_turn,
+                states=states,
+            )
         finally:
             loop.remove_signal_handler(signal.SIGINT)
 

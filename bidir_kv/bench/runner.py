@@ -28,6 +28,7 @@ from bidir_kv.client import AsyncNodeClient, ClientError, Completion, NodeClient
 from bidir_kv.scrape import MetricsSnapshot
 
 __all__ = [
+    "ConversationState",
     "HttpTokenCounter",
     "PointResult",
     "RunOptions",
@@ -98,11 +99,13 @@ class HttpTokenCounter:
 class _Ready:
     ready_at: float
     seq: int
-    state: _ConvState = field(compare=False)
+    state: ConversationState = field(compare=False)
 
 
 @dataclass
-class _ConvState:
+class ConversationState:
+    """Where one conversation stands: its next turn and its history so far."""
+
     conv: Conversation
     next_turn: int = 0
     messages: list[dict[str, str]] = field(default_factory=list)
@@ -116,11 +119,25 @@ async def run_point(
     leg: str,
     on_request: Callable[[RequestRecord], None] | None = None,
     stop: asyncio.Event | None = None,
+    upto_turn: int | None = None,
+    states: dict[str, ConversationState] | None = None,
 ) -> PointResult:
-    """Run every turn of ``conversations``; returns early (``interrupted``) when ``stop`` is set."""
+    """Run every turn of ``conversations``; returns early (``interrupted``) when ``stop`` is set.
+
+    ``upto_turn`` stops each conversation after that many turns in all; ``states``
+    (keyed by conversation id) carries the histories between calls, so a later call
+    continues each conversation where the earlier one left it (the real answers in it).
+    """
     stop = stop or asyncio.Event()
     records: list[RequestRecord] = []
-    pending = list(reversed(conversations))
+    states = {} if states is None else states
+    limit = upto_turn
+
+    def open_turns(conv: Conversation) -> bool:
+        done = states[conv.conversation_id].next_turn if conv.conversation_id in states else 0
+        return done < min(len(conv.turns), limit if limit is not None else len(conv.turns))
+
+    pending = [c for c in reversed(conversations) if open_turns(c)]
     heap: list[_Ready] = []
     seq = itertools.count()
     cond = asyncio.Condition()
@@ -130,7 +147,8 @@ async def run_point(
     def activate() -> None:
         while pending and len(heap) + in_flight < opts.max_active_conversations:
             conv = pending.pop()
-            heapq.heappush(heap, _Ready(time.perf_counter(), next(seq), _ConvState(conv)))
+            state = states.setdefault(conv.conversation_id, ConversationState(conv))
+            heapq.heappush(heap, _Ready(time.perf_counter(), next(seq), state))
 
     activate()
     async with AsyncNodeClient(opts.url, timeout=opts.request_timeout_s) as session:
@@ -161,7 +179,7 @@ async def run_point(
                 async with cond:
                     in_flight -= 1
                     state.next_turn += 1
-                    if rec.ok and state.next_turn < len(state.conv.turns):
+                    if rec.ok and open_turns(state.conv):
                         gap = state.conv.turns[state.next_turn].think_time_s
                         heapq.heappush(heap, _Ready(time.perf_counter() + gap, next(seq), state))
                     activate()
@@ -189,7 +207,7 @@ async def run_point(
 async def _one_turn(
     session: AsyncNodeClient,
     opts: RunOptions,
-    state: _ConvState,
+    state: ConversationState,
     client_id: int,
     leg: str,
     t0: float,

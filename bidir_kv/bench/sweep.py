@@ -46,7 +46,7 @@ from bidir_kv.bench.workload import (
     count_words,
 )
 
-__all__ = ["run_bench", "write_manifest"]
+__all__ = ["parse_metrics_urls", "run_bench", "write_manifest"]
 
 
 def write_manifest(out: Path, manifest: Mapping[str, Any]) -> None:
@@ -224,7 +224,7 @@ class _Sweep:
 
     def _external_leg(self, leg: str) -> bool:
         args = self.args
-        nodes = dict(_parse_metrics_urls(args.metrics_url))
+        nodes = dict(parse_metrics_urls(args.metrics_url))
         nodes.setdefault("router0", args.url)
         tok_url = args.tokenize_url or nodes.get("prefill0") or args.url
         counter: TokenCounter = HttpTokenCounter(tok_url, args.model)
@@ -341,7 +341,7 @@ class _Sweep:
         return not result.interrupted
 
 
-def _parse_metrics_urls(items: Sequence[str]) -> list[tuple[str, str]]:
+def parse_metrics_urls(items: Sequence[str], prog: str = "bidir-kv bench") -> list[tuple[str, str]]:
     """``--metrics-url ROLE=URL`` items as ``(role<n>, url)``, numbered per role."""
     out = []
     counts: dict[str, int] = {}
@@ -349,8 +349,7 @@ def _parse_metrics_urls(items: Sequence[str]) -> list[tuple[str, str]]:
         role, sep, url = item.partition("=")
         if not sep or role not in ("prefill", "decode", "router"):
             raise SystemExit(
-                f"bidir-kv bench: --metrics-url {item!r}: expected prefill=URL, decode=URL "
-                "or router=URL"
+                f"{prog}: --metrics-url {item!r}: expected prefill=URL, decode=URL or router=URL"
             )
         n = counts.get(role, 0)
         counts[role] = n + 1

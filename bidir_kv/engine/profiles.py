@@ -22,7 +22,15 @@ from typing import Any
 from bidir_kv.engine.pull_model import PullModel
 from bidir_kv.errors import ConfigError
 
-__all__ = ["PROFILE_DIR", "CostProfile", "ProfileError", "available_profiles", "load_profile"]
+__all__ = [
+    "PROFILE_DIR",
+    "UNCERTAIN_TERMS",
+    "CostProfile",
+    "ProfileError",
+    "TermRange",
+    "available_profiles",
+    "load_profile",
+]
 
 # the shipped profiles: package data (pyproject.toml [tool.setuptools.package-data])
 PROFILE_DIR: Traversable = files("bidir_kv") / "data" / "profiles"
@@ -30,6 +38,42 @@ PROFILE_DIR: Traversable = files("bidir_kv") / "data" / "profiles"
 
 class ProfileError(ConfigError):
     """Unknown profile name or a malformed profile file."""
+
+
+# the cost terms a profile may give a range for (the planner scales them, docs/profiles.md
+# §5): recompute (both prefill rates), pull (bytes and descriptors per pulled token),
+# pull_fixed (per pull), pull_after (P's work per pulled token), prefill_fixed (per
+# request), decode_part (D's part of TTFT). The emulator runs the profile's values.
+UNCERTAIN_TERMS = (
+    "recompute",
+    "pull",
+    "pull_fixed",
+    "pull_after",
+    "prefill_fixed",
+    "decode_part",
+)
+
+
+@dataclass(frozen=True)
+class TermRange:
+    """How uncertain one cost term is: multipliers of the profile's value, low <= 1 <= high,
+    and where the spread comes from."""
+
+    term: str
+    low: float
+    high: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.term not in UNCERTAIN_TERMS:
+            raise ProfileError(
+                f"uncertainty term {self.term!r} unknown; use one of {', '.join(UNCERTAIN_TERMS)}"
+            )
+        if not 0 < self.low <= 1 <= self.high:
+            raise ProfileError(
+                f"uncertainty of {self.term}: need 0 < low <= 1 <= high, got "
+                f"{self.low:g}..{self.high:g}"
+            )
 
 
 @dataclass(frozen=True)
@@ -70,6 +114,8 @@ class CostProfile:
     decode_ttft_fixed_us: float = 0.0
     decode_ttft_us_per_token: float = 0.0
     sources: tuple[str, ...] = ()  # where each term comes from (docs/profiles.md)
+    # the planner's ranges: how far each uncertain term may be from its value
+    uncertainty: tuple[TermRange, ...] = ()
     # global scale applied to every emulated duration (keeps ratios, shortens runs)
     time_scale: float = 1.0
 
@@ -169,6 +215,7 @@ class CostProfile:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["sources"] = list(self.sources)
+        d["uncertainty"] = [asdict(t) for t in self.uncertainty]
         return d
 
 
@@ -199,7 +246,33 @@ def load_profile(name_or_path: str) -> CostProfile:
     data.setdefault("name", Path(path.name).stem)
     if isinstance(data.get("sources"), list):
         data["sources"] = tuple(str(x) for x in data["sources"])
+    if "uncertainty" in data:
+        data["uncertainty"] = _term_ranges(path, data["uncertainty"])
     try:
         return CostProfile(**data)
     except TypeError as exc:
         raise ProfileError(f"profile file {path}: {exc}") from None
+
+
+def _term_ranges(path: Path | Traversable, raw: Any) -> tuple[TermRange, ...]:
+    if not isinstance(raw, list) or not all(isinstance(x, dict) for x in raw):
+        raise ProfileError(f"profile file {path}: uncertainty must be a list of objects")
+    out = []
+    for item in raw:
+        try:
+            out.append(
+                TermRange(
+                    str(item["term"]),
+                    float(item["low"]),
+                    float(item["high"]),
+                    str(item.get("source", "")),
+                )
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(
+                f"profile file {path}: uncertainty entry {item!r} needs term, low, high ({exc})"
+            ) from None
+    terms = [t.term for t in out]
+    if len(set(terms)) != len(terms):
+        raise ProfileError(f"profile file {path}: an uncertainty term is given twice")
+    return tuple(out)

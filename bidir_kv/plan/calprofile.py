@@ -1,10 +1,13 @@
 """A calibration written as an emulator profile: emulate the cluster a ``bench`` run measured.
 
-``bidir-kv bench … --write-profile FILE`` (or ``write_profile``) turns the fitted
-terms into ``CostProfile`` fields that ``bidir-kv engine --profile FILE`` loads. The
-fit is per rank-level transfer, so the profile has ``tp_size`` 1 and the run's
-measured bytes per token; the per-request fixed part of the prefill is not a
-profile term (the emulator has its own real per-request work) and is left out.
+``bidir-kv bench … --write-profile FILE`` and ``bidir-kv calibrate`` (or
+``write_profile``) turn the fitted terms into ``CostProfile`` fields that
+``bidir-kv plan --profile FILE`` and ``bidir-kv engine --profile FILE`` load. The fit is
+per rank-level transfer, so the profile has ``tp_size`` 1 and the run's measured bytes
+per token. Every fitted term is in it — the per-request part, P's work per pulled
+token, D's part of TTFT — so ``plan --profile FILE`` predicts the deployment that was
+measured; an emulator running the profile adds its own small per-request work on top
+(``bench`` reports it as overhead, docs/profiles.md §7).
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ def calibrated_profile(result: ResultDir, cost: CostModel, name: str) -> dict[st
         "target_block_size": block,
         "descriptors_per_block": per_block,
         "step_us": round(cost.step_us, 1),
+        "prefill_fixed_us": round(cost.prefill_fixed_us, 1),
+        "pull_after_us_per_token": round(cost.pull_after_us_per_token, 4),
+        "decode_ttft_fixed_us": round(cost.decode_ttft_fixed_us, 1),
+        "decode_ttft_us_per_token": round(cost.decode_ttft_us_per_token, 4),
         "sources": list(cost.notes),
     }
     CostProfile(**{**data, "sources": tuple(data["sources"])})  # validates before writing

@@ -34,6 +34,7 @@ from bidir_kv.plan.planner import (
     ttl_rows,
 )
 from bidir_kv.plan.predict import cost_from_profile
+from bidir_kv.plan.ranges import break_even_spread, threshold_check, ttft_spreads
 from bidir_kv.plan.tail import Tail, tail_text
 
 __all__ = ["build_parser", "main", "run_plan"]
@@ -47,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     _cost_source_args(ap)
     _hardware_args(ap)
     _workload_args(ap)
+    ap.add_argument(
+        "--check",
+        type=Path,
+        metavar="DIR",
+        help="a bench result to hold the cost model against, point by point (e.g. a fresh "
+        "run at lengths a calibration did not use)",
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 
@@ -80,7 +88,13 @@ def _hardware_args(ap: argparse.ArgumentParser) -> None:
     )
     h.add_argument("--rails-per-gpu", type=int, default=hw.rails_per_gpu)
     h.add_argument("--per-descriptor-us", type=float, default=hw.per_descriptor_us)
-    h.add_argument("--target-block-size", type=int, default=hw.block_size)
+    h.add_argument(
+        "--target-block-size",
+        type=int,
+        default=None,
+        help="the target's KV block (default: what vLLM picks for the model: 64 for "
+        "sparse MLA on Hopper, else 16)",
+    )
     h.add_argument("--step-us", type=float, default=hw.step_us, help="one idle engine step")
     h.add_argument(
         "--pull-overhead-us",
@@ -89,12 +103,25 @@ def _hardware_args(ap: argparse.ArgumentParser) -> None:
         help=f"fixed cost per pull (default {hw.pull_overhead_us:g}; "
         "with --calibration or --profile: theirs)",
     )
-    h.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the config's)")
+    h.add_argument(
+        "--kv-cache-dtype",
+        "--kv-dtype",
+        dest="kv_dtype",
+        default=None,
+        help="vLLM's --kv-cache-dtype (default auto: the model's dtype; fp8 for a sparse-MLA "
+        "model is vLLM's fp8_ds_mla layout)",
+    )
 
 
 def _workload_args(ap: argparse.ArgumentParser) -> None:
     w = ap.add_argument_group("workload")
-    w.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    w.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"KV block size for the threshold and the pulls (default: the cost source's, "
+        f"else {DEFAULT_BLOCK_SIZE})",
+    )
     w.add_argument(
         "--prompt-lengths", type=int_list, default=[2000, 4000, 8000, 12000, 16000, 20000, 24000]
     )
@@ -168,7 +195,7 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
             rail_gbytes_per_s=args.rail_gbps,
             rails_per_gpu=args.rails_per_gpu,
             per_descriptor_us=args.per_descriptor_us,
-            block_size=args.target_block_size,
+            block_size=args.target_block_size or shape.served_block_size(DEFAULT_BLOCK_SIZE),
             step_us=args.step_us,
             pull_overhead_us=(
                 args.pull_overhead_us
@@ -211,7 +238,8 @@ def _measured_or_profile(args: argparse.Namespace) -> CostModel:
 
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     cost = _cost_model(args)
-    threshold, t_why = recommend_threshold(cost, args.block_size)
+    block = args.block_size or cost.block_size or DEFAULT_BLOCK_SIZE
+    threshold, t_why = recommend_threshold(cost, block)
     used = args.threshold if args.threshold is not None else (threshold or 2**31 - 1)
     ttft = ttft_rows(
         cost,
@@ -219,7 +247,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         args.new_tokens,
         used,
         args.fixed_ms * 1e3,
-        block_size=args.block_size,
+        block_size=block,
     )
     work = Workload(
         conversations_per_s=args.conversation_rate,
@@ -232,15 +260,19 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     ttl = ttl_rows(cost, work, args.ttls, gpus=args.tp)
     best, ttl_why = recommend_ttl(ttl, args.miss_target, args.kv_budget_gib)
     check = []
-    if args.calibration is not None:
-        check = [asdict(r) for r in check_rows(load_result(args.calibration), cost)]
+    checked = args.check if args.check is not None else args.calibration
+    if checked is not None:
+        check = [asdict(r) for r in check_rows(load_result(checked), cost)]
     return {
         "calibration_check": check,
+        "checked_run": str(args.check) if args.check is not None else None,
         "cost_model": cost.to_dict(),
+        "block_size": block,
         "break_even_tokens": break_even_tokens(cost),
         "recommended_threshold": threshold,
         "threshold_reason": t_why,
         "evaluated_threshold": used,
+        "ranges": _ranges(cost, args, threshold, used, block),
         "ttft": [r.__dict__ for r in ttft],
         "ttl": [r.__dict__ for r in ttl],
         "recommended_ttl_s": best.ttl_s,
@@ -251,6 +283,36 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
             "turn_gap": str(work.gap),
             "mean_gap_s": work.gap.mean(),
         },
+    }
+
+
+def _ranges(
+    cost: CostModel, args: argparse.Namespace, threshold: int | None, used: int, block: int
+) -> dict[str, Any] | None:
+    """The answers over the cost model's uncertainty (bidir_kv.plan.ranges); None: a point."""
+    if not cost.uncertainty:
+        return None
+    be = break_even_spread(cost)
+    rows = ttft_spreads(
+        cost, args.prompt_lengths, args.new_tokens, used, args.fixed_ms * 1e3, block_size=block
+    )
+    check = threshold_check(cost, threshold if args.threshold is None else args.threshold, block)
+    return {
+        "terms": [asdict(t) for t in cost.uncertainty],
+        "break_even": asdict(be),
+        "ttft": [
+            {
+                "prompt_tokens": r.prompt_tokens,
+                "off_ms": [r.off_ms.low, r.off_ms.high],
+                "on_ms": [r.on_ms.low, r.on_ms.high],
+                "ratio": [r.ratio.low, r.ratio.high],
+                "ratio_dominant": r.ratio.dominant,
+            }
+            for r in rows
+        ],
+        "threshold_holds": check.holds,
+        "robust_threshold": check.robust_threshold,
+        "threshold_check": check.text,
     }
 
 
@@ -282,7 +344,16 @@ def render_text(plan: dict[str, Any]) -> str:
     ]
     be = plan["break_even_tokens"]
     lines.append(f"  break-even at {be:.1f} tokens" if math.isfinite(be) else "  never")
+    rng = plan.get("ranges")
+    if rng:
+        b = rng["break_even"]
+        lines.append(
+            f"  range {_num(b['low'])}-{_num(b['high'])} tokens over the terms' ranges; "
+            f"dominant term: {b['dominant']}"
+        )
     lines.append(f"  recommended: {plan['recommended_threshold']}  — {plan['threshold_reason']}")
+    if rng:
+        lines.append(f"  across the ranges: {rng['threshold_check']}")
     lines += [
         "",
         f"TTFT with P's prefix cache off (threshold {plan['evaluated_threshold']}):",
@@ -295,6 +366,21 @@ def render_text(plan: dict[str, Any]) -> str:
             f"{r['on_ms']:>9.1f} {r['saving_ms']:>10.1f} {r['ratio']:>6.2f}×"
             + ("" if r["pulls"] else "  (below threshold: recompute)")
         )
+    if rng:
+        lines += [
+            "  over the terms' ranges (each term at its low or high end, every combination):",
+            f"  {'prompt':>7} {'OFF ms':>17} {'ON ms':>17} {'OFF/ON':>13}  dominant",
+        ]
+        for r in rng["ttft"]:
+            lines.append(
+                f"  {r['prompt_tokens']:>7} {_pair(r['off_ms'], '.0f'):>17} "
+                f"{_pair(r['on_ms'], '.0f'):>17} {_pair(r['ratio'], '.2f'):>13}  "
+                f"{r['ratio_dominant']}"
+            )
+        lines.append("  term ranges (multipliers of the value above):")
+        lines += [
+            f"    - {t['term']}: x{t['low']:g}-x{t['high']:g}: {t['source']}" for t in rng["terms"]
+        ]
     wl = plan["workload"]
     lines += [
         "",
@@ -311,10 +397,18 @@ def render_text(plan: dict[str, Any]) -> str:
         f"  recommended TTL: {plan['recommended_ttl_s']:g} s — {plan['ttl_reason']}",
         "",
     ]
-    return "\n".join(lines + _check_lines(plan["calibration_check"]))
+    return "\n".join(lines + _check_lines(plan["calibration_check"], plan.get("checked_run")))
 
 
-def _check_lines(rows: list[dict[str, Any]]) -> list[str]:
+def _num(x: float) -> str:
+    return "never" if math.isinf(x) else f"{x:,.0f}"
+
+
+def _pair(pair: list[float], fmt: str) -> str:
+    return f"{format(pair[0], fmt)}-{format(pair[1], fmt)}"
+
+
+def _check_lines(rows: list[dict[str, Any]], against: str | None = None) -> list[str]:
     """The calibration next to its own run: router prefill per request, ms.
 
     ``wait``: the part of the prediction that is contention (clients waiting for
@@ -331,7 +425,11 @@ def _check_lines(rows: list[dict[str, Any]]) -> list[str]:
 
     head = f"{'meas':>9} {'pred':>9} {'wait':>6} {'err':>6}"
     lines = [
-        "Calibration against its own run (router prefill per request, ms):",
+        (
+            "Calibration against its own run (router prefill per request, ms):"
+            if against is None
+            else f"The cost model against {against} (router prefill per request, ms):"
+        ),
         f"  {'point':>7}  {'OFF ' + head.lstrip():>33}  {'ON ' + head.lstrip():>33}",
     ]
     notes = []

@@ -21,16 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from importlib.resources import as_file, files
+from dataclasses import asdict, dataclass, replace
+from importlib.resources import as_file
 from pathlib import Path
 from typing import Any
 
-from bidir_kv.engine.profiles import PROFILE_DIR
+from bidir_kv.engine.profiles import PROFILE_DIR, TermRange
 from bidir_kv.plan.calibrate import FitInput, fit, residuals
-from bidir_kv.plan.modelcfg import ModelShape, load_model_config, model_shape
+from bidir_kv.plan.modelcfg import ModelShape, shipped_shape
 from bidir_kv.plan.planner import CostModel, Hardware
 from bidir_kv.plan.published import PublishedTable, fit_input, load_table
+from bidir_kv.plan.sources import FP8_PEAK_TFLOPS, GLM_FIXED, ClassRate, class_rate
 
 __all__ = [
     "CALIBRATED",
@@ -47,8 +48,6 @@ __all__ = [
     "target_shape",
 ]
 
-# package data beside the profiles (pyproject.toml [tool.setuptools.package-data])
-CONFIG_DIR = files("bidir_kv") / "data" / "model_configs"
 ALLREDUCE_US = 10.0  # one small tensor-parallel all-reduce inside a node (NVLink), assumption
 HBM_EFFICIENCY = 0.7  # achieved fraction of HBM bandwidth when streaming weights, assumption
 
@@ -82,7 +81,7 @@ class Target:
 
 
 def target_shape(config: str) -> ModelShape:
-    return model_shape(load_model_config(CONFIG_DIR / f"{config}.json"))
+    return shipped_shape(config)
 
 
 def _targets() -> dict[str, Target]:
@@ -109,9 +108,9 @@ def _targets() -> dict[str, Target]:
         profile="glm5-fp8-p5en",
         config="glm-5-fp8",
         description="GLM-5-FP8 (744B MoE, 40B active, MLA + sparse attention), TP 8 on "
-        "p5en.48xlarge, D->P NIXL READs over EFA; predicted from its config with the hardware "
-        "terms calibrated on the published Qwen3-32B figures (fitted to no GLM-5 figure)",
-        # the FP8 peak; the achieved fraction comes from the calibration (predicted_profile)
+        "p5en.48xlarge, D->P NIXL READs over EFA; compute predicted from public prefill "
+        "measurements of its model class, KV as vLLM 0.29 serves it, the deployment terms "
+        "from the published Qwen3-32B fit (fitted to no GLM-5 figure); ranges per term",
         hardware=Hardware(peak_tflops_per_gpu=1979.0, block_size=64),
         weight_bytes_per_param=1.0,
         decode_us_per_seq=100.0,
@@ -120,9 +119,15 @@ def _targets() -> dict[str, Target]:
             "indexer keys 128 FP8, 78 layers, 256 experts 8 active + 1 shared; checked against "
             "the model card's 744B / 40B)",
             "H200 dense FP8 1979 TFLOP/s, HBM 4.8 TB/s: NVIDIA H200 datasheet",
-            "block size 64: assumption (vLLM's FlashMLA and sparse-MLA backends on Hopper)",
-            "descriptors: 78 layers x 2 (latent, indexer keys) per 64-token block per rank; the "
-            "latent is replicated on every rank",
+            "kv_cache_dtype auto = the model dtype, bfloat16 (vLLM 0.29 utils/torch_utils.py: "
+            "auto is resolved from the checkpoint only for a ModelOpt kv_cache_quant_algo or an "
+            "llm-compressor kv_cache_scheme; the recipe passes no --kv-cache-dtype)",
+            "block size 64: vLLM 0.29's sparse-MLA backends on Hopper (FLASH_ATTN_MLA_SPARSE, "
+            "FLASHMLA_SPARSE) support only 64-token blocks and the server picks it when "
+            "--block-size is not given",
+            "descriptors: 78 layers x 2 (latent, indexer keys) per 64-token block per rank: "
+            "vLLM 0.29's NIXL worker registers one region per layer cache, the DSA indexer's "
+            "caches as their own regions",
             "handshake 6 s on the first pull of a pair: llm-d's GLM-5.2 H200 results",
             "decode: active weights / GPUs / (4.8 TB/s x 0.7) + 2 all-reduces x 10 µs per layer: "
             "assumptions",
@@ -318,74 +323,176 @@ def _cost_fields(
     }
 
 
-# ---- predicted: another model with the calibrated hardware terms ---------------------
+# ---- predicted: another model, its compute from its class ---------------------------
+
+GLM_CLASS = "moe-mla-dsa"  # MoE + MLA + DeepSeek sparse attention, FP8 (sources.py)
+# LMCache PR #4161: NIXL/UCX READs on one rail, 256 descriptors of 4 KiB at 4.69 GB/s and
+# of 256 KiB at 12.2 GB/s. Two sizes give a cost per descriptor and a per-byte rate:
+# 4,096 / 4.69 = tau + 4,096 / R and 262,144 / 12.2 = tau + 262,144 / R (GB/s = B/ns)
+_SMALL, _SMALL_GBPS, _LARGE, _LARGE_GBPS = 4096, 4.69, 262_144, 12.2
+# p5en: 16 x 200 Gb/s EFA for 8 GPUs, two rails per GPU (AWS p5en instance type); NIXL's
+# LIBFABRIC backend registers each GPU's KV on the two rails behind its PCIe switch
+# (docs/protocol.md §13.5)
+P5EN_LINE_GBPS_PER_GPU = 2 * 25.0
 
 
-def predicted_cost() -> tuple[CostModel, float, str]:
-    """GLM-5-FP8's terms from its config and the calibrated hardware terms; returns the
-    cost, the achieved fraction of peak carried over, and how P's per-token work scales."""
+def descriptor_split() -> tuple[float, float]:
+    """(µs per descriptor, GB/s) of one rail from LMCache PR #4161's two sizes."""
+    rate = (_LARGE - _SMALL) / (_LARGE / _LARGE_GBPS - _SMALL / _SMALL_GBPS)  # B/ns = GB/s
+    tau_us = (_SMALL / _SMALL_GBPS - _SMALL / rate) / 1e3
+    return tau_us, rate
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """GLM-5-FP8's terms and where each comes from (docs/profiles.md §4)."""
+
+    cost: CostModel
+    rate: ClassRate
+    per_descriptor_us: float
+    rail_gbytes_per_s: float
+    pull_scale: float  # the LMCache split scaled to reproduce the calibrated Qwen pull
+    sources: tuple[str, ...]
+
+
+def predicted_cost() -> Prediction:
+    """GLM-5-FP8 on p5en: compute from its class's public measurements, KV bytes and
+    descriptors as vLLM serves them, the deployment terms from the Qwen3-32B fit; each
+    uncertain term with its range."""
     table, qwen = calibrated_cost()
     qshape = target_shape(_ALL_TARGETS["qwen3-32b-p5en-derived"].config)
-    qhw = _ALL_TARGETS["qwen3-32b-p5en-derived"].hardware
-    shape = target_shape(GLM.config)
+    shape = target_shape(GLM.config)  # kv_cache_dtype auto: the model's bf16
     tp = table.tp_size
-    # the fraction of the dtype's dense peak the calibrated matmul term achieves
-    mfu = qshape.linear_flops_per_token() / (
-        qwen.recompute_us_per_token * 1e-6 * qhw.gpus * qhw.peak_tflops_per_gpu * 1e12
-    )
-    hw = replace(GLM.hardware, mfu=mfu)
-    derived = CostModel.from_hardware(shape, hw)
-    q_rank = qshape.kv_bytes_per_token_per_rank(tp)
-    rail = q_rank / (qwen.xfer_us_per_token * 1e3)  # the calibrated rank-level byte rate
+    hw = GLM.hardware
+    block = shape.served_block_size(hw.block_size)
+    rate = class_rate(GLM_CLASS)
+    node_flops = hw.gpus * FP8_PEAK_TFLOPS * 1e12
+    recompute = shape.linear_flops_per_token() / (node_flops * rate.center) * 1e6
+    ctx = shape.context_flops_per_token() * 1000 / (node_flops * rate.center) * 1e6
+    r_low, r_high = rate.factors()
+
+    # the pull: the per-descriptor / per-byte split of one rail, scaled so that it gives
+    # the Qwen3-32B fit's per-token pull back (8 descriptors of 4 KiB per token per rank)
+    tau, line = descriptor_split()
     q_desc = qshape.num_layers * qshape.kv_tensors_per_layer() / table.block_size
-    g_desc = shape.num_layers * shape.kv_tensors_per_layer() / hw.block_size
-    cost = replace(
-        qwen,
-        recompute_us_per_token=derived.recompute_us_per_token,
-        recompute_us_per_token_ctx=derived.recompute_us_per_token_ctx,
-        xfer_us_per_token=shape.kv_bytes_per_token_per_rank(tp) / (rail * 1e3),
+    q_bytes = qshape.kv_bytes_per_token_per_rank(tp)
+    scale = qwen.xfer_us_per_token / (q_desc * tau + q_bytes / (line * 1e3))
+    per_desc, rail = tau * scale, line / scale
+    g_desc = shape.num_layers * shape.kv_tensors_per_layer() / block
+    g_bytes = shape.kv_bytes_per_token_per_rank(tp)
+    pull = g_desc * per_desc + g_bytes / (rail * 1e3)
+    # the two readings of the Qwen fit: all of it per descriptor (bytes at the line rate)
+    # or all of it per byte (descriptors free)
+    pull_low = qwen.xfer_us_per_token / q_desc * g_desc + g_bytes / (P5EN_LINE_GBPS_PER_GPU * 1e3)
+    pull_high = g_bytes * qwen.xfer_us_per_token / q_bytes
+    desc_ratio, byte_ratio = g_desc / q_desc, g_bytes / q_bytes
+    fixed_high_us = 0.0  # set below, once the center's recompute is known
+    cost = CostModel(
+        recompute_us_per_token=recompute,
+        recompute_us_per_token_ctx=ctx,
+        xfer_us_per_token=g_bytes / (rail * 1e3),
+        pull_overhead_us=qwen.pull_overhead_us,
         kv_bytes_per_token=shape.kv_bytes_per_token(tp),
-        pull_after_us_per_token=qwen.pull_after_us_per_token * g_desc / q_desc,
         source="prediction",
-        notes=(),
-        sources=(),
+        xfer_us_per_descriptor=per_desc,
+        descriptors_per_token=g_desc,
+        step_us=qwen.step_us,
+        prefill_fixed_us=qwen.prefill_fixed_us * shape.num_layers / qshape.num_layers,
+        pull_after_us_per_token=qwen.pull_after_us_per_token,
+        decode_ttft_fixed_us=qwen.decode_ttft_fixed_us,
+        decode_ttft_us_per_token=qwen.decode_ttft_us_per_token,
+        block_size=block,
     )
-    return cost, mfu, f"{g_desc:.3f} / {q_desc:.3f} descriptors per token"
-
-
-def predicted_profile() -> dict[str, Any]:
-    """``glm5-fp8-p5en``: GLM-5-FP8's shape with the calibrated profile's hardware terms."""
-    cost, mfu, scale = predicted_cost()
-    shape = target_shape(GLM.config)
-    tp = GLM.hardware.gpus
-    rail = shape.kv_bytes_per_token_per_rank(tp) / (cost.xfer_us_per_token * 1e3)
-    from_cal = f"carried over from {CALIBRATED} (its published fit)"
+    fixed_high_us = GLM_FIXED.ttft_ms * 1e3 - cost.recompute_us(GLM_FIXED.prompt_tokens)
+    spread_of = ", ".join(rate.spread_sources)
+    uncertainty = (
+        TermRange(
+            "recompute",
+            round(r_low, 4),
+            round(r_high, 4),
+            f"the class's spread over {spread_of}: {rate.high:.2%} to {rate.low:.2%} of the FP8 "
+            f"peak around {rate.center:.2%}",
+        ),
+        TermRange(
+            "pull",
+            round(pull_low / pull, 4),
+            round(pull_high / pull, 4),
+            f"the Qwen3-32B fit read as all per descriptor ({pull_low:.2f} µs/token, bytes at "
+            f"the {P5EN_LINE_GBPS_PER_GPU:g} GB/s line rate) or all per byte "
+            f"({pull_high:.2f} µs/token)",
+        ),
+        TermRange(
+            "pull_after",
+            round(desc_ratio, 4),
+            round(byte_ratio, 4),
+            f"P's work per pulled token if it scales per descriptor (x {desc_ratio:.3f}) or "
+            f"per byte (x {byte_ratio:.3f}) rather than per token",
+        ),
+        TermRange(
+            "prefill_fixed",
+            round(qshape.num_layers / shape.num_layers, 4),
+            round(max(1.0, fixed_high_us / cost.prefill_fixed_us), 4),
+            f"Qwen3-32B's fitted {qwen.prefill_fixed_us / 1e3:.1f} ms as a deployment cost, "
+            f"or the SGLang GLM-5 single-request TTFT at 1K less its tokens "
+            f"({fixed_high_us / 1e3:.0f} ms)",
+        ),
+        TermRange(
+            "decode_part",
+            1.0,
+            round(byte_ratio, 4),
+            f"D's part carried per prompt token, or per byte (x {byte_ratio:.3f})",
+        ),
+    )
+    from_cal = f"from {CALIBRATED} (its published fit)"
     sources = (
         *GLM.sources,
-        f"prefill {cost.recompute_us_per_token:.3f} µs/token: matmul FLOPs of the config "
-        f"(2 x 40.1B active + the sparse-attention cap) at {mfu:.3f} of the FP8 peak — the "
-        f"fraction of the BF16 peak {CALIBRATED}'s fitted matmul term achieves "
-        "(assumption: the same fraction of the dtype's peak, dense or MoE)",
-        f"attention {cost.recompute_us_per_token_ctx:.4f} µs/token per 1k context: the sparse "
-        "indexer's FLOPs over the whole context at the same rate",
-        f"{cost.prefill_fixed_us / 1e3:.2f} ms per request: {from_cal} (assumption: a "
-        "deployment cost, not the model's)",
-        f"pull {cost.pull_overhead_us / 1e3:.2f} ms fixed + bytes at {rail:.2f} GB/s per rank: "
-        f"{from_cal} (with its folded per-descriptor cost)",
-        f"P's work per pulled token {cost.pull_after_us_per_token:.3f} µs: {from_cal}, scaled "
-        f"by descriptors per token ({scale}; assumption: the work is per descriptor)",
+        f"prefill {recompute:.2f} µs/token + {ctx:.4f} per 1k context: the config's FLOPs "
+        f"({shape.linear_flops_per_token() / 1e9:.1f} G per token: 2 x "
+        f"{shape.active_params / 1e9:.1f}B active + sparse attention over {shape.index_topk} "
+        f"tokens in the latent; the indexer's {shape.context_flops_per_token() / 1e6:.2f} M "
+        f"per context token) at {rate.center:.2%} of the FP8 peak: the median of the public "
+        f"{GLM_CLASS} prefill measurements on H200 ({', '.join(rate.sources)}; "
+        "bidir_kv/plan/sources.py, docs/profiles.md §8); range x"
+        f"{r_low:.2f}-x{r_high:.2f}",
+        f"{cost.prefill_fixed_us / 1e3:.1f} ms per request: {from_cal}, "
+        f"{qwen.prefill_fixed_us / 1e3:.1f} ms x {shape.num_layers} / {qshape.num_layers} "
+        "layers (assumption: the per-request part is per layer: collectives at TP 8)",
+        f"KV {g_bytes:,.0f} B per token per rank: {shape.kv_cache_dtype} latent "
+        f"{shape.latent_bytes_per_token_layer():.0f} B + indexer keys "
+        f"{shape.indexer_bytes_per_token_layer():.0f} B per layer x {shape.num_layers} "
+        "(vLLM 0.29: kv_cache_dtype auto is the model dtype; the latent is replicated on "
+        "every TP rank and each P rank reads its peer's copy)",
+        f"pull {cost.pull_overhead_us / 1e3:.2f} ms fixed {from_cal} + {g_desc:.4f} "
+        f"descriptors/token x {per_desc:.3f} µs + bytes at {rail:.2f} GB/s per rank = "
+        f"{pull:.2f} µs/token: LMCache PR #4161's per-descriptor ({tau:.3f} µs) and per-byte "
+        f"({line:.2f} GB/s) split, scaled x{scale:.3f} to give the fitted Qwen3-32B pull "
+        f"({qwen.xfer_us_per_token:.3f} µs/token) back",
+        f"P's work per pulled token {qwen.pull_after_us_per_token:.3f} µs: {from_cal} "
+        "(assumption: per token)",
         f"D's part of TTFT {cost.decode_ttft_fixed_us / 1e3:.2f} ms + "
         f"{cost.decode_ttft_us_per_token:.3f} µs per prompt token: {from_cal} (assumption)",
     )
+    cost = replace(cost, uncertainty=uncertainty, sources=sources)
+    return Prediction(cost, rate, per_desc, rail, scale, sources)
+
+
+def predicted_profile() -> dict[str, Any]:
+    """``glm5-fp8-p5en``: GLM-5-FP8 predicted from its class, fitted to no GLM-5 figure."""
+    pred = predicted_cost()
+    cost = pred.cost
+    shape = target_shape(GLM.config)
+    tp = GLM.hardware.gpus
     return {
         "name": PREDICTED,
         "description": GLM.description,
-        **_cost_fields(cost, shape, tp, GLM.hardware.block_size, rail),
+        **_cost_fields(cost, shape, tp, cost.block_size, pred.rail_gbytes_per_s),
         "decode_us_per_step": round(_decode_us(shape, GLM.hardware, 1.0), 1),
-        **_emulator_fields(GLM.decode_us_per_seq, sources),
+        **_emulator_fields(GLM.decode_us_per_seq, pred.sources),
+        "uncertainty": [asdict(t) for t in cost.uncertainty],
         "derivation": "generated by bidir_kv.plan.derive (python -m bidir_kv.plan.derive "
-        f"--write): predicted from the config with {CALIBRATED}'s hardware terms, fitted to "
-        "no GLM-5 figure; docs/profiles.md",
+        "--write): compute from the public measurements of its class, KV as vLLM serves "
+        f"it, the deployment terms from {CALIBRATED}; fitted to no GLM-5 figure; "
+        "docs/profiles.md §4",
     }
 
 

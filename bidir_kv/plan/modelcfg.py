@@ -10,6 +10,11 @@ Handles the two KV layouts bidirectional transfer moves:
   ``index_head_dim`` FP8 values plus a 4-byte scale per layer, and caps the
   attended context at ``index_topk`` tokens.
 
+The KV cache dtype is vLLM's ``--kv-cache-dtype`` as the server resolves it
+(docs/profiles.md §4): ``auto`` is the model's dtype; an FP8 cache of a
+sparse-MLA model is vLLM's ``fp8_ds_mla`` layout (512 FP8 latent values, four
+float32 scales, 64 bf16 RoPE values: 656 B per layer).
+
 Parameter counts are estimated from the shapes (the checks in
 ``suites/unit/test_bench_plan.py`` reproduce the published totals).
 """
@@ -19,22 +24,49 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
+from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 from bidir_kv.errors import ConfigError
 
-__all__ = ["ModelConfigError", "ModelShape", "load_model_config", "model_shape"]
+__all__ = [
+    "CONFIG_DIR",
+    "ModelConfigError",
+    "ModelShape",
+    "load_model_config",
+    "model_shape",
+    "shipped_shape",
+]
+
+# the shipped configs: package data (pyproject.toml [tool.setuptools.package-data])
+CONFIG_DIR: Traversable = files("bidir_kv") / "data" / "model_configs"
 
 _DTYPE_BYTES = {
     "float32": 4.0,
     "float16": 2.0,
     "bfloat16": 2.0,
     "fp8": 1.0,
+    "fp8_e4m3": 1.0,
+    "fp8_e5m2": 1.0,
+    "fp8_ds_mla": 1.0,
     "float8_e4m3fn": 1.0,
     "float8": 1.0,
 }
+# vLLM's fp8_ds_mla layout of one sparse-MLA latent per token and layer: 512 FP8 values,
+# 4 float32 scales (one per 128 values), 64 bf16 RoPE values (vLLM's DeepSeek-V3.2 blog;
+# FlashMLASparseBackend in vLLM 0.29's v1/attention/backends/mla/flashmla_sparse.py)
+FP8_DS_MLA_BYTES = 656
+# the DSA indexer's key cache per token and layer: index_head_dim FP8 values plus one
+# float32 scale per 128 (vLLM 0.29 models/deepseek_v32/attention.py: head_dim +
+# head_dim // quant_block_size * 4), whatever the attention's KV dtype
+INDEXER_QUANT_BLOCK = 128
+# the one block size vLLM's sparse-MLA backends support on Hopper (FLASH_ATTN_MLA_SPARSE,
+# FLASHMLA_SPARSE: get_supported_kernel_block_sizes() == [64]); the server picks it when
+# --block-size is not given (platforms/interface.py update_block_size_for_backend)
+SPARSE_MLA_BLOCK_SIZE = 64
 
 
 class ModelConfigError(ConfigError):
@@ -59,15 +91,37 @@ class ModelShape:
     kv_dtype_bytes: float
     total_params: float
     active_params: float  # per token, excluding the embedding lookup
+    kv_cache_dtype: str = "bfloat16"  # as the server resolves --kv-cache-dtype
+
+    @property
+    def sparse(self) -> bool:
+        """DeepSeek-style sparse attention (an indexer picks ``index_topk`` tokens)."""
+        return self.attention == "mla" and self.index_topk > 0
+
+    def indexer_bytes_per_token_layer(self) -> float:
+        """The indexer's key cache per token and layer (FP8 values + float32 scales)."""
+        if not self.sparse:
+            return 0.0
+        scales = -(-self.index_head_dim // INDEXER_QUANT_BLOCK)
+        return self.index_head_dim * 1.0 + 4.0 * scales
+
+    def latent_bytes_per_token_layer(self) -> float:
+        """One MLA latent per token and layer, in the served KV dtype."""
+        if self.sparse and self.kv_cache_dtype == "fp8_ds_mla":
+            return float(FP8_DS_MLA_BYTES)
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_dtype_bytes
+
+    def served_block_size(self, default: int) -> int:
+        """The KV block size a server uses for this model when none is given: sparse MLA
+        on Hopper runs only with 64-token blocks; everything else keeps ``default``."""
+        return SPARSE_MLA_BLOCK_SIZE if self.sparse else default
 
     def kv_bytes_per_token_per_rank(self, tp: int = 1) -> float:
         """KV bytes one TP rank holds (and reads) per token, all layers."""
         if tp < 1:
             raise ModelConfigError(f"tensor parallel size must be >= 1, got {tp}")
         if self.attention == "mla":
-            per_layer = (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_dtype_bytes
-            if self.index_topk:
-                per_layer += self.index_head_dim * 1.0 + 4.0  # FP8 indexer keys + scale
+            per_layer = self.latent_bytes_per_token_layer() + self.indexer_bytes_per_token_layer()
             return self.num_layers * per_layer
         heads_per_rank = max(1, -(-self.num_kv_heads // tp))
         return self.num_layers * 2 * heads_per_rank * self.head_dim * self.kv_dtype_bytes
@@ -91,7 +145,16 @@ class ModelShape:
         return flops
 
     def attention_flops_per_context_token(self) -> float:
-        """FLOPs one new token spends per earlier token it attends to (QKᵀ and AV)."""
+        """FLOPs one new token spends per earlier token it attends to (QKᵀ and AV).
+
+        Dense MLA prefill runs as multi-head attention on the decompressed heads
+        (``qk_nope + qk_rope`` and ``v_head_dim``); sparse MLA attends in the latent
+        space (queries absorbed: keys of ``kv_lora_rank + qk_rope_head_dim``, values of
+        ``kv_lora_rank``), as vLLM's sparse-MLA kernels do (head size 576 for 512 + 64).
+        """
+        if self.sparse:
+            qk = self.kv_lora_rank + self.qk_rope_head_dim
+            return 2.0 * self.num_layers * self.num_attention_heads * (qk + self.kv_lora_rank)
         if self.attention == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             return 2.0 * self.num_layers * self.num_attention_heads * (qk + self.v_head_dim)
@@ -143,12 +206,18 @@ def model_shape(config: Mapping[str, Any], kv_dtype: str | None = None) -> Model
     hidden = _req(cfg, "hidden_size")
     heads = _req(cfg, "num_attention_heads")
     vocab = _req(cfg, "vocab_size")
-    dtype = kv_dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    model_dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    dtype = model_dtype if kv_dtype in (None, "auto") else str(kv_dtype)
     if dtype not in _DTYPE_BYTES:
         raise ModelConfigError(
-            f"KV dtype {dtype!r} unknown; use one of {', '.join(sorted(_DTYPE_BYTES))}"
+            f"KV cache dtype {dtype!r} unknown; use auto or one of "
+            f"{', '.join(sorted(_DTYPE_BYTES))}"
         )
     mla = bool(cfg.get("kv_lora_rank"))
+    if mla and _opt(cfg, "index_topk") and dtype.startswith("fp8"):
+        dtype = "fp8_ds_mla"  # vLLM stores a sparse-MLA FP8 cache in its own layout
+    elif dtype == "fp8_ds_mla":
+        raise ModelConfigError("KV cache dtype fp8_ds_mla is only for sparse-MLA models")
     kv_heads = _opt(cfg, "num_key_value_heads", heads) or heads
     head_dim = _opt(cfg, "head_dim") or hidden // heads
     kv_lora = _opt(cfg, "kv_lora_rank")
@@ -214,4 +283,11 @@ def model_shape(config: Mapping[str, Any], kv_dtype: str | None = None) -> Model
         kv_dtype_bytes=_DTYPE_BYTES[dtype],
         total_params=float(total),
         active_params=float(active),
+        kv_cache_dtype=dtype,
     )
+
+
+@cache
+def shipped_shape(name: str, kv_dtype: str | None = None) -> ModelShape:
+    """The shape of a shipped config, ``bidir_kv/data/model_configs/<name>.json``."""
+    return model_shape(load_model_config(CONFIG_DIR / f"{name}.json"), kv_dtype)

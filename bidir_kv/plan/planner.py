@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bidir_kv.bench.distributions import Distribution
+from bidir_kv.engine.profiles import TermRange
 from bidir_kv.engine.pull_model import PullModel
 from bidir_kv.engine.settings import EngineSettings
 from bidir_kv.errors import PlanError
@@ -129,6 +130,9 @@ class CostModel:
     # D's part of TTFT beyond P's prefill: fixed + per prompt token (a fit; derived: 0)
     decode_ttft_fixed_us: float = 0.0
     decode_ttft_us_per_token: float = 0.0
+    # how far each uncertain term may be from its value (bidir_kv.plan.ranges); () = a point
+    uncertainty: tuple[TermRange, ...] = field(default=())
+    block_size: int = 0  # the deployment's KV block (descriptor granularity); 0 = not known
 
     def __post_init__(self) -> None:
         for name in (
@@ -180,6 +184,7 @@ class CostModel:
             xfer_us_per_descriptor=pm.per_descriptor_us,
             descriptors_per_token=pm.descriptors_per_block / pm.block_size,
             step_us=pm.step_us,
+            block_size=pm.block_size,
         )
 
     @property
@@ -213,6 +218,7 @@ class CostModel:
         d = asdict(self)
         d["notes"] = list(self.notes)
         d["sources"] = list(self.sources)
+        d["uncertainty"] = [asdict(t) for t in self.uncertainty]
         return d
 
 

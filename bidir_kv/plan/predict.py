@@ -70,6 +70,8 @@ def cost_from_profile(name: str) -> CostModel | None:
         pull_after_us_per_token=p.pull_after_us_per_token * ts,
         decode_ttft_fixed_us=p.decode_ttft_fixed_us * ts,
         decode_ttft_us_per_token=p.decode_ttft_us_per_token * ts,
+        uncertainty=p.uncertainty,
+        block_size=p.target_block_size,
     )
 
 

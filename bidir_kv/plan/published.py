@@ -34,7 +34,7 @@ from importlib.resources.abc import Traversable
 from typing import Any
 
 from bidir_kv.plan.calibrate import FitInput, OffInput, OnInput, TtftInput
-from bidir_kv.plan.modelcfg import ModelShape, load_model_config, model_shape
+from bidir_kv.plan.modelcfg import ModelShape, shipped_shape
 
 __all__ = [
     "FIGURES",
@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 PUBLISHED_DIR: Traversable = files("bidir_kv") / "data" / "published"
-CONFIG_DIR: Traversable = files("bidir_kv") / "data" / "model_configs"
 # the figures a table may give per prefix length (ms), in the order the demo prints them
 FIGURES = ("ttft_off", "ttft_on", "prefill_off", "prefill_on", "kv_transfer")
 
@@ -90,7 +89,7 @@ class PublishedTable:
         return sum(self.pulled_tokens(prefix, t) for t in turns) / len(turns)
 
     def shape(self) -> ModelShape:
-        return model_shape(load_model_config(CONFIG_DIR / f"{self.model_config}.json"))
+        return shipped_shape(self.model_config)
 
     def figure(self, prefix: int, name: str) -> float | None:
         return self.figures_ms.get(prefix, {}).get(name)
