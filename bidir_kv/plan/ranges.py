@@ -25,7 +25,7 @@ from bidir_kv.plan.planner import (
     break_even_tokens,
     ttft_rows,
 )
-from bidir_kv.policy import blocks_for_tokens
+from bidir_kv.policy import below_threshold, blocks_for_tokens
 
 __all__ = [
     "RowSpread",
@@ -183,8 +183,9 @@ def threshold_check(
 ) -> ThresholdCheck:
     """Does ``threshold`` (None: the feature left off) hold across the ranges?
 
-    It holds when, at every corner, a pull of ``threshold`` tokens or more costs no more
-    than recomputing them (the corner's break-even is at or below it); leaving the
+    It holds when, at every corner, every pull the threshold rule takes
+    (:func:`~bidir_kv.policy.below_threshold`) costs no more than recomputing it: the
+    largest pull that loses at the worst corner is one the rule refuses. Leaving the
     feature off holds when pulling pays at no corner.
     """
     be = break_even_spread(cost)
@@ -205,7 +206,9 @@ def threshold_check(
             f"corner pulls pay from {_tokens(be.low)} tokens"
         )
         return ThresholdCheck(None, holds, robust, text)
-    holds = not math.isinf(worst) and worst <= threshold
+    # the largest pull that loses at the worst corner must be one the rule refuses
+    losing = math.inf if math.isinf(worst) else math.ceil(worst) - 1
+    holds = losing < 1 or (not math.isinf(losing) and below_threshold(int(losing), threshold))
     if be.point:
         text = f"no ranges recorded for these terms: a point estimate ({why})"
     elif holds:
