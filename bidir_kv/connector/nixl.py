@@ -44,9 +44,12 @@ from bidir_kv.wire.params import (
     CHAIN_KEY,
     LEASE_CONFIG_KEY,
     LEASE_KEY,
+    VERIFY_CONFIG_KEY,
+    VERIFY_KEY,
     HeldTokens,
     configured_lease,
     lease_to_wire,
+    verifier_advert,
 )
 
 VLLM_RELEASE = check_vllm_version(vllm.__version__)
@@ -60,14 +63,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
 from bidir_kv.connector.worker import BidirKVWorker  # noqa: E402
 
 __all__ = [
-    "VERIFY_KEY",
     "VLLM_RELEASE",
     "BidirKVConnector",
     "BidirKVScheduler",
     "lease_from_config",
 ]
 
-VERIFY_KEY = "bidir_kv_verify_continuation"  # kv_connector_extra_config; default True
 # A child of vLLM's "vllm" logger, so our lines get vLLM's handler, format and level
 # (VLLM_LOGGING_LEVEL); a logger of our own would drop INFO under the root's WARNING.
 log = logging.getLogger("vllm.bidir_kv.connector")
@@ -96,7 +97,7 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
     def __init__(self, vllm_config: Any, engine_id: EngineId, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         kv = vllm_config.kv_transfer_config
-        self._verify = bool(kv.get_from_extra_config(VERIFY_KEY, True))
+        self._verify = bool(kv.get_from_extra_config(VERIFY_CONFIG_KEY, True))
         self._lease = lease_from_config(kv)
         self._hits: dict[RequestId, int] = {}  # request id -> P's local hit behind a claimed load
         # a malformed allowlist stops the start (ValueError): a security setting is
@@ -242,8 +243,11 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
                 out[LEASE_KEY] = lease_to_wire(self._lease)
             if self._fence:
                 self._retain(request, block_ids, out)
-        elif delay and out and out.get("do_remote_prefill") and self._fence_reads:
-            out[FENCE_KEY] = reader_advert()  # D may release this turn's successor early
+        elif out and out.get("do_remote_prefill"):  # P's dict, handed on with its prefill
+            if delay and self._fence_reads:
+                out[FENCE_KEY] = reader_advert()  # D may release this turn's successor early
+            if self._verify and self.is_bidirectional_kv_xfer_enabled:
+                out[VERIFY_KEY] = verifier_advert()  # a router may forward D's whole dict
         return delay, out
 
     # ---- the fence and the retention budget (D) ---------------------------------------

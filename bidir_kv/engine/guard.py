@@ -19,11 +19,16 @@ __all__ = ["verified_tokens"]
 
 
 def verified_tokens(
-    prompt: Sequence[int], prompt_chain: Sequence[bytes], owner: HeldTokens, block_size: int
+    prompt: Sequence[int],
+    prompt_chain: Sequence[bytes],
+    owner: HeldTokens | None,
+    block_size: int,
 ) -> int:
     """Tokens at the start of ``prompt`` whose KV the owner provably holds
     (``policy.verified_continuation``; ``prompt_chain`` is ``block_hashes(prompt)``,
-    which the engine keeps)."""
+    which the engine keeps). An owner whose claim answer names no tokens proves none."""
+    if owner is None:
+        return 0
     return verified_continuation(
         owner.chain, owner.tail, owner.num_tokens, prompt, block_size, prompt_hashes=prompt_chain
     )

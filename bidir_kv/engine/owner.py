@@ -34,7 +34,13 @@ from bidir_kv.policy import (
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.wire.fence import FENCE_KEY, advertises_fence, reader_advert, word_to_wire
 from bidir_kv.wire.ids import EngineId, RequestId
-from bidir_kv.wire.params import LEASE_KEY, HeldTokens, lease_to_wire
+from bidir_kv.wire.params import (
+    LEASE_KEY,
+    VERIFY_KEY,
+    HeldTokens,
+    lease_to_wire,
+    verifier_advert,
+)
 
 __all__ = ["HandleOwner"]
 
@@ -153,6 +159,8 @@ class HandleOwner:
             fields["remote_prefill_cached_tokens"] = req.cached_tokens
             if self.worker.fence is not None:  # D's reader will be us: we check the fence
                 fields[FENCE_KEY] = reader_advert()
+            if self.settings.kv_guard:  # and we read only what D's chain proves
+                fields[VERIFY_KEY] = verifier_advert()
         elif self.kv.conversation_lease is not None:  # as our vLLM connector's D does
             fields[LEASE_KEY] = lease_to_wire(self.kv.conversation_lease)
         return KVTransferParams.build(**fields)

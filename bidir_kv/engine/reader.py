@@ -239,7 +239,7 @@ class PullReader:
                 self._pull_resolved(req, hit, 0, failed=True)
                 return
             owner = await self.worker.claim(peer, p.remote_request_id, remote)
-            if self.settings.kv_guard and owner is not None:
+            if self.settings.kv_guard:  # no chain from the owner proves nothing
                 count = self._guarded_count(req, hit, count, owner, p)
                 kept = len(target_block_range(hit, count, self.settings.block_size))
                 local, remote = local[:kept], remote[:kept]
@@ -313,9 +313,15 @@ class PullReader:
         return False
 
     def _guarded_count(
-        self, req: Request, hit: int, count: int, owner: HeldTokens, params: KVTransferParams
+        self,
+        req: Request,
+        hit: int,
+        count: int,
+        owner: HeldTokens | None,
+        params: KVTransferParams,
     ) -> int:
-        """Cap a pull at the prefix the owner provably holds for our prompt (guard.py)."""
+        """Cap a pull at the prefix the owner provably holds for our prompt (guard.py);
+        an owner that says nothing of its tokens proves nothing."""
         bs = self.settings.block_size
         chain = req.block_chain[: req.prompt_len // bs]
         provable = verified_tokens(req.prompt, chain, owner, bs) - hit

@@ -24,7 +24,7 @@ from bidir_kv.testing.faults import pause_process
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
 from bidir_kv.wire.fence import FENCE_KEY
-from bidir_kv.wire.params import CHAIN_KEY
+from bidir_kv.wire.params import CHAIN_KEY, VERIFY_KEY
 
 __all__ = ["pd_spec", "start_backend"]
 
@@ -78,8 +78,9 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
         _pair_starter=lambda name, pspec: LocalTopology(
             _emulating(pspec, version), run_dir / f"emulator-{name}"
         ).start(),
-        # the emulator speaks the fence by default (docs/connector.md §5)
-        p_params_extension=frozenset({FENCE_KEY}),
+        # the emulator speaks the fence by default (docs/connector.md §5) and its P
+        # advertises that it verifies D's chain (docs/engine.md)
+        p_params_extension=frozenset({FENCE_KEY, VERIFY_KEY}),
         d_params_extension=frozenset({FENCE_KEY}),
     )
 
@@ -157,7 +158,9 @@ def _start_vllm_cpu(
         # again after (bidir_kv/testing/faults.py)
         _pause_prefill=lambda: pause_process(topo.process(topo.prefill[0].name)),
         _pause_node=lambda node: pause_process(topo.process(node.name)),
-        p_params_extension=frozenset({FENCE_KEY}) if cfg.connector_module else frozenset(),
+        p_params_extension=(
+            frozenset({FENCE_KEY, VERIFY_KEY}) if cfg.connector_module else frozenset()
+        ),
         d_params_extension=(
             frozenset({CHAIN_KEY, FENCE_KEY}) if cfg.connector_module else frozenset()
         ),

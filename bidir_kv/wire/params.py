@@ -25,6 +25,7 @@ __all__ = [
     "CHAIN_KEY",
     "LEASE_CONFIG_KEY",
     "LEASE_KEY",
+    "VERIFY_CONFIG_KEY",
     "VERIFY_KEY",
     "HeldTokens",
     "advertises_verify",
@@ -49,6 +50,9 @@ LEASE_KEY = "bidir_kv_lease"
 # prefill node may forward D's whole dict for a rewritten history and let that P read
 # the proven prefix; without it (stock vLLM) the router must trim or refuse itself.
 VERIFY_KEY = "bidir_kv_verify"
+# our vLLM connector's P verifies (and advertises it) unless its
+# kv_connector_extra_config sets this to false
+VERIFY_CONFIG_KEY = "bidir_kv_verify_continuation"
 
 
 def verifier_advert() -> dict[str, Any]:

@@ -28,6 +28,7 @@ CHECKS = [
     "d_advertises_the_renewable_lease",
     "peer_allowlist_refuses_before_any_connection",
     "fence_word_budget_and_pressure_release",
+    "p_advertises_verify_when_it_verifies",
 ]
 
 

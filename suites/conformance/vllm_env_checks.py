@@ -299,6 +299,37 @@ def fence_word_budget_and_pressure_release() -> None:
         NixlPullConnectorScheduler.request_finished = stock
 
 
+@check
+def p_advertises_verify_when_it_verifies() -> None:
+    """P's dict carries the verify advert (docs/connector.md §3.3) exactly when P caps
+    its reads at D's chain: not with bidir_kv_verify_continuation false, not with the
+    feature off (it reads nothing from D then), never in a D dict."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorScheduler
+
+    from bidir_kv.wire.params import advertises_verify
+
+    stock = NixlPullConnectorScheduler.request_finished
+    answer: dict[str, Any] = {}
+    NixlPullConnectorScheduler.request_finished = lambda self, r, b: (True, dict(answer))
+    try:
+        answer.update({"do_remote_prefill": True, "do_remote_decode": False})
+        for attrs, advertised in (
+            ({}, True),
+            ({"_verify": False}, False),
+            ({"is_bidirectional_kv_xfer_enabled": False}, False),
+        ):
+            _, p = _schedulers(**attrs)
+            out = p.request_finished(_request(HELD, {"do_remote_decode": True}), [[1]])[1]
+            assert advertises_verify(out) is advertised, (attrs, out)
+        answer.clear()
+        answer.update({"do_remote_prefill": False, "do_remote_decode": True})
+        _, d = _schedulers()
+        out = d.request_finished(_request(HELD, {"do_remote_prefill": True}), [[1]])[1]
+        assert out is not None and not advertises_verify(out), out
+    finally:
+        NixlPullConnectorScheduler.request_finished = stock
+
+
 def main() -> int:
     results: dict[str, str] = {}
     for name, fn in CHECKS.items():

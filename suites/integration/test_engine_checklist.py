@@ -17,6 +17,7 @@ import pytest
 from bidir_kv.policy import cdiv
 from bidir_kv.testing.engines import EnginePair, random_prompt, sources
 from bidir_kv.testing.poll import wait_for
+from bidir_kv.wire.params import advertises_verify
 
 BS = 16
 BLOCK_NBYTES = BS * 64
@@ -189,6 +190,8 @@ def test_rewritten_history_guard(engine_pair: Factory, guard: str) -> None:
     pr = pair.p.complete(prompt2, 1, d1.params.for_prefill_hit())
     dp = pair.p.metrics() - p0
     assert pr.ok and pr.params is not None
+    # P's dict says whether P reads only what D's chain proves (docs/engine.md)
+    assert advertises_verify(pr.params.extra) is (guard == "hashes")
     d2 = pair.d.complete(prompt2, 8, pr.params)
     # the reference is P without params: no prefix cache there, so a clean recompute
     # (D's cache may now hold the imported KV under prompt2's hashes, as vLLM's would)

@@ -172,6 +172,8 @@ def test_guard_verifies_chain_prefix_and_partial_tail() -> None:
     assert check(edited) == 8  # the edit is in block 2
     assert check([*owner_tokens[:12], 0, 0, 5]) == 12  # tail differs
     assert check([0, *owner_tokens]) == 0
+    # a claim answer without tokens proves nothing: the guarded reader reads nothing
+    assert verified_tokens(owner_tokens, block_hashes(owner_tokens, bs), None, bs) == 0
     with pytest.raises(ValueError, match="malformed"):
         HeldTokens.from_wire({**owner.to_wire(), "chain": ["zz"]})
 
