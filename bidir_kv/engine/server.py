@@ -207,10 +207,12 @@ class Routes:
             return _json_error(400, refusal_400, "BadRequestError")
         rid, blocks = body["request_id"], body["blocks"]
         reader = body.get("reader")
+        # what the handle holds as granted (a fault may release it during the claim; the
+        # reader's fence check then catches the reuse, docs/connector.md §5)
+        held = self.core.handle_tokens(rid)
         refusal = self.core.claim(rid, blocks, reader if isinstance(reader, str) else None)
         if refusal is not None:
             return json_response({"ok": False, "error": refusal}, status=410)
-        held = self.core.handle_tokens(rid)
         return json_response({"ok": True, "tokens": None if held is None else held.to_wire()})
 
     async def drop_peer(self, request: web.Request) -> web.Response:
