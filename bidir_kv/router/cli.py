@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.max_connections,
         help="client connections open at once; one more is answered 503 and "
-        "closed (default: half the descriptor limit, ulimit -n)",
+        "closed (default and most: half of what the descriptor limit, ulimit -n, "
+        "leaves after the descriptors in use and a reserve)",
     )
     p.add_argument(
         "--workers",
@@ -436,7 +437,7 @@ async def _run(app: web.Application, sock: socket.socket, settings: RouterSettin
     from aiohttp import web
 
     from bidir_kv.router.app import METRICS_KEY
-    from bidir_kv.router.listener import Listener
+    from bidir_kv.router.listener import Listener, descriptor_budget, nofile_limit, open_descriptors
 
     # handler_cancellation: a client that leaves cancels its handler, which closes the
     # P and D requests it was waiting on (the engines abort them).
@@ -454,10 +455,28 @@ async def _run(app: web.Application, sock: socket.socket, settings: RouterSettin
     server = runner.server
     if server is None:  # setup() made it; only a broken aiohttp would leave it unset
         raise RuntimeError("aiohttp's runner has no server after setup")
+    log = logging.getLogger("bidir_kv.router")
+    # counted once the app has started (its engine session, its store): a Redis store's
+    # pool opens up to --max-concurrency connections later, out of the same limit
+    budget = descriptor_budget(
+        settings.max_connections,
+        nofile_limit(),
+        open_descriptors(),
+        held_elsewhere=settings.max_concurrency if settings.store != "memory" else 0,
+    )
+    if budget.lowered_from is not None:
+        log.warning(
+            "--max-connections %d is more than the descriptor limit can hold: serving at "
+            "most %d client connections (%s). Raise ulimit -n to serve more",
+            budget.lowered_from,
+            budget.bound,
+            budget.limit,
+        )
+    log.info("client connections: at most %d (%s)", budget.bound, budget.limit)
     listener = Listener(
         sock,
         server,
-        max_connections=settings.connection_bound(),
+        budget=budget,
         header_timeout=settings.header_timeout,
         metrics=app[METRICS_KEY],
     )

@@ -140,7 +140,9 @@ class RouterMetrics:
             p + "client_connections", "Client connections open", registry=r
         )
         self.connections_refused = Counter(
-            p + "connections_refused", "Connections answered 503 at --max-connections", registry=r
+            p + "connections_refused",
+            "Connections answered 503: at the connection bound or out of descriptors",
+            registry=r,
         )
         self.header_timeouts = Counter(
             p + "header_timeouts",

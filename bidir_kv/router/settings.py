@@ -79,15 +79,7 @@ class RouterSettings:
     # also aiohttp's run_app default). 0 turns either off.
     header_timeout: float = 20.0
     idle_timeout: float = 75.0
-    # open client connections at once; beyond: 503. None: half the process's descriptor
-    # limit (each turn in flight also holds an engine connection)
+    # open client connections at once; beyond: 503. None: as many as the descriptor
+    # limit holds (router/listener.py's descriptor_budget: each turn in flight also
+    # holds an engine connection); a larger value is lowered to that
     max_connections: int | None = None
-
-    def connection_bound(self) -> int:
-        """``max_connections``, or half the soft RLIMIT_NOFILE when it is None."""
-        if self.max_connections is not None:
-            return self.max_connections
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return max(16, (soft if soft != resource.RLIM_INFINITY else 65536) // 2)

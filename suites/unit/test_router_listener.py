@@ -1,21 +1,32 @@
 """The router's listener (bidir_kv/router/listener.py) in this process: a request head
 whose blank line arrives split over reads of one to three bytes ends the head deadline
-(the connection is served, not closed at --header-timeout), and every closed connection
-frees its slot of --max-connections. The slow-client cases against a router process
-are in suites/integration/test_router_clients.py."""
+(the connection is served, not closed at --header-timeout), every closed connection
+frees its slot of the bound, the descriptor budget, a refusal that lingers instead of
+resetting, and the spare descriptor that answers when accept runs out of descriptors
+(real sockets on loopback; only the ``EMFILE`` of an accept is injected, a socket whose
+next accept fails as the kernel's would). The slow-client cases against a router
+process are in suites/integration/test_router_clients.py."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
+import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 import pytest
 from aiohttp import web
 
-from bidir_kv.router.listener import GuardedConnection, Listener
+from bidir_kv.router.listener import (
+    RESERVE,
+    DescriptorBudget,
+    GuardedConnection,
+    Listener,
+    descriptor_budget,
+)
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.testing.poll import wait_for_async
 
@@ -52,7 +63,7 @@ def _listener(header_timeout: float) -> Listener:
     return Listener(
         cast(Any, None),  # accept() is not used here: connections are handed in directly
         _Inner,
-        max_connections=8,
+        budget=DescriptorBudget(8, "--max-connections 8", 128, 15),
         header_timeout=header_timeout,
         metrics=RouterMetrics(),
     )
@@ -109,7 +120,7 @@ async def served() -> AsyncIterator[tuple[Listener, int]]:
     listener = Listener(
         sock,
         runner.server,
-        max_connections=2,
+        budget=DescriptorBudget(2, "--max-connections 2", 128, 15),
         header_timeout=30,
         metrics=RouterMetrics(),
     )
@@ -147,3 +158,163 @@ async def test_every_closed_connection_frees_its_slot(served: tuple[Listener, in
     answer = await _ask(port, close_by="router")
     assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
     assert _count(listener, "connections_refused") == 0
+
+
+# ---- the descriptor budget, lingering refusals, the spare ----------------------------
+
+
+def test_default_bound_is_half_of_what_the_limit_leaves() -> None:
+    b = descriptor_budget(None, nofile=128, in_use=15)
+    assert b.bound == (128 - 15 - RESERVE) // 2
+    assert "ulimit -n 128" in b.limit and b.lowered_from is None
+    # a store's pool comes out of the same limit
+    assert descriptor_budget(None, 128, 15, held_elsewhere=20).bound == (128 - 35 - RESERVE) // 2
+
+
+def test_an_explicit_bound_may_only_lower_it() -> None:
+    assert descriptor_budget(10, 128, 15) == DescriptorBudget(10, "--max-connections 10", 128, 15)
+    high = descriptor_budget(1000, 128, 15)
+    assert high.bound == (128 - 15 - RESERVE) // 2 and high.lowered_from == 1000
+    assert high.limit.startswith("--max-connections 1000 lowered to half of what ulimit -n 128")
+
+
+def test_a_limit_below_what_is_in_use_still_serves_one() -> None:
+    assert descriptor_budget(None, 16, 15).bound == 1
+
+
+class _Served(asyncio.Protocol):
+    """A served connection: answers its first bytes with ``OK`` and closes."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(b"OK")
+        self.transport.close()
+
+
+class _FailingOnce(socket.socket):
+    """A listening socket whose next ``accept`` fails with ``EMFILE`` (then works)."""
+
+    fail_next = False
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if self.fail_next:
+            self.fail_next = False
+            raise OSError(errno.EMFILE, "Too many open files")
+        return super().accept()
+
+
+Body = Callable[[Listener, RouterMetrics, int], Awaitable[None]]
+
+
+async def _with_listener(
+    bound: int, body: Body, sock: socket.socket | None = None, linger_max: float = 1.0
+) -> None:
+    """Run ``body`` against a listener with ``bound`` connections on a loopback port."""
+    sock = sock or socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    metrics = RouterMetrics()
+    listener = Listener(
+        sock,
+        _Served,
+        budget=DescriptorBudget(bound, f"--max-connections {bound}", 128, 15),
+        header_timeout=0,
+        metrics=metrics,
+        linger_idle=0.2,
+        linger_max=linger_max,
+    )
+    task = asyncio.get_running_loop().create_task(listener.serve())
+    try:
+        await body(listener, metrics, sock.getsockname()[1])
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        sock.close()
+
+
+def _count_in(metrics: RouterMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(f"bidir_kv_router_{name}_total", labels) or 0.0
+
+
+async def _hold_the_only_slot(listener: Listener, port: int) -> asyncio.StreamWriter:
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    async with asyncio.timeout(10):
+        while listener.open < 1:
+            await asyncio.sleep(0.01)
+    return writer
+
+
+async def _served(port: int) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"hello")
+    out = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return out
+
+
+async def test_a_refused_client_still_writing_reads_its_503_not_a_reset() -> None:
+    """Past the bound: the 503 comes at once, and the client may go on writing its body
+    (the router reads and drops it) and then reads the answer to its end."""
+
+    async def body(listener: Listener, metrics: RouterMetrics, port: int) -> None:
+        held = await _hold_the_only_slot(listener, port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 300000\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        for _ in range(10):  # the router has answered: a close now would reset these
+            writer.write(b"x" * 30000)
+            await writer.drain()
+        rest = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        held.close()
+        assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+        message = json.loads(rest)["error"]["message"]
+        assert "1 client connections open" in message and "--max-connections 1" in message
+        assert _count_in(metrics, "connections_refused") == 1
+
+    await _with_listener(1, body)
+
+
+async def test_a_refusal_lingers_no_longer_than_its_bound() -> None:
+    """A refused client that never stops sending is closed after ``linger_max``."""
+
+    async def body(listener: Listener, metrics: RouterMetrics, port: int) -> None:
+        held = await _hold_the_only_slot(listener, port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).startswith(
+            b"HTTP/1.1 503"
+        )
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(OSError):  # ConnectionResetError / BrokenPipeError
+            while loop.time() - t0 < 10:
+                writer.write(b"x" * 1000)
+                await writer.drain()
+                await asyncio.sleep(0.02)
+        assert loop.time() - t0 < 5
+        writer.close()
+        held.close()
+
+    await _with_listener(1, body, linger_max=0.3)
+
+
+async def test_out_of_descriptors_a_waiting_client_is_answered_from_the_reserve() -> None:
+    sock = _FailingOnce(socket.AF_INET, socket.SOCK_STREAM)
+
+    async def body(listener: Listener, metrics: RouterMetrics, port: int) -> None:
+        assert await _served(port) == b"OK"
+        sock.fail_next = True
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+        assert b"out of file descriptors (ulimit -n 128)" in answer
+        assert _count_in(metrics, "accept_failures", errno="EMFILE") == 1
+        assert await _served(port) == b"OK"  # and the next one is served again
+
+    await _with_listener(8, body, sock)
