@@ -33,6 +33,10 @@ $(STAMP): pyproject.toml
 	@# nixl's wheels bundle UCX and need no CUDA; --no-deps keeps the CUDA torch out.
 	@if [ "$(ARCH)" = "x86_64" ]; then \
 	  $(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 nixl-cu13==1.5.1; fi
+	@# bytecode caches, read even where PYTHONDONTWRITEBYTECODE forbids writing them
+	@# (docs/testing.md §4): the package, and pytest's rewritten test modules
+	$(PY) -m compileall -q bidir_kv fixtures conftest.py
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q --collect-only -p no:cacheprovider suites >/dev/null
 	@touch $(STAMP)
 
 lint: venv
@@ -72,7 +76,7 @@ $(TINY_TOKENIZER)/tokenizer.json: fixtures/tiny_model.py $(STAMP)
 	@echo "tiny tokenizer: $(TINY_TOKENIZER)"
 
 unit: venv
-	bash ci/pytest.sh -n $(BIDIR_KV_WORKERS) --dist loadscope -m unit suites/unit $(PYTEST_ARGS)
+	bash ci/pytest.sh -n $(BIDIR_KV_WORKERS) --dist loadscope -m "unit and pre_merge" suites/unit $(PYTEST_ARGS)
 
 conformance: venv conformance-env
 	bash ci/pytest.sh suites/conformance $(PYTEST_ARGS)

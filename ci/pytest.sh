@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run pytest from the project venv.
 #   ci/pytest.sh ARGS...   one pytest run with ARGS (`make unit` passes -n for xdist)
-#   ci/pytest.sh           the whole suite in two runs (`make test`):
+#   ci/pytest.sh           the whole pre-merge suite (-m pre_merge: every test not marked
+#                          nightly, docs/testing.md) in two runs (`make test`):
 #     1. unit + integration on $BIDIR_KV_WORKERS xdist workers (default 2; one module's
 #        tests stay on one worker, so a module's shared topology starts once);
 #     2. conformance + hardware serially: real vLLM pairs are pinned to the cores
@@ -35,9 +36,10 @@ if [ "$#" -gt 0 ]; then
   exit $?
 fi
 
-run_pytest -n "$WORKERS" --dist loadscope --junitxml=out/junit-parallel.xml suites/unit suites/integration
+run_pytest -n "$WORKERS" --dist loadscope -m pre_merge --junitxml=out/junit-parallel.xml \
+  suites/unit suites/integration
 rc_parallel=$?
-run_pytest --junitxml=out/junit-serial.xml suites/conformance suites/hardware
+run_pytest -m pre_merge --junitxml=out/junit-serial.xml suites/conformance suites/hardware
 rc_serial=$?
 echo "ci/pytest.sh: unit+integration (xdist, $WORKERS workers) exit $rc_parallel;" \
      "conformance+hardware (serial) exit $rc_serial" >&2

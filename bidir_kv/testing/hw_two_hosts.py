@@ -14,9 +14,11 @@ between two processes of one node).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
+from bidir_kv.launch import ledger
 from bidir_kv.launch.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 from bidir_kv.launch.ssh import SshLauncher, SshNode
 from bidir_kv.policy import peer_entries
@@ -75,6 +77,7 @@ def start_pair(
         "UCX_NET_DEVICES": hosts.p_if,
     }
     p_log = run_dir / f"prefill-{p_port}.log"
+    t0 = time.monotonic()
     p_proc = ManagedProcess(
         "prefill", build(p_spec).argv, p_log, cpus=frozenset({0}), env=p_env
     ).start()
@@ -123,9 +126,11 @@ def start_pair(
     )
     try:
         wait_http_ok(f"{pair.prefill.url}/health", timeout, alive=p_proc)
+        ledger.record("start", "prefill-0", time.monotonic() - t0, {"host": hosts.p_addr})
         d_node.wait_healthy(
             f"{pair.decode.url}/health", timeout, log_copy=run_dir / "decode-ssh.log"
         )
+        ledger.record("start", "decode-0", time.monotonic() - t0, {"host": hosts.d_addr})
     except BaseException:
         pair.close()
         raise

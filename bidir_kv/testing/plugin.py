@@ -3,16 +3,33 @@
 The root ``conftest.py`` loads this module; it registers the fixture and hook modules
 listed in :data:`pytest_plugins`, so suites never import fixtures (and never import
 each other). Tier gating (``skip_or_fail``) lives in :mod:`bidir_kv.testing.gating`.
+
+Markers (declared here once; ``--strict-markers`` refuses any other; docs/testing.md):
+
+* **scope**, one per test, from the folder it lives in (``suites/<scope>/``):
+  :data:`TIERS`. A scope mark that contradicts the folder is a collection error, so
+  ``-m`` on scopes alone never needs to import the other folders (they are not collected).
+* **cadence**: ``nightly`` marks a test the pull-request CI does not run; every other test
+  gets ``pre_merge``. ``make test``/``.ci/run`` select ``pre_merge``; the nightly workflow
+  runs both.
+* **backend**: what a test runs against (:data:`BACKEND_MARKS`): a conformance scenario
+  gets its ``--backend``'s mark from its parametrization; a test that starts or reaches
+  real vLLM itself says so with ``vllm_cpu``/``vllm_cpu_bidir_kv``; each of these, and
+  the hardware tier, also gets ``vllm``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from bidir_kv.launch import ledger
 from bidir_kv.testing.faults import FaultNotApplied
 from bidir_kv.testing.gating import REQUIRE_ENV
 
@@ -22,11 +39,26 @@ TIERS = {
     "conformance": "backend-agnostic scenarios (emulator, real vLLM on CPU, external)",
     "hardware": "real NIXL on GPU/EFA; OFF/ON TTFT rounds and the release gates",
 }
+CADENCES = {
+    "pre_merge": "run on every pull request and by make test (every test not marked nightly)",
+    "nightly": "run by the nightly workflow only (long or wide runs)",
+}
 BACKENDS = ("emulator", "vllm-cpu", "vllm-cpu+bidir-kv", "external")
+# the marker of each --backend, and the one every real-vLLM test carries besides
+BACKEND_MARKS = {
+    "emulator": "runs against the emulator (bidir-kv engine processes)",
+    "vllm_cpu": "runs against stock vLLM on CPU (--backend vllm-cpu)",
+    "vllm_cpu_bidir_kv": "runs against vLLM on CPU with our connector (vllm-cpu+bidir-kv)",
+    "external": "runs against a running deployment (--prefill-url/--decode-url)",
+    "vllm": "starts or reaches real vLLM servers (any vLLM backend, the hardware tier)",
+}
+VLLM_MARKS = ("vllm_cpu", "vllm_cpu_bidir_kv")
+HYPOTHESIS_PROFILES = {"unit": 100, "nightly": 1000}  # max_examples of each profile
 _REPO = Path(__file__).resolve().parents[2]
 
 # Fixture and hook modules, registered by pytest when it loads this plugin.
 pytest_plugins = [
+    "pytester",  # pytest's own fixture for running a pytest session inside a test
     "bidir_kv.testing.containers",  # docker_client, container_image, container_topology
     "bidir_kv.testing.engines",  # engine_pair, shared_pair
     "bidir_kv.testing.hardware",  # hw_deployment
@@ -37,6 +69,7 @@ pytest_plugins = [
     "bidir_kv.testing.transports",  # kv_backend, nixl_ok
     "bidir_kv.testing.two_hosts",  # two_hosts, ssh_launch
     "bidir_kv.testing.conformance",  # pd, router, prompts; the matrix report
+    "bidir_kv.testing.tokenizer",  # tiny_tokenizer_dir
 ]
 
 
@@ -250,37 +283,153 @@ def _hardware_options(g: pytest.OptionGroup) -> None:
     )
 
 
-def _hypothesis_profile() -> None:
-    """No per-example deadline: the machines are shared and noisy (a real vLLM pair may
-    be idling beside the unit tier), and timing is never what a property asserts."""
+def backend_mark(backend: str) -> str:
+    """The marker of a ``--backend`` name (``vllm-cpu+bidir-kv`` -> ``vllm_cpu_bidir_kv``)."""
+    return backend.replace("-", "_").replace("+", "_")
+
+
+def _hypothesis_profiles() -> None:
+    """Hypothesis's two profiles, ``unit`` (the default) and ``nightly`` (ten times the
+    examples), chosen by ``--hypothesis-profile`` or ``$HYPOTHESIS_PROFILE``. Neither has
+    a per-example deadline: the machines are shared and noisy (a real vLLM pair may be
+    idling beside the unit tier), and timing is never what a property asserts. A test
+    names no ``max_examples`` of its own, so the profile decides how hard each searches.
+    Loaded before any test module is imported: a ``settings`` object takes its defaults
+    from the profile loaded when it is created."""
     try:
         from hypothesis import settings
     except ImportError:
         return
-    settings.register_profile("bidir-kv", deadline=None, database=None)
-    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "bidir-kv"))
+    for name, examples in HYPOTHESIS_PROFILES.items():
+        settings.register_profile(name, max_examples=examples, deadline=None, database=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "unit"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before hypothesis's own: its --hypothesis-profile wins
 def pytest_configure(config: pytest.Config) -> None:
-    _hypothesis_profile()
-    for name, text in TIERS.items():
-        config.addinivalue_line("markers", f"{name}: {text}")
+    _hypothesis_profiles()
+    for marks in (TIERS, CADENCES, BACKEND_MARKS):
+        for name, text in marks.items():
+            config.addinivalue_line("markers", f"{name}: {text}")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
     config.addinivalue_line(
         "markers",
         "only_backends(*names): a conformance parametrization that applies to "
         "these backends only; it is not generated for the others (deselected)",
     )
+    if not os.environ.get(ledger.LEDGER_ENV) and not hasattr(config, "workerinput"):
+        # every vLLM server this session (and the bench runs it starts) brings up is
+        # counted; xdist workers and child processes inherit the variable
+        out = _REPO / "out" / f"server-starts-{os.getpid()}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.unlink(missing_ok=True)
+        os.environ[ledger.LEDGER_ENV] = str(out)
+        config.stash[_LEDGER] = out
+
+
+_LEDGER = pytest.StashKey[Path]()
+_IDENT = re.compile(r"(?:\w|:|\+|-|\.|\[|\]|\\|/)+")
+
+
+def _tier_of(path: Path) -> str | None:
+    parts = path.parts
+    if "suites" in parts:
+        idx = parts.index("suites")
+        if idx + 1 < len(parts) and parts[idx + 1] in TIERS:
+            return parts[idx + 1]
+    return None
+
+
+def excludes_tier(markexpr: str, tier: str) -> bool:
+    """Whether ``-m markexpr`` can select no test of scope ``tier``, whatever other marks
+    its tests carry: every assignment of the expression's other names is tried (scope
+    marks come from the folder alone, so this is exact). False when unsure."""
+    try:
+        from _pytest.mark.expression import Expression
+
+        expr = Expression.compile(markexpr)
+    except (ImportError, SyntaxError):
+        return False
+    reserved = {"and", "or", "not", "True", "False", "None"}
+    others = sorted({w for w in _IDENT.findall(markexpr) if w not in reserved} - set(TIERS))
+    if len(others) > 10:
+        return False
+    for bits in range(2 ** len(others)):
+        value = {name: bool(bits >> i & 1) for i, name in enumerate(others)}
+        try:
+            if expr.evaluate(functools.partial(_assigned, tier, value)):
+                return False
+        except Exception:  # an expression form this check does not know: collect
+            return False
+    return True
+
+
+def _assigned(tier: str, value: dict[str, bool], name: str, /, **kwargs: object) -> bool:
+    """``-m``'s matcher for :func:`excludes_tier`: the scope marks of a test in ``tier``,
+    the other names as ``value`` assigns them."""
+    if name in TIERS:
+        return name == tier and not kwargs
+    return value.get(name, False)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``pytest -m unit`` (as the README types it) does not import the other tiers'
+    modules: a ``suites/<scope>/`` folder whose scope the ``-m`` expression excludes is
+    not collected (they would all be deselected)."""
+    markexpr = config.getoption("markexpr", "")
+    if not markexpr:
+        return None
+    tier = _tier_of(collection_path)
+    if tier is not None and excludes_tier(markexpr, tier):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test gets the marker of the tier folder it lives in (suites/<tier>/...)."""
+    """Scope from the folder (suites/<tier>/...), cadence (pre_merge unless nightly),
+    and the backend marks (docs/testing.md)."""
+    wrong = []
     for item in items:
-        parts = Path(str(item.fspath)).parts
-        if "suites" in parts:
-            idx = parts.index("suites")
-            if idx + 1 < len(parts) and parts[idx + 1] in TIERS:
-                item.add_marker(getattr(pytest.mark, parts[idx + 1]))
+        tier = _tier_of(Path(str(item.fspath)))
+        marked = {name for name in TIERS if item.get_closest_marker(name) is not None}
+        if tier is not None:
+            if marked - {tier}:
+                wrong.append(f"{item.nodeid}: marked {sorted(marked - {tier})}, lives in {tier}")
+            item.add_marker(getattr(pytest.mark, tier))
+        nightly = item.get_closest_marker("nightly") is not None
+        if item.get_closest_marker("pre_merge") is not None and nightly:
+            wrong.append(f"{item.nodeid}: marked both pre_merge and nightly")
+        if not nightly:
+            item.add_marker(pytest.mark.pre_merge)
+        callspec = getattr(item, "callspec", None)
+        backend = callspec.params.get("pd") if callspec is not None else None
+        if backend is not None:
+            item.add_marker(getattr(pytest.mark, backend_mark(str(backend))))
+        if tier == "hardware" or any(item.get_closest_marker(m) for m in VLLM_MARKS):
+            item.add_marker(pytest.mark.vllm)
+    if wrong:
+        raise pytest.UsageError(
+            "markers contradict the suite layout (docs/testing.md):\n  " + "\n  ".join(wrong)
+        )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many vLLM servers the session started, and what they cost (the start ledger,
+    bidir_kv/launch/ledger.py); nothing when it started none."""
+    path = terminalreporter.config.stash.get(_LEDGER, None)
+    starts = ledger.read(path) if path is not None else []
+    if not starts:
+        return
+    tr = terminalreporter
+    total = sum(float(s["seconds"]) for s in starts)
+    tr.write_sep("-", f"vLLM servers started: {len(starts)}, {total:.0f} s until /health")
+    by_test: dict[str, list[dict[str, Any]]] = {}
+    for s in starts:
+        by_test.setdefault(str(s["test"]) or "(outside a test)", []).append(s)
+    for test, rows in by_test.items():
+        kinds = ", ".join(f"{r['kind']} {r['name']} {float(r['seconds']):.0f} s" for r in rows)
+        tr.write_line(f"{test}: {kinds}")
+    tr.write_line(f"(ledger: {path})")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.launch import ledger
 from bidir_kv.launch.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 from bidir_kv.serve.command import ServeSpec, build, kv_transfer_config
 from bidir_kv.topology.base import (
@@ -227,6 +228,9 @@ class VllmCpuTopology(Topology):
                 raise
             self.startup_seconds[node.name] = time.monotonic() - started
             node.info["startup_seconds"] = round(self.startup_seconds[node.name], 1)
+            ledger.record(
+                "start", node.name, self.startup_seconds[node.name], self.ledger_config(node)
+            )
         for node, proc, _started in pending:
             self._check_worker_cores(node, proc)
         return self
@@ -276,7 +280,25 @@ class VllmCpuTopology(Topology):
         wait_http_ok(f"{node.url}/health", self.options.startup_timeout, alive=new)
         node.log_path, node.info["restarts"], node.info["pid"] = str(log), runs, new.pid
         node.info["restart_seconds"] = round(time.monotonic() - t0, 1)
+        ledger.record("restart", node.name, time.monotonic() - t0, self.ledger_config(node))
         self._check_worker_cores(node, new)
+
+    def ledger_config(self, node: Node) -> dict[str, Any]:
+        """What tells this server apart from others in the start ledger
+        (:mod:`bidir_kv.launch.ledger`): its role, flags and KV-transfer settings."""
+        espec = self.spec.prefill if node.role == "prefill" else self.spec.decode
+        kv = espec.kv.to_dict()
+        kv.pop("engine_id", None)
+        return {
+            "role": node.role,
+            "engine_id": node.info.get("engine_id"),
+            "kv": kv,
+            "prefix_caching": espec.enable_prefix_caching,
+            "extra_args": list(espec.extra_args),
+            "max_model_len": espec.max_model_len,
+            "enforce_eager": self.options.enforce_eager,
+            "host": self.options.host,
+        }
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary for reports (ports, engine ids, logs, startup times)."""

@@ -25,6 +25,8 @@ import pytest
 from bidir_kv.launch.process import process_running
 from bidir_kv.testing.gating import skip_or_fail
 
+pytestmark = pytest.mark.vllm_cpu_bidir_kv  # starts real vLLM itself (docs/testing.md §1)
+
 ROOT = Path(__file__).resolve().parents[2]
 POINT = 512
 

@@ -23,6 +23,8 @@ from bidir_kv.launch.process import process_running
 from bidir_kv.plan.calibrate import calibrate, check_rows
 from bidir_kv.testing.gating import skip_or_fail
 
+pytestmark = pytest.mark.vllm_cpu  # starts real vLLM itself (docs/testing.md §1)
+
 ROOT = Path(__file__).resolve().parents[2]
 POINTS = (256, 1536)
 

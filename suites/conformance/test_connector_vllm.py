@@ -18,6 +18,8 @@ import pytest
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.topology.vllm_cpu import default_venv, unavailable_reason
 
+pytestmark = pytest.mark.vllm_cpu_bidir_kv  # runs in the vllm-cpu env (docs/testing.md §1)
+
 SCRIPT = Path(__file__).with_name("vllm_env_checks.py")
 CHECKS = [
     "factory_resolves_our_class",

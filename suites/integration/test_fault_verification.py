@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -463,31 +462,13 @@ def test_pinned_and_failing_for_its_defect():
 """
 
 
-def test_an_xfail_test_whose_fault_did_not_take_effect_fails(tmp_path: Path) -> None:
-    (tmp_path / "test_inner.py").write_text(_XFAIL)
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "bidir_kv.testing.plugin",
-            "-q",
-            "-rfx",
-            "-o",
-            "addopts=",
-            str(tmp_path / "test_inner.py"),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(repo)},
+def test_an_xfail_test_whose_fault_did_not_take_effect_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_inner=_XFAIL)
+    # in-process: the plugin (already imported here) is registered in a session of its own
+    out = pytester.runpytest_inprocess(
+        "-p", "no:cacheprovider", "-p", "bidir_kv.testing.plugin", "-q", "-rfx", "-o", "addopts="
     )
-    text = out.stdout
+    text = "\n".join(out.outlines)
     assert "1 failed, 1 xfailed" in text, text
     assert "FAILED test_inner.py::test_pinned_but_the_fault_did_nothing" in text, text
     assert f"FaultNotApplied: {FAULT_NOT_APPLIED}: d0 reports faults" in text, text

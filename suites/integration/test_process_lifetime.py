@@ -1,4 +1,5 @@
-"""Nodes never outlive the process that started them, even when it is SIGKILLed."""
+"""Process trees: nodes never outlive the process that started them, even when it is
+SIGKILLed, and a node's CPU is counted over its whole tree."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.launch.process import process_running
+from bidir_kv.launch.process import cpu_seconds, process_running
 from bidir_kv.testing.faults import pause_process
 from bidir_kv.testing.poll import wait_for
 
@@ -96,3 +97,27 @@ def test_cpus_pin_the_child_and_what_it_starts(tmp_path: Path) -> None:
     one = allowed[-1]
     assert _affinities(tmp_path, "pinned", frozenset({one})) == f"[{one}] [{one}]"
     assert _affinities(tmp_path, "free", None) == f"{allowed} {allowed}"
+
+
+def test_cpu_seconds_count_the_whole_tree(tmp_path: Path) -> None:
+    """A vLLM server's work runs in its EngineCore and Worker children: a node's CPU is its
+    tree's. Here a shell's grandchild burns 0.3 s of CPU while the shell itself waits."""
+    ready = tmp_path / "burnt"
+    burn = (
+        "import time, pathlib\n"
+        "while time.process_time() < 0.3: pass\n"
+        f"pathlib.Path({str(ready)!r}).write_text('x')\n"
+        "time.sleep(60)\n"
+    )
+    shell = subprocess.Popen(
+        ["sh", "-c", f'{sys.executable} -c "$0" & wait', burn], start_new_session=True
+    )
+    try:
+        wait_for(ready.exists, 30, "the grandchild to burn its CPU", interval=0.05)
+        tree = cpu_seconds(shell.pid)
+        assert tree is not None and tree >= 0.25  # clock ticks of 10 ms round down
+        own = Path(f"/proc/{shell.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert (int(own[11]) + int(own[12])) / os.sysconf("SC_CLK_TCK") < 0.1  # the shell
+    finally:
+        os.killpg(shell.pid, 9)
+        shell.wait()

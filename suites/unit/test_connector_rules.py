@@ -4,7 +4,7 @@ reads from D and from which blocks; no vLLM needed (docs/connector.md)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bidir_kv.connector import SUPPORTED_VLLM, UnsupportedVllm, check_vllm_version
@@ -19,7 +19,6 @@ from bidir_kv.policy import PeerAllowlist, cdiv, position_pairing, suffix_trim_p
 from bidir_kv.wire.params import CHAIN_KEY, HeldTokens
 
 BS = 16
-PROPS = settings(max_examples=80, deadline=None, database=None)
 
 
 def d_params(held: list[int], *, chain: bool = True, **extra: object) -> dict[str, object]:
@@ -147,7 +146,6 @@ def test_wire_round_trip() -> None:
     assert HeldTokens.from_params({CHAIN_KEY: held.to_wire()}) == held
 
 
-@PROPS
 @given(n_remote=st.integers(1, 12), hit_blocks=st.integers(0, 11), pull=st.integers(1, 12 * BS))
 def test_cut_lists_make_vllms_suffix_trim_pair_by_position(
     n_remote: int, hit_blocks: int, pull: int

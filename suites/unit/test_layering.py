@@ -41,6 +41,9 @@ RULE_EXEMPTIONS: dict[str, str] = {
 }
 
 _THRESHOLD = re.compile(r"threshold", re.IGNORECASE)
+# Every name either predicate below matches contains one of these: a module without
+# any needs no parse.
+_CANDIDATE = re.compile(r"threshold|lease|ttl|expir", re.IGNORECASE)
 # Name parts that mark a lease, TTL or expiry value (split on "_", lower case).
 _TIMER_PARTS = frozenset({"lease", "leases", "ttl", "expiry", "expires", "expire"})
 _NOT_TIMER_PARTS = frozenset({"fraction", "share"})  # probabilities named after a TTL
@@ -159,6 +162,8 @@ class _RuleFinder(ast.NodeVisitor):
 
 def find_rule_sites(source: str, path: str) -> list[RuleSite]:
     """Threshold comparisons and lease/TTL/expiry arithmetic in one module's source."""
+    if not _CANDIDATE.search(source):
+        return []
     finder = _RuleFinder(source, path)
     finder.visit(ast.parse(source))
     return finder.sites

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bidir_kv.policy import (
@@ -17,8 +17,6 @@ from bidir_kv.policy import (
     suffix_trim_pairing,
     target_block_range,
 )
-
-PROPS = settings(max_examples=80, deadline=None, database=None)
 
 
 @pytest.mark.parametrize(
@@ -108,7 +106,6 @@ def test_spec_6_3_example_shorter_prompt_misaligns_suffix_trim() -> None:
 # ---- properties --------------------------------------------------------------
 
 
-@PROPS
 @given(st.integers(0, 10**6), st.integers(1, 4096))
 def test_block_math_identities(n: int, bs: int) -> None:
     assert block_align_down(n, bs) + partial_tail_tokens(n, bs) == n
@@ -145,7 +142,6 @@ def _pull(draw: st.DrawFn, mode: str = "any") -> tuple[list[int], int, int, int,
     return ids, r, h, length, bs
 
 
-@PROPS
 @given(_pull())
 def test_position_pairing_is_position_correct(case: tuple[list[int], int, int, int, int]) -> None:
     ids, r, h, length, bs = case
@@ -165,7 +161,6 @@ def test_position_pairing_is_position_correct(case: tuple[list[int], int, int, i
     assert min(covered) == h
 
 
-@PROPS
 @given(_pull("continuation"))
 def test_suffix_trim_equals_position_pairing_for_continuations(
     case: tuple[list[int], int, int, int, int],
@@ -179,7 +174,6 @@ def test_suffix_trim_equals_position_pairing_for_continuations(
     assert suffix_trim_pairing(ids, n) == position_pairing(ids, h, count, bs)
 
 
-@PROPS
 @given(_pull("overshoot"))
 def test_suffix_trim_misaligns_when_d_holds_blocks_past_the_prompt(
     case: tuple[list[int], int, int, int, int],

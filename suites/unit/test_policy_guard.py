@@ -4,7 +4,7 @@ PR #44838)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bidir_kv.policy import (
@@ -17,7 +17,6 @@ from bidir_kv.policy import (
     verified_continuation,
 )
 
-PROPS = settings(max_examples=80, deadline=None, database=None)
 BS = 4
 
 
@@ -105,7 +104,6 @@ def _related(draw: st.DrawFn) -> tuple[list[int], list[int], int]:
     return d, prompt, bs
 
 
-@PROPS
 @given(_related())
 def test_guard_never_approves_a_prefix_that_differs_from_d(
     case: tuple[list[int], list[int], int],
@@ -120,7 +118,6 @@ def test_guard_never_approves_a_prefix_that_differs_from_d(
     assert nxt > min(len(d), len(prompt)) or prompt[:nxt] != d[:nxt]
 
 
-@PROPS
 @given(_related())
 def test_hash_chain_variant_agrees_with_the_token_variant(
     case: tuple[list[int], list[int], int],
@@ -131,7 +128,6 @@ def test_hash_chain_variant_agrees_with_the_token_variant(
     )
 
 
-@PROPS
 @given(st.lists(st.integers(0, 2**32), max_size=40), st.sampled_from([1, 3, 16]))
 def test_hash_chain_is_prefix_stable(tokens: list[int], bs: int) -> None:
     """Appending tokens never changes earlier block hashes (what prefix caching relies on)."""

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bidir_kv.clock import ManualClock, OffsetClock
@@ -26,7 +26,6 @@ from bidir_kv.policy import (
     valid_retention_ttl,
 )
 
-PROPS = settings(max_examples=100, deadline=None, database=None)
 EPS = 1e-6
 
 
@@ -311,7 +310,6 @@ def test_end_to_end_retention_export_and_decline_across_clocks() -> None:
     assert [r.reason for r in ledger.reap(d_clock.now())] == ["expired"]
 
 
-@PROPS
 @given(
     st.floats(-1e6, 1e6, allow_nan=False),
     st.floats(0.0, 1e5, allow_nan=False),
@@ -325,7 +323,6 @@ def test_decline_is_monotone_in_time(offset: float, deadline: float, now: float)
         assert should_decline(remote_expiry=remote, offset=offset, now=now + 1e3)
 
 
-@PROPS
 @given(st.floats(-1e6, 1e6), st.floats(-1e3, 1e3))
 def test_remote_deadline_is_the_inverse_of_local_deadline(deadline: float, offset: float) -> None:
     assert abs(local_deadline(remote_deadline(deadline, offset), offset) - deadline) < 1e-6

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bidir_kv.policy import (
@@ -16,7 +16,6 @@ from bidir_kv.policy import (
     threshold_enabled,
 )
 
-PROPS = settings(max_examples=80, deadline=None, database=None)
 BS = 16
 
 
@@ -173,7 +172,6 @@ def _cases(draw: st.DrawFn) -> tuple[int, int, int | None, int]:
     return prompt, hit, remote, bs
 
 
-@PROPS
 @given(_cases(), st.integers(-100, 5000), st.integers(-100, 5000))
 def test_decisions_are_monotone_in_the_threshold(
     case: tuple[int, int, int | None, int], t1: int, t2: int
@@ -188,7 +186,6 @@ def test_decisions_are_monotone_in_the_threshold(
         assert not d_hi.pull
 
 
-@PROPS
 @given(_cases(), st.integers(-10, 5000))
 def test_decision_matches_the_spec_formula(case: tuple[int, int, int | None, int], t: int) -> None:
     prompt, hit, remote, bs = case
@@ -230,7 +227,6 @@ def test_capped_pull_tokens(count: int, verified: int, from_prefill: bool, expec
     assert got == expected
 
 
-@PROPS
 @given(_cases(), st.integers(-10, 5000), st.integers(-100, 5000))
 def test_capped_pull_is_the_decision_had_the_remote_held_only_the_verified_prefix(
     case: tuple[int, int, int | None, int], t: int, verified: int

@@ -24,9 +24,7 @@ from bidir_kv.protocol import (
     scan_terminal_chunk,
 )
 
-PROPS = settings(
-    max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
-)
+PROPS = settings(suppress_health_check=[HealthCheck.too_slow])
 
 # ---- the shapes of docs/protocol.md §3.3-§3.5 -------------------------------
 
@@ -502,7 +500,7 @@ def test_might_be_terminal_never_has_a_false_negative(chunk: tuple[bytes, bool])
     assert (captured is not None) == terminal
 
 
-@settings(PROPS, max_examples=40)
+@PROPS
 @given(
     st.dictionaries(
         st.text(min_size=1, max_size=8).filter(lambda k: k not in KNOWN_FIELDS),

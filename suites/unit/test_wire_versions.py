@@ -48,7 +48,9 @@ def test_the_verify_advert_is_recognised_only_at_its_version() -> None:
 def _int_version_constants(source: str) -> list[str]:
     """Module-level ``<NAME>_VERSION = <int>`` assignments: a version kept outside the
     registry."""
-    found = []
+    found: list[str] = []
+    if "_VERSION" not in source:  # nothing to find: no need to parse
+        return found
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Constant):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
