@@ -38,6 +38,8 @@ def _worker(settings: EngineSettings, pool: KVPool) -> ConnectorWorker:
             "kv_bytes_per_token": settings.effective_kv_bytes_per_token,
             "num_layers": settings.num_layers,
             "vllm": settings.emulate_vllm,
+            # a peer of another group layout would pair blocks of other layers
+            **({"kv_cache_groups": settings.kv_cache_groups} if hybrid(settings) else {}),
         }
     )
     pinned = settings.retained_blocks == "pin"
@@ -59,11 +61,20 @@ def _worker(settings: EngineSettings, pool: KVPool) -> ConnectorWorker:
     )
 
 
+def hybrid(settings: EngineSettings) -> bool:
+    """Several KV cache groups (engine/groups.py)."""
+    return len(settings.group_layout) > 1
+
+
 async def run_engine(settings: EngineSettings, stop: asyncio.Event) -> None:
     bs = settings.block_size
-    num_blocks = settings.kv_capacity_tokens // bs + 1  # + the null block 0
-    pool = KVPool.allocate(num_blocks, bs * settings.effective_kv_bytes_per_token)
-    blocks = BlockManager(pool, bs, settings.num_layers, settings.enable_prefix_caching)
+    # several groups: each block holds one group's share of the layers, so the same
+    # memory holds as many blocks as tokens times groups (vLLM's hybrid manager)
+    groups = len(settings.group_layout)
+    num_blocks = settings.kv_capacity_tokens // bs * groups + 1  # + the null block 0
+    pool = KVPool.allocate(num_blocks, bs * settings.effective_kv_bytes_per_token // groups)
+    caching = settings.enable_prefix_caching and groups == 1
+    blocks = BlockManager(pool, bs, settings.num_layers // groups, caching)
     worker = _worker(settings, pool)
     metrics = EngineMetrics(settings.model_name, ranks=settings.tensor_parallel_size)
     core = EngineCore(settings, blocks, worker, metrics)
@@ -137,6 +148,12 @@ def emulation_notes(settings: EngineSettings, backend: str) -> list[str]:
     if kv.kv_buffer_device != "cpu":
         notes.append(
             f"kv_buffer_device={kv.kv_buffer_device!r}: emulated; the KV pool is host memory"
+        )
+    if hybrid(settings):
+        notes.append(
+            f"kv_cache_groups={settings.kv_cache_groups}: {len(settings.group_layout)} KV cache "
+            "groups, each block holding one group's layers; the prefix cache is not "
+            "emulated with several groups (off)"
         )
     if list(kv.backends) != ["UCX"]:
         notes.append(f"NIXL backends {list(kv.backends)}: emulated; KV moves over {backend}")

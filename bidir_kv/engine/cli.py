@@ -113,6 +113,15 @@ def _add_emulator_flags(group: argparse._ArgumentGroup) -> None:
         help="compare pulled KV with the reader's own prompt (metric only; costs CPU)",
     )
     group.add_argument(
+        "--kv-cache-groups",
+        default=_default("kv_cache_groups"),
+        metavar="SPEC",
+        help="the model's KV cache groups in vLLM's order, comma-separated 'full' or "
+        "'sliding_window:W' (W tokens), exactly one full; several emulate vLLM's hybrid "
+        "KV cache manager (layers split evenly, sliding blocks freed outside the window; "
+        "docs/engine.md). Default: %(default)s",
+    )
+    group.add_argument(
         "--kv-guard",
         choices=("hashes", "off"),
         default="hashes" if _default("kv_guard") else "off",
@@ -263,7 +272,12 @@ def _settings(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Engine
         **_ops(parser, ns),
         tensor_parallel_size=ns.tensor_parallel_size,
         tokenizer=ns.tokenizer,
+        kv_cache_groups=ns.kv_cache_groups,
     )
+    try:
+        settings.group_layout  # noqa: B018 - parse and check once, before anything starts
+    except ValueError as exc:
+        parser.error(str(exc))
     per_rank = settings.num_layers * settings.tensor_parallel_size
     if settings.effective_kv_bytes_per_token % per_rank:
         parser.error(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from bidir_kv.engine.groups import GroupTables
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.model import KVContent, next_token
 from bidir_kv.engine.request import Request
@@ -21,10 +22,11 @@ __all__ = ["ModelRunner"]
 class ModelRunner:
     """KV writes and sampling over one engine's block manager."""
 
-    def __init__(self, blocks: BlockManager) -> None:
+    def __init__(self, blocks: BlockManager, groups: GroupTables | None = None) -> None:
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.content = KVContent(blocks.num_layers, blocks.bytes_per_layer_slot)
+        self.groups = groups  # the other KV cache groups (None: one full-attention group)
 
     def slot_hashes(self, req: Request, start: int, end: int) -> np.ndarray:
         """Token-prefix hashes of slots ``[start, end)``."""
@@ -42,6 +44,8 @@ class ModelRunner:
         """Write KV for slots ``[start, end)`` and cache blocks that became full."""
         hashes = self.slot_hashes(req, start, end)
         self.blocks.write_slots(req.blocks, start, self.content.slots(hashes))
+        if self.groups is not None:
+            self.groups.write(self.content, req, start, hashes)
         req.num_computed = end
         self.cache_full_blocks(req)
 
@@ -83,16 +87,21 @@ class ModelRunner:
         if tail:
             fp = self.blocks.tail_fingerprint(req.blocks[full], tail)
             d.update(tail.to_bytes(4, "little") + fp.to_bytes(8, "little"))
+        if self.groups is not None:
+            d.update(self.groups.window_digest(req, n))
         return next_token(d.digest(), req.tokens[n - 1], allow_eos=not req.ignore_eos)
 
     def mismatched_blocks(self, req: Request, start: int, end: int) -> int:
         """Blocks of slots ``[start, end)`` whose bytes differ from what the tokens imply."""
         bs = self.block_size
-        expected = self.content.slots(self.slot_hashes(req, start, end))
+        hashes = self.slot_hashes(req, start, end)
+        expected = self.content.slots(hashes)
         bad = 0
         for i, pos in enumerate(range(start, end, bs)):
             stop = min(end, pos + bs)
             got = self.blocks.read_slots(req.blocks[pos // bs], 0, stop - pos)
             if not np.array_equal(got, expected[i * bs : i * bs + (stop - pos)]):
                 bad += 1
+        if self.groups is not None:
+            bad += self.groups.mismatched(self.content, req, hashes, start, end)
         return bad

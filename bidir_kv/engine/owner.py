@@ -18,6 +18,7 @@ from bidir_kv.engine import notifications
 from bidir_kv.engine.connector import ConnectorWorker
 from bidir_kv.engine.faults import Faults
 from bidir_kv.engine.fencewords import retention_budget
+from bidir_kv.engine.groups import GroupTables
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.request import Request
@@ -35,9 +36,11 @@ from bidir_kv.protocol import KVTransferParams
 from bidir_kv.wire.fence import FENCE_KEY, advertises_fence, reader_advert, word_to_wire
 from bidir_kv.wire.ids import EngineId, RequestId
 from bidir_kv.wire.params import (
+    GROUPS_KEY,
     LEASE_KEY,
     VERIFY_KEY,
     HeldTokens,
+    groups_to_wire,
     lease_to_wire,
     verifier_advert,
 )
@@ -58,8 +61,10 @@ class HandleOwner:
         metrics: EngineMetrics,
         *,
         wake: Callable[[], None],
+        groups: GroupTables | None = None,
     ) -> None:
         self.settings = settings
+        self.groups = groups  # the other KV cache groups (None: one full-attention group)
         self.kv = settings.kv
         self.faults: Faults = settings.faults
         self.blocks = blocks
@@ -88,6 +93,10 @@ class HandleOwner:
         keep_n = blocks_for_tokens(req.num_computed, bs)
         keep, extra = req.blocks[:keep_n], req.blocks[keep_n:]
         self.blocks.free(extra)
+        lists = [keep]
+        if self.groups is not None:  # every group's list, and the blocks they hold
+            lists, others = self.groups.finish(req, keep_n)
+            keep = [*keep, *others]
         p = req.params
         ok = reason in ("stop", "length") and keep_n > 0 and p is not None
         if ok and (req.is_p_node or self.kv.bidirectional_kv_xfer):
@@ -97,11 +106,11 @@ class HandleOwner:
         if ok and req.is_p_node:
             self.leases.hold(req.request_id, self.clock())
             self._lease_blocks[req.request_id] = keep
-            req.out_params = self._node_params(req, keep, prefill=True, expiry=None)
+            req.out_params = self._node_params(req, lists, prefill=True, expiry=None)
         elif ok and self.kv.bidirectional_kv_xfer:
             deadline = self.ledger.retain(req.request_id, keep, self.clock())
             expiry = remote_deadline(deadline, self.faults.clock_skew)
-            req.out_params = self._node_params(req, keep, prefill=False, expiry=expiry)
+            req.out_params = self._node_params(req, lists, prefill=False, expiry=expiry)
             word = self._fence_word(req)
             if word is not None:
                 req.out_params = KVTransferParams.build(
@@ -136,12 +145,12 @@ class HandleOwner:
         return word
 
     def _node_params(
-        self, req: Request, blocks: list[int], *, prefill: bool, expiry: float | None
+        self, req: Request, lists: list[list[int]], *, prefill: bool, expiry: float | None
     ) -> KVTransferParams:
         fields: dict[str, Any] = {
             "do_remote_prefill": prefill,
             "do_remote_decode": not prefill,
-            "remote_block_ids": [list(blocks)],
+            "remote_block_ids": [list(g) for g in lists],
             "remote_engine_id": self.kv.engine_id,
             "remote_request_id": req.request_id,
             "remote_host": self.worker.side_host,
@@ -161,8 +170,11 @@ class HandleOwner:
                 fields[FENCE_KEY] = reader_advert()
             if self.settings.kv_guard:  # and we read only what D's chain proves
                 fields[VERIFY_KEY] = verifier_advert()
-        elif self.kv.conversation_lease is not None:  # as our vLLM connector's D does
-            fields[LEASE_KEY] = lease_to_wire(self.kv.conversation_lease)
+        else:
+            if self.kv.conversation_lease is not None:  # as our vLLM connector's D does
+                fields[LEASE_KEY] = lease_to_wire(self.kv.conversation_lease)
+            if self.groups is not None:  # a router needs the layout to cut several lists
+                fields[GROUPS_KEY] = groups_to_wire(self.groups.layout)
         return KVTransferParams.build(**fields)
 
     # ---- claims ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from bidir_kv.engine import notifications
 from bidir_kv.engine.compute import ModelRunner
 from bidir_kv.engine.connector import ConnectorWorker, Peer, StaleParams
+from bidir_kv.engine.groups import GroupTables, PairingRefused
 from bidir_kv.engine.guard import verified_tokens
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.request import Request, RequestError
@@ -67,8 +68,10 @@ class PullReader:
         *,
         spawn: Spawn,
         host: PullHost,
+        groups: GroupTables | None = None,
     ) -> None:
         self.settings = settings
+        self.groups = groups  # the other KV cache groups (None: one full-attention group)
         self.kv = settings.kv
         self.worker = worker
         self.runner = runner
@@ -156,24 +159,69 @@ class PullReader:
         return False
 
     def _start_pull(self, req: Request, hit: int, count: int, *, from_prefill: bool) -> None:
-        p = req.params
-        assert p is not None and p.remote_block_ids is not None
-        bs = self.settings.block_size
-        wanted = target_block_range(hit, count, bs)
-        local = req.blocks[wanted.start : wanted.stop]
-        remote_list = p.remote_block_ids[0] if p.remote_block_ids else []
         req.state = "remote"
         self.num_pulling += 1
         self.reading.add(req)
         try:
-            if self.settings.kv_pairing == "suffix-trim":
-                remote = suffix_trim_pairing(remote_list, len(local))
-            else:
-                remote = position_pairing(remote_list, hit, count, bs)
+            local, remote = self._pairs(req, hit, count)
+        except PairingRefused as exc:  # a rule, not a failure: recompute, free the owner's
+            self._groups_refused(req, hit + count, exc.reason, count)
+            self._spawn(self._not_read(req, hit))
+            return
         except ValueError as exc:
             self._spawn(self._pull_failed(req, hit, f"cannot pair blocks: {exc}"))
             return
         self._spawn(self._pull(req, hit, count, local, remote, from_prefill))
+
+    async def _not_read(self, req: Request, hit: int) -> None:
+        assert req.params is not None
+        await self._notify_only(req.params)
+        self._pull_resolved(req, hit, 0, failed=False)
+
+    def _groups_refused(self, req: Request, tokens: int, reason: str, count: int) -> None:
+        logger.warning(
+            "Prefix guard: request %s can reuse %d tokens of engine %s's KV, but not "
+            "every KV cache group there (%s); recomputing",
+            req.request_id,
+            tokens,
+            req.params.remote_engine_id if req.params else None,
+            reason,
+        )
+        self.metrics.inc(self.metrics.guard_rejected, count)
+
+    def _pairs(self, req: Request, hit: int, count: int) -> tuple[list[int], list[int]]:
+        """Our blocks and the owner's for tokens ``[hit, hit + count)``, every KV cache
+        group (``ValueError``: they cannot be paired)."""
+        p = req.params
+        assert p is not None and p.remote_block_ids is not None
+        suffix = self.settings.kv_pairing == "suffix-trim"
+        if self.groups is not None:
+            return self.groups.pairs(req, p.remote_block_ids, hit, count, suffix_trim=suffix)
+        bs = self.settings.block_size
+        wanted = target_block_range(hit, count, bs)
+        local = req.blocks[wanted.start : wanted.stop]
+        remote_list = p.remote_block_ids[0] if p.remote_block_ids else []
+        if suffix:
+            return local, suffix_trim_pairing(remote_list, len(local))
+        return local, position_pairing(remote_list, hit, count, bs)
+
+    def _cut(
+        self, req: Request, hit: int, count: int, local: list[int], remote: list[int]
+    ) -> tuple[int, list[int], list[int]]:
+        """The pairs of a pull the guard shortened to ``count`` tokens. One group: the
+        first blocks. Several: every group again at the new end, which a sliding window
+        the owner no longer holds there refuses (``policy.trim_groups``): nothing read."""
+        if self.groups is None:
+            kept = len(target_block_range(hit, count, self.settings.block_size))
+            return count, local[:kept], remote[:kept]
+        if count <= 0:
+            return 0, [], []
+        try:
+            local, remote = self._pairs(req, hit, count)
+        except PairingRefused as exc:
+            self._groups_refused(req, hit + count, exc.reason, count)
+            return 0, [], []
+        return count, local, remote
 
     # ---- the transfer ----------------------------------------------------------------
 
@@ -240,9 +288,9 @@ class PullReader:
                 return
             owner = await self.worker.claim(peer, p.remote_request_id, remote)
             if self.settings.kv_guard:  # no chain from the owner proves nothing
-                count = self._guarded_count(req, hit, count, owner, p)
-                kept = len(target_block_range(hit, count, self.settings.block_size))
-                local, remote = local[:kept], remote[:kept]
+                capped = self._guarded_count(req, hit, count, owner, p)
+                if capped < count:
+                    count, local, remote = self._cut(req, hit, capped, local, remote)
             if count <= 0:
                 await self.worker.notify(peer, done)
                 self._pull_resolved(req, hit, 0, failed=False)

@@ -48,7 +48,9 @@ class Request:
     # progress
     tokens: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # the first full-attention group's table
+    # the other KV cache groups' tables, by group index (engine/groups.py; empty: one group)
+    group_blocks: dict[int, list[int]] = field(default_factory=dict)
     num_computed: int = 0
     cached_tokens: int = 0
     external_tokens: int = 0

@@ -24,6 +24,7 @@ from typing import Any
 
 from bidir_kv.engine.compute import ModelRunner
 from bidir_kv.engine.connector import ConnectorWorker
+from bidir_kv.engine.groups import GroupTables
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.owner import HandleOwner
@@ -57,9 +58,13 @@ class EngineCore:
         self.clock = worker.clock
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
-        runner = ModelRunner(blocks)
-        self.owner = HandleOwner(settings, blocks, worker, metrics, wake=self._wake)
-        self.reader = PullReader(settings, worker, runner, metrics, spawn=self._spawn, host=self)
+        layout = settings.group_layout
+        groups = GroupTables(layout, blocks) if len(layout) > 1 else None
+        runner = ModelRunner(blocks, groups)
+        self.owner = HandleOwner(settings, blocks, worker, metrics, wake=self._wake, groups=groups)
+        self.reader = PullReader(
+            settings, worker, runner, metrics, spawn=self._spawn, host=self, groups=groups
+        )
         self.steps = StepLoop(
             settings, blocks, runner, metrics, reader=self.reader, owner=self.owner
         )

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.engine.faults import Faults
 from bidir_kv.engine.profiles import CostProfile
+from bidir_kv.policy import KVGroup
 
 __all__ = [
     "DEFAULT_PROFILE",
@@ -86,6 +87,9 @@ class EngineSettings:
     faults: Faults = field(default_factory=Faults)
     tensor_parallel_size: int = 1  # emulated ranks: KV per rank = total / N (docs/engine.md)
     tokenizer: str | None = None  # a local Hugging Face tokenizer dir; None: the builtin one
+    # the model's KV cache groups in vLLM's order (engine/groups.py): "full" is a dense
+    # model; e.g. "full,sliding_window:128" a hybrid one (the layers split evenly)
+    kv_cache_groups: str = "full"
 
     @classmethod
     def default(cls, name: str) -> Any:
@@ -120,6 +124,19 @@ class EngineSettings:
     @property
     def num_layers(self) -> int:
         return self.profile.num_layers
+
+    @property
+    def group_layout(self) -> tuple[KVGroup, ...]:
+        """The KV cache groups (``ValueError`` naming the problem for a bad spec)."""
+        from bidir_kv.engine.groups import parse_groups
+
+        layout = parse_groups(self.kv_cache_groups, self.block_size)
+        if self.num_layers % len(layout):
+            raise ValueError(
+                f"--kv-cache-groups: {len(layout)} groups do not split the model's "
+                f"{self.num_layers} layers evenly (profile {self.profile.name})"
+            )
+        return layout
 
     def side_channel(self) -> tuple[str, int]:
         """``(host, port)`` the side channel listens on, derived parts filled in."""

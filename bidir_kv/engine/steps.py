@@ -99,7 +99,7 @@ class StepLoop:
                 f"{req.max_tokens} in the completion). Please reduce the length of the "
                 "messages or completion.",
             )
-        need = blocks_for_tokens(req.max_kv_slots, self.settings.block_size)
+        need = self._all_groups(blocks_for_tokens(req.max_kv_slots, self.settings.block_size))
         if need > self.blocks.num_usable_blocks:
             raise RequestError(
                 400,
@@ -153,7 +153,7 @@ class StepLoop:
     def _waiting_reason(self, req: Request) -> str:
         if len(self.running) + self.reader.num_pulling >= self.settings.max_num_seqs:
             return f"a sequence slot ({self.settings.max_num_seqs} busy, --max-num-seqs)"
-        need = blocks_for_tokens(req.max_kv_slots, self.settings.block_size)
+        need = self._all_groups(blocks_for_tokens(req.max_kv_slots, self.settings.block_size))
         held = self.owner.held()
         return (
             f"KV blocks ({need} needed, {self.blocks.num_free} free of "
@@ -174,12 +174,15 @@ class StepLoop:
             hit_blocks = self.blocks.lookup(req.block_chain[: max_prefix_hit_blocks(n, bs)])
             total = blocks_for_tokens(req.max_kv_slots, bs)
             self.blocks.touch(hit_blocks)
-            fresh = self._allocate(total - len(hit_blocks))
+            own = total - len(hit_blocks)
+            fresh = self._allocate(own + self._all_groups(total) - total)
             if fresh is None:
                 self.blocks.free(hit_blocks)
                 return  # head-of-line waits for retained/leased blocks to be released
             self.waiting.popleft()
-            req.blocks = [*hit_blocks, *fresh]
+            req.blocks = [*hit_blocks, *fresh[:own]]
+            if self.runner.groups is not None:  # the other KV cache groups' tables
+                self.runner.groups.assign(req, fresh[own:])
             req.num_cached_blocks = len(hit_blocks)
             hit = len(hit_blocks) * bs
             req.num_computed = hit
@@ -188,6 +191,11 @@ class StepLoop:
             if not self.reader.begin(req, hit):
                 self.run_locally(req, hit, external=0)
         self.metrics.waiting.labels(**self.metrics.labels).set(len(self.waiting))
+
+    def _all_groups(self, per_group: int) -> int:
+        """Blocks a request reserves over every KV cache group (engine/groups.py)."""
+        groups = self.runner.groups
+        return per_group if groups is None else groups.blocks_for(per_group)
 
     def _allocate(self, count: int) -> list[int] | None:
         """``count`` fresh blocks, evicting retained turns first if needed; None: wait."""

@@ -3,9 +3,10 @@
 Nothing here does I/O or reads a clock: time comes in as ``now`` arguments.
 
 Reading path: ``threshold`` (P's pull-or-recompute decision), ``blocks`` (block
-arithmetic and pairing), ``retention`` (how long blocks are held, when a reader
-declines), ``guard`` (what a prompt provably shares with D), then ``cache_entry``,
-``conversation_lease`` and ``placement`` (the router's rules).
+arithmetic and pairing), ``groups`` (which blocks of each KV cache group a reuse
+needs), ``retention`` (how long blocks are held, when a reader declines), ``guard``
+(what a prompt provably shares with D), then ``cache_entry``, ``conversation_lease``
+and ``placement`` (the router's rules).
 """
 
 from bidir_kv.policy.blocks import (
@@ -30,6 +31,16 @@ from bidir_kv.policy.conversation_lease import (
     lease_deadline,
     lease_expired,
     valid_conversation_lease,
+)
+from bidir_kv.policy.groups import (
+    NULL_BLOCK,
+    GroupKind,
+    GroupRefusal,
+    GroupTrim,
+    KVGroup,
+    exported_window_blocks,
+    trim_groups,
+    window_block_range,
 )
 from bidir_kv.policy.guard import (
     ROOT_HASH,
@@ -78,8 +89,13 @@ __all__ = [
     "DEFAULT_KV_LEASE_DURATION",
     "DEFAULT_RECOMPUTE_THRESHOLD",
     "EXPIRY_SAFETY_MARGIN",
+    "NULL_BLOCK",
     "ROOT_HASH",
+    "GroupKind",
+    "GroupRefusal",
+    "GroupTrim",
     "HandshakeSample",
+    "KVGroup",
     "LeaseTable",
     "PeerAllowlist",
     "PullDecision",
@@ -99,6 +115,7 @@ __all__ = [
     "deadline_offset",
     "entry_age",
     "entry_is_stale",
+    "exported_window_blocks",
     "heartbeat_extension",
     "heartbeat_interval",
     "lease_deadline",
@@ -124,8 +141,10 @@ __all__ = [
     "tail_hash",
     "target_block_range",
     "threshold_enabled",
+    "trim_groups",
     "valid_conversation_lease",
     "valid_lease_duration",
     "valid_retention_ttl",
     "verified_continuation",
+    "window_block_range",
 ]

@@ -4,7 +4,8 @@ vLLM pairs blocks by suffix trimming and compares no tokens (docs/protocol.md §
 router checks: P's tokenization of the new prompt must start with the first
 ``remote_num_tokens`` tokens of D's sequence (prompt + generated ids of the last
 turn). When it does not, and the block size is known, the hit is cut down to the
-block-aligned common prefix (:func:`bidir_kv.policy.reusable_prefix`); otherwise
+block-aligned common prefix (:func:`bidir_kv.policy.reusable_prefix`), every KV cache
+group where its attention allows (:func:`bidir_kv.policy.trim_groups`); otherwise
 the hit becomes a *release*: ``remote_num_tokens = 0`` makes P's pull count
 ``<= 0``, so P only notifies D, which frees its pinned blocks early instead of
 holding them for the whole TTL.
@@ -15,10 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bidir_kv.policy import common_prefix_tokens, reusable_prefix
+from bidir_kv.policy import GroupRefusal, common_prefix_tokens, reusable_prefix, trim_groups
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.wire.params import groups_of
 
 __all__ = ["GuardVerdict", "judge_continuation", "release_params"]
+
+# the prompt shares no whole block with D, or runs past D's lists: the plain reason
+_NOTHING_TO_CUT = frozenset({GroupRefusal.NOTHING, GroupRefusal.BEYOND_HELD})
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +61,14 @@ def judge_continuation(
         return GuardVerdict(params, "continuation", r)
     reason = "shorter-prompt" if len(prompt_tokens) < r else "mismatch"
     groups = params.remote_block_ids or []
-    if block_size and len(groups) == 1:
+    if block_size and groups:
         n = reusable_prefix(held, prompt_tokens, block_size)
-        keep = n // block_size
-        if keep > 0 and keep <= len(groups[0]):
-            trimmed = params.with_fields(
-                remote_block_ids=[groups[0][:keep]], remote_num_tokens=keep * block_size
-            )
-            return GuardVerdict(trimmed, f"trimmed-{reason}", keep * block_size)
+        # every KV cache group cut where its attention allows (policy.trim_groups); D's
+        # groups are described by our D only, several without it are refused
+        cut = trim_groups(groups, n, block_size, groups_of(params.extra))
+        if cut.ok:
+            trimmed = params.with_fields(remote_block_ids=cut.block_ids, remote_num_tokens=n)
+            return GuardVerdict(trimmed, f"trimmed-{reason}", n)
+        if cut.reason not in _NOTHING_TO_CUT:
+            return GuardVerdict(None, cut.reason)
     return GuardVerdict(None, reason)

@@ -18,11 +18,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bidir_kv.policy import block_hashes, tail_hash, valid_conversation_lease
-from bidir_kv.wire.versions import LEASE, TOKEN_CHAIN, VERIFY
+from bidir_kv.policy import KVGroup, block_hashes, tail_hash, valid_conversation_lease
+from bidir_kv.wire.versions import GROUPS, LEASE, TOKEN_CHAIN, VERIFY
 
 __all__ = [
     "CHAIN_KEY",
+    "GROUPS_KEY",
     "LEASE_CONFIG_KEY",
     "LEASE_KEY",
     "VERIFY_CONFIG_KEY",
@@ -30,6 +31,8 @@ __all__ = [
     "HeldTokens",
     "advertises_verify",
     "configured_lease",
+    "groups_of",
+    "groups_to_wire",
     "lease_of",
     "lease_to_wire",
     "verifier_advert",
@@ -53,6 +56,53 @@ VERIFY_KEY = "bidir_kv_verify"
 # our vLLM connector's P verifies (and advertises it) unless its
 # kv_connector_extra_config sets this to false
 VERIFY_CONFIG_KEY = "bidir_kv_verify_continuation"
+
+
+# D's KV cache groups, in the order of its remote_block_ids lists (docs/protocol.md §6.4):
+# ``"bidir_kv_groups": {"v": 1, "groups": [{"kind": "full", "block_size": 16},
+# {"kind": "sliding_window", "block_size": 16, "window": 4096}]}``. Only a D whose layout
+# is not one full-attention group adds it; a router needs it to cut several lists to a
+# prefix (policy.trim_groups) and refuses that cut without it.
+GROUPS_KEY = "bidir_kv_groups"
+
+
+def groups_to_wire(layout: Sequence[KVGroup]) -> dict[str, Any]:
+    """The value D adds under :data:`GROUPS_KEY`."""
+    groups: list[dict[str, Any]] = []
+    for g in layout:
+        item: dict[str, Any] = {"kind": str(g.kind), "block_size": g.block_size}
+        if g.window is not None:
+            item["window"] = g.window
+        groups.append(item)
+    return {"v": GROUPS.version, "groups": groups}
+
+
+def groups_of(params: Mapping[str, Any] | None) -> tuple[KVGroup, ...] | None:
+    """D's group layout from a params dict; ``None`` when absent, of another version or
+    malformed (a router then treats several groups as an unknown layout)."""
+    obj = params.get(GROUPS_KEY) if params else None
+    if not isinstance(obj, Mapping) or obj.get("v") != GROUPS.version:
+        return None
+    items = obj.get("groups")
+    if not isinstance(items, list) or not items:
+        return None
+    out = []
+    for item in items:
+        if not isinstance(item, Mapping):
+            return None
+        kind, bs, window = item.get("kind"), item.get("block_size"), item.get("window")
+        if not isinstance(kind, str) or not _is_int(bs) or not (window is None or _is_int(window)):
+            return None
+        assert isinstance(bs, int)
+        try:
+            out.append(KVGroup(kind, bs, window))
+        except ValueError:
+            return None
+    return tuple(out)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def verifier_advert() -> dict[str, Any]:

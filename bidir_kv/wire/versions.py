@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "FENCE",
+    "GROUPS",
     "LEASE",
     "NOTIFICATIONS",
     "TOKEN_CHAIN",
@@ -91,4 +92,13 @@ VERIFY = Wire(
     ),
 )
 
-WIRES: tuple[Wire, ...] = (TRANSPORT, NOTIFICATIONS, TOKEN_CHAIN, LEASE, FENCE, VERIFY)
+GROUPS = Wire(
+    "kv cache groups",
+    "bidir_kv.wire.params",
+    (
+        "D's KV cache groups under bidir_kv_groups {v, groups: [{kind, block_size[, window]}]}, "
+        "in the order of its remote_block_ids lists",
+    ),
+)
+
+WIRES: tuple[Wire, ...] = (TRANSPORT, NOTIFICATIONS, TOKEN_CHAIN, LEASE, FENCE, VERIFY, GROUPS)

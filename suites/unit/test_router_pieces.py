@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bidir_kv.policy import cache_ttl_within_retention, entry_is_stale
+from bidir_kv.policy import KVGroup, cache_ttl_within_retention, entry_is_stale
 from bidir_kv.protocol import KVTransferParams, ProtocolError
 from bidir_kv.router.failures import Cause, Leg, UpstreamFailure, failure_label
 from bidir_kv.router.guard import judge_continuation, release_params
@@ -22,6 +22,7 @@ from bidir_kv.router.identity import (
 from bidir_kv.router.relay import StreamRelay, synthesize_sse
 from bidir_kv.router.sse import event_end, strip_null_params, take_int_list, untracked_delta
 from bidir_kv.router.store import Entry, MemoryStore
+from bidir_kv.wire.params import groups_to_wire
 
 D_PARAMS = {
     "do_remote_prefill": False,
@@ -322,6 +323,47 @@ def test_guard_trim_counts_whole_blocks_up_to_ds_list() -> None:
     # a change inside the first block leaves no whole block: refused
     v = judge_continuation(p, d, [555, *d[1:40]], block_size=16)
     assert (v.params, v.reason) == (None, "mismatch")
+
+
+def test_guard_trims_several_kv_cache_groups_only_with_their_layout() -> None:
+    """A hybrid D (full + sliding window of 40 tokens, block size 16) held 200 tokens:
+    13 full-attention blocks, and of the window group the exported tail, block 9 freed
+    (docs/protocol.md §6.4). A stock D says nothing of its groups: a continuation passes
+    untrimmed, a cut is refused; our D's layout lets the guard cut where the window
+    allows, and refuse where D freed what the window needs."""
+    d = list(range(1000, 1201))
+    two = {**D_PARAMS, "remote_num_tokens": 200}
+    two["remote_block_ids"] = [list(range(1, 14)), [0, 24, 25, 26]]
+    p = KVTransferParams.parse(two)
+    exact = judge_continuation(p, d, [*d, 5], block_size=16)
+    assert exact.accepted and exact.params == p and exact.reason == "continuation"
+    edited = [*d[:195], *range(5, 15)]  # the reply rewritten after token 195: 192 reusable
+    assert judge_continuation(p, d, edited, block_size=16).reason == "unknown-group-layout"
+    narrow = p.with_fields(
+        bidir_kv_groups=groups_to_wire([KVGroup.full(16), KVGroup.sliding(40, 16)])
+    )
+    v = judge_continuation(narrow, d, edited, block_size=16)
+    assert (v.params, v.reason) == (None, "sliding-window-released")
+    wide_ids = [list(range(1, 14)), list(range(18, 27))]  # blocks 4-12 of the window
+    wide = p.with_fields(
+        remote_block_ids=wide_ids,
+        bidir_kv_groups=groups_to_wire([KVGroup.full(16), KVGroup.sliding(128, 16)]),
+    )
+    v = judge_continuation(wide, d, edited, block_size=16)
+    assert (
+        v.accepted
+        and v.params is not None
+        and (v.reason, v.reusable_tokens)
+        == (
+            "trimmed-mismatch",
+            192,
+        )
+    )
+    assert v.params.remote_num_tokens == 192
+    # D's lists as D would have exported them at 192 tokens: block 3 is before its tail
+    assert v.params.remote_block_ids == [list(range(1, 13)), [0, *range(18, 26)]]
+    # nothing whole in common stays the plain reason, whatever the groups
+    assert judge_continuation(wide, d, [5, *d[1:]], block_size=16).reason == "mismatch"
 
 
 def test_with_remote_host_is_with_fields_without_revalidation() -> None:

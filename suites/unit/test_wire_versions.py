@@ -8,10 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from bidir_kv.policy import KVGroup
 from bidir_kv.wire import versions
 from bidir_kv.wire.params import (
+    GROUPS_KEY,
     HeldTokens,
     advertises_verify,
+    groups_of,
+    groups_to_wire,
     lease_to_wire,
     verifier_advert,
 )
@@ -35,6 +39,7 @@ def test_the_values_on_the_wire_carry_the_registry_versions() -> None:
     assert held.to_wire()["v"] == versions.TOKEN_CHAIN.version
     assert lease_to_wire(30)["v"] == versions.LEASE.version
     assert verifier_advert()["v"] == versions.VERIFY.version
+    assert groups_to_wire([KVGroup.full(16)])["v"] == versions.GROUPS.version
 
 
 def test_the_verify_advert_is_recognised_only_at_its_version() -> None:
@@ -43,6 +48,24 @@ def test_the_verify_advert_is_recognised_only_at_its_version() -> None:
     assert not advertises_verify({"bidir_kv_verify": {"v": versions.VERIFY.version}})
     assert not advertises_verify({"bidir_kv_fence": {"v": 1, "reads": True}})
     assert not advertises_verify(None)
+
+
+def test_group_layout_round_trips_and_anything_else_is_no_layout() -> None:
+    layout = (KVGroup.sliding(4096, 16), KVGroup.full(16), KVGroup("mamba", 16))
+    assert groups_of({GROUPS_KEY: groups_to_wire(layout)}) == layout
+    good = groups_to_wire(layout)
+    for bad in (
+        {**good, "v": 99},
+        {**good, "groups": []},
+        {**good, "groups": [{"kind": "full", "block_size": "16"}]},
+        {**good, "groups": [{"kind": "full", "block_size": 16, "window": 8}]},
+        {**good, "groups": [{"kind": "sliding_window", "block_size": 16}]},
+        {**good, "groups": [{"kind": "full", "block_size": True}]},
+        {**good, "groups": ["full"]},
+        "full",
+    ):
+        assert groups_of({GROUPS_KEY: bad}) is None, bad
+    assert groups_of({}) is None and groups_of(None) is None
 
 
 def _int_version_constants(source: str) -> list[str]:
@@ -106,6 +129,9 @@ def _on_the_wire() -> dict[str, object]:
             fence.FENCE_KEY: [fence.reader_advert(), fence.word_to_wire(3, 77, base=4096)],
         },
         "verify": {VERIFY_KEY: verifier_advert()},
+        "kv cache groups": {
+            GROUPS_KEY: groups_to_wire([KVGroup.sliding(128, 16), KVGroup.full(16)])
+        },
     }
 
 
@@ -186,6 +212,18 @@ PINNED: dict[str, tuple[int, object]] = {
         },
     ),
     "verify": (1, {"bidir_kv_verify": {"v": 1, "chain": True}}),
+    "kv cache groups": (
+        1,
+        {
+            "bidir_kv_groups": {
+                "v": 1,
+                "groups": [
+                    {"kind": "sliding_window", "block_size": 16, "window": 128},
+                    {"kind": "full", "block_size": 16},
+                ],
+            }
+        },
+    ),
 }
 
 
