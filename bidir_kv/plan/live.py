@@ -315,16 +315,16 @@ def _phase(
         "interrupted": res.interrupted,
     }
     write_manifest(out, manifest)
+    if budget.left() <= 0:  # requests time out when the budget ends: say so first
+        raise CalibrationError(
+            f"the budget of {opts.budget_s:g} s ran out during {leg.upper()} at length "
+            f"{length}: give shorter --lengths or a larger --budget"
+        )
     if res.errors:
         first = next(r for r in res.records if not r.ok)
         raise CalibrationError(
             f"{leg.upper()} at length {length}: {res.errors} request(s) failed (first: "
             f"{first.error}); the calibration needs every request to succeed"
-        )
-    if budget.left() < 0:
-        raise CalibrationError(
-            f"the budget of {opts.budget_s:g} s ran out during {leg.upper()} at length "
-            f"{length}: give shorter --lengths or a larger --budget"
         )
     return not res.interrupted
 
