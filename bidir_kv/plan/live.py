@@ -6,22 +6,23 @@ router in front of the pair, then fitted by the same fit as the published table
 (:func:`bidir_kv.plan.calibrate.fit`) and written as a profile that ``plan``,
 ``bench`` and ``engine`` load.
 
-How OFF and ON are measured on a deployment that runs with the feature on: each
-length opens ``conversations`` new conversations. Their first turns are the OFF
-point: D holds nothing of them yet, so P computes the whole prompt (what OFF does
-to every turn). Their second turns are the ON point: D holds the first turn's prompt
-and answer, P pulls it and computes the new message. The two phases are scraped
-apart (the ``/metrics`` of every node before and after each), so each point's
-transfer histogram, tokens by source and router prefill histogram are its own. One
-client, one request at a time: no request waits for another's compute, so the fit
-needs no contention term. The directory it writes is a ``bench`` result
-(``plan --calibration DIR`` reads it again).
+How OFF and ON are measured on a deployment that runs with the feature on: every
+length gets new conversations. Their first turns are the OFF point: D holds nothing
+of them yet, so P computes the whole prompt (what OFF does to every turn). Their
+second turns are the ON point: D holds the first turn's prompt and answer, P pulls it
+and computes the new message. Every node is scraped between requests and the deltas
+are summed per (leg, length), so each point's transfer histogram, tokens by source
+and router prefill histogram are its own. One client, one request at a time: no
+request waits for another's compute, so the fit needs no contention term. The
+lengths are interleaved — each round opens one conversation per length and runs
+OFF at every length, then ON — so a load burst on a shared machine lands on every
+length alike instead of bending the fitted line. The directory it writes is a
+``bench`` result (``plan --calibration DIR`` reads it again).
 
-The run is bounded: ``--budget`` seconds for the whole command (default 180). After
-each phase the time left is checked against an estimate of the phases still to
-come (a line through the request latencies so far); when they would not fit, the
-remaining lengths run fewer conversations, and when even one would not fit the
-command stops and says which length to drop.
+The run is bounded: ``--budget`` seconds for the whole command (default 180). Rounds
+repeat, up to ``--conversations``, while the slowest round so far still fits the
+time left; a request still running when the budget ends fails the command with a
+message naming the budget and the length.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from bidir_kv.bench.results import ResultError, load_result
 from bidir_kv.bench.runner import (
     ConversationState,
     HttpTokenCounter,
+    PointResult,
     RunOptions,
     metrics_delta,
     snapshot_nodes,
@@ -51,7 +52,6 @@ from bidir_kv.bench.stats import RequestRecord
 from bidir_kv.bench.summary import summarize_result
 from bidir_kv.bench.sweep import parse_metrics_urls, write_manifest
 from bidir_kv.bench.workload import (
-    Conversation,
     TokenCounter,
     WorkloadError,
     WorkloadSpec,
@@ -62,15 +62,14 @@ from bidir_kv.client import ClientError
 from bidir_kv.engine.profiles import ProfileError
 from bidir_kv.plan.calibrate import calibrate, check_rows
 from bidir_kv.plan.calprofile import calibrated_profile
-from bidir_kv.plan.fit import linear_fit
 from bidir_kv.plan.planner import DEFAULT_BLOCK_SIZE, CostModel, PlanError
 
 __all__ = [
     "CalibrationError",
     "LiveOptions",
     "LiveResult",
+    "another_round_fits",
     "build_parser",
-    "conversations_that_fit",
     "main",
     "measure",
 ]
@@ -92,7 +91,7 @@ class LiveOptions:
     nodes: Mapping[str, str]  # role<n> -> URL to scrape (prefill0 is required)
     model: str = "tiny"
     lengths: tuple[int, ...] = (256, 1024, 2048)
-    conversations: int = 4
+    conversations: int = 8
     input_tokens: int = 64
     output_tokens: int = 8
     budget_s: float = 180.0
@@ -128,7 +127,7 @@ class LiveResult:
 
 
 class _Budget:
-    """The time left and what the phases so far say the rest will take."""
+    """The time used and left, and the requests measured so far."""
 
     def __init__(self, seconds: float) -> None:
         self.t0 = time.monotonic()
@@ -141,34 +140,11 @@ class _Budget:
     def left(self) -> float:
         return self.seconds - self.elapsed()
 
-    def per_request_s(self, prompt_tokens: float) -> float:
-        """A line through the latencies so far (s) against prompt tokens; 0 before any."""
-        ok = [r for r in self.records if r.ok]
-        if not ok:
-            return 0.0
-        xs = [float(r.input_num_tokens) for r in ok]
-        ys = [r.latency_ms / 1e3 for r in ok]
-        fixed, slope = linear_fit(xs, ys)
-        return max(fixed + slope * prompt_tokens, max(ys) if len(set(xs)) == 1 else 0.0)
 
-    def phases_s(self, lengths: Sequence[int], n: int, *, spec: WorkloadSpec) -> float:
-        """Estimated seconds for OFF and ON of ``lengths`` with ``n`` conversations each."""
-        total = 0.0
-        for length in lengths:
-            first = length + spec.input_tokens
-            second = first + spec.output_tokens + spec.input_tokens
-            total += n * (self.per_request_s(first) + self.per_request_s(second))
-        return total
-
-
-def conversations_that_fit(estimate: Callable[[int], float], left_s: float, n: int) -> int | None:
-    """The most conversations per length, at most ``n``, whose estimated phases fit the
-    time left; ``None`` when not even one does. An estimate of 0 (nothing measured yet)
-    always fits."""
-    for k in range(n, 0, -1):
-        if estimate(k) <= left_s:
-            return k
-    return None
+def another_round_fits(rounds_done: int, slowest_round_s: float, left_s: float) -> bool:
+    """Whether to start another round: the first always runs; then only when the slowest
+    round so far still fits the time left."""
+    return rounds_done == 0 or slowest_round_s <= left_s
 
 
 def _block_size(nodes: Mapping[str, str], given: int | None) -> tuple[int, str]:
@@ -200,121 +176,138 @@ def _counter(opts: LiveOptions) -> TokenCounter:
 
 
 def measure(opts: LiveOptions, out: Path, *, verbose: bool = True) -> LiveResult:
-    """Measure OFF and ON at every length into ``out`` (a bench result directory)."""
+    """Measure OFF and ON at every length into ``out`` (a bench result directory).
+
+    The lengths are interleaved: each round opens one conversation per length, runs
+    their first turns (OFF) and then their second turns (ON), one request at a time,
+    with every node scraped between requests. A load burst on a shared machine then
+    lands on every length alike instead of bending the fitted line; rounds repeat up to
+    ``conversations`` while the next one fits the time left.
+    """
     budget = _Budget(opts.budget_s)
     out.mkdir(parents=True, exist_ok=True)
     block, block_from = _block_size(opts.nodes, opts.block_size)
     counter = _counter(opts)
-    specs = {
-        length: WorkloadSpec(
-            prefix_tokens=length,
-            num_conversations=opts.conversations,
-            num_turns=2,
-            input_tokens=opts.input_tokens,
-            output_tokens=opts.output_tokens,
-            seed=opts.seed,
+    lengths = sorted(set(opts.lengths))
+    convs = {
+        length: build_conversations(
+            WorkloadSpec(
+                prefix_tokens=length,
+                num_conversations=opts.conversations,
+                num_turns=2,
+                input_tokens=opts.input_tokens,
+                output_tokens=opts.output_tokens,
+                seed=opts.seed,
+            ),
+            counter,
         )
-        for length in sorted(set(opts.lengths))
+        for length in lengths
     }
-    manifest: dict[str, Any] = {
-        "tool": PROG,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "argv": sys.argv[1:],
-        "topology": "external",
-        "profile": None,
-        "model": opts.model,
-        "legs": list(LEGS),
-        "connector": None,
-        "points": list(specs),
-        "workload": {
-            "num_turns": 2,
-            "input_tokens": opts.input_tokens,
-            "output_tokens": opts.output_tokens,
-            "off": "turn 1 of each conversation (D holds nothing: P computes it all)",
-            "on": "turn 2 (D holds turn 1's prompt and answer: P pulls it)",
-        },
-        "num_clients": 1,
-        "max_active_conversations": 1,
-        "engines": {"block_size": block, "block_size_from": block_from},
-        "budget_s": opts.budget_s,
-        "complete": False,
-        "runs": {},
-    }
+    manifest = _manifest(opts, lengths, block, block_from)
     write_manifest(out, manifest)
     result = LiveResult(out, 0.0)
     intr = Interrupt()
     intr.install()
-    lengths = list(specs)
-    n = opts.conversations
-    for i, length in enumerate(lengths):
-        spec = specs[length]
-        rest = lengths[i:]
-        # the phases still to come must fit the time left: fewer conversations, or stop
-        fits = conversations_that_fit(partial(budget.phases_s, rest, spec=spec), budget.left(), n)
-        if fits is None:
-            raise CalibrationError(
-                f"the budget of {opts.budget_s:g} s runs out before length {length} "
-                f"({budget.elapsed():.0f} s used; one conversation per remaining length "
-                f"would take ~{budget.phases_s(rest, 1, spec=spec):.0f} s more): give shorter "
-                "--lengths or a larger --budget"
-            )
-        n = fits
-        convs = build_conversations(replace(spec, num_conversations=n), counter)
-        result.conversations[length] = n
-        states: dict[str, ConversationState] = {}
+    points = {(leg, length): _Point() for leg in LEGS for length in lengths}
+    states: dict[str, ConversationState] = {}
+    snap = snapshot_nodes(opts.nodes)
+    t0 = time.perf_counter()
+    slowest_round = 0.0
+    rounds = 0
+    for r in range(opts.conversations):
+        if not another_round_fits(rounds, slowest_round, budget.left()):
+            break  # another round would not fit: fit what ran
+        started = budget.elapsed()
         for turn, leg in enumerate(LEGS, start=1):
-            if not _phase(opts, out, manifest, budget, intr, convs, states, leg, length, turn):
-                raise CalibrationError("interrupted: the calibration is incomplete")
-            if verbose:
-                done = manifest["runs"][leg][str(length)]
-                print(
-                    f"{PROG}: {leg.upper()} {length:>6}: {done['requests']} request(s) in "
-                    f"{done['duration_s']:.1f} s ({budget.elapsed():.0f} of "
-                    f"{opts.budget_s:g} s used)",
-                    file=sys.stderr,
-                    flush=True,
+            for length in lengths:
+                run = RunOptions(
+                    url=opts.url,
+                    model=opts.model,
+                    num_clients=1,
+                    max_active_conversations=1,
+                    request_timeout_s=max(1.0, budget.left()),
                 )
+                offset_ms = (time.perf_counter() - t0) * 1e3
+                res = run_point_interruptible(
+                    [convs[length][r]], run, leg, _ignore, intr, upto_turn=turn, states=states
+                )
+                after = snapshot_nodes(opts.nodes)
+                points[(leg, length)].add(res, metrics_delta(snap, after), offset_ms)
+                snap = after
+                budget.records += res.records
+                _check(opts, budget, res, leg, length)
+                if res.interrupted:
+                    raise CalibrationError("interrupted: the calibration is incomplete")
+        rounds += 1
+        slowest_round = max(slowest_round, budget.elapsed() - started)
+        if verbose:
+            print(
+                f"{PROG}: round {rounds}: OFF and ON at {', '.join(map(str, lengths))} in "
+                f"{budget.elapsed() - started:.1f} s ({budget.elapsed():.0f} of "
+                f"{opts.budget_s:g} s used)",
+                file=sys.stderr,
+                flush=True,
+            )
+    for (leg, length), point in points.items():
+        res = PointResult(point.records, point.duration_s)
+        write_point(out, leg, length, res, point.delta)
+        manifest["runs"].setdefault(leg, {})[str(length)] = {
+            "duration_s": round(point.duration_s, 3),
+            "requests": len(point.records),
+            "errors": res.errors,
+            "interrupted": False,
+        }
+    result.conversations = dict.fromkeys(lengths, rounds)
     result.elapsed_s = budget.elapsed()
     manifest["complete"] = True
+    manifest["rounds"] = rounds
     manifest["elapsed_s"] = round(result.elapsed_s, 3)
     write_manifest(out, manifest)
     return result
 
 
-def _phase(
-    opts: LiveOptions,
-    out: Path,
-    manifest: dict[str, Any],
-    budget: _Budget,
-    intr: Interrupt,
-    convs: Sequence[Conversation],
-    states: dict[str, ConversationState],
-    leg: str,
-    length: int,
-    turn: int,
-) -> bool:
-    """One turn of every conversation, scraped before and after; False when interrupted."""
-    run = RunOptions(
-        url=opts.url,
-        model=opts.model,
-        num_clients=1,
-        max_active_conversations=1,
-        request_timeout_s=max(1.0, budget.left()),
+def _ignore(rec: RequestRecord) -> None:
+    """No progress display: the command prints one line per round."""
+
+
+@dataclass
+class _Point:
+    """One (leg, length) point summed over the rounds: records, metric deltas, time."""
+
+    records: list[RequestRecord] = field(default_factory=list)
+    sums: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float] | None] = field(
+        default_factory=dict
     )
-    before = snapshot_nodes(opts.nodes)
-    res = run_point_interruptible(
-        convs, run, leg, lambda rec: None, intr, upto_turn=turn, states=states
-    )
-    after = snapshot_nodes(opts.nodes)
-    write_point(out, leg, length, res, metrics_delta(before, after))
-    budget.records += res.records
-    manifest["runs"].setdefault(leg, {})[str(length)] = {
-        "duration_s": round(res.duration_s, 3),
-        "requests": len(res.records),
-        "errors": res.errors,
-        "interrupted": res.interrupted,
-    }
-    write_manifest(out, manifest)
+    duration_s: float = 0.0
+
+    def add(self, res: PointResult, delta: Mapping[str, Any], offset_ms: float) -> None:
+        # one timeline for the point's arrivals (the contention replay reads start times)
+        self.records += [replace(r, start_time_ms=r.start_time_ms + offset_ms) for r in res.records]
+        self.duration_s += res.duration_s
+        for node, rows in delta.items():
+            if rows is None:
+                self.sums[node] = None
+                continue
+            if node in self.sums and self.sums[node] is None:
+                continue
+            acc = self.sums.setdefault(node, {})
+            assert acc is not None
+            for name, labels, value in rows:
+                key = (str(name), tuple(sorted(dict(labels).items())))
+                acc[key] = acc.get(key, 0.0) + float(value)
+
+    @property
+    def delta(self) -> dict[str, Any]:
+        """The summed deltas in ``metrics_delta``'s shape."""
+        return {
+            node: None
+            if acc is None
+            else [[n, dict(labels), v] for (n, labels), v in sorted(acc.items()) if v != 0]
+            for node, acc in self.sums.items()
+        }
+
+
+def _check(opts: LiveOptions, budget: _Budget, res: PointResult, leg: str, length: int) -> None:
     if budget.left() <= 0:  # requests time out when the budget ends: say so first
         raise CalibrationError(
             f"the budget of {opts.budget_s:g} s ran out during {leg.upper()} at length "
@@ -326,7 +319,36 @@ def _phase(
             f"{leg.upper()} at length {length}: {res.errors} request(s) failed (first: "
             f"{first.error}); the calibration needs every request to succeed"
         )
-    return not res.interrupted
+
+
+def _manifest(
+    opts: LiveOptions, lengths: Sequence[int], block: int, block_from: str
+) -> dict[str, Any]:
+    return {
+        "tool": PROG,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "argv": sys.argv[1:],
+        "topology": "external",
+        "profile": None,
+        "model": opts.model,
+        "legs": list(LEGS),
+        "connector": None,
+        "points": list(lengths),
+        "workload": {
+            "num_turns": 2,
+            "input_tokens": opts.input_tokens,
+            "output_tokens": opts.output_tokens,
+            "off": "turn 1 of each conversation (D holds nothing: P computes it all)",
+            "on": "turn 2 (D holds turn 1's prompt and answer: P pulls it)",
+            "order": "rounds: one conversation per length, OFF at every length then ON",
+        },
+        "num_clients": 1,
+        "max_active_conversations": 1,
+        "engines": {"block_size": block, "block_size_from": block_from},
+        "budget_s": opts.budget_s,
+        "complete": False,
+        "runs": {},
+    }
 
 
 def _why_no_pulls(out: Path) -> str | None:
@@ -373,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--conversations",
         type=int,
         default=LiveOptions.conversations,
-        help="conversations per length (fewer are run when the budget needs it)",
+        help="rounds, at most: each opens one conversation per length (default 8; fewer "
+        "when the next round would not fit the budget)",
     )
     ap.add_argument("--input-tokens", type=int, default=LiveOptions.input_tokens)
     ap.add_argument("--output-tokens", type=int, default=LiveOptions.output_tokens)

@@ -1,5 +1,6 @@
-"""``bidir-kv calibrate``'s rules below the network: what it refuses, how the budget
-decides the conversations per length, and why an ON phase pulled nothing (issue 35)."""
+"""``bidir-kv calibrate``'s rules below the network: what it refuses, when the budget
+allows another round, how a point sums its rounds, and why an ON phase pulled nothing
+(issue 35)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.bench.runner import point_name
+from bidir_kv.bench.runner import PointResult, point_name
 from bidir_kv.bench.stats import RequestRecord, write_records
-from bidir_kv.bench.workload import WorkloadSpec
 from bidir_kv.plan.live import (
     CalibrationError,
     LiveOptions,
-    _Budget,
+    _Point,
     _why_no_pulls,
-    conversations_that_fit,
+    another_round_fits,
     main,
 )
 
@@ -57,23 +57,22 @@ def _rec(tokens: int, latency_ms: float, ok: bool = True) -> RequestRecord:
     )
 
 
-def test_the_budget_extrapolates_a_line_through_the_latencies() -> None:
-    budget = _Budget(100.0)
-    assert budget.per_request_s(5000) == 0.0  # nothing measured: nothing to refuse yet
-    budget.records += [_rec(1000, 200.0), _rec(2000, 300.0), _rec(9999, 1e9, ok=False)]
-    assert budget.per_request_s(4000) == pytest.approx(0.5)  # 0.1 s + 0.1 s per 1k tokens
-    spec = WorkloadSpec(prefix_tokens=0, input_tokens=100, output_tokens=100)
-    # per length: n x (turn 1 of length + 100, turn 2 of length + 300)
-    want = 2 * (0.1 + 0.0001 * 3100 + 0.1 + 0.0001 * 3300)
-    assert budget.phases_s([3000], 2, spec=spec) == pytest.approx(want)
+def test_rounds_repeat_while_the_slowest_round_fits_the_time_left() -> None:
+    assert another_round_fits(0, 0.0, 0.0)  # the first round always runs
+    assert another_round_fits(2, 10.0, 25.0)
+    assert not another_round_fits(2, 30.0, 25.0)
 
 
-def test_the_conversations_per_length_shrink_to_fit_and_stop_below_one() -> None:
-    per_conv = 10.0  # seconds of every remaining phase, per conversation
-    assert conversations_that_fit(lambda k: k * per_conv, 100.0, 4) == 4
-    assert conversations_that_fit(lambda k: k * per_conv, 25.0, 4) == 2
-    assert conversations_that_fit(lambda k: k * per_conv, 9.0, 4) is None
-    assert conversations_that_fit(lambda k: 0.0, 0.0, 3) == 3
+def test_a_point_sums_its_rounds_on_one_timeline() -> None:
+    point = _Point()
+    first = PointResult([_rec(100, 10.0)], 0.5)
+    second = PointResult([_rec(100, 12.0)], 0.7)
+    name = "vllm:nixl_xfer_time_seconds_sum"
+    point.add(first, {"prefill0": [[name, {}, 0.25]], "decode0": None}, offset_ms=0.0)
+    point.add(second, {"prefill0": [[name, {}, 0.5]], "decode0": None}, offset_ms=3000.0)
+    assert [r.start_time_ms for r in point.records] == [0.0, 3000.0]
+    assert point.duration_s == pytest.approx(1.2)
+    assert point.delta == {"prefill0": [[name, {}, 0.75]], "decode0": None}
 
 
 def _write(out: Path, leg: str, point: int, delta: list[list[object]]) -> None:
