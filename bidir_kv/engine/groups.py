@@ -115,6 +115,13 @@ class GroupTables:
         assert len(fresh) == n * len(self.others), (len(fresh), n)
         req.group_blocks = {o.index: fresh[k * n : (k + 1) * n] for k, o in enumerate(self.others)}
 
+    def extend(self, req: Request, fresh: list[int]) -> None:
+        """A decoding request crossed into a new block: the other groups' tables grow by
+        as many blocks as the first full group's (``fresh``, group after group)."""
+        n = len(fresh) // max(1, len(self.others))
+        for k, o in enumerate(self.others):
+            req.group_blocks[o.index].extend(fresh[k * n : (k + 1) * n])
+
     def release_outside_window(self, req: Request, end: int) -> None:
         """Free the sliding-window blocks no token from ``end`` on will look at."""
         bs = self.block_size

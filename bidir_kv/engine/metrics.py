@@ -8,6 +8,7 @@ initiates it, as in vLLM: D->P readbacks show up on P, P->D pulls on D.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -196,6 +197,16 @@ class EngineMetrics:
         self.running = self._gauge("vllm:num_requests_running", "Running.")
         self.waiting = self._gauge("vllm:num_requests_waiting", "Waiting.")
         self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV usage (0-1).")
+        # vLLM V1's counter of recompute preemptions (exposed as vllm:num_preemptions_total)
+        self.preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        # ours, beside vLLM's usage: the share of usable KV blocks D's retained turns hold
+        # (docs/engine.md "Memory"); 0 on an engine that retains nothing
+        self.kv_retained = self._gauge(
+            "bidir_kv:kv_cache_retained_perc",
+            "Share of KV blocks held by retained turns for a peer's read (0-1).",
+        )
 
     def _add_transfer_metrics(self) -> None:
         counter, hist = self._counter, self._hist
@@ -278,6 +289,7 @@ class EngineMetrics:
             self.guard_rejected,
             self.fence_discarded,
             self.peer_refused,
+            self.preemptions,
         ):
             m.labels(**self.labels)
         for reason in ("budget", "pressure"):
@@ -286,6 +298,12 @@ class EngineMetrics:
             self.prompt_tokens_by_source.labels(**self.labels, source=source)
         for tier in CACHE_TIERS:
             self.prompt_tokens_cached_by_source.labels(**self.labels, source=tier)
+
+    def watch_memory(self, usage: Callable[[], float], retained: Callable[[], float]) -> None:
+        """Read KV usage and the retained share at every scrape (an idle engine's
+        releases, by a notification or the TTL, would leave a stored value stale)."""
+        self.kv_usage.labels(**self.labels).set_function(usage)
+        self.kv_retained.labels(**self.labels).set_function(retained)
 
     # ---- recording helpers -----------------------------------------------------
 

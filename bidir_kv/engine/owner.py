@@ -388,6 +388,10 @@ class HandleOwner:
             self.metrics.inc(self.metrics.released_early, reason="budget")
             self._release(rid, list(rel.blocks))
 
+    def retained_share(self) -> float:
+        """Share of usable blocks D's retained turns hold (``bidir_kv:kv_cache_retained_perc``)."""
+        return self.ledger.held_blocks() / self.blocks.num_usable_blocks
+
     def held(self) -> dict[str, int]:
         """How many handles are retained (D) and leased (P)."""
         return {"retained": len(self.ledger), "leased": len(self.leases)}

@@ -61,6 +61,10 @@ class Request:
     out_params: KVTransferParams | None = None
     first_token_time: float | None = None
     prefill_started: bool = False  # its per-request prefill costs are charged (steps.py)
+    # recompute preemption (steps.py, docs/engine.md "Memory"): how often the request lost
+    # its blocks, and the tokens it must compute again before it samples (0: the prompt)
+    num_preemptions: int = 0
+    resume_tokens: int = 0
     # incremental state of the model runner (compute.py)
     block_chain: list[bytes] = field(default_factory=list)  # policy.block_hashes of tokens
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
@@ -75,6 +79,12 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens whose KV is computed before the next sample: the prompt, or after a
+        preemption every token so far (prompt and output, as vLLM recomputes them)."""
+        return self.resume_tokens or self.prompt_len
 
     @property
     def is_p_node(self) -> bool:

@@ -9,8 +9,7 @@ the HTTP routes call.
 Deliberate differences from vLLM (docs/engine.md): a P with bidirectional mode off
 ignores D's params instead of waiting forever (suspected defect 2); a declined or
 failed read under ``recompute`` recomputes once and never re-queues a read (defect
-1); blocks are paired by position unless ``kv_pairing="suffix-trim"`` (defect 3);
-blocks for the whole request are reserved at admission (no preemption).
+1); blocks are paired by position unless ``kv_pairing="suffix-trim"`` (defect 3).
 """
 
 from __future__ import annotations
@@ -68,6 +67,7 @@ class EngineCore:
         self.steps = StepLoop(
             settings, blocks, runner, metrics, reader=self.reader, owner=self.owner
         )
+        metrics.watch_memory(blocks.usage, self.owner.retained_share)
 
     # ---- lifecycle -----------------------------------------------------------------
 

@@ -7,9 +7,11 @@ chunked prefill off a prefill runs whole or waits for a step with room. A pull's
 completion is seen at the next step boundary (as vLLM's scheduler sees a
 connector's ``finished_recving`` only with a step's output), and the rest of that
 prefill is computed in a later step. Admission takes the local prefix-cache hit
-and reserves blocks for the whole request (no preemption, docs/engine.md); the
-reader decides whether the request pulls first, the owner what happens to its
-blocks when it finishes.
+and the blocks of the tokens it computes now; a decoding request takes a block
+each time its sequence crosses into a new one, and when none is free the latest
+running request is preempted and recomputed later (vLLM V1's recompute preemption,
+docs/engine.md "Memory"). The reader decides whether the request pulls first, the
+owner what happens to its blocks when it finishes.
 """
 
 from __future__ import annotations
@@ -129,7 +131,9 @@ class StepLoop:
         bound = self.settings.max_waiting_seconds
         if bound <= 0 or not self.waiting:
             return 0
-        late = [r for r in self.waiting if now - r.arrival >= bound]
+        # a preempted request has streamed tokens already: it waits without a bound, as
+        # on vLLM, instead of failing mid-answer
+        late = [r for r in self.waiting if not r.num_preemptions and now - r.arrival >= bound]
         if not late:
             return 0
         why = self._waiting_reason(late[0])
@@ -153,7 +157,7 @@ class StepLoop:
     def _waiting_reason(self, req: Request) -> str:
         if len(self.running) + self.reader.num_pulling >= self.settings.max_num_seqs:
             return f"a sequence slot ({self.settings.max_num_seqs} busy, --max-num-seqs)"
-        need = self._all_groups(blocks_for_tokens(req.max_kv_slots, self.settings.block_size))
+        need = self._all_groups(blocks_for_tokens(req.prefill_len, self.settings.block_size))
         held = self.owner.held()
         return (
             f"KV blocks ({need} needed, {self.blocks.num_free} free of "
@@ -170,9 +174,11 @@ class StepLoop:
             and len(self.running) + self.reader.num_pulling < self.settings.max_num_seqs
         ):
             req = self.waiting[0]
-            n = req.prompt_len
+            n = req.prefill_len
             hit_blocks = self.blocks.lookup(req.block_chain[: max_prefix_hit_blocks(n, bs)])
-            total = blocks_for_tokens(req.max_kv_slots, bs)
+            # vLLM allocates the slots of the tokens it computes now (the prompt, or all
+            # tokens of a preempted request); decode slots come one block at a time
+            total = blocks_for_tokens(n, bs)
             self.blocks.touch(hit_blocks)
             own = total - len(hit_blocks)
             fresh = self._allocate(own + self._all_groups(total) - total)
@@ -186,6 +192,9 @@ class StepLoop:
             req.num_cached_blocks = len(hit_blocks)
             hit = len(hit_blocks) * bs
             req.num_computed = hit
+            if req.num_preemptions:
+                self._resume(req)  # computes locally: its pull (if any) is long over
+                continue
             req.cached_tokens = hit
             self.metrics.prefix_cache(n, hit)
             if not self.reader.begin(req, hit):
@@ -216,6 +225,65 @@ class StepLoop:
         req.state = "running"
         self.running.append(req)
         self.wake.set()
+
+    def _resume(self, req: Request) -> None:
+        """A preempted request admitted again: it recomputes what its blocks held."""
+        req.state = "running"
+        self.running.append(req)
+        self.wake.set()
+
+    # ---- memory: decode growth and recompute preemption -----------------------------
+
+    def _grow(self, req: Request) -> bool:
+        """The block the decode step writes ``req``'s next slot into; when none is free,
+        preempt the latest running request until one is (vLLM V1, FCFS: ``running[-1]``,
+        possibly ``req`` itself). False when ``req`` was preempted.
+
+        Retained turns are not given up here: a running request's growth is the vLLM
+        scheduler's decision, which no connector takes part in (pressure release acts
+        when a waiting request is admitted, ``_allocate``; docs/engine.md "Memory")."""
+        need = blocks_for_tokens(req.num_computed + 1, self.settings.block_size) - len(req.blocks)
+        count = self._all_groups(need)  # a block in every KV cache group's table
+        while need > 0:
+            if count <= self.blocks.num_free:
+                fresh = self.blocks.allocate(count)
+                req.blocks.extend(fresh[:need])
+                if self.runner.groups is not None:
+                    self.runner.groups.extend(req, fresh[need:])
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: free every block of ``req`` (full ones stay in the prefix
+        cache, so its recompute may hit them) and put it first in the waiting queue; it
+        will compute all its tokens again (``Request.prefill_len``) and then go on
+        sampling where it stopped. Its tokens already streamed stay streamed."""
+        self.running.remove(req)
+        self.blocks.free(req.blocks)
+        if self.runner.groups is not None:
+            self.runner.groups.drop(req)
+        req.blocks = []
+        req.resume_tokens = len(req.tokens)
+        req.num_computed = 0
+        req.num_cached_blocks = 0
+        req.reset_slot_hashes()
+        req.reset_kv_digest()
+        req.prefill_started = False
+        req.external_tokens = 0  # the recompute pulls nothing: no pull work to charge
+        req.num_preemptions += 1
+        req.state = "waiting"
+        self.waiting.appendleft(req)
+        self.metrics.inc(self.metrics.preemptions)
+        logger.debug(
+            "Preempted request %s (%d tokens to recompute, preemption %d)",
+            req.request_id,
+            req.resume_tokens,
+            req.num_preemptions,
+        )
 
     # ---- steps ---------------------------------------------------------------------
 
@@ -273,7 +341,9 @@ class StepLoop:
         start = t0 if self._step_end is None else max(self._step_end, t0 - _CATCH_UP_S)
         budget = self.settings.effective_max_num_batched_tokens
         emitted: list[tuple[Request, int]] = []
-        decodes = [r for r in self.running if r.num_computed >= r.prompt_len]
+        decodes = [r for r in self.running if r.num_computed >= r.prefill_len]
+        # in running order: a growth preempts only itself or a later request (running[-1])
+        decodes = [r for r in decodes if r.state == "running" and self._grow(r)]
         for r in decodes:
             if budget <= 0:
                 break
@@ -293,7 +363,7 @@ class StepLoop:
         for r, tok in emitted:
             self._emit(r, tok)
         self.metrics.running.labels(**self.metrics.labels).set(len(self.running))
-        self.metrics.kv_usage.labels(**self.metrics.labels).set(self.blocks.usage())
+        self.metrics.waiting.labels(**self.metrics.labels).set(len(self.waiting))
 
     def _prefill_chunks(self, budget: int, emitted: list[tuple[Request, int]]) -> tuple[int, float]:
         """Spend what the decodes left on prefills, in running order (vLLM V1: running
@@ -311,7 +381,7 @@ class StepLoop:
         for r in self.running:
             if budget <= 0:
                 break
-            left = r.prompt_len - r.num_computed
+            left = r.prefill_len - r.num_computed
             if left <= 0:
                 continue
             if not chunked and left > budget:
@@ -326,7 +396,7 @@ class StepLoop:
             self.runner.compute(r, r.num_computed, r.num_computed + chunk)
             budget -= chunk
             prefill_tokens += chunk
-            if r.num_computed >= r.prompt_len:
+            if r.num_computed >= r.prefill_len:
                 emitted.append((r, self._sample(r)))
         return prefill_tokens, seconds
 
