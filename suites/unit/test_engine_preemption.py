@@ -20,6 +20,7 @@ import pytest
 
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.engine.compute import ModelRunner
+from bidir_kv.engine.groups import GroupTables, parse_groups
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.profiles import CostProfile
@@ -54,6 +55,9 @@ class _Owner:
         keep_n = blocks_for_tokens(req.num_computed, BS)
         keep, extra = req.blocks[:keep_n], req.blocks[keep_n:]
         self.blocks.free(extra)
+        for table in req.group_blocks.values():  # the other KV cache groups: freed
+            self.blocks.free([b for b in table if b != 0])
+        req.group_blocks = {}
         if req.request_id in self.retain and reason in ("stop", "length"):
             self.retained.append(keep)
         else:
@@ -67,7 +71,7 @@ class _Owner:
 
 
 def _loop(
-    usable_blocks: int, retain: frozenset[str] = frozenset()
+    usable_blocks: int, retain: frozenset[str] = frozenset(), groups: str = "full"
 ) -> tuple[StepLoop, EngineMetrics]:
     settings = EngineSettings(
         model="m",
@@ -77,14 +81,17 @@ def _loop(
         max_num_batched_tokens=4096,
         max_waiting_seconds=0,
     )
-    pool = KVPool.allocate(usable_blocks + 1, BS * PROFILE.kv_bytes_per_token)
-    blocks = BlockManager(pool, BS, LAYERS, enable_prefix_caching=True)
+    layout = parse_groups(groups, BS)
+    n = len(layout)
+    pool = KVPool.allocate(usable_blocks + 1, BS * PROFILE.kv_bytes_per_token // n)
+    blocks = BlockManager(pool, BS, LAYERS // n, enable_prefix_caching=n == 1)
     metrics = EngineMetrics("m")
     owner = _Owner(blocks, retain)
+    tables = GroupTables(layout, blocks) if n > 1 else None
     loop = StepLoop(
         settings,
         blocks,
-        ModelRunner(blocks),
+        ModelRunner(blocks, tables),
         metrics,
         reader=cast(Any, _Reader()),
         owner=cast(Any, owner),
@@ -117,10 +124,10 @@ def _preemptions(metrics: EngineMetrics) -> float:
     return metrics.preemptions.labels(**metrics.labels)._value.get()
 
 
-def _run(usable: int, plan: list[tuple[str, int, int]]) -> dict[str, Any]:
+def _run(usable: int, plan: list[tuple[str, int, int]], groups: str = "full") -> dict[str, Any]:
     """Submit ``plan`` (id, prompt tokens, max tokens) at once and run it to the end; a
     request's prompt depends only on its id."""
-    loop, metrics = _loop(usable)
+    loop, metrics = _loop(usable, groups=groups)
     reqs = [_request(rid, n, m, first=300 + ord(rid[0])) for rid, n, m in plan]
 
     async def go() -> None:
@@ -222,3 +229,16 @@ def test_preemption_never_leaks_blocks(usable: int) -> None:
     plan = [("a", 30, 50), ("b", 20, 70), ("c", 50, 30)]
     out = _run(usable, plan)
     assert out["free"] == usable
+
+
+def test_preemption_with_a_sliding_window_group_frees_every_table() -> None:
+    """Two KV cache groups (engine/groups.py): growth takes a block in each table,
+    a preemption frees both, and the answers equal those of a roomy pool."""
+    plan = [("a", 40, 60), ("b", 40, 60)]
+    hybrid = "full,sliding_window:32"
+    roomy = _run(128, plan, groups=hybrid)
+    squeezed = _run(16, plan, groups=hybrid)
+    assert roomy["preemptions"] == 0
+    assert squeezed["preemptions"] >= 1
+    assert squeezed["outputs"] == roomy["outputs"]
+    assert squeezed["free"] == 16
