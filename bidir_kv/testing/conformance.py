@@ -3,12 +3,18 @@
 Loaded by ``bidir_kv.testing.plugin``. A scenario is one test function taking the
 ``pd`` fixture; it is parametrized over the selected backends (``--backend``,
 default: emulator, vllm-cpu and vllm-cpu+bidir-kv, plus external when ``--prefill-url``
-is given).
+is given) and, on the vLLM backends, over the model families (``--model-family``,
+:mod:`bidir_kv.testing.families`; ids ``vllm-cpu`` for the dense family,
+``vllm-cpu@hybrid`` for another), skipping the families a scenario cannot apply to
+(``requires_model``). The vLLM release is one per session (``--vllm-version``, the
+environment ``make conformance-env VLLM_VERSION=X`` built).
 One backend is up at a time (session scope; pytest groups tests by backend).
 
-Known upstream defects are pinned per backend in :mod:`bidir_kv.testing.exemptions`
-(``xfail(strict=True)``). Outcomes go into the matrix (:mod:`bidir_kv.testing.matrix`),
-written as Markdown and JSON to ``--conformance-report`` (``out/conformance``).
+Known upstream defects are pinned per backend and release in
+:mod:`bidir_kv.testing.exemptions` (``xfail(strict=True)``). Outcomes go into the
+matrix (:mod:`bidir_kv.testing.matrix`), written as Markdown and JSON to
+``--conformance-report`` (``out/conformance``); ``bidir-kv conformance-report`` merges
+the runs of several releases into one compatibility report (:mod:`bidir_kv.report.compat`).
 """
 
 from __future__ import annotations
@@ -25,14 +31,27 @@ import pytest
 from bidir_kv.launch.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
 from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.testing import matrix
-from bidir_kv.testing.backend_start import start_backend
+from bidir_kv.testing.backend_start import UnsupportedRelease, start_backend
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.exemptions import exemption_for
+from bidir_kv.testing.families import (
+    DEFAULT_FAMILY,
+    FAMILIES,
+    backend_id,
+    family_named,
+    split_backend_id,
+)
 from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.matrix import backend_release
 from bidir_kv.testing.router import start_router_process
 from bidir_kv.topology.base import BackendUnavailable
 
-__all__ = ["prompt_seed", "selected_backends", "selected_proxies"]
+__all__ = [
+    "prompt_seed",
+    "selected_backends",
+    "selected_families",
+    "selected_proxies",
+]
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -48,6 +67,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--vllm-compiled",
         action="store_true",
         help="vllm-cpu: use torch.compile instead of --enforce-eager (slower start)",
+    )
+    g.addoption(
+        "--vllm-version",
+        default=None,
+        metavar="RELEASE",
+        help="vllm-cpu backends: the vllm-cpu release to run (default: the pinned "
+        "release); its environment comes from `make conformance-env VLLM_VERSION=RELEASE`",
+    )
+    g.addoption(
+        "--model-family",
+        action="append",
+        default=None,
+        metavar="FAMILY",
+        help="vllm-cpu backends: model families to run the catalogue on (repeatable; "
+        f"{', '.join(FAMILIES)} or all; default {DEFAULT_FAMILY})",
     )
     g.addoption(
         "--emulate-vllm",
@@ -104,6 +138,33 @@ def selected_backends(config: pytest.Config) -> list[str]:
     return sorted(out, key=lambda name: not name.startswith("vllm-cpu"))
 
 
+def selected_families(config: pytest.Config) -> list[str]:
+    """Model families the vLLM backends run the catalogue on (``--model-family``)."""
+    chosen = config.getoption("--model-family") or [DEFAULT_FAMILY]
+    if "all" in chosen:
+        return list(FAMILIES)
+    try:
+        return [family_named(name).name for name in dict.fromkeys(chosen)]
+    except ValueError as exc:
+        raise pytest.UsageError(f"--model-family: {exc}") from None
+
+
+def _pd_ids(metafunc: pytest.Metafunc) -> list[str]:
+    """``pd`` ids of one scenario: each backend, and on the vLLM backends each selected
+    family the scenario applies to (``requires_model``); the emulator and an external
+    deployment run the dense family only."""
+    needs: set[str] = set()
+    for mark in metafunc.definition.iter_markers("requires_model"):
+        needs |= set(mark.args)
+    families = selected_families(metafunc.config)
+    ids = []
+    for backend in selected_backends(metafunc.config):
+        for family in families if backend.startswith("vllm-cpu") else [DEFAULT_FAMILY]:
+            if family in families and FAMILIES[family].has(needs):
+                ids.append(backend_id(backend, family))
+    return ids
+
+
 def selected_proxies(config: pytest.Config) -> list[str]:
     """Routers the through-router scenarios run through: ours, plus ``--proxy-cmd``
     ("cmd") and ``--proxy-url`` ("url") when given."""
@@ -117,7 +178,7 @@ def selected_proxies(config: pytest.Config) -> list[str]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "pd" in metafunc.fixturenames:
-        names = selected_backends(metafunc.config)
+        names = _pd_ids(metafunc)
         metafunc.parametrize("pd", names, indirect=True, scope="session", ids=names)
     if "proxy" in metafunc.fixturenames:
         metafunc.parametrize("proxy", selected_proxies(metafunc.config))
@@ -126,13 +187,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _deselect_other_backends(config, items)
     for item in items:
-        backend = _backend_of(item)
+        value = _backend_of(item)
+        if value is None:
+            continue
+        backend, family = split_backend_id(value)
         scenario = getattr(item, "originalname", item.name)
         callspec = getattr(item, "callspec", None)
         params = dict(callspec.params) if callspec is not None else {}
-        pin = exemption_for(scenario, backend or "", params)
+        release = backend_release(config, backend)
+        pin = exemption_for(scenario, backend, params, release, family)
         if pin is not None:
-            item.add_marker(pytest.mark.xfail(strict=True, reason=pin.reason))
+            item.add_marker(pytest.mark.xfail(strict=True, reason=pin.xfail_reason))
 
 
 def _deselect_other_backends(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -141,7 +206,8 @@ def _deselect_other_backends(config: pytest.Config, items: list[pytest.Item]) ->
     keep, drop = [], []
     for item in items:
         mark = item.get_closest_marker("only_backends")
-        backend = _backend_of(item)
+        value = _backend_of(item)
+        backend = split_backend_id(value)[0] if value is not None else None
         if mark is not None and backend is not None and backend not in mark.args:
             drop.append(item)
         else:
@@ -256,10 +322,14 @@ def router(request: pytest.FixtureRequest, pd: PDBackend, proxy: str) -> Iterato
 
 @pytest.fixture(scope="session")
 def pd(request: pytest.FixtureRequest) -> Iterator[PDBackend]:
-    """The started backend for this parametrization (one per session and backend)."""
-    name = str(request.param)
+    """The started backend for this parametrization (one per session, backend and model
+    family)."""
+    value = str(request.param)
+    name, family = split_backend_id(value)
     cfg = request.config
     options: dict[str, Any] = {
+        "family": family,
+        "release": backend_release(cfg, name),
         "compiled": cfg.getoption("--vllm-compiled"),
         "emulate_vllm": cfg.getoption("--emulate-vllm"),
         "prefill_url": cfg.getoption("--prefill-url"),
@@ -272,16 +342,21 @@ def pd(request: pytest.FixtureRequest) -> Iterator[PDBackend]:
         "decoder_ttl": cfg.getoption("--external-decoder-ttl"),
     }
     t0 = time.monotonic()
+    backends = matrix.matrix_of(cfg).backends
     try:
         backend = start_backend(name, _report_dir(cfg), options)
+    except UnsupportedRelease as exc:
+        # not missing infrastructure: the backend does not claim this release
+        backends[value] = {"unsupported": str(exc), "release": options["release"]}
+        pytest.skip(f"{value}: {exc}")
     except BackendUnavailable as exc:
-        matrix.matrix_of(cfg).backends[name] = {"unavailable": str(exc)}
-        skip_or_fail(cfg, "conformance", f"{name} backend unavailable: {exc}")
+        backends[value] = {"unavailable": str(exc)}
+        skip_or_fail(cfg, "conformance", f"{value} backend unavailable: {exc}")
     except ProcessFailed as exc:
-        matrix.matrix_of(cfg).backends[name] = {"failed_to_start": str(exc)[-2000:]}
-        pytest.fail(f"{name} backend failed to start: {exc}", pytrace=False)
+        backends[value] = {"failed_to_start": str(exc)[-2000:]}
+        pytest.fail(f"{value} backend failed to start: {exc}", pytrace=False)
     backend.description["start_seconds"] = round(time.monotonic() - t0, 1)
-    matrix.matrix_of(cfg).backends[name] = backend.description
+    backends[value] = backend.description
     try:
         yield backend
     finally:

