@@ -26,6 +26,7 @@ from bidir_kv.testing.faults import pause_process
 from bidir_kv.testing.features import ConnectorSource
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
+from bidir_kv.topology.vllm_source import OPTIONAL_PARAM_FIELDS
 from bidir_kv.wire.fence import FENCE_KEY
 from bidir_kv.wire.params import CHAIN_KEY, VERIFY_KEY
 
@@ -87,7 +88,7 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
         },
         release=f"{version}.0",
         # the shape the emulator was told to speak (docs/engine.md "vLLM versions")
-        registration_generation=version == "0.33",
+        param_fields=_declared_fields(version),
         _variant_starter=variant,
         _pair_starter=lambda name, pspec: LocalTopology(
             _emulating(pspec, version), run_dir / f"emulator-{name}"
@@ -97,6 +98,15 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
         p_params_extension=frozenset({FENCE_KEY, VERIFY_KEY}),
         d_params_extension=frozenset({FENCE_KEY}),
     )
+
+
+def _declared_fields(version: str) -> frozenset[str]:
+    """The optional params fields of the two shapes the emulator speaks and an external
+    deployment declares (--emulate-vllm / --external-version: 0.32 or 0.33)."""
+    fields = set(OPTIONAL_PARAM_FIELDS)
+    if version != "0.33":
+        fields.discard("remote_registration_generation")
+    return frozenset(fields)
 
 
 def _local_pd(
@@ -190,7 +200,7 @@ def _start_vllm_cpu(
         },
         release=release,
         family=family,
-        registration_generation=source.registration_generation,
+        param_fields=source.param_fields(),
         _variant_starter=variant,
         _pair_starter=lambda pair, pspec: VllmCpuTopology(
             pspec, replace(opts, log_dir=run_dir / f"{tag}-{pair}")
@@ -242,7 +252,7 @@ def _start_external(
         },
         _reference=ref,
         # declared with --external-version (a deployment's source is not on this machine)
-        registration_generation=version == "0.33",
+        param_fields=_declared_fields(version),
     )
 
 

