@@ -200,7 +200,9 @@ def _start_vllm_cpu(
         },
         release=release,
         family=family,
-        param_fields=source.param_fields(),
+        param_fields=None,
+        registration_generation=source.registration_generation,
+        cpu_forces_sync_scheduling=source.cpu_forces_sync_scheduling,
         _variant_starter=variant,
         _pair_starter=lambda pair, pspec: VllmCpuTopology(
             pspec, replace(opts, log_dir=run_dir / f"{tag}-{pair}")

@@ -28,6 +28,7 @@ from bidir_kv.policy import (
     DEFAULT_RECOMPUTE_THRESHOLD,
 )
 from bidir_kv.protocol import KVTransferParams
+from bidir_kv.testing.families import FAMILIES
 from bidir_kv.testing.faults import restart_node
 from bidir_kv.testing.features import family_of, metric_families
 from bidir_kv.testing.pd_client import EngineClient
@@ -150,9 +151,13 @@ class PDBackend:
     # external: as declared), keying expectations only (bidir_kv.testing.exemptions)
     release: str | None = None
     family: str = "dense"  # the model family (bidir_kv.testing.families)
-    # the optional kv_transfer_params fields this backend's connector emits (read from
-    # its source, or the emulated/declared shape): bidir_kv.testing.features
-    param_fields: frozenset[str] = frozenset(OPTIONAL_PARAM_FIELDS[:-1])
+    # the optional kv_transfer_params fields (OPTIONAL_PARAM_FIELDS) this backend's
+    # params carry: the emulated or declared shape; None for a vLLM release, whose own
+    # set is whatever it emits (bounded by OPTIONAL_PARAM_FIELDS)
+    param_fields: frozenset[str] | None = frozenset(OPTIONAL_PARAM_FIELDS[:-1])
+    registration_generation: bool = False  # vLLM: read from its connector's source
+    # vLLM's CPU platform forces async scheduling off (read from its source)
+    cpu_forces_sync_scheduling: bool = False
     _variant_starter: Callable[[str, EngineSpec], Topology] | None = None
     _pair_starter: Callable[[str, TopologySpec], Topology] | None = None
     _pause_node: Callable[[Node], AbstractContextManager[object]] | None = None
@@ -186,8 +191,15 @@ class PDBackend:
         return self._streams
 
     @property
+    def kv_groups(self) -> int:
+        """KV cache groups of the backend's model (lists of block ids in its params)."""
+        return FAMILIES[self.family].kv_groups
+
+    @property
     def has_registration_generation(self) -> bool:
         """``remote_registration_generation`` in the params (connector version 15)."""
+        if self.param_fields is None:
+            return self.registration_generation
         return "remote_registration_generation" in self.param_fields
 
     def exposes(self, metric: str) -> bool:

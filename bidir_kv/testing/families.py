@@ -44,6 +44,9 @@ class ModelFamily:
     shaped_like: str
     traits: frozenset[str]
     block_size: int | None = None
+    # KV cache groups vLLM's hybrid allocator makes of it (one list of block ids each
+    # in kv_transfer_params; on for NIXL since vLLM PR #41847)
+    kv_groups: int = 1
 
     def has(self, traits: Iterable[str]) -> bool:
         return set(traits) <= self.traits
@@ -57,6 +60,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "hybrid",
             "Gemma 3 text: sliding-window (256 tokens) and full-attention layers alternating",
             frozenset({"prefix_cache", "kv_groups"}),
+            kv_groups=2,
         ),
         ModelFamily(
             "moe",

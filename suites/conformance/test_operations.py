@@ -10,6 +10,11 @@ for. The emulator runs twice: with its defaults (the safe behaviour) and with th
 flags that reproduce vLLM 0.32 (``--peer-cache vllm --retained-blocks pin
 --max-waiting-seconds 0``, docs/engine.md "Operations"); the second must show what
 real vLLM shows. Findings and evidence: docs/conformance.md "Operational scenarios".
+
+D's memory is counted in blocks of one KV cache group and the turns are continued
+through the engines' prefix caches, so the scenarios are generated for model families
+with one group and a prefix cache only (dense, MoE; not the hybrid or MLA families,
+bidir_kv.testing.families).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from bidir_kv.wire.fence import FAULT_RELEASE_CONFIG_KEY, FENCE_KEY
 # GEN generated keeps 3 blocks retained; three of them leave 2 free, one short of
 # the next turn's 3.
 D_BLOCKS, MAX_MODEL_LEN, FILL_TURNS, GEN = 12, 1024, 3, 8
+# D's memory arithmetic assumes one KV cache group and engines with a prefix cache
+pytestmark = pytest.mark.requires_model("one_kv_group", "prefix_cache")
+
 VLLM_FLAGS = ("--peer-cache", "vllm", "--retained-blocks", "pin", "--max-waiting-seconds", "0")
 KV_USAGE = "vllm:kv_cache_usage_perc"
 TOKEN = 7  # the probe prompt (an ordinary token on both models)

@@ -15,6 +15,7 @@ import pytest
 from bidir_kv.policy import cdiv
 from bidir_kv.protocol import KVTransferParams, ParamsKind
 from bidir_kv.testing.backends import PDBackend, PromptFactory, first_params
+from bidir_kv.topology.vllm_source import OPTIONAL_PARAM_FIELDS
 from bidir_kv.wire.params import CHAIN_KEY, HeldTokens
 
 # every release since the feature (vLLM 0.21.0) emits these; the others come and go by
@@ -32,7 +33,37 @@ COMMON = {
 }
 
 
+def check_keys(pd: PDBackend, params: KVTransferParams, node: str) -> set[str]:
+    """Assert the params' key set; returns the optional fields they carry. A declared
+    shape (emulator, external) is checked exactly; a vLLM release's must hold COMMON
+    and nothing beyond the fields some release emits and our extensions."""
+    got = wire_keys(params)
+    own = pd.p_params_extension if node == "prefill" else pd.d_params_extension
+    if pd.param_fields is None:
+        assert got >= COMMON, f"missing {sorted(COMMON - got)}"
+        unknown = got - COMMON - set(OPTIONAL_PARAM_FIELDS) - own
+        assert not unknown, f"fields no release emits: {sorted(unknown)}"
+        assert pd.has_registration_generation == ("remote_registration_generation" in got)
+        return got & set(OPTIONAL_PARAM_FIELDS)
+    assert got == expected_keys(pd, node)
+    return set(pd.param_fields) & got
+
+
+def check_groups(pd: PDBackend, params: KVTransferParams, tokens: int) -> None:
+    """One list of block ids per KV cache group of the model: a full-attention group
+    holds every block of ``tokens``; a sliding-window group no more (vLLM sends only the
+    blocks still in the window, ``get_sw_clipped_blocks``)."""
+    groups = params.remote_block_ids
+    assert groups is not None and len(groups) == pd.kv_groups, (
+        f"{pd.family} model: expected {pd.kv_groups} KV cache group(s), got {groups}"
+    )
+    full = cdiv(tokens, pd.block_size)
+    assert max(len(g) for g in groups) == full, groups
+    assert all(0 < len(g) <= full for g in groups), groups
+
+
 def expected_keys(pd: PDBackend, node: str) -> set[str]:
+    assert pd.param_fields is not None
     keys = COMMON | (pd.param_fields - {"remote_prefill_cached_tokens"})
     if node == "prefill":
         keys |= pd.param_fields & {"remote_prefill_cached_tokens"}
@@ -46,24 +77,24 @@ def wire_keys(params: KVTransferParams) -> set[str]:
     return set(params.to_dict())
 
 
+@pytest.mark.kv_groups
 @pytest.mark.parametrize("length", [200, 1000])
 def test_p_node_params(pd: PDBackend, prompts: PromptFactory, length: int) -> None:
     prompt = prompts.prompt(length)
     resp = pd.prefill.complete(prompt, 1, KVTransferParams.miss())
     params = first_params(resp)
     assert params.kind is ParamsKind.PREFILL
-    assert wire_keys(params) == expected_keys(pd, "prefill")
+    fields = check_keys(pd, params, "prefill")
     assert params.do_remote_prefill is True and params.do_remote_decode is False
     assert params.remote_num_tokens == length
-    assert params.remote_block_ids is not None and len(params.remote_block_ids) == 1
-    assert len(params.remote_block_ids[0]) == cdiv(length, pd.block_size)
+    check_groups(pd, params, length)
     assert params.remote_blocks_expiry_time is None
-    if "transfer_mode" in pd.param_fields:
+    if "transfer_mode" in fields:
         assert params.transfer_mode == "pull"
-    if "remote_prefill_cached_tokens" in pd.param_fields:
+    if "remote_prefill_cached_tokens" in fields:
         assert params.remote_prefill_cached_tokens == 0  # fresh prompt, nothing reused
     assert params.tp_size == 1
-    if {"dcp_size", "pp_size"} <= pd.param_fields:
+    if {"dcp_size", "pp_size"} <= fields:
         assert (params.dcp_size, params.pp_size) == (1, 1)
     side = pd.prefill.node.side_channel_port
     if side is not None:
@@ -77,6 +108,7 @@ def test_p_node_params(pd: PDBackend, prompts: PromptFactory, length: int) -> No
     assert d.params is not None
 
 
+@pytest.mark.kv_groups
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_d_node_params(pd: PDBackend, prompts: PromptFactory, stream: bool) -> None:
     length, gen = 300, 16
@@ -93,19 +125,18 @@ def test_d_node_params(pd: PDBackend, prompts: PromptFactory, stream: bool) -> N
         assert d.params_on_terminal, "params must ride on the chunk with finish_reason"
         assert all(v is None for v in d.nonterminal_params_values)
     assert params.kind is ParamsKind.DECODE
-    assert wire_keys(params) == expected_keys(pd, "decode")
+    fields = check_keys(pd, params, "decode")
     assert params.do_remote_decode is True and params.do_remote_prefill is False
     assert params.remote_num_tokens == length + gen - 1
-    assert params.remote_block_ids is not None
-    assert len(params.remote_block_ids[0]) == cdiv(length + gen - 1, pd.block_size)
-    if "transfer_mode" in pd.param_fields:
+    check_groups(pd, params, length + gen - 1)
+    if "transfer_mode" in fields:
         assert params.transfer_mode == "pull"
     if CHAIN_KEY in pd.d_params_extension:
         held = HeldTokens.from_params(params.extra)
         assert held is not None, f"malformed {CHAIN_KEY}: {params.extra.get(CHAIN_KEY)!r}"
         assert held.num_tokens == params.remote_num_tokens
         assert held.block_size == pd.block_size
-    if "remote_blocks_expiry_time" in pd.param_fields:  # exported since vLLM PR #47021
+    if "remote_blocks_expiry_time" in fields:  # exported since vLLM PR #47021
         expiry = params.remote_blocks_expiry_time
         assert expiry is not None
         if pd.same_clock:
