@@ -138,15 +138,24 @@ def selected_backends(config: pytest.Config) -> list[str]:
     return sorted(out, key=lambda name: not name.startswith("vllm-cpu"))
 
 
-def selected_families(config: pytest.Config) -> list[str]:
-    """Model families the vLLM backends run the catalogue on (``--model-family``)."""
-    chosen = config.getoption("--model-family") or [DEFAULT_FAMILY]
+def selected_families(config: pytest.Config) -> list[str] | None:
+    """Model families the vLLM backends run the catalogue on (``--model-family``);
+    ``None`` when not given: the default matrix of :func:`_pd_ids`."""
+    chosen = config.getoption("--model-family")
+    if not chosen:
+        return None
     if "all" in chosen:
         return list(FAMILIES)
     try:
         return [family_named(name).name for name in dict.fromkeys(chosen)]
     except ValueError as exc:
         raise pytest.UsageError(f"--model-family: {exc}") from None
+
+
+# Landing CI's matrix when --model-family is not given: the dense family everywhere, and
+# the hybrid family on stock vLLM for the scenarios where KV cache groups matter
+# (``kv_groups``); every family on every vLLM backend is the nightly compat workflow's.
+DEFAULT_GROUPS_FAMILY, DEFAULT_GROUPS_BACKENDS = "hybrid", ("vllm-cpu",)
 
 
 def _pd_ids(metafunc: pytest.Metafunc) -> list[str]:
@@ -156,12 +165,18 @@ def _pd_ids(metafunc: pytest.Metafunc) -> list[str]:
     needs: set[str] = set()
     for mark in metafunc.definition.iter_markers("requires_model"):
         needs |= set(mark.args)
-    families = selected_families(metafunc.config)
+    chosen = selected_families(metafunc.config)
+    groups_matter = metafunc.definition.get_closest_marker("kv_groups") is not None
     ids = []
     for backend in selected_backends(metafunc.config):
-        for family in families if backend.startswith("vllm-cpu") else [DEFAULT_FAMILY]:
-            if family in families and FAMILIES[family].has(needs):
-                ids.append(backend_id(backend, family))
+        vllm = backend.startswith("vllm-cpu")
+        if chosen is not None:
+            families = chosen if vllm else [f for f in chosen if f == DEFAULT_FAMILY]
+        else:
+            families = [DEFAULT_FAMILY]
+            if groups_matter and backend in DEFAULT_GROUPS_BACKENDS:
+                families.append(DEFAULT_GROUPS_FAMILY)
+        ids += [backend_id(backend, f) for f in families if FAMILIES[f].has(needs)]
     return ids
 
 

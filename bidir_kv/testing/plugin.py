@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.launch import ledger
+from bidir_kv.testing.families import split_backend_id
 from bidir_kv.testing.faults import FaultNotApplied
 from bidir_kv.testing.gating import REQUIRE_ENV
 
@@ -413,8 +414,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.pre_merge)
         callspec = getattr(item, "callspec", None)
         backend = callspec.params.get("pd") if callspec is not None else None
-        if backend is not None:
-            item.add_marker(getattr(pytest.mark, backend_mark(str(backend))))
+        if backend is not None:  # "vllm-cpu@hybrid": the backend's mark (families.py)
+            item.add_marker(getattr(pytest.mark, backend_mark(split_backend_id(str(backend))[0])))
         if tier == "hardware" or any(item.get_closest_marker(m) for m in VLLM_MARKS):
             item.add_marker(pytest.mark.vllm)
     if wrong:

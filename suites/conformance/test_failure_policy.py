@@ -41,6 +41,10 @@ from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.scenario import ANSWER_WITHIN, complete_watching, expire_soon
 from bidir_kv.topology.base import BackendUnavailable
 
+# the whole policy x scheduler x failure matrix is the nightly run's; landing CI keeps
+# test_ttl.py's decline under both policies
+pytestmark = pytest.mark.nightly
+
 GEN = 16
 # P caches 3 blocks of turn 1 and D offers 100 more tokens (over the threshold): P wants
 # to read, so the failure happens on the read path, not on a notify-only one
