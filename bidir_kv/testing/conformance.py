@@ -84,6 +84,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"{', '.join(FAMILIES)} or all; default {DEFAULT_FAMILY})",
     )
     g.addoption(
+        "--scenarios-only",
+        action="store_true",
+        help="run the scenario catalogue only (tests taking the pd fixture): a release's "
+        "matrix run, without the checks of the pinned environment and our connector's classes",
+    )
+    g.addoption(
         "--emulate-vllm",
         default="0.32",
         choices=("0.32", "0.33"),
@@ -201,6 +207,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _deselect_other_backends(config, items)
+    if config.getoption("--scenarios-only"):
+        keep = [i for i in items if _backend_of(i) is not None or not matrix.in_tier(i)]
+        if len(keep) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+            items[:] = keep
     for item in items:
         value = _backend_of(item)
         if value is None:

