@@ -4,6 +4,7 @@ each environment lives), feature detection, and the compatibility report."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,41 @@ def test_compat_command_writes_both_files_and_refuses_bad_input(
     assert compat.main([str(tmp_path / "bad.json"), "--out", str(out)]) == 2
     assert "not a conformance matrix.json" in capsys.readouterr().err
     assert compat.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+
+
+def _fake_vllm(root: Path, connector: str, platform: str = "") -> Path:
+    site = root / "lib/python3.11/site-packages/vllm"
+    nixl = site / "distributed/kv_transfer/kv_connector/v1/nixl"
+    nixl.mkdir(parents=True)
+    (nixl / "scheduler.py").write_text(connector)
+    (site / "platforms").mkdir()
+    (site / "platforms/cpu.py").write_text(platform)
+    return root
+
+
+def test_a_release_without_the_ttl_key_gets_the_ttl_as_its_abort_timeout(tmp_path: Path) -> None:
+    """vLLM 0.21.0 reads no decoder_kv_blocks_ttl: the launcher passes the TTL the way
+    that release reads it; a release with the key gets no extra variable."""
+    from bidir_kv.testing.backend_start import pd_spec
+    from bidir_kv.testing.backends import BACKEND_CONFIG
+    from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
+
+    old = _fake_vllm(tmp_path / "old", "cfg.get('bidirectional_kv_xfer')\n")
+    new = _fake_vllm(tmp_path / "new", "cfg.get('decoder_kv_blocks_ttl')\n")
+    spec = pd_spec(BACKEND_CONFIG)
+    env_old = VllmCpuTopology(spec, VllmCpuOptions(venv=old)).env(0, 1, spec.decode, "decode")
+    env_new = VllmCpuTopology(spec, VllmCpuOptions(venv=new)).env(0, 1, spec.decode, "decode")
+    assert env_old["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] == str(round(BACKEND_CONFIG.decoder_ttl))
+    # the newer release's server inherits whatever the caller has, nothing set by us
+    inherited = os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT")
+    assert env_new.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT") == inherited
+
+
+def test_the_cpu_platform_forcing_sync_scheduling_is_read_from_its_source(tmp_path: Path) -> None:
+    forced = _fake_vllm(
+        tmp_path / "a",
+        "",
+        "# async scheduling is not required on CPU\nx.async_scheduling = False\n",
+    )
+    assert ConnectorSource.of_venv(forced).cpu_forces_sync_scheduling
+    assert not ConnectorSource.of_venv(_fake_vllm(tmp_path / "b", "")).cpu_forces_sync_scheduling
