@@ -220,3 +220,37 @@ def test_the_cpu_platform_forcing_sync_scheduling_is_read_from_its_source(tmp_pa
     )
     assert ConnectorSource.of_venv(forced).cpu_forces_sync_scheduling
     assert not ConnectorSource.of_venv(_fake_vllm(tmp_path / "b", "")).cpu_forces_sync_scheduling
+
+
+def _metafunc(options: dict[str, object], marks: dict[str, tuple[str, ...]]) -> object:
+    from types import SimpleNamespace
+
+    def getoption(name: str) -> object:
+        return options.get(name)
+
+    def iter_markers(name: str) -> list[object]:
+        return [SimpleNamespace(args=marks[name])] if name in marks else []
+
+    definition = SimpleNamespace(
+        iter_markers=iter_markers,
+        get_closest_marker=lambda name: iter_markers(name)[0] if name in marks else None,
+    )
+    return SimpleNamespace(config=SimpleNamespace(getoption=getoption), definition=definition)
+
+
+def test_landing_matrix_adds_the_hybrid_family_only_where_groups_matter() -> None:
+    from bidir_kv.testing.conformance import _pd_ids
+
+    default = {"--backend": ["emulator", "vllm-cpu", "vllm-cpu+bidir-kv"]}
+    assert _pd_ids(_metafunc(default, {})) == ["vllm-cpu", "vllm-cpu+bidir-kv", "emulator"]
+    assert _pd_ids(_metafunc(default, {"kv_groups": ()})) == [
+        "vllm-cpu",
+        "vllm-cpu@hybrid",
+        "vllm-cpu+bidir-kv",
+        "emulator",
+    ]
+    # an explicit family list applies to the vLLM backends; the emulator is dense only
+    every = {**default, "--model-family": ["all"]}
+    ids = _pd_ids(_metafunc(every, {"requires_model": ("prefix_cache",)}))
+    assert "vllm-cpu@mla" not in ids and "vllm-cpu+bidir-kv@moe" in ids
+    assert [i for i in ids if i.startswith("emulator")] == ["emulator"]
