@@ -91,7 +91,8 @@ conformance: venv conformance-env
 # (docs/conformance.md "The matrix"), into out/compat-runs/<release>; `bidir-kv
 # conformance-report out/compat-runs` merges the runs. FAMILIES narrows the families.
 FAMILIES ?= all
-conformance-matrix: venv conformance-env
+conformance-matrix: venv
+	VLLM_VERSION=$(VLLM_VERSION) BIDIR_KV_MODEL_FAMILIES="hybrid moe mla" bash ci/conformance-env.sh
 	rel=$${VLLM_VERSION:-$$(sed -n 's/^PINNED_VLLM_VERSION=\([0-9.]*\).*/\1/p' ci/conformance-env.sh)}; \
 	bash ci/pytest.sh -m conformance suites/conformance --scenarios-only \
 	  --backend vllm-cpu --backend vllm-cpu+bidir-kv --vllm-version $$rel \
