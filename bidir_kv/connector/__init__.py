@@ -1,8 +1,10 @@
 """bidir-kv's connector for real vLLM: NixlConnector with the defects our suite found fixed.
 
-Reading path: ``rules`` (the decisions, pure and unit-tested without vLLM), then
-``nixl`` (the vLLM subclasses that call them) and ``worker``; ``versions`` names the vLLM
-releases it supports. The keys D adds to its params are in ``bidir_kv.wire.params``.
+Reading path: ``rules`` (the decisions, pure and unit-tested without vLLM) and
+``fence`` (the scheduler's fence and budget state, and the typed ``FenceMeta`` it sends
+its worker; pure too), then ``nixl`` (the vLLM subclasses that call them) and
+``worker``; ``versions`` names the vLLM releases it supports. The keys D adds to its
+params are in ``bidir_kv.wire.params``.
 
 Load it in vLLM with (docs/connector.md)::
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import vllm
 
-from bidir_kv.connector.retention import FENCE_SLOTS, RetainedTurns
+from bidir_kv.connector.fence import SchedulerFence
 from bidir_kv.connector.rules import (
     PullPlan,
     Refusal,
@@ -26,19 +26,7 @@ from bidir_kv.connector.rules import (
 )
 from bidir_kv.connector.versions import check_vllm_version
 from bidir_kv.policy import PeerAllowlist
-from bidir_kv.wire.fence import (
-    ALLOWLIST_CONFIG_KEY,
-    BUDGET_CONFIG_KEY,
-    FAULT_RELEASE_CONFIG_KEY,
-    FENCE_CONFIG_KEY,
-    FENCE_KEY,
-    advertises_fence,
-    parse_budget,
-    reader_advert,
-    word_base,
-    word_of,
-    word_to_wire,
-)
+from bidir_kv.wire.fence import ALLOWLIST_CONFIG_KEY, FENCE_KEY
 from bidir_kv.wire.ids import EngineId, RequestId
 from bidir_kv.wire.params import (
     CHAIN_KEY,
@@ -60,7 +48,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
     NixlPullConnectorScheduler,
 )
 
-from bidir_kv.connector.worker import BidirKVWorker  # noqa: E402
+from bidir_kv.connector.worker import (  # noqa: E402
+    FENCE_BASE_ATTR,
+    BidirKVMetadata,
+    BidirKVWorker,
+)
 
 __all__ = [
     "VLLM_RELEASE",
@@ -114,72 +106,24 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
             )
         else:
             log.info("bidir-kv: peer allowlist: KV is read only from %s.", self._allow.describe())
-        self._init_fence(kv, kv_cache_config)
-
-    def _init_fence(self, kv: Any, kv_cache_config: Any) -> None:
-        """The fence and the retention budget (docs/connector.md §5): bad values are one
-        warning each and stock behaviour."""
-        fence = kv.get_from_extra_config(FENCE_CONFIG_KEY, True)
-        if not isinstance(fence, bool):
-            log.warning(
-                "bidir-kv: kv_connector_extra_config.%s must be true or false, got "
-                "%r; running without the fence (stock behaviour).",
-                FENCE_CONFIG_KEY,
-                fence,
-            )
-            fence = False
-        self._fence = fence and bool(self.is_bidirectional_kv_xfer_enabled)
-        self._budget, problem = parse_budget(kv.get_from_extra_config(BUDGET_CONFIG_KEY, None))
-        if problem:
-            log.warning("bidir-kv: %s.", problem)
-        self._total_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
-        self._turns = RetainedTurns(FENCE_SLOTS)
-        self._fence_base: int | None = None  # D's word table, learnt from our worker
-        self._fence_reads = False  # our worker can READ a peer's word (P's advert)
-        self._fence_writes: dict[str, tuple[int, int]] = {}
-        self._to_release: set[str] = set()
-        self._releasing: set[str] = set()
-        self._fence_checks: dict[str, tuple[int, int, int, str]] = {}
-        self._asked: set[str] = set()
-        self._stock_readers: set[Any] = set()
-        self.num_released_early = {"budget": 0, "pressure": 0, "fault": 0}
-        self._fault_release = kv.get_from_extra_config(FAULT_RELEASE_CONFIG_KEY, False) is True
-        self._scribble: dict[str, list[int]] = {}
-        if self._fault_release and self._fence:
-            log.warning(
-                "bidir-kv: fault injection %s: every fenced turn is released and "
-                "overwritten right after it is exported.",
-                FAULT_RELEASE_CONFIG_KEY,
-            )
+        # D's and P's fence and the retention budget (docs/connector.md §5)
+        self.fence = SchedulerFence(
+            kv.kv_connector_extra_config,
+            bidirectional=bool(self.is_bidirectional_kv_xfer_enabled),
+            total_blocks=int(kv_cache_config.num_blocks),
+        )
 
     def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
-        """Our worker said, on its handshake payload, whether its fence words are
-        registered and where; the served payload is vLLM's (msgspec encodes fields only)."""
-        if self._fence:
-            ok = len(metadata) == 1 and all(
-                getattr(m, "bidir_fence_ok", False) for m in metadata.values()
-            )
-            if ok:
-                self._fence_base = getattr(next(iter(metadata.values())), "bidir_fence_base", None)
-                self._fence_reads = True
-            else:
-                log.warning(
-                    "bidir-kv: the fence is off: %s; retained turns are kept until "
-                    "P's notification or the TTL (stock behaviour).",
-                    "it runs with one worker (TP 1) only"
-                    if len(metadata) != 1
-                    else "the fence words could not be registered",
-                )
-                self._fence = False
+        """Our worker said, on its handshake payload, where its fence words are
+        registered; the served payload is vLLM's (msgspec encodes fields only, and ours
+        is an attribute, so a payload built by anything else has none)."""
+        self.fence.worker_ready([getattr(m, FENCE_BASE_ATTR, None) for m in metadata.values()])
         super().set_xfer_handshake_metadata(metadata)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        rid = request.request_id
-        if rid in self._asked and self._fence:  # asked again, never allocated: no blocks
-            self._pressure(rid)
-        self._asked.add(rid)
+        self.fence.asked(request.request_id)
         refused = peer_refusal(request.kv_transfer_params, self._allow, producer=self._producer)
         if refused is not None:
             self._refuse_peer(request, refused)
@@ -205,27 +149,16 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        self._asked.discard(request.request_id)
-        if (
-            self._fence_reads
-            and num_external_tokens > 0
-            and is_d_params(params)
-            and not params.get("_remote_blocks_processed")
-        ):
-            word, base = word_of(params), word_base(params)
-            if word is not None and base is not None:
-                self._fence_checks[request.request_id] = (
-                    *word,
-                    base,
-                    str(params["remote_engine_id"]),
-                )
+        self.fence.allocated(request.request_id)
         hit = self._hits.pop(request.request_id, None)
-        if (
-            hit is not None
-            and num_external_tokens > 0
+        reads = (
+            num_external_tokens > 0
             and is_d_params(params)
             and not params.get("_remote_blocks_processed")
-        ):
+        )
+        if reads:
+            self.fence.check_after_read(request.request_id, params)
+        if hit is not None and reads:
             params["remote_block_ids"] = positional_remote_blocks(
                 params["remote_block_ids"], hit, num_external_tokens, self.block_size
             )
@@ -233,7 +166,7 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         self._hits.pop(request.request_id, None)
-        self._asked.discard(request.request_id)
+        self.fence.allocated(request.request_id)
         delay, out = super().request_finished(request, block_ids)
         if delay and out and out.get("do_remote_decode") and self.is_bidirectional_kv_xfer_enabled:
             n = int(out.get("remote_num_tokens") or 0)
@@ -241,83 +174,25 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
             out[CHAIN_KEY] = held.to_wire()
             if self._lease is not None:  # the router frees these blocks once idle
                 out[LEASE_KEY] = lease_to_wire(self._lease)
-            if self._fence:
-                self._retain(request, block_ids, out)
+            word = self.fence.retain(request.request_id, request.kv_transfer_params, block_ids)
+            if word is not None:
+                out[FENCE_KEY] = word
         elif out and out.get("do_remote_prefill"):  # P's dict, handed on with its prefill
-            if delay and self._fence_reads:
-                out[FENCE_KEY] = reader_advert()  # D may release this turn's successor early
+            advert = self.fence.advert() if delay else None
+            if advert is not None:
+                out[FENCE_KEY] = advert  # D may release this turn's successor early
             if self._verify and self.is_bidirectional_kv_xfer_enabled:
                 out[VERIFY_KEY] = verifier_advert()  # a router may forward D's whole dict
         return delay, out
 
-    # ---- the fence and the retention budget (D) ---------------------------------------
-
-    def _retain(self, request: Any, block_ids: Any, out: dict[str, Any]) -> None:
-        """Export a fence word for a turn whose prefill advertised the fence; then hold
-        the budget."""
-        rid = request.request_id
-        params = request.kv_transfer_params or {}
-        fenced = self._fence_base is not None and advertises_fence(params)
-        nblocks = max((len(g) for g in block_ids), default=0)
-        word = self._turns.retain(rid, nblocks, fenced=fenced)
-        if word is not None:
-            out[FENCE_KEY] = word_to_wire(*word, base=self._fence_base)
-            self._fence_writes[rid] = word
-            if self._fault_release:  # the reader finds the turn released and reused
-                self._scribble[rid] = [int(b) for b in block_ids[0]] if block_ids else []
-                self._release(rid, "fault", rid)
-        elif not fenced and params.get("remote_engine_id") not in self._stock_readers:
-            self._stock_readers.add(params.get("remote_engine_id"))
-            log.info(
-                "bidir-kv: turns prefilled by engine %s are not fenced (its dict does "
-                "not advertise the fence); they are kept until its notification or the "
-                "TTL, as vLLM keeps them (logged once per engine).",
-                params.get("remote_engine_id"),
-            )
-        if self._budget is not None and self._total_blocks:
-            for victim in self._turns.over_budget(
-                self._budget, self._total_blocks, keep=rid, releasing=self._releasing
-            ):
-                self._release(victim, "budget", rid)
-
-    def _pressure(self, waiting: str) -> None:
-        """A request was asked about again without an allocation: it waits for blocks
-        (or a sequence slot). Release the oldest fenced retained turn, one per step."""
-        victim = self._turns.oldest_fenced(exclude=self._releasing)
-        if victim is not None:
-            self._release(victim, "pressure", waiting)
-
-    def _release(self, victim: str, reason: str, for_request: str) -> None:
-        self._releasing.add(victim)
-        self._to_release.add(victim)
-        self.num_released_early[reason] += 1
-        why = {
-            "budget": "over the retention budget",
-            "fault": "fault injection",
-            "pressure": "a request is waiting for KV blocks",
-        }[reason]
-        log.info(
-            "bidir-kv: releasing fenced retained turn %s before its TTL (%s; for "
-            "request %s); its fence word changes before its blocks are freed.",
-            victim,
-            why,
-            for_request,
+    def build_connector_meta(self, scheduler_output: Any) -> BidirKVMetadata:
+        return BidirKVMetadata(
+            super().build_connector_meta(scheduler_output), self.fence.take_meta()
         )
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        meta = super().build_connector_meta(scheduler_output)
-        # our worker reads these (BidirKVWorker.start_load_kv); vLLM's ignores them
-        meta.bidir_fence_writes, self._fence_writes = self._fence_writes, {}
-        meta.bidir_fence_release, self._to_release = self._to_release, set()
-        meta.bidir_fence_checks, self._fence_checks = self._fence_checks, {}
-        meta.bidir_fence_scribble, self._scribble = self._scribble, {}
-        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
-        for rid in connector_output.finished_sending or ():
-            self._turns.finished(rid)
-            self._releasing.discard(rid)
+        self.fence.sent(connector_output.finished_sending or ())
 
     def _refuse_peer(self, request: Any, why: Refusal) -> None:
         """Compute locally and never connect: the params are marked as processed, so

@@ -10,12 +10,13 @@ it releases the engine once its reads drain (a repeat within its backoff waits
 longer), and the next read handshakes afresh. A declined read is not a failure here
 (vLLM records it as an expiry), so it does not invalidate the engine.
 
-*The fence* (docs/connector.md §5). D: a table of 64-bit words registered with NIXL
-before the handshake metadata is built; the scheduler's metadata says which words to
-write (turns it exported) and which turns to release early, and this worker bumps a
-turn's word before vLLM may free its blocks (released turns, and turns reaped at the
-TTL). P: when a readback's block READ is done, one 8-byte READ of D's word into a
-scratch word; a changed word turns the read into a failed load, which
+*The fence* (docs/connector.md §5), held in one :class:`WorkerFence`. D: a table of
+64-bit words registered with NIXL before the handshake metadata is built; the
+scheduler's :class:`~bidir_kv.connector.fence.FenceMeta` (in :class:`BidirKVMetadata`)
+says which words to write (turns it exported) and which turns to release early, and
+this worker bumps a turn's word before vLLM may free its blocks (released turns, and
+turns reaped at the TTL). P: when a readback's block READ is done, one 8-byte READ of
+D's word into a scratch word; a changed word turns the read into a failed load, which
 ``kv_load_failure_policy: recompute`` recomputes.
 """
 
@@ -29,21 +30,75 @@ from collections import deque
 from typing import Any
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlConnectorMetadata,
+    NixlPullConnectorWorker,
+)
 
-from bidir_kv.connector.retention import BUMP_BIT, FENCE_SLOTS
+from bidir_kv.connector.fence import FenceMeta, WordCheck
+from bidir_kv.wire.fence import FENCE_SLOTS, bumped
 
-__all__ = ["BidirKVWorker"]
+__all__ = ["FENCE_BASE_ATTR", "BidirKVMetadata", "BidirKVWorker", "WorkerFence"]
 
 log = logging.getLogger("vllm.bidir_kv.connector")
 _SCRATCH = 64  # word READs in flight at once
 _MEM = "DRAM"
+# The attribute of vLLM's handshake payload object that carries our word table's address
+# to our scheduler (None: not registered). An attribute, not a field: msgspec serves only
+# the payload's fields, so the wire stays vLLM's.
+FENCE_BASE_ATTR = "bidir_fence_base"
+
+
+class BidirKVMetadata(NixlConnectorMetadata):
+    """vLLM's connector metadata for one step, plus our scheduler's fence orders (typed,
+    as vLLM's own ``ReqMeta`` are)."""
+
+    def __init__(self, base: NixlConnectorMetadata, fence: FenceMeta) -> None:
+        super().__init__()
+        self.__dict__.update(base.__dict__)  # every field vLLM's scheduler filled in, as built
+        self.fence = fence
+
+
+class WorkerFence:
+    """The worker's side of the fence: D's registered words and the turns they guard,
+    P's scratch words and its word READs in flight."""
+
+    def __init__(self, words: np.ndarray, scratch: np.ndarray, scratch_dlist: Any) -> None:
+        self.words = words
+        self.scratch = scratch
+        self.scratch_dlist = scratch_dlist  # prepared once: READs land in scratch[i]
+        self.scratch_free: deque[int] = deque(range(len(scratch)))
+        self.slots: dict[str, int] = {}  # D: exported turn -> its word
+        self.released: set[str] = set()  # D: released early, to report once as sent
+        self.checks: dict[str, WordCheck] = {}  # P: readback -> D's word to check
+        self.reads: dict[str, tuple[Any, int, WordCheck]] = {}  # P: word READs in flight
+        self.remote: dict[tuple[str, int], Any] = {}  # P: D's prepared words
+
+    @property
+    def base(self) -> int:
+        return int(self.words.ctypes.data)
+
+    def write(self, writes: FenceMeta) -> None:
+        """D: the words of turns the scheduler exported (before this step's forward pass)."""
+        for rid, (slot, gen) in writes.writes.items():
+            self.words[slot] = np.uint64(gen)
+            self.slots[rid] = slot
+
+    def bump(self, rid: str) -> None:
+        """D: the turn's blocks may be reused from now on: change its word first."""
+        slot = self.slots.pop(rid, None)
+        if slot is not None:
+            self.words[slot] = np.uint64(bumped(int(self.words[slot])))
 
 
 class BidirKVWorker(NixlPullConnectorWorker):
     """Adds behaviour only: :class:`~bidir_kv.connector.nixl.BidirKVConnector`
-    re-classes the worker vLLM built rather than build a second NIXL agent, so the
-    fence's state is created in :meth:`register_kv_caches` (``_bidir_*`` attributes)."""
+    re-classes the worker vLLM built rather than build a second NIXL agent, so no
+    ``__init__`` of ours runs: the fence is created in :meth:`register_kv_caches`, and
+    until then (or when its words cannot be registered) it is the class's ``None``."""
+
+    fence: WorkerFence | None = None
+    num_fence_discarded = 0
 
     # ---- restarted peers ---------------------------------------------------------------
 
@@ -57,27 +112,15 @@ class BidirKVWorker(NixlPullConnectorWorker):
     # ---- the fence: registration -------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Any) -> None:
-        self._bidir_setup()
+        self.fence = self._register_fence()
         super().register_kv_caches(kv_caches)
         md = self.xfer_handshake_metadata
         if md is not None:  # read by our scheduler; msgspec serves vLLM's fields only
-            words = self._bidir_words
-            md.bidir_fence_ok = words is not None
-            md.bidir_fence_base = int(words.ctypes.data) if words is not None else None
+            setattr(md, FENCE_BASE_ATTR, self.fence.base if self.fence is not None else None)
 
-    def _bidir_setup(self) -> None:
-        self._bidir_words: np.ndarray | None = None
-        self._bidir_scratch = np.zeros(_SCRATCH, dtype=np.uint64)
-        self._bidir_scratch_free: deque[int] = deque(range(_SCRATCH))
-        self._bidir_scratch_dlist: Any = None
-        self._bidir_slots: dict[str, int] = {}  # D: exported turn -> its word
-        self._bidir_released: set[str] = set()  # D: released early, to report as sent
-        self._bidir_checks: dict[str, tuple[int, int, int, str]] = {}  # P: rid -> word
-        self._bidir_reads: dict[str, tuple[Any, int, int, str]] = {}  # P: word READs
-        self._bidir_remote: dict[tuple[str, int], Any] = {}  # P: D's prepared words
-        self.num_fence_discarded = 0
+    def _register_fence(self) -> WorkerFence | None:
         words = np.zeros(FENCE_SLOTS, dtype=np.uint64)
-        scratch = self._bidir_scratch
+        scratch = np.zeros(_SCRATCH, dtype=np.uint64)
         try:
             descs = self.nixl_wrapper.get_reg_descs(
                 [
@@ -91,15 +134,15 @@ class BidirKVWorker(NixlPullConnectorWorker):
             local = self.nixl_wrapper.get_xfer_descs(
                 [(scratch.ctypes.data + 8 * i, 8, 0) for i in range(_SCRATCH)], _MEM
             )
-            self._bidir_scratch_dlist = self.nixl_wrapper.prep_xfer_dlist("NIXL_INIT_AGENT", local)
+            dlist = self.nixl_wrapper.prep_xfer_dlist("NIXL_INIT_AGENT", local)
         except Exception as exc:
             log.warning(
                 "bidir-kv: the fence words could not be registered with NIXL (%s); "
                 "running without the fence (stock behaviour).",
                 exc,
             )
-            return
-        self._bidir_words = words
+            return None
+        return WorkerFence(words, scratch, dlist)
 
     # ---- the fence: D ------------------------------------------------------------------
 
@@ -107,35 +150,27 @@ class BidirKVWorker(NixlPullConnectorWorker):
         super().start_load_kv(metadata)
         # runs before this step's forward pass: a word written here is in memory before
         # any block freed after this step is written again
-        words = getattr(self, "_bidir_words", None)
-        if words is None:
+        fence = self.fence
+        if fence is None or not isinstance(metadata, BidirKVMetadata):
             return
-        for rid, (slot, gen) in getattr(metadata, "bidir_fence_writes", {}).items():
-            words[slot] = np.uint64(gen)
-            self._bidir_slots[rid] = slot
-        scribble = getattr(metadata, "bidir_fence_scribble", {})
-        for rid in getattr(metadata, "bidir_fence_release", ()):
+        orders = metadata.fence
+        fence.write(orders)
+        for rid in orders.release:
             held = rid in self._reqs_to_send or rid in self._reqs_to_process
-            self._bidir_bump(rid)
-            if rid in scribble:  # fault injection: the blocks' next owner writes them
+            fence.bump(rid)
+            if rid in orders.scribble:  # fault injection: the blocks' next owner writes them
                 log.warning(
                     "bidir-kv: fault: released turn %s and overwrote %d block region(s).",
                     rid,
-                    self._bidir_scribble(scribble[rid]),
+                    self._bidir_scribble(orders.scribble[rid]),
                 )
             if held:  # not already notified or reaped: report it once, as sent
                 self._reqs_to_send.pop(rid, None)
                 self._reqs_to_process.discard(rid)
-                self._bidir_released.add(rid)
-        self._bidir_checks.update(getattr(metadata, "bidir_fence_checks", {}))
+                fence.released.add(rid)
+        fence.checks.update(orders.checks)
 
-    def _bidir_bump(self, rid: str) -> None:
-        words = self._bidir_words
-        slot = self._bidir_slots.pop(rid, None)
-        if words is not None and slot is not None:
-            words[slot] = np.uint64(int(words[slot]) | BUMP_BIT)
-
-    def _bidir_scribble(self, block_ids: list[int]) -> int:
+    def _bidir_scribble(self, block_ids: tuple[int, ...]) -> int:
         """Overwrite ``block_ids`` in every host-memory KV region, the byte ranges a
         peer's READ of them covers (fault injection only)."""
         if self._physical_blocks_per_logical_kv_block != 1:
@@ -155,91 +190,90 @@ class BidirKVWorker(NixlPullConnectorWorker):
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
         before = set(self._reqs_to_send)
         super()._reap_expired_send_leases(done_sending)
-        for rid in before - set(self._reqs_to_send):
-            if getattr(self, "_bidir_slots", None):
-                self._bidir_bump(rid)  # expired: freed without P's notification
+        if self.fence is not None:
+            for rid in before - set(self._reqs_to_send):
+                self.fence.bump(rid)  # expired: freed without P's notification
 
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()
-        released = getattr(self, "_bidir_released", None)
-        if released:
-            results.finished_sending.update(released)
-            released.clear()
-        slots = getattr(self, "_bidir_slots", None)
-        if slots:
+        fence = self.fence
+        if fence is not None:
+            results.finished_sending.update(fence.released)
+            fence.released.clear()
             for rid in results.finished_sending:  # notified: the word keeps its value
-                slots.pop(rid, None)
+                fence.slots.pop(rid, None)
         return results
 
     # ---- the fence: P ------------------------------------------------------------------
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
         done, failed = super()._pop_done_transfers(transfers)
-        checks: dict[str, tuple[int, int, int, str]] | None = getattr(self, "_bidir_checks", None)
+        fence = self.fence
         if (
-            checks is None
+            fence is None
             or transfers is not self._recving_transfers
-            or (not checks and not self._bidir_reads)
+            or (not fence.checks and not fence.reads)
         ):
             return done, failed
         for rid in failed:
-            checks.pop(rid, None)
+            fence.checks.pop(rid, None)
         for rid in list(done):
-            check = checks.pop(rid, None)
+            check = fence.checks.pop(rid, None)
             if check is None:
                 continue
             done.discard(rid)  # reported once its word is read
-            if not self._bidir_post(rid, check):
-                self._bidir_discard(rid, check[3], "its fence word could not be read")
+            if not self._bidir_post(fence, rid, check):
+                self._bidir_discard(rid, check.engine, "its fence word could not be read")
                 failed.add(rid)
-        for rid, (handle, idx, gen, engine) in list(self._bidir_reads.items()):
+        for rid, (handle, idx, check) in list(fence.reads.items()):
             try:
                 state = self.nixl_wrapper.check_xfer_state(handle)
             except Exception:
                 state = "ERR"
             if state == "PROC":
                 continue
-            del self._bidir_reads[rid]
-            value = int(self._bidir_scratch[idx]) if state == "DONE" else None
+            del fence.reads[rid]
+            value = int(fence.scratch[idx]) if state == "DONE" else None
             with contextlib.suppress(Exception):
                 self.nixl_wrapper.release_xfer_handle(handle)
-            self._bidir_scratch_free.append(idx)
-            if value == gen:
+            fence.scratch_free.append(idx)
+            if value == check.gen:
                 done.add(rid)
             else:
                 why = (
-                    f"its fence word changed during the read ({gen} -> {value})"
+                    f"its fence word changed during the read ({check.gen} -> {value})"
                     if value is not None
                     else f"its fence word READ ended in {state}"
                 )
-                self._bidir_discard(rid, engine, why)
+                self._bidir_discard(rid, check.engine, why)
                 failed.add(rid)
         return done, failed
 
-    def _bidir_post(self, rid: str, check: tuple[int, int, int, str]) -> bool:
-        slot, gen, base, engine = check
-        agents = self._remote_agents.get(engine) or {}
+    def _bidir_post(self, fence: WorkerFence, rid: str, check: WordCheck) -> bool:
+        agents = self._remote_agents.get(check.engine) or {}
         name = agents.get((0, 0)) or next(iter(agents.values()), None)
-        if name is None or not self._bidir_scratch_free or not 0 <= slot < FENCE_SLOTS:
+        if name is None or not fence.scratch_free or not 0 <= check.slot < FENCE_SLOTS:
             return False
         try:
-            remote = self._bidir_remote.get((engine, base))
+            remote = fence.remote.get((check.engine, check.base))
             if remote is None:
                 descs = self.nixl_wrapper.get_xfer_descs(
-                    [(base + 8 * i, 8, 0) for i in range(FENCE_SLOTS)], _MEM
+                    [(check.base + 8 * i, 8, 0) for i in range(FENCE_SLOTS)], _MEM
                 )
                 remote = self.nixl_wrapper.prep_xfer_dlist(name, descs)
-                self._bidir_remote[(engine, base)] = remote
-            idx = self._bidir_scratch_free.popleft()
-            self._bidir_scratch[idx] = 0
+                fence.remote[(check.engine, check.base)] = remote
+            idx = fence.scratch_free.popleft()
+            fence.scratch[idx] = 0
             handle = self.nixl_wrapper.make_prepped_xfer(
-                "READ", self._bidir_scratch_dlist, [idx], remote, [slot]
+                "READ", fence.scratch_dlist, [idx], remote, [check.slot]
             )
             self.nixl_wrapper.transfer(handle)
         except Exception as exc:
-            log.warning("bidir-kv: fence word READ of engine %s failed to post: %s", engine, exc)
+            log.warning(
+                "bidir-kv: fence word READ of engine %s failed to post: %s", check.engine, exc
+            )
             return False
-        self._bidir_reads[rid] = (handle, idx, gen, engine)
+        fence.reads[rid] = (handle, idx, check)
         return True
 
     def _bidir_discard(self, rid: str, engine: str, why: str) -> None:

@@ -8,7 +8,7 @@ import logging
 from aiohttp import web
 
 from bidir_kv.engine.connector import ConnectorWorker
-from bidir_kv.engine.fencewords import FenceTable, fence_enabled
+from bidir_kv.engine.fencewords import fence_from_config
 from bidir_kv.engine.hf_tokenizer import HFTokenizer
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
@@ -42,8 +42,7 @@ def _worker(settings: EngineSettings, pool: KVPool) -> ConnectorWorker:
             **({"kv_cache_groups": settings.kv_cache_groups} if hybrid(settings) else {}),
         }
     )
-    pinned = settings.retained_blocks == "pin"
-    fence = FenceTable() if fence_enabled(settings.kv.extra, pinned=pinned) else None
+    fence = fence_from_config(settings.kv.extra, pinned=settings.retained_blocks == "pin")
     if fence is not None:
         agent.attach_fence(fence.words)
     return ConnectorWorker(

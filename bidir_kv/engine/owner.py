@@ -17,7 +17,6 @@ from typing import Any
 from bidir_kv.engine import notifications
 from bidir_kv.engine.connector import ConnectorWorker
 from bidir_kv.engine.faults import Faults
-from bidir_kv.engine.fencewords import retention_budget
 from bidir_kv.engine.groups import GroupTables
 from bidir_kv.engine.kvcache import BlockManager
 from bidir_kv.engine.metrics import EngineMetrics
@@ -30,7 +29,7 @@ from bidir_kv.policy import (
     heartbeat_extension,
     remote_deadline,
     retained_eviction_order,
-    retention_budget_blocks,
+    retention_budget_releases,
 )
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.wire.fence import FENCE_KEY, advertises_fence, reader_advert, word_to_wire
@@ -79,10 +78,6 @@ class HandleOwner:
         # claimed request id -> the reader's engine id
         self._readers: dict[RequestId, EngineId] = {}
         self._handle_tokens: dict[RequestId, HeldTokens] = {}
-        # the retention budget (docs/connector.md §5): retained turns hold at most this
-        # share of our blocks; fenced turns beyond it are released oldest first
-        self.budget = retention_budget(self.kv.extra, pinned=settings.retained_blocks == "pin")
-        self._fenced: dict[RequestId, bool] = {}  # retained turn -> its reader checks the fence
         self._stock_readers: set[EngineId | None] = set()  # prefill engines without the advert
 
     # ---- holding -----------------------------------------------------------------------
@@ -139,10 +134,7 @@ class HandleOwner:
                     reader,
                 )
             return None
-        word = fence.export(req.request_id)
-        if word is not None:
-            self._fenced[req.request_id] = True
-        return word
+        return fence.export(req.request_id)
 
     def _node_params(
         self, req: Request, lists: list[list[int]], *, prefill: bool, expiry: float | None
@@ -203,7 +195,7 @@ class HandleOwner:
         self._claimed.add(request_id)
         if reader is not None:
             self._readers[request_id] = reader
-        if self.faults.release_on_claim and self._fenced.get(request_id):
+        if self.faults.release_on_claim and self._is_fenced(request_id):
             self._release_during_read(request_id)
         return None
 
@@ -227,7 +219,12 @@ class HandleOwner:
         self._claimed.discard(request_id)
         self._readers.pop(request_id, None)
         self._handle_tokens.pop(request_id, None)
-        self._fenced.pop(request_id, None)
+
+    def _is_fenced(self, request_id: RequestId) -> bool:
+        """Whether the turn exported a fence word (its reader checks it): only such a
+        turn is ever released before P's notification or the TTL, except under pressure."""
+        fence = self.worker.fence
+        return fence is not None and fence.is_fenced(request_id)
 
     def _release(self, request_id: str, blocks: list[int]) -> None:
         """Free a retained turn's blocks without its reader's notification: the fence
@@ -250,8 +247,7 @@ class HandleOwner:
                 blocks = self._lease_blocks.pop(rid)
             else:
                 blocks = []
-            self._forget(rid)
-            self.blocks.free(blocks)
+            self._release(rid, blocks)  # a fenced turn's word changes and its slot is freed
             freed += len(blocks)
         if freed:
             self._wake()
@@ -340,7 +336,7 @@ class HandleOwner:
         for rid in self._release_order():
             if self.blocks.num_free >= need:
                 break
-            fenced = bool(self._fenced.get(rid))
+            fenced = self._is_fenced(rid)
             rel = self.ledger.evict(rid)
             logger.info(
                 "Evicting retained KV blocks of request %s (%d blocks, %s) for new work",
@@ -360,30 +356,30 @@ class HandleOwner:
         only) unfenced ones no reader has claimed (the emulator's claim protects a
         read of those; policy ``retained_eviction_order``)."""
         order = retained_eviction_order(self.ledger.deadlines(), busy=self._claimed)
-        fenced = [rid for rid in order if self._fenced.get(rid)]
+        fenced = [rid for rid in order if self._is_fenced(rid)]
         if fenced_only:
             return fenced
-        return fenced + [rid for rid in order if not self._fenced.get(rid)]
+        return fenced + [rid for rid in order if not self._is_fenced(rid)]
 
     def _over_budget(self, keep_id: str) -> None:
-        """Release the oldest fenced retained turns while retained blocks exceed the
-        budget (never ``keep_id``, the turn just retained)."""
-        if self.budget is None or self.settings.retained_blocks == "pin":
+        """Release fenced retained turns, oldest first, until retained turns fit the
+        retention budget (never ``keep_id``, the turn just retained; the rule is
+        ``policy.retention_budget_releases``, shared with our vLLM connector)."""
+        fence = self.worker.fence
+        if fence is None or fence.budget is None:
             return
-        cap = retention_budget_blocks(self.budget, self.blocks.num_usable_blocks)
-        for rid in self._release_order(fenced_only=True):
-            if self.ledger.held_blocks() <= cap:
-                break
-            if rid == keep_id:
-                continue
+        held = {rid: self.ledger.blocks(rid) or () for rid in self.ledger.deadlines()}
+        candidates = [rid for rid in self._release_order(fenced_only=True) if rid != keep_id]
+        usable = self.blocks.num_usable_blocks
+        for rid in retention_budget_releases(held, candidates, fence.budget, usable):
             rel = self.ledger.evict(rid)
             logger.info(
                 "Releasing fenced retained turn %s (%d blocks): retained turns hold "
                 "more than the retention budget (%.2f of %d blocks)",
                 rid,
                 len(rel.blocks),
-                self.budget,
-                self.blocks.num_usable_blocks,
+                fence.budget,
+                usable,
             )
             self.metrics.inc(self.metrics.released_early, reason="budget")
             self._release(rid, list(rel.blocks))

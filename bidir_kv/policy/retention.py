@@ -17,7 +17,8 @@ caller owns the clock.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "remote_deadline",
     "retained_eviction_order",
     "retention_budget_blocks",
+    "retention_budget_releases",
     "should_decline",
     "valid_lease_duration",
     "valid_retention_ttl",
@@ -186,6 +188,44 @@ def retention_budget_blocks(budget: float, usable_blocks: int) -> int:
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"a retention budget is a share in (0, 1], got {budget}")
     return int(budget * usable_blocks)
+
+
+def retention_budget_releases(
+    held: Mapping[str, Collection[int]],
+    candidates: Iterable[str],
+    budget: float,
+    usable_blocks: int,
+    *,
+    releasing: Collection[str] = (),
+) -> list[str]:
+    """Which retained turns D releases early so retained turns fit its retention budget.
+
+    ``held``: every retained turn and the block ids it holds; a block two turns share
+    (a prefix one turn's prompt reused) counts once. ``candidates``: the turns D may
+    release (fenced, no read it knows of under way, not the turn just retained), in
+    release order, oldest first. Turns in ``releasing`` are on their way out already:
+    their blocks do not count as held, so a turn is never released for blocks another
+    release frees. Candidates are taken in order until the distinct blocks still held
+    fit ``retention_budget_blocks(budget, usable_blocks)``; fewer when the candidates
+    run out (docs/connector.md §5.3). Both D's (the emulator's owner and our vLLM
+    connector's scheduler) call this.
+    """
+    cap = retention_budget_blocks(budget, usable_blocks)
+    live = {rid: frozenset(blocks) for rid, blocks in held.items() if rid not in releasing}
+    refs = Counter(b for blocks in live.values() for b in blocks)  # block -> turns holding it
+    out: list[str] = []
+    for rid in candidates:
+        if len(refs) <= cap:
+            break
+        blocks = live.pop(rid, None)
+        if blocks is None:  # not retained, already releasing, or named twice
+            continue
+        out.append(rid)
+        for b in blocks:
+            refs[b] -= 1
+            if not refs[b]:
+                del refs[b]
+    return out
 
 
 def heartbeat_interval(lease_duration: int) -> int:

