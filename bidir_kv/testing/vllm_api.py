@@ -46,6 +46,10 @@ _SCHED = f"{_NIXL}/pull_scheduler.py"
 REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(f"{_NIXL}/__init__.py", text="NixlPullConnectorScheduler"),
     Requirement(f"{_NIXL}/__init__.py", text="NixlPullConnector,"),
+    # BidirKVMetadata: vLLM's metadata (built with no arguments) plus our FenceMeta
+    Requirement(f"{_NIXL}/__init__.py", text="NixlConnectorMetadata"),
+    Requirement(f"{_NIXL}/metadata.py", "NixlConnectorMetadata", "__init__", ("self",)),
+    Requirement("config/kv_transfer.py", text="kv_connector_extra_config: dict"),
     Requirement(
         f"{_NIXL}/connector.py",
         "NixlPullConnector",
