@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "CACHED_BY_SOURCE",
+    "CACHE_CONFIG_INFO",
     "NIXL_BYTES",
     "NIXL_EXPIRED",
     "NIXL_FAILED",
@@ -25,6 +26,7 @@ __all__ = [
     "WATCHED",
     "MetricsSnapshot",
     "parse_metrics",
+    "reported_block_size",
     "tokens_by_source",
 ]
 
@@ -47,6 +49,9 @@ WATCHED = (
     CACHED_BY_SOURCE,
 )
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# vLLM's info gauge (always 1) whose labels are the engine's CacheConfig, one sample per
+# engine core: ``block_size`` is the size of the blocks its kv_transfer_params list
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -82,6 +87,23 @@ class MetricsSnapshot:
         return MetricsSnapshot(
             {k: self.samples.get(k, 0.0) - other.samples.get(k, 0.0) for k in keys}
         )
+
+
+def reported_block_size(text: str) -> int | None:
+    """The ``block_size`` label of :data:`CACHE_CONFIG_INFO` in ``/metrics`` text;
+    ``None`` when no sample carries a usable one. Only that metric's lines are parsed
+    (a vLLM scrape is ~50 kB). ``ValueError`` when the engine cores disagree."""
+    prefix = CACHE_CONFIG_INFO + "{"
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    sizes = set()
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            value = sample.labels.get("block_size", "")
+            if value.isdigit() and int(value) > 0:
+                sizes.add(int(value))
+    if len(sizes) > 1:
+        raise ValueError(f"{CACHE_CONFIG_INFO}: engine cores report block sizes {sorted(sizes)}")
+    return sizes.pop() if sizes else None
 
 
 def tokens_by_source(delta: MetricsSnapshot) -> dict[str, int]:

@@ -11,7 +11,7 @@ from bidir_kv.engine.connector import ConnectorWorker
 from bidir_kv.engine.fencewords import fence_from_config
 from bidir_kv.engine.hf_tokenizer import HFTokenizer
 from bidir_kv.engine.kvcache import BlockManager
-from bidir_kv.engine.metrics import EngineMetrics
+from bidir_kv.engine.metrics import EngineMetrics, cache_config_labels
 from bidir_kv.engine.model import Tokenizer
 from bidir_kv.engine.scheduler import EngineCore
 from bidir_kv.engine.server import Routes, build_app
@@ -76,6 +76,15 @@ async def run_engine(settings: EngineSettings, stop: asyncio.Event) -> None:
     blocks = BlockManager(pool, bs, settings.num_layers // groups, caching)
     worker = _worker(settings, pool)
     metrics = EngineMetrics(settings.model_name, ranks=settings.tensor_parallel_size)
+    metrics.cache_config(
+        cache_config_labels(
+            block_size=bs,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            num_blocks=num_blocks - 1,
+            kv_bytes_per_token=settings.effective_kv_bytes_per_token,
+            max_model_len=settings.max_model_len,
+        )
+    )
     core = EngineCore(settings, blocks, worker, metrics)
     tokenizer = Tokenizer() if settings.tokenizer is None else HFTokenizer(settings.tokenizer)
     routes = Routes(core, tokenizer, settings.served_names, settings.model, settings.faults)

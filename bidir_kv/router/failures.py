@@ -87,8 +87,13 @@ def error_response_for(exc: BidirKVError) -> web.Response:
     return error_response(exc.http_status, str(exc), exc.error_type)
 
 
-def unavailable_response(metrics: RouterMetrics, *down: UpstreamPool) -> web.Response:
-    """503 naming each pool without a healthy node, and why its nodes are down."""
+def unavailable_response(
+    metrics: RouterMetrics, *down: UpstreamPool, problem: str | None = None
+) -> web.Response:
+    """503 naming each pool without a healthy node and why its nodes are down, or
+    ``problem`` (healthy nodes that cannot be paired)."""
     problems = [f"no healthy {pool.role} node (down: {pool.down_description()})" for pool in down]
+    if problem is not None:
+        problems.append(problem)
     metrics.errors.labels("unavailable").inc()
     return error_response(503, "; ".join(problems), "ServiceUnavailable")

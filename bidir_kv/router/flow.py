@@ -51,7 +51,13 @@ from bidir_kv.router.release import Releaser
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, Entry, StoreError, Taken
 from bidir_kv.router.turn import Turn, record_client_gone
-from bidir_kv.router.upstreams import Upstream, UpstreamPool
+from bidir_kv.router.upstreams import (
+    NodeFacts,
+    Upstream,
+    UpstreamPool,
+    pair_problem,
+    sizes_differ,
+)
 
 __all__ = ["RouterFlow"]
 
@@ -97,6 +103,9 @@ class RouterFlow:
         )
         self.decode_leg = DecodeLeg(decode, session, settings, metrics, self.memo.release)
         self.peers = PeerDropper([prefill, decode], session, metrics)  # engine ids, drop_peer
+        self.facts = NodeFacts(session, settings.block_size)  # each node's block size
+        self.facts.adopt([prefill, decode])
+        self._mismatches: set[str] = set()  # block-size problems already logged
         api_key = os.environ.get("OPENAI_API_KEY")
         self._api_auth = f"Bearer {api_key}" if api_key else None
 
@@ -170,16 +179,18 @@ class RouterFlow:
 
     async def _run(self, request: web.Request, turn: Turn) -> web.StreamResponse:
         entry = await self._take(turn)
+        await self.facts.settle(self.prefill, self.decode)  # once per node start
         if entry is not None:
             self.decode.unhold(entry.decode, str(entry.params.remote_request_id))
-        p_node = self.prefill.pick(entry.prefill if entry else None)
-        d_node = self.decode.pick(entry.decode if entry else None)
+        p_node, d_node = self._place(entry)
         if p_node is None or d_node is None:
             down = [
                 pool
                 for pool, node in ((self.prefill, p_node), (self.decode, d_node))
-                if node is None
+                if not pool.healthy()
             ]
+            if not down:  # both roles have healthy nodes, none of the same block size
+                return unavailable_response(self.metrics, problem=self._mismatch())
             return unavailable_response(self.metrics, *down)
         # Reserved from the pick to the end of the D leg: turns picked while this one is
         # still in its P leg see it (placement would otherwise herd them onto one D).
@@ -188,6 +199,25 @@ class RouterFlow:
             return await self._legs(request, turn, entry, p_node, d_node)
         finally:
             d_node.reserved -= 1
+
+    def _place(self, entry: Entry | None) -> tuple[Upstream | None, Upstream | None]:
+        """D (the holder of the blocks if healthy), then a P of the same block size; when
+        no P fits that D, any D that some healthy P fits."""
+        d_node = self.decode.pick(entry.decode if entry else None)
+        p_node = self.prefill.pick(entry.prefill if entry else None, pair=d_node)
+        if p_node is None and d_node is not None:
+            fitting = [d for d in self.decode.healthy() if self.prefill.fits(d)]
+            d_node = min(fitting, key=self.decode.load, default=None)
+            p_node = self.prefill.pick(pair=d_node) if d_node is not None else None
+        return p_node, d_node
+
+    def _mismatch(self) -> str:
+        """The 503's message, logged once per set of mismatched nodes."""
+        problem = pair_problem(self.prefill, self.decode)
+        if problem not in self._mismatches:
+            self._mismatches.add(problem)
+            log.error("%s", problem)
+        return problem
 
     async def _legs(
         self,
@@ -212,8 +242,8 @@ class RouterFlow:
             p_node, p_params = await self.prefill_leg.run_with_fallback(turn, p_node, hit, release)
         except UpstreamFailure as exc:
             return self._failure_response(turn, Leg.PREFILL, exc)
-        if p_params is not None:
-            self.peers.seen(p_node, p_params.remote_engine_id)
+        if p_params is not None and self.peers.seen(p_node, p_params.remote_engine_id):
+            self.facts.forget(p_node)  # restarted under another id: ask its block size again
         if hit is not None:
             self._count_hit(turn, hit, fell_back=turn.fell_back)
         if turn.prompt_tokens is None and turn.wants_ids:
@@ -227,8 +257,8 @@ class RouterFlow:
     async def _remember(
         self, turn: Turn, p_node: Upstream, d_node: Upstream, result: RelayResult
     ) -> None:
-        if result.params is not None:
-            self.peers.seen(d_node, result.params.remote_engine_id)
+        if result.params is not None and self.peers.seen(d_node, result.params.remote_engine_id):
+            self.facts.forget(d_node)
         await self.memo.remember(turn, p_node, d_node, result)
 
     def _count_hit(self, turn: Turn, hit: KVTransferParams, fell_back: bool) -> None:
@@ -311,7 +341,19 @@ class RouterFlow:
             return None, None
         host = holder.host if holder is not None else entry.params.remote_host
         cached = entry.params.for_prefill_hit(host)
-        verdict = await self._guard(turn, p_node, cached, entry)
+        if sizes_differ(p_node, holder):  # P cannot read that D's blocks by index
+            self.metrics.misses.labels("block_size").inc()
+            log.info(
+                "[%s] conv=%s: P %s (block size %s) cannot read D %s (block size %s); miss",
+                turn.rid,
+                turn.conv,
+                p_node.id,
+                p_node.block_size,
+                entry.decode,
+                holder.block_size if holder is not None else None,
+            )
+            return None, release_params(cached)
+        verdict = await self._guard(turn, p_node, holder, cached, entry)
         if verdict.accepted:
             return verdict.params, None
         # Not a hit: P recomputes everything; remote_num_tokens=0 only makes it
@@ -319,7 +361,12 @@ class RouterFlow:
         return None, release_params(cached)
 
     async def _guard(
-        self, turn: Turn, p_node: Upstream, cached: KVTransferParams, entry: Entry
+        self,
+        turn: Turn,
+        p_node: Upstream,
+        holder: Upstream | None,
+        cached: KVTransferParams,
+        entry: Entry,
     ) -> GuardVerdict:
         m = self.metrics
         if not self.settings.guard:
@@ -331,9 +378,14 @@ class RouterFlow:
             verdict = GuardVerdict(None, "tokenize-failed")
             log.warning("[%s] conv=%s: cannot verify continuation (%s)", turn.rid, turn.conv, exc)
         else:
-            verdict = judge_continuation(
-                cached, entry.tokens, prompt_tokens, self.settings.block_size
+            # D's blocks are what is trimmed: the size the holder reports (learned once
+            # per start; --block-size for a node that reports none)
+            block_size = (
+                await self.facts.block_size(holder)
+                if holder is not None
+                else self.settings.block_size
             )
+            verdict = judge_continuation(cached, entry.tokens, prompt_tokens, block_size)
         if verdict.accepted:
             if verdict.reason.startswith("trimmed"):
                 m.guard_trims.inc()

@@ -43,14 +43,16 @@ class PeerDropper:
         self._announced: set[str] = set()  # engine ids already announced gone
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def seen(self, node: Upstream, engine_id: object) -> None:
+    def seen(self, node: Upstream, engine_id: object) -> bool:
         """``node`` answered with params naming ``engine_id``; another id than last
-        time means it restarted, and its old id is announced gone."""
+        time means it restarted: its old id is announced gone, and True is returned."""
         if not isinstance(engine_id, str) or not engine_id:
-            return
+            return False
         old, node.engine_id = node.engine_id, engine_id
         if old is not None and old != engine_id:
             self.announce(node, old, "restarted")
+            return True
+        return False
 
     def down(self, node: Upstream) -> None:
         """The health probe marked ``node`` down: announce its last engine id gone."""

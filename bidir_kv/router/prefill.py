@@ -113,7 +113,9 @@ class PrefillLeg:
             if hit is None and release is None and not exc.unreachable:
                 raise  # a miss that failed: not caused by reuse, the client sees it
             retry = self.pool.pick(
-                None if exc.unreachable else node.id, exclude=node if exc.unreachable else None
+                None if exc.unreachable else node.id,
+                exclude=node if exc.unreachable else None,
+                pair=node,  # a P of the same block size fits the chosen D
             )
             if retry is None:
                 raise

@@ -1,4 +1,5 @@
-"""The engines a router forwards to (its upstreams): health, load, and sticky choice.
+"""The engines a router forwards to (its upstreams): health, load, sticky choice, and
+what the router learns from each node instead of assuming it (its block size).
 
 The upstream proxy round-robins D per request, so a turn usually lands on a D
 without the conversation's prefix and the whole history crosses the network a
@@ -6,6 +7,12 @@ second time. Here the next turn goes to the D (and P) that served the last one
 while it is healthy; otherwise to the least-loaded healthy node
 (:func:`bidir_kv.policy.node_load`: requests reserved on it from the moment they
 were picked, plus the turns this router holds in its store for it, weighted).
+
+A node's block size is read from its ``/metrics`` (vLLM's ``vllm:cache_config_info``
+labels) when it first answers a health probe, again after it was down or restarted
+under another engine id, and on demand when a turn needs it before any probe
+(:class:`NodeFacts`). A P and a D whose block sizes differ are never paired: P reads
+D's blocks by index, so a trim or a pull between them would pair tokens wrongly.
 """
 
 from __future__ import annotations
@@ -17,14 +24,23 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 import aiohttp
 
 from bidir_kv.policy import least_loaded, node_load, stale_cutoff
+from bidir_kv.scrape import reported_block_size
 from bidir_kv.wire.ids import RequestId
 
-__all__ = ["HealthChecker", "Role", "Upstream", "UpstreamPool"]
+__all__ = [
+    "HealthChecker",
+    "NodeFacts",
+    "Role",
+    "Upstream",
+    "UpstreamPool",
+    "pair_problem",
+    "sizes_differ",
+]
 
 log = logging.getLogger("bidir_kv.router")
 Role = Literal["prefill", "decode"]
@@ -46,6 +62,15 @@ class Upstream:
     last_change: float = field(default_factory=time.monotonic)
     engine_id: str | None = None  # as its last params named it (router/peers.py)
     drop_peer: bool | None = None  # False: answered 404 to POST /drop_peer, never asked again
+    # the size of the blocks its kv_transfer_params list: what the node reports, else
+    # --block-size, else None (unknown); ``reported`` is the node's own figure
+    block_size: int | None = None
+    reported_block_size: int | None = None
+    asked_block_size: bool = False  # /metrics read since it last came up
+    ask_again_at: float | None = None  # a failed read: when to try again (monotonic)
+    # a P whose last dict carried the verify advert (wire.params.advertises_verify): it
+    # reads only the prefix D's token chain proves, so D's whole dict may go to it
+    verifies: bool = False
 
     @property
     def id(self) -> str:
@@ -63,6 +88,10 @@ class Upstream:
                 log.info("%s node %s is healthy again", self.role, self.id)
             else:
                 log.warning("%s node %s marked down: %s", self.role, self.id, error)
+                # it may come back as another engine: ask its block size again, and
+                # trust no verify advert until its next dict carries one
+                self.asked_block_size = False
+                self.verifies = False
         self.healthy = healthy
         self.last_error = None if healthy else error
 
@@ -100,19 +129,31 @@ class UpstreamPool:
         return [node for node in self.nodes if node.healthy]
 
     def pick(
-        self, preferred: str | None = None, exclude: Upstream | None = None
+        self,
+        preferred: str | None = None,
+        exclude: Upstream | None = None,
+        pair: Upstream | None = None,
     ) -> Upstream | None:
-        """The preferred node if healthy, else the least-loaded healthy one (ties rotate)."""
+        """The preferred node if healthy, else the least-loaded healthy one (ties rotate);
+        with ``pair``, only nodes whose block size does not differ from its."""
+
+        def usable(node: Upstream) -> bool:
+            return node.healthy and node is not exclude and not sizes_differ(node, pair)
+
         pref = self.get(preferred)
-        if pref is not None and pref.healthy and pref is not exclude:
+        if pref is not None and usable(pref):
             return pref
-        candidates = [node for node in self.nodes if node.healthy and node is not exclude]
+        candidates = [node for node in self.nodes if usable(node)]
         if not candidates:
             return None
         now = time.monotonic()
         loads = [self.load(node, now) for node in candidates]
         tied = least_loaded(loads)
         return candidates[tied[next(self._rr) % len(tied)]]
+
+    def fits(self, node: Upstream) -> bool:
+        """Some healthy node here can exchange KV with ``node`` (same block size)."""
+        return any(not sizes_differ(mine, node) for mine in self.healthy())
 
     def load(self, node: Upstream, now: float | None = None) -> float:
         """What placement compares (:func:`bidir_kv.policy.node_load`)."""
@@ -153,8 +194,138 @@ class UpstreamPool:
         return ", ".join(parts) or "none"
 
 
+def sizes_differ(a: Upstream | None, b: Upstream | None) -> bool:
+    """Both block sizes known and unequal: the two nodes cannot exchange KV."""
+    if a is None or b is None or a.block_size is None or b.block_size is None:
+        return False
+    return a.block_size != b.block_size
+
+
+def pair_problem(prefill: UpstreamPool, decode: UpstreamPool) -> str:
+    """Why no healthy P fits any healthy D: every pair's block sizes, by node."""
+    pairs = [
+        f"prefill {p.id} has block size {p.block_size}, decode {d.id} has {d.block_size}"
+        for d in decode.healthy()
+        for p in prefill.healthy()
+        if sizes_differ(p, d)
+    ]
+    return (
+        "no healthy P/D pair with the same block size ("
+        + "; ".join(pairs)
+        + "): P reads D's blocks by index, so both must run with the same --block-size"
+    )
+
+
+class NodeFacts:
+    """What the router learns from a node rather than assumes: its block size.
+
+    Read from ``vllm:cache_config_info`` on the node's ``/metrics`` once per start
+    (:meth:`learn`, single flight per node); :meth:`forget` when the node went down or
+    restarted. Precedence: the node's own figure, then ``override`` (``--block-size``,
+    for nodes that export none), else unknown. A node that reports another size than
+    ``--block-size`` is logged once at ERROR and its own figure is used: trimming with
+    a wrong size would hand P blocks of other tokens.
+    """
+
+    def __init__(
+        self, session: aiohttp.ClientSession, override: int | None, timeout: float = 5.0
+    ) -> None:
+        self.session = session
+        self.override = override
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._asking: dict[str, asyncio.Future[None]] = {}
+        self._told: set[tuple[str, str]] = set()  # (node, finding) already logged
+
+    def adopt(self, pools: Sequence[UpstreamPool]) -> None:
+        """Start every node at the override (what is assumed until a node says)."""
+        for pool in pools:
+            for node in pool.nodes:
+                node.block_size = node.reported_block_size or self.override
+
+    RETRY_SECONDS: Final = 30.0  # a node whose /metrics could not be read is asked again
+
+    def due(self, node: Upstream) -> bool:
+        """The node must be asked: not since it came up, or a failed read is old enough."""
+        if not node.asked_block_size:
+            return True
+        return node.ask_again_at is not None and time.monotonic() >= node.ask_again_at
+
+    async def settle(self, *pools: UpstreamPool) -> None:
+        """Ask every healthy node that is :meth:`due` (placement needs their sizes)."""
+        due = [node for pool in pools for node in pool.nodes if node.healthy and self.due(node)]
+        if due:
+            await asyncio.gather(*(self.learn(node) for node in due))
+
+    def forget(self, node: Upstream) -> None:
+        """The node restarted (another engine id): ask again; the override holds until
+        then. (A node marked down is asked again too: :meth:`Upstream.mark`.)"""
+        node.asked_block_size = False
+        node.reported_block_size = None
+        node.block_size = self.override
+        node.verifies = False
+
+    async def block_size(self, node: Upstream) -> int | None:
+        """The node's block size, asking it first if it was not asked since it came up."""
+        if self.due(node):
+            await self.learn(node)
+        return node.block_size
+
+    async def learn(self, node: Upstream) -> None:
+        """Read the node's block size from its ``/metrics`` (one request at a time)."""
+        pending = self._asking.get(node.id)
+        if pending is None:
+            pending = asyncio.ensure_future(self._ask(node))
+            self._asking[node.id] = pending
+            pending.add_done_callback(lambda _: self._asking.pop(node.id, None))
+        await asyncio.shield(pending)
+
+    async def _ask(self, node: Upstream) -> None:
+        where = f"{node.role} node {node.id}"
+        try:
+            async with self.session.get(f"{node.url}/metrics", timeout=self.timeout) as resp:
+                text = (await resp.read()).decode("utf-8", "replace")
+                if resp.status != 200:
+                    raise ValueError(f"/metrics returned {resp.status}")
+            size = reported_block_size(text)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            node.asked_block_size = True
+            node.ask_again_at = time.monotonic() + self.RETRY_SECONDS
+            self._note(node, "unread", f"{where}: block size unreadable ({exc}); {self._meanwhile}")
+            return
+        node.asked_block_size = True
+        node.ask_again_at = None
+        node.reported_block_size = size
+        node.block_size = self.override if size is None else size
+        if size is None:
+            self._note(node, "none", f"{where} exports no block size; {self._meanwhile}")
+        elif self.override is not None and size != self.override:
+            self._note(
+                node,
+                f"conflict {size}",
+                f"{where} reports block size {size} but --block-size is {self.override}; "
+                f"using the node's {size}",
+                logging.ERROR,
+            )
+        else:
+            log.info("%s: block size %d", where, size)
+
+    @property
+    def _meanwhile(self) -> str:
+        if self.override is not None:
+            return f"--block-size {self.override} applies to it"
+        return "until it does, only exact continuations are reused (no trim)"
+
+    def _note(self, node: Upstream, kind: str, message: str, level: int = logging.WARNING) -> None:
+        """One line per node and kind of finding (a node that keeps failing is logged once)."""
+        if (node.id, kind) not in self._told:
+            self._told.add((node.id, kind))
+            log.log(level, "%s", message)
+
+
 class HealthChecker:
-    """Polls every node's ``/health`` in the background and flips ``healthy``."""
+    """Polls every node's ``/health`` in the background and flips ``healthy``; learns a
+    node's block size (:class:`NodeFacts`) when it first answers, again after it was
+    down."""
 
     SLOW_STRIKES = 2
 
@@ -164,11 +335,13 @@ class HealthChecker:
         session: aiohttp.ClientSession,
         interval: float,
         timeout: float = 5.0,
+        facts: NodeFacts | None = None,
     ) -> None:
         self.pools = pools
         self.session = session
         self.interval = interval
         self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.facts = facts
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0
         self.on_down: Callable[[Upstream], None] | None = None  # a probe marked it down
@@ -179,6 +352,8 @@ class HealthChecker:
         await self.probe(node)
         if was and not node.healthy and self.on_down is not None:
             self.on_down(node)
+        if node.healthy and self.facts is not None and self.facts.due(node):
+            await self.facts.learn(node)
 
     async def probe(self, node: Upstream) -> None:
         """One probe. A refused connection marks the node down at once; a slow or

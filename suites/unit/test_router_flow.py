@@ -158,6 +158,8 @@ async def test_non_streaming_client_and_completions() -> None:
 
 async def test_rewritten_history_is_not_reused_and_releases_d() -> None:
     async with StubStack() as s:
+        # no block size anywhere (no metric, no --block-size): nothing can be trimmed
+        s.prefill[0].block_size = s.decode[0].block_size = None
         status, _ = await two_turns(s, rewrite=True)
         assert status == 200
         sent = last_params(s.prefill[0])
@@ -176,7 +178,7 @@ async def test_guard_off_reuses_rewritten_history() -> None:
 
 
 async def test_guard_trims_to_block_aligned_prefix_with_block_size() -> None:
-    async with StubStack(config=RouterSettings(block_size=16)) as s:
+    async with StubStack() as s:  # the size each node reports (test_router_block_size.py)
         await two_turns(s, rewrite=True)
         sent = last_params(s.prefill[0])
         assert sent is not None and sent.num_remote_tokens > 0

@@ -3,8 +3,8 @@ router benchmark (where the upstream must cost next to nothing).
 
 It speaks the protocol's HTTP surface only: P-node dict on ``max_tokens=1``
 requests carrying ``do_remote_decode``, D-node dict on the terminal chunk
-otherwise, ``return_token_ids``, ``/tokenize`` (bytes of a toy chat template)
-and ``/health``. It moves no KV; the integration tier uses ``bidir-kv engine``.
+otherwise, ``return_token_ids``, ``/tokenize`` (bytes of a toy chat template),
+``/health`` and a ``/metrics`` with vLLM's ``vllm:cache_config_info`` (its block size). It moves no KV; the integration tier uses ``bidir-kv engine``.
 Knobs on :class:`StubEngine` inject the failures the router must survive.
 """
 
@@ -20,6 +20,7 @@ from aiohttp import web
 
 from bidir_kv.policy import cdiv
 from bidir_kv.protocol import KVTransferParams, params_from_request
+from bidir_kv.wire.params import VERIFY_KEY, verifier_advert
 
 __all__ = ["StubEngine", "render_prompt"]
 
@@ -65,6 +66,9 @@ class StubEngine:
     stream_prompt_ids: bool = True  # False: no prompt_token_ids on streams
     params_apart: bool = False  # True: D's params in a chunk of their own, after finish_reason
     health_status: int = 200
+    block_size: int | None = BLOCK  # the blocks of its dicts; None: /metrics exports none
+    metrics_status: int = 200
+    verifies: bool = False  # P: add the verify advert to its dict (a chain-checking reader)
     gate: asyncio.Event | None = None  # after the first streamed token, wait for this
     prefill_delay: float = 0.0
     hit_delay: float = 0.0  # extra delay for P requests that carry D's blocks
@@ -79,12 +83,14 @@ class StubEngine:
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         return app
 
     # ---- helpers -----------------------------------------------------------
 
     def _params(self, prefill: bool, num_tokens: int, rid: str) -> dict[str, Any]:
-        blocks = list(range(1, cdiv(num_tokens, BLOCK) + 1)) if num_tokens else []
+        size = self.block_size or BLOCK
+        blocks = list(range(1, cdiv(num_tokens, size) + 1)) if num_tokens else []
         out: dict[str, Any] = {
             "do_remote_prefill": prefill,
             "do_remote_decode": not prefill,
@@ -103,10 +109,21 @@ class StubEngine:
         }
         if prefill:
             out["remote_prefill_cached_tokens"] = 0
+            if self.verifies:
+                out[VERIFY_KEY] = verifier_advert()
         return out
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({}, status=self.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        lines = ["# TYPE vllm:cache_config_info gauge"]
+        if self.block_size is not None:
+            lines.append(
+                f'vllm:cache_config_info{{block_size="{self.block_size}",'
+                f'enable_prefix_caching="True",engine="0"}} 1.0'
+            )
+        return web.Response(text="\n".join(lines) + "\n", status=self.metrics_status)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
