@@ -237,8 +237,6 @@ class ContainerTopology(Topology):
             str(self.spec.decode.kv.decoder_kv_blocks_ttl),
             "--store",
             r.store,
-            "--block-size",
-            str(self.spec.prefill.block_size),
         ]
         if r.decode_stream != "always":
             argv += ["--decode-stream", r.decode_stream]

@@ -159,8 +159,6 @@ class LocalTopology(Topology):
             str(self.spec.decode.kv.decoder_kv_blocks_ttl),
             "--store",
             store,
-            "--block-size",
-            str(self.spec.prefill.block_size),
         ]
         if r.decode_stream != "always":
             argv += ["--decode-stream", r.decode_stream]

@@ -55,7 +55,7 @@ def router(topo: Any, router_process: Callable[..., RouterProcess]) -> Callable[
         return router_process(
             [(n.host, n.port) for n in topo.prefill],
             [(n.host, n.port) for n in topo.decode],
-            extra=("--block-size", "16", *flags),
+            extra=flags,
         ).url
 
     return start

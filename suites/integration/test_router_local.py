@@ -55,7 +55,7 @@ def extra_router(topo: Any, router_process: Callable[..., RouterProcess]) -> Cal
         rp = router_process(
             prefill or [(n.host, n.port) for n in topo.prefill],
             [(n.host, n.port) for n in topo.decode],
-            extra=("--block-size", "16", *flags),
+            extra=flags,
         )
         return rp.url
 
@@ -366,15 +366,24 @@ def test_completions_with_token_ids_the_client_asked_for(topo: Any, stream: bool
 def test_rejected_hit_releases_ds_pinned_blocks_early(
     topo: Any, router_process: Callable[..., RouterProcess]
 ) -> None:
-    """Guard rejection without a block size sends D's dict with remote_num_tokens=0:
-    P recomputes, but notifies D, which frees the pinned turn now, not at the TTL."""
+    """A guard rejection (the history differs from D's within its first block, so
+    nothing is left to trim) sends D's dict with remote_num_tokens=0: P recomputes, but
+    notifies D, which frees the pinned turn now, not at the TTL."""
 
     url = router_process(
         [(n.host, n.port) for n in topo.prefill], [(n.host, n.port) for n in topo.decode]
-    ).url  # no --block-size
+    ).url
     d_state = topo.decode[0].url + "/_emulator/state"
     retained0 = json.loads(_get(d_state))["retained"]
-    res, pulled, msgs2 = _diverging_turn(topo, url, "release", lambda t: "No. " + t)
+    conv = conversation_id("release")
+    msgs = long_opening(conv)
+    first = chat(url, msgs, conv)
+    msgs2 = [
+        {"role": "user", "content": "No. " + msgs[0]["content"]},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Please continue."},
+    ]
+    res, pulled, _ = p_pulled(topo, lambda: chat(url, msgs2, conv))
     assert res.status == 200 and pulled == 0 and res.text == oracle(topo, msgs2)
     assert router_counter(url, "guard_rejections", reason="mismatch") == 1
     # turn 1's pinned blocks are gone, turn 2's are pinned: one more than before

@@ -183,7 +183,7 @@ def test_hits_count_only_tokens_p_actually_took(
     """A real continuation counts a hit (with P's cached tokens); a rewritten history
     whose verified prefix is below P's recompute threshold (64) is offered, trimmed,
     and not pulled by P: offered, but not a hit."""
-    rp = router_for(topo, router_process, topo.decode[:1], "--block-size", "16")
+    rp = router_for(topo, router_process, topo.decode[:1])
     conv = conversation_id("hitcount")
     msgs = long_opening(conv)
     first = chat(rp.url, msgs, conv)

@@ -200,7 +200,7 @@ def test_two_replicas_on_redis_alternate_turns_and_survive_a_restart(
             run_dir,
             [(p.host, p.port) for p in topo.prefill],
             [(d.host, d.port) for d in topo.decode],
-            extra=("--store", topo.redis.url, "--block-size", "16"),
+            extra=("--store", topo.redis.url),
             name="router-restarted",
         )
         try:

@@ -195,7 +195,7 @@ def test_vllm_benchmark_without_conversation_id_gets_hits(
         run_dir,
         [(n.host, n.port) for n in topo.prefill],
         [(n.host, n.port) for n in topo.decode],
-        extra=("--block-size", "16", "--health-interval", "0.5", *extra),
+        extra=("--health-interval", "0.5", *extra),
     )
     try:
         data = dataset(run_dir / "conversations.json")

