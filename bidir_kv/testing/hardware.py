@@ -42,7 +42,7 @@ from bidir_kv.scrape import (
     WATCHED,
     MetricsSnapshot,
 )
-from bidir_kv.testing.gating import skip_or_fail
+from bidir_kv.testing.gating import required_tiers, skip_or_fail
 from bidir_kv.testing.hw_gates import LengthResult
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import settled
@@ -50,9 +50,11 @@ from bidir_kv.topology.base import BackendUnavailable, Node
 from bidir_kv.topology.vllm_cpu import VLLM_CPU_VERSION
 
 __all__ = [
+    "TWO_HOSTS_PROVISION",
     "HwDeployment",
     "HwMeasurements",
     "HwShape",
+    "dry_run_launcher",
     "hw_deployment",
     "hw_measurements",
     "hw_results",
@@ -454,6 +456,31 @@ def _by_url(config: pytest.Config, p_url: str, d_url: str) -> HwDeployment:
     )
 
 
+TWO_HOSTS_PROVISION = "ci/provision.d/two-hosts.sh"
+
+
+def dry_run_launcher(option: str | None, two_hosts_missing: str | None, required: bool) -> str:
+    """Where the dry run places P and D: ``--hw-launcher`` when given; else (``auto``) on
+    two hosts of this machine (``ssh``), or on one (``local``: no fabric, the fabric gate
+    skips) when they cannot be made. Where the tier is required (CI), one host is a
+    missing piece of infrastructure, not a fallback: it fails naming the provisioning
+    step."""
+    launcher = option or "auto"
+    if launcher != "auto":
+        return launcher
+    if two_hosts_missing is None:
+        return "ssh"
+    if required:
+        pytest.fail(
+            "hardware tier is required here but its dry run cannot have two hosts: "
+            f"{two_hosts_missing}. Provision them with `bash {TWO_HOSTS_PROVISION}` (run by "
+            "`make provision`), or run on one host, without the fabric gate, with "
+            "--hw-launcher local",
+            pytrace=False,
+        )
+    return "local"
+
+
 def _vllm_cpu(config: pytest.Config, run_dir: Path, two_hosts: Callable[[], Any]) -> HwDeployment:
     """The dry run: on two hosts of this machine through the ssh launcher (``auto`` and
     ``ssh``; ``auto`` falls back to one host where they cannot be made), or one host."""
@@ -479,9 +506,9 @@ def _vllm_cpu(config: pytest.Config, run_dir: Path, two_hosts: Callable[[], Any]
         kv_bytes_per_token=shape.kv_bytes_per_token(),
         decoder_ttl=BACKEND_CONFIG.decoder_ttl,
     )
-    launcher = _opt(config, "--hw-launcher") or "auto"
-    if launcher == "auto":
-        launcher = "local" if two_hosts_missing() else "ssh"
+    launcher = dry_run_launcher(
+        _opt(config, "--hw-launcher"), two_hosts_missing(), "hardware" in required_tiers(config)
+    )
     if launcher == "ssh":
         from bidir_kv.fabric.probe import local_probe
         from bidir_kv.testing.hw_two_hosts import start_pair

@@ -10,8 +10,11 @@
   (each node its host's accelerators, the recipe's ports), logs fetched back into the
   report directory, stopped by pidfile on each host; the fabric gate reads P's EFA
   counters on P's host through ssh.
-* ``slurm``: inside an allocation of two nodes, one ``srun`` step per role pinned to its
-  node, cancelled after the tier; the counters are read on P's node through ssh.
+* ``slurm``: one ``srun`` step per role pinned to its node of an allocation of two
+  nodes: the one the tier runs in (``salloc``/``sbatch``), else one it asks for
+  (``salloc --no-shell -N 2``) and cancels after; the steps are cancelled after the tier
+  (``scancel``), a step Slurm ended (time limit, scancel) ends the wait for its node
+  with the launcher's report; the counters are read on P's node through ssh.
 * ``kubernetes``: P and D as pods on two nodes (``bidir-kv serve --emit kubernetes``'s
   manifests) created and deleted through the API (``--hw-kube-api``, ``--hw-image``);
   no fabric probe (the counters live on the node, outside the tier's reach).
@@ -22,6 +25,7 @@ Every node is stopped when the tier's module ends, even when it fails.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -83,10 +87,12 @@ def _remote_pair(
     from bidir_kv.launch.remote import NodeHandle
 
     hosts: list[str]
+    releases: list[Callable[[], object]] = []  # an allocation the tier asked for
     if launcher == "slurm":
-        from bidir_kv.launch.slurm import SlurmLauncher, allocation
+        from bidir_kv.launch.slurm import SlurmLauncher, allocate, allocation
 
-        alloc = allocation()
+        alloc = allocation() if os.environ.get("SLURM_JOB_ID") else allocate(2)
+        releases.append(alloc.release)
         hosts = list(alloc.nodes[:2])
     elif launcher == "kubernetes":
         hosts = []
@@ -119,6 +125,9 @@ def _remote_pair(
                 h.fetch_log(run_dir / f"{h.name}.log")
             with contextlib.suppress(Exception):
                 h.stop(60)
+        for release in releases:  # the allocation's own, after its steps (slurm)
+            with contextlib.suppress(Exception):
+                release()
 
     options = tuple(config.getoption("--hw-ssh-option"))
     try:
@@ -150,8 +159,9 @@ def _remote_pair(
                 )
                 handles.append(node.start(build(spec), name=spec.role))
             urls.append(f"http://{_host_ip(host)}:{spec.http_port}")
-        for url in urls:
-            wait_http_ok(url + "/health", 1800)
+        for url, h in zip(urls, handles, strict=True):
+            # a node whose launcher can tell it ended (a Slurm step) ends the wait early
+            wait_http_ok(url + "/health", 1800, gone=getattr(h, "ended", None))
     except BaseException:
         close()
         raise

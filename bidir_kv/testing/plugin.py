@@ -71,6 +71,7 @@ pytest_plugins = [
     "bidir_kv.testing.two_hosts",  # two_hosts, ssh_launch
     "bidir_kv.testing.conformance",  # pd, router, prompts; the matrix report
     "bidir_kv.testing.tokenizer",  # tiny_tokenizer_dir
+    "bidir_kv.testing.slurm",  # slurm_cluster
 ]
 
 
@@ -428,12 +429,18 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """How many vLLM servers the session started, and what they cost (the start ledger,
     bidir_kv/launch/ledger.py); nothing when it started none."""
     path = terminalreporter.config.stash.get(_LEDGER, None)
-    starts = ledger.read(path) if path is not None else []
+    lines = ledger.read(path) if path is not None else []
+    starts = ledger.starts(lines)
     if not starts:
         return
     tr = terminalreporter
-    total = sum(float(s["seconds"]) for s in starts)
-    tr.write_sep("-", f"vLLM servers started: {len(starts)}, {total:.0f} s until /health")
+    waited = sum(float(s["seconds"]) for s in starts)
+    cpu = sum(float(s.get("cpu_seconds") or 0) for s in lines if s["kind"] == "stop")
+    tr.write_sep(
+        "-",
+        f"vLLM servers started: {len(starts)}, {waited:.0f} s until /health, "
+        f"{cpu:.0f} CPU-s used by the servers stopped",
+    )
     by_test: dict[str, list[dict[str, Any]]] = {}
     for s in starts:
         by_test.setdefault(str(s["test"]) or "(outside a test)", []).append(s)

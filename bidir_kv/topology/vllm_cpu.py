@@ -29,7 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.launch import ledger
-from bidir_kv.launch.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
+from bidir_kv.launch.process import (
+    ManagedProcess,
+    ProcessFailed,
+    cpu_seconds,
+    free_port,
+    wait_http_ok,
+)
 from bidir_kv.serve.command import ServeSpec, build, kv_transfer_config
 from bidir_kv.topology.base import (
     BackendUnavailable,
@@ -215,6 +221,7 @@ class VllmCpuTopology(Topology):
         super().__init__(spec)
         self.options = options or VllmCpuOptions()
         self._procs: list[ManagedProcess] = []
+        self._spawned: dict[str, float] = {}  # when each server's current process started
         self.startup_seconds: dict[str, float] = {}
         self._source: ConnectorSource | None = None
 
@@ -288,7 +295,11 @@ class VllmCpuTopology(Topology):
             self.startup_seconds[node.name] = time.monotonic() - started
             node.info["startup_seconds"] = round(self.startup_seconds[node.name], 1)
             ledger.record(
-                "start", node.name, self.startup_seconds[node.name], self.ledger_config(node)
+                "start",
+                node.name,
+                self.startup_seconds[node.name],
+                self.ledger_config(node),
+                cpu_seconds(proc.pid) if proc.pid is not None else None,
             )
         for node, proc, _started in pending:
             self._check_worker_cores(node, proc)
@@ -297,6 +308,12 @@ class VllmCpuTopology(Topology):
     def close(self) -> None:
         procs, self._procs = self._procs, []
         for proc in procs:
+            node = next((n for n in self.nodes() if n.name == proc.name), None)
+            if node is not None and proc.pid is not None and proc.returncode is None:
+                lived = time.monotonic() - self._spawned.get(proc.name, time.monotonic())
+                ledger.record(
+                    "stop", node.name, lived, self.ledger_config(node), cpu_seconds(proc.pid)
+                )
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
             proc.stop(self.options.stop_timeout)
@@ -339,7 +356,13 @@ class VllmCpuTopology(Topology):
         wait_http_ok(f"{node.url}/health", self.options.startup_timeout, alive=new)
         node.log_path, node.info["restarts"], node.info["pid"] = str(log), runs, new.pid
         node.info["restart_seconds"] = round(time.monotonic() - t0, 1)
-        ledger.record("restart", node.name, time.monotonic() - t0, self.ledger_config(node))
+        ledger.record(
+            "restart",
+            node.name,
+            time.monotonic() - t0,
+            self.ledger_config(node),
+            cpu_seconds(new.pid) if new.pid is not None else None,
+        )
         self._check_worker_cores(node, new)
 
     def ledger_config(self, node: Node) -> dict[str, Any]:
@@ -405,6 +428,7 @@ class VllmCpuTopology(Topology):
             env=self.env(core, side, espec, role, engine_id),
         ).start()
         self._procs.append(proc)
+        self._spawned[name] = time.monotonic()
         return proc
 
     def _check_worker_cores(self, node: Node, proc: ManagedProcess) -> None:

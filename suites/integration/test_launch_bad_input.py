@@ -1,15 +1,12 @@
 """The slurm and kubernetes launchers on bad input: one line naming the cause, nothing
-left behind. Slurm's commands are stand-ins on PATH (no Slurm daemons here); the
-Kubernetes API is a local HTTP server answering as the API server does."""
+left behind. The slurm launcher's cases against a real Slurm cluster are in
+suites/integration/test_slurm.py. The Kubernetes API is a stand-in
+(bidir_kv/testing/doubles/kube_api.py: no API server runs here offline) that answers as
+the API server does and validates every object it is sent against Kubernetes' schemas."""
 
 from __future__ import annotations
 
-import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import ClassVar
+import copy
 
 import pytest
 
@@ -19,29 +16,7 @@ from bidir_kv.launch.remote import LaunchFailed
 from bidir_kv.launch.slurm import allocation
 from bidir_kv.serve.command import recipe_pair
 from bidir_kv.serve.kubernetes import KubeOptions, manifests
-
-
-def _fake(bin_dir: Path, name: str, script: str) -> None:
-    path = bin_dir / name
-    path.write_text(f"#!/bin/sh\n{script}\n")
-    path.chmod(0o755)
-
-
-def test_slurm_allocation_with_one_node_fails_in_one_line(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    _fake(tmp_path, "scontrol", "echo node-a")
-    _fake(tmp_path, "srun", f"touch {tmp_path}/srun-called")
-    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    with pytest.raises(LaunchFailed) as failure:
-        allocation({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node-a"})
-    text = str(failure.value)
-    assert text == "slurm: job 42 has 1 node(s) (node-a); P and D need 2 (salloc -N 2)"
-    assert not (tmp_path / "srun-called").exists()
-    assert allocation({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node-[a-b]"}, need=1).nodes == (
-        "node-a",
-    )
+from bidir_kv.testing.doubles.kube_api import kube_api_stand_in
 
 
 def test_slurm_outside_an_allocation_or_without_slurm() -> None:
@@ -49,76 +24,64 @@ def test_slurm_outside_an_allocation_or_without_slurm() -> None:
         allocation({})
 
 
-class _Api(BaseHTTPRequestHandler):
-    """Creates pods, refuses services (403), records every call."""
-
-    calls: ClassVar[list[tuple[str, str]]] = []
-
-    def _send(self, code: int, body: dict) -> None:
-        raw = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
-
-    def do_POST(self) -> None:
-        self.calls.append(("POST", self.path))
-        self.rfile.read(int(self.headers["Content-Length"]))
-        if self.path.endswith("/services"):
-            self._send(
-                403,
-                {
-                    "kind": "Status",
-                    "status": "Failure",
-                    "code": 403,
-                    "reason": "Forbidden",
-                    "message": "services is forbidden: User "
-                    '"ci" cannot create resource "services" in namespace "default"',
-                },
-            )
-        else:
-            self._send(201, {"kind": "Pod"})
-
-    def do_DELETE(self) -> None:
-        self.calls.append(("DELETE", self.path))
-        self._send(200, {"kind": "Status", "status": "Success"})
-
-    def log_message(self, *args: object) -> None:
-        pass
+def test_kubernetes_pods_are_created_valid_and_deleted() -> None:
+    """Every object the launcher sends passes Kubernetes' schemas (the stand-in refuses
+    any other), and stopping the node deletes what it created."""
+    p, _d = recipe_pair("m", "10.0.0.1", "10.0.0.2")
+    with kube_api_stand_in(token="t") as api:
+        pod = KubeLauncher(KubeApi(api.url, token="t")).start(
+            manifests([p], KubeOptions(name="rel"))
+        )
+        assert sorted(api.objects) == [
+            ("default", "pods", "rel-prefill"),
+            ("default", "services", "rel-prefill"),
+        ]
+        assert pod.stop() == "pod default/rel-prefill: deleted"
+        assert api.objects == {}
 
 
-@pytest.fixture
-def fake_api() -> Iterator[str]:
-    _Api.calls = []
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Api)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_kubernetes_api_error_fails_in_one_line_and_deletes_what_it_created(
-    fake_api: str,
-) -> None:
+def test_kubernetes_api_error_fails_in_one_line_and_deletes_what_it_created() -> None:
     p, _d = recipe_pair("m", "10.0.0.1", "10.0.0.2")
     docs = manifests([p], KubeOptions(name="rel"))
-    with pytest.raises(LaunchFailed) as failure:
-        KubeLauncher(KubeApi(fake_api, token="t")).start(docs)
-    text = str(failure.value)
-    assert "\n" not in text
-    assert text.startswith(
-        f"kubernetes API {fake_api}: creating service rel-prefill: 403 "
-        "Forbidden: services is forbidden"
-    ), text
-    assert _Api.calls == [
-        ("POST", "/api/v1/namespaces/default/pods"),
-        ("POST", "/api/v1/namespaces/default/services"),
-        ("DELETE", "/api/v1/namespaces/default/pods/rel-prefill"),
-    ]
+    with kube_api_stand_in(token="t", refuse={"services": 403}) as api:
+        with pytest.raises(LaunchFailed) as failure:
+            KubeLauncher(KubeApi(api.url, token="t")).start(docs)
+        text = str(failure.value)
+        assert "\n" not in text
+        assert text.startswith(
+            f"kubernetes API {api.url}: creating service rel-prefill: 403 Forbidden: "
+        ), text
+        assert api.calls == [
+            ("POST", "/api/v1/namespaces/default/pods"),
+            ("POST", "/api/v1/namespaces/default/services"),
+            ("DELETE", "/api/v1/namespaces/default/pods/rel-prefill"),
+        ]
+        assert api.objects == {}
+
+
+def test_an_object_kubernetes_schemas_refuse_fails_in_one_line_naming_the_field() -> None:
+    """A manifest the API server would refuse (here a port given as text and a field no
+    schema has) is refused by the stand-in too, 422 Invalid naming the field; the launch
+    fails in one line and leaves nothing."""
+    p, _d = recipe_pair("m", "10.0.0.1", "10.0.0.2")
+    docs = manifests([p], KubeOptions(name="rel"))
+    bad = copy.deepcopy(docs)
+    pod = next(d for d in bad if d["kind"] == "Pod")
+    pod["spec"]["containers"][0]["ports"][0]["containerPort"] = "http"
+    with kube_api_stand_in() as api:
+        with pytest.raises(LaunchFailed) as failure:
+            KubeLauncher(KubeApi(api.url)).start(bad)
+        text = str(failure.value)
+        assert "\n" not in text
+        assert text.startswith(
+            f"kubernetes API {api.url}: creating pod rel-prefill: 422 Invalid: "
+            'Pod "rel-prefill" is invalid: spec.containers.0.ports.0.containerPort: '
+        ), text
+        unknown = copy.deepcopy(docs)
+        next(d for d in unknown if d["kind"] == "Service")["spec"]["portz"] = []
+        with pytest.raises(LaunchFailed, match=r"422 Invalid: Service \"rel-prefill\" is invalid"):
+            KubeLauncher(KubeApi(api.url)).start(unknown)
+        assert api.objects == {}
 
 
 def test_kubernetes_api_unreachable_fails_in_one_line() -> None:

@@ -7,6 +7,8 @@ import json
 import xml.etree.ElementTree as ET
 from typing import Any
 
+import pytest
+
 from bidir_kv.serve.command import argv_value, build
 from bidir_kv.testing.hw_launch import _spec
 from bidir_kv.testing.hw_report import _junit
@@ -116,3 +118,23 @@ def test_a_failed_measurement_is_not_repeated(monkeypatch: Any) -> None:
     ):
         measured.length(dep, 1000)  # type: ignore[arg-type]
     assert calls == [1000]
+
+
+# ---- where the dry run places P and D: never one host silently in CI -------------------
+
+
+def test_the_dry_run_is_on_two_hosts_or_says_why_not() -> None:
+    from bidir_kv.testing.hardware import TWO_HOSTS_PROVISION, dry_run_launcher
+
+    assert dry_run_launcher(None, None, required=True) == "ssh"
+    assert dry_run_launcher("auto", None, required=False) == "ssh"
+    # asked for: as asked, whether or not two hosts could be made
+    assert dry_run_launcher("local", "no sshd", required=True) == "local"
+    # not required (a laptop): one host, the fabric gate skips and says so
+    assert dry_run_launcher(None, "no sshd", required=False) == "local"
+    # required (CI): a failure naming what is missing and the provisioning step
+    with pytest.raises(pytest.fail.Exception) as err:
+        dry_run_launcher(None, "/usr/sbin/sshd is not installed", required=True)
+    msg = str(err.value)
+    assert msg.startswith("hardware tier is required here but its dry run cannot have two hosts")
+    assert "/usr/sbin/sshd is not installed" in msg and f"bash {TWO_HOSTS_PROVISION}" in msg
