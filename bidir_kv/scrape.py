@@ -16,13 +16,19 @@ from prometheus_client.parser import text_string_to_metric_families
 __all__ = [
     "CACHED_BY_SOURCE",
     "CACHE_CONFIG_INFO",
+    "KV_RETAINED",
+    "KV_USAGE",
+    "MEMORY_WATCHED",
     "NIXL_BYTES",
     "NIXL_EXPIRED",
     "NIXL_FAILED",
     "NIXL_XFERS",
     "NOTIFS_AFTER_EXPIRY",
+    "PREEMPTIONS",
+    "RUNNING",
     "SOURCES",
     "TOKENS_BY_SOURCE",
+    "WAITING",
     "WATCHED",
     "MetricsSnapshot",
     "parse_metrics",
@@ -52,6 +58,14 @@ SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # vLLM's info gauge (always 1) whose labels are the engine's CacheConfig, one sample per
 # engine core: ``block_size`` is the size of the blocks its kv_transfer_params list
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
+# D's memory and its decode-side cost (issue 33): vLLM's gauges and counter, and ours for
+# the share of blocks retained turns hold (the emulator; docs/engine.md "Memory")
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_RETAINED = "bidir_kv:kv_cache_retained_perc"
+PREEMPTIONS = "vllm:num_preemptions_total"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+MEMORY_WATCHED = (KV_USAGE, KV_RETAINED, RUNNING, WAITING)
 
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]
 

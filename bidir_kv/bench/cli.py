@@ -19,6 +19,7 @@ from pathlib import Path
 from bidir_kv.bench.args import distribution, int_list
 from bidir_kv.bench.capacity import measure_capacity
 from bidir_kv.bench.distributions import DistributionError
+from bidir_kv.bench.memory import DEFAULT_INTERVAL_S
 from bidir_kv.bench.runner import RunOptions
 from bidir_kv.bench.sweep import run_bench
 from bidir_kv.bench.topo import CONNECTORS, STOCK, TOPOLOGIES, LegError, LegSetup, parse_connectors
@@ -220,6 +221,14 @@ def _output_args(ap: argparse.ArgumentParser) -> None:
         metavar="FILE",
         default=None,
         help="after the run, write its calibration as an emulator profile (docs/profiles.md §6)",
+    )
+    out.add_argument(
+        "--memory-interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        metavar="S",
+        help="seconds between samples of P's and D's KV usage and retained share while a "
+        f"point runs (default {DEFAULT_INTERVAL_S:g}; 0: no samples)",
     )
     out.add_argument("--no-progress", dest="progress", action="store_false")
     out.add_argument(

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.bench.memory import memory_summary
 from bidir_kv.bench.stats import RequestRecord, load_records, percentile
 from bidir_kv.bench.topo import leg_connector, leg_feature
 from bidir_kv.errors import ConfigError
+from bidir_kv.scrape import PREEMPTIONS
 
 __all__ = [
     "LegPoint",
@@ -84,6 +86,23 @@ class LegPoint:
     interrupted: bool
     # mean of P's ``vllm:request_prefill_time_seconds`` (vLLM engines only), all turns
     engine_prefill_ms: float | None = None
+    # the decode side (docs/benchmarking.md "Decode side"), same turns as TTFT: TPOT per
+    # request (latency - TTFT) / (output tokens - 1), ITL every gap between chunks
+    tpot_n: int = 0
+    tpot_p50: float = math.nan
+    tpot_p99: float = math.nan
+    tpot_mean: float = math.nan
+    itl_n: int = 0
+    itl_p50: float = math.nan
+    itl_p99: float = math.nan
+    # D's KV memory sampled during the point (bench/memory.py), shares 0-1; preemptions
+    # are the delta of D's vllm:num_preemptions_total
+    d_usage_mean: float = math.nan
+    d_usage_max: float = math.nan
+    d_retained_mean: float = math.nan
+    d_retained_max: float = math.nan
+    d_retained_source: str = "none"
+    d_preemptions: float | None = None
 
 
 @dataclass
@@ -204,6 +223,11 @@ def summarize_point(
     xfer_bytes = _sum(p_rows, f"{XFER_BYTES}_sum")
     requests = len(records) or 1
     engine_n = _sum(p_rows, f"{ENGINE_PREFILL}_count")
+    decoded = [r for r in ok if r.output_num_tokens > 1]
+    tpot = [r.tpot_ms for r in decoded]
+    itl = [g for r in decoded for g in r.itl_ms]
+    d_rows = list(_rows(info, "decode"))
+    mem = memory_summary(info)
     return LegPoint(
         leg=leg,
         point=point,
@@ -236,4 +260,28 @@ def summarize_point(
         engine_prefill_ms=(
             _sum(p_rows, f"{ENGINE_PREFILL}_sum") * 1e3 / engine_n if engine_n else None
         ),
+        tpot_n=len(tpot),
+        tpot_p50=percentile(tpot, 50),
+        tpot_p99=percentile(tpot, 99),
+        tpot_mean=sum(tpot) / len(tpot) if tpot else math.nan,
+        itl_n=len(itl),
+        itl_p50=percentile(itl, 50),
+        itl_p99=percentile(itl, 99),
+        d_usage_mean=mem.usage_mean if mem else math.nan,
+        d_usage_max=mem.usage_max if mem else math.nan,
+        d_retained_mean=mem.retained_mean if mem else math.nan,
+        d_retained_max=mem.retained_max if mem else math.nan,
+        d_retained_source=mem.source if mem else "none",
+        d_preemptions=_decode_preemptions(info, d_rows),
     )
+
+
+def _decode_preemptions(
+    info: Mapping[str, Any], d_rows: Sequence[tuple[str, dict[str, str], float]]
+) -> float | None:
+    """D's preemptions during the point; None when no D node was scraped (``--url``
+    without ``--metrics-url decode=...``): unknown, not zero."""
+    scraped = [n for n, rows in (info.get("metrics_delta") or {}).items() if n.startswith("decode")]
+    if not scraped or all((info["metrics_delta"][n] is None) for n in scraped):
+        return None
+    return _sum(d_rows, PREEMPTIONS)

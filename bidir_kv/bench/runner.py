@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.bench.client import build_chat_body, stream_chat
+from bidir_kv.bench.memory import DEFAULT_INTERVAL_S, MemorySampler
 from bidir_kv.bench.stats import RequestRecord, write_records
 from bidir_kv.bench.workload import Conversation
 from bidir_kv.client import AsyncNodeClient, ClientError, Completion, NodeClient, scrape
@@ -49,6 +50,9 @@ class RunOptions:
     request_timeout_s: float = 300.0
     ignore_eos: bool = True
     headers: Mapping[str, str] = field(default_factory=dict)
+    # nodes whose KV memory is sampled while a point runs (bench/memory.py): P and D
+    memory_urls: Mapping[str, str] = field(default_factory=dict)
+    memory_interval_s: float = DEFAULT_INTERVAL_S
 
 
 @dataclass
@@ -56,6 +60,7 @@ class PointResult:
     records: list[RequestRecord]
     duration_s: float
     interrupted: bool = False
+    memory: dict[str, Any] = field(default_factory=dict)  # MemorySampler.to_dict()
 
     @property
     def errors(self) -> int:
@@ -191,6 +196,8 @@ async def run_point(
                 cond.notify_all()
 
         watcher = asyncio.create_task(watch_stop())
+        sampler = MemorySampler(opts.memory_urls, opts.memory_interval_s)
+        sampling = asyncio.create_task(sampler.run())
         tasks = [asyncio.create_task(client(i)) for i in range(opts.num_clients)]
         try:
             await asyncio.gather(*tasks)
@@ -201,7 +208,14 @@ async def run_point(
             await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             watcher.cancel()
-    return PointResult(records, time.perf_counter() - t0, interrupted=stop.is_set())
+            sampling.cancel()
+            await asyncio.gather(sampling, return_exceptions=True)
+    return PointResult(
+        records,
+        time.perf_counter() - t0,
+        interrupted=stop.is_set(),
+        memory=sampler.to_dict() if sampler.samples else {},
+    )
 
 
 async def _one_turn(
@@ -260,6 +274,7 @@ async def _one_turn(
         beyond_ttl=turn.beyond_ttl,
         ok=error is None,
         error=error,
+        itl_ms=[round(g * 1e3, 3) for g in res.itl] if error is None else [],
     )
     if error is None:
         state.messages.append({"role": "assistant", "content": res.text})
@@ -318,6 +333,7 @@ def write_point(
         "output_chunks": sum(r.output_num_chunks for r in result.records),
         "interrupted": result.interrupted,
         "metrics_delta": dict(metrics),
+        "memory": result.memory,
         **(extra or {}),
     }
     tmp = leg_dir / f"{name}.metrics.json.tmp"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,9 @@ class RequestRecord:
     beyond_ttl: bool = False
     ok: bool = True
     error: str | None = None
+    # gaps between successive content chunks, ms (vLLM's ``benchmark_serving`` ITL; the
+    # multi-turn benchmark keeps only their mean): docs/benchmarking.md "Decode side"
+    itl_ms: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,7 +74,9 @@ class RequestRecord:
 def write_records(path: Path, records: Iterable[RequestRecord]) -> None:
     """Atomic write (a Ctrl-C never leaves a truncated file)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps([r.to_dict() for r in records], indent=1))
+    # one record per line: a record's ITL list holds a gap per streamed chunk
+    lines = ",\n".join(json.dumps(r.to_dict()) for r in records)
+    tmp.write_text(f"[\n{lines}\n]\n" if lines else "[]\n")
     tmp.replace(path)
 
 

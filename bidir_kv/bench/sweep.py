@@ -20,6 +20,7 @@ from typing import Any
 
 from bidir_kv.bench.capacity import client_capacity
 from bidir_kv.bench.interrupt import Interrupt, run_point_interruptible, terminate
+from bidir_kv.bench.memory import DEFAULT_INTERVAL_S
 from bidir_kv.bench.overhead import load_now, node_cpu, point_overhead
 from bidir_kv.bench.progress import Progress
 from bidir_kv.bench.runner import (
@@ -272,6 +273,8 @@ class _Sweep:
             max_active_conversations=args.max_active_conversations,
             send_conversation_id=args.send_conversation_id,
             request_timeout_s=args.request_timeout_sec,
+            memory_urls={n: u for n, u in nodes.items() if n.startswith(("prefill", "decode"))},
+            memory_interval_s=getattr(args, "memory_interval", DEFAULT_INTERVAL_S),
         )
         for i, spec in enumerate(self.specs):
             if self.intr.requested:

@@ -15,6 +15,7 @@ vLLM's multi-turn benchmark measures it.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ class Completion:
     chunks: int = 0  # SSE data chunks, ``[DONE]`` excluded
     content_chunks: int = 0  # chunks that carried content
     first_chunk_tokens: int = 0  # tokens in the first content chunk (1 without token ids)
+    # streams: when each content chunk arrived (perf_counter s): the inter-token latencies
+    content_times: list[float] = field(default_factory=list)
     # streams: where params appeared (chunk index; whether that chunk had a finish_reason)
     params_chunk: int | None = None
     params_on_terminal: bool | None = None
@@ -80,6 +83,13 @@ class Completion:
     @property
     def completion_tokens(self) -> int | None:
         return _usage_int(self.usage, "completion_tokens")
+
+    @property
+    def itl(self) -> list[float]:
+        """Gaps between successive content chunks, seconds (vLLM's benchmark ``itl``:
+        one per chunk after the first; a chunk may carry several tokens)."""
+        t = self.content_times
+        return [b - a for a, b in itertools.pairwise(t)]
 
     @property
     def output_tokens(self) -> int:
@@ -178,6 +188,7 @@ class StreamReader:
                 maybe_terminal = True
         if content:
             out.content_chunks += 1
+            out.content_times.append(now)
             if out.ttft is None:
                 out.ttft = now - out.start
                 out.first_chunk_tokens = (

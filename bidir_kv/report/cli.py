@@ -9,12 +9,12 @@ from pathlib import Path
 
 from bidir_kv.bench.compare import connector_table
 from bidir_kv.bench.results import ResultError, load_result
-from bidir_kv.bench.summary import Summary, ratio_rows, summarize_result
+from bidir_kv.bench.summary import Summary, decode_rows, ratio_rows, summarize_result
 from bidir_kv.plan.predict import predict
 from bidir_kv.report.markdown import render_markdown
 from bidir_kv.report.plots import write_plots
 
-__all__ = ["main", "ratio_table", "render_dir"]
+__all__ = ["decode_table", "main", "ratio_table", "render_dir"]
 
 
 def render_dir(path: Path, out: Path | None = None, min_turn: int = 2) -> tuple[Path, str]:
@@ -25,7 +25,7 @@ def render_dir(path: Path, out: Path | None = None, min_turn: int = 2) -> tuple[
     md = render_markdown(summary, predict(summary), [str(p) for p in plots])
     report_path = out_dir / "report.md"
     report_path.write_text(md)
-    table = ratio_table(summary)
+    table = f"{ratio_table(summary)}\n\n{decode_table(summary)}"
     connectors = connector_table(summary)
     return report_path, f"{table}\n\n{connectors}" if connectors else table
 
@@ -41,6 +41,38 @@ def ratio_table(summary: Summary) -> str:
         lines.append(
             f"{row['point']:>8} {f(row['ttft_off_ms'], '9.0f'):>9} "
             f"{f(row['ttft_on_ms'], '9.0f'):>9} {f(row['ttft_ratio'], '6.2f'):>6}×"
+        )
+    return "\n".join(lines)
+
+
+def decode_table(summary: Summary) -> str:
+    """Plain-text decode side, OFF/ON per point: TTFT beside TPOT p50/p99 (ms), ITL p99,
+    D's retained share (ON, mean/max) and D's preemptions (docs/benchmarking.md)."""
+
+    def pair(a: float | None, b: float | None, spec: str, width: int) -> str:
+        def one(v: float | None) -> str:
+            return "n/a" if v is None else format(v, spec)
+
+        return f"{one(a)}/{one(b)}".rjust(width)
+
+    def share(v: float | None) -> str:
+        return "n/a" if v is None else f"{v * 100:.0f}%"
+
+    lines = [
+        f"{'prefix':>8} {'TTFT OFF/ON':>13} {'TPOT p50 OFF/ON':>16} {'TPOT p99 OFF/ON':>16} "
+        f"{'p99 ON/OFF':>10} {'ITL p99 OFF/ON':>15} {'D retained ON':>14} "
+        f"{'preempt OFF/ON':>15}"
+    ]
+    for r in decode_rows(summary):
+        reg = r["tpot_p99_regression_pct"]
+        lines.append(
+            f"{r['point']:>8} {pair(r['ttft_off_ms'], r['ttft_on_ms'], '.0f', 13)} "
+            f"{pair(r['tpot_p50_off'], r['tpot_p50_on'], '.2f', 16)} "
+            f"{pair(r['tpot_p99_off'], r['tpot_p99_on'], '.2f', 16)} "
+            f"{'n/a' if reg is None else f'{reg:+.1f}%':>10} "
+            f"{pair(r['itl_p99_off'], r['itl_p99_on'], '.2f', 15)} "
+            f"{share(r['retained_mean_on']) + '/' + share(r['retained_max_on']):>14} "
+            f"{pair(r['preemptions_off'], r['preemptions_on'], '.0f', 15)}"
         )
     return "\n".join(lines)
 
@@ -75,6 +107,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table)
         print(
             f"report: {report_path}  plots: {report_path.parent / 'ttft.png'}, "
-            f"{report_path.parent / 'prefill.png'}"
+            f"{report_path.parent / 'prefill.png'}, {report_path.parent / 'decode.png'}"
         )
     return rc

@@ -34,7 +34,7 @@ from bidir_kv.bench.summary import Summary, ratio_rows, summarize_result
 from bidir_kv.engine.profiles import PROFILE_DIR, ProfileError, load_profile
 from bidir_kv.plan.predict import Prediction, predict
 from bidir_kv.plan.published import FIGURES, PublishedTable, load_table
-from bidir_kv.report.cli import render_dir
+from bidir_kv.report.cli import decode_table, render_dir
 from bidir_kv.report.headline import headline, headline_text
 
 __all__ = ["main", "measured_figures", "published_lines", "scaled_profile"]
@@ -210,6 +210,12 @@ def _print_outcome(out: Path, profile: str, first_turn: int = 2, time_scale: flo
     )
     for line in length_table(summary, pred):
         print(line)
+    print()
+    print(
+        "decode side (ms; TPOT = (latency - TTFT) / (output tokens - 1) per request, ITL = "
+        "gaps between streamed chunks; D's retained share sampled from its /metrics):"
+    )
+    print(decode_table(summary))
     table = load_table(profile)
     if table is not None and time_scale != 1:
         print(
@@ -232,7 +238,7 @@ def _print_outcome(out: Path, profile: str, first_turn: int = 2, time_scale: flo
             f"chunks/s needed ({cap['margin']:.0f}× margin)"
         )
     print(f"report: {report}")
-    print(f"plots:  {out / 'ttft.png'}  {out / 'prefill.png'}")
+    print(f"plots:  {out / 'ttft.png'}  {out / 'prefill.png'}  {out / 'decode.png'}")
 
 
 def _profile_sources(profile: str) -> str:

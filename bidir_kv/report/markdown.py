@@ -13,7 +13,7 @@ from typing import Any
 
 from bidir_kv.bench.compare import connector_points
 from bidir_kv.bench.split import on_prefill_split
-from bidir_kv.bench.summary import Summary, ratio_rows
+from bidir_kv.bench.summary import Summary, decode_rows, ratio_rows
 from bidir_kv.bench.topo import leg_feature
 from bidir_kv.plan.calibrate import CheckRow
 from bidir_kv.plan.predict import Prediction
@@ -110,6 +110,7 @@ def render_markdown(
             f"| {r.tokens_external:.0f} | {r.tokens_local_compute:.0f} | {r.expired:.0f} "
             f"| {r.failed:.0f} | {r.errors} |"
         )
+    lines += _decode_lines(summary)
     lines += _connector_lines(summary)
     lines += _overhead_lines(summary)
     lines += _prediction_lines(prediction)
@@ -118,6 +119,47 @@ def render_markdown(
         lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     lines.append("")
     return "\n".join(lines)
+
+
+def _share(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 100:.0f} %"
+
+
+def _decode_lines(summary: Summary) -> list[str]:
+    """The decode side beside TTFT: what retention can cost (``summary.decode_rows``)."""
+    rows = decode_rows(summary)
+    lines = [
+        "",
+        "## Decode side: TPOT, ITL, D's memory and preemptions (OFF / ON)",
+        "",
+        "TPOT per request = (latency − TTFT) / (output tokens − 1), vLLM's "
+        "`benchmark_serving` definition; ITL = every gap between two streamed chunks, "
+        "pooled over the requests (a chunk can carry several tokens, then ITL ≫ TPOT). "
+        f"Turns ≥ {summary.min_turn}, as TTFT. D's KV usage and retained share are "
+        "sampled from D's `/metrics` while the point runs (mean / max); preemptions are the "
+        "delta of D's `vllm:num_preemptions_total`. Regression = ON p99 / OFF p99 − 1.",
+        "",
+        "| prefix tokens | TTFT median ms | TPOT p50 ms | TPOT p99 ms | TPOT p99 regression"
+        " | ITL p50 ms | ITL p99 ms | D retained ON, mean / max | D KV usage mean"
+        " | D preemptions |",
+        "|---:|---|---|---|---:|---|---|---|---|---|",
+    ]
+    for r in rows:
+        reg = r["tpot_p99_regression_pct"]
+        src = "" if r["retained_source"] in ("gauge", "none") else f" ({r['retained_source']})"
+        pre_off, pre_on = r["preemptions_off"], r["preemptions_on"]
+        lines.append(
+            f"| {r['point']} | {_fmt(r['ttft_off_ms'])} / {_fmt(r['ttft_on_ms'])} "
+            f"| {_fmt(r['tpot_p50_off'], '.2f')} / {_fmt(r['tpot_p50_on'], '.2f')} "
+            f"| {_fmt(r['tpot_p99_off'], '.2f')} / {_fmt(r['tpot_p99_on'], '.2f')} "
+            f"| {_fmt(reg, '+.1f')} % "
+            f"| {_fmt(r['itl_p50_off'], '.2f')} / {_fmt(r['itl_p50_on'], '.2f')} "
+            f"| {_fmt(r['itl_p99_off'], '.2f')} / {_fmt(r['itl_p99_on'], '.2f')} "
+            f"| {_share(r['retained_mean_on'])} / {_share(r['retained_max_on'])}{src} "
+            f"| {_share(r['usage_mean_off'])} / {_share(r['usage_mean_on'])} "
+            f"| {_fmt(pre_off)} / {_fmt(pre_on)} |"
+        )
+    return lines
 
 
 def _connector_lines(summary: Summary) -> list[str]:

@@ -4,6 +4,9 @@
 * ``prefill.png``: prefill duration per prompt length as paired bars; the ON bar
   (reuse turns only, ``split.py``) is stacked into prefill compute and KV transfer
   (as in the AWS blog).
+* ``decode.png``: what the decode side paid: TPOT p50 and p99 against prompt length,
+  OFF and ON; and D's KV usage and retained share over the run at the longest prompt,
+  with each leg's preemptions (docs/benchmarking.md "Decode side").
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ def write_plots(summary: Summary, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [_plot_ttft(plt, summary, out_dir), _plot_prefill(plt, summary, out_dir)]
+    return [
+        _plot_ttft(plt, summary, out_dir),
+        _plot_prefill(plt, summary, out_dir),
+        _plot_decode(plt, summary, out_dir),
+    ]
 
 
 def _save(plt: Any, fig: Any, path: Path) -> Path:
@@ -117,3 +124,51 @@ def _plot_prefill(plt: Any, summary: Summary, out_dir: Path) -> Path:
             transform=ax.transAxes,
         )
     return _save(plt, fig, out_dir / "prefill.png")
+
+
+def _plot_decode(plt: Any, summary: Summary, out_dir: Path) -> Path:
+    points = summary.result.prefix_points
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for leg in summary.result.legs:
+        rows = [summary.get(leg, p) for p in points]
+        got = [(p, r) for p, r in zip(points, rows, strict=True) if r and r.tpot_n]
+        if not got:
+            continue
+        color = _COLORS.get(leg)
+        xs = [p for p, _ in got]
+        left.plot(xs, [r.tpot_p50 for _, r in got], "o-", color=color, label=f"{leg.upper()} p50")
+        left.plot(xs, [r.tpot_p99 for _, r in got], "s--", color=color, label=f"{leg.upper()} p99")
+    left.set_xlabel("prefix length (tokens)")
+    left.set_ylabel(f"TPOT (ms), turns ≥ {summary.min_turn}")
+    left.set_title("TPOT: (latency − TTFT) / (output tokens − 1)")
+    left.grid(alpha=0.3)
+    left.legend()
+    longest = points[-1] if points else None
+    drew = False
+    for leg in summary.result.legs:
+        found = summary.result.points.get((leg, longest)) if longest is not None else None
+        nodes = ((found[1].get("memory") or {}).get("nodes") or {}) if found else {}
+        cols = next((c for n, c in sorted(nodes.items()) if n.startswith("decode")), None)
+        if not cols or not cols.get("t"):
+            continue
+        row = summary.get(leg, longest) if longest is not None else None
+        pre = row.d_preemptions if row else None
+        color = _COLORS.get(leg)
+        tag = f"{leg.upper()}" + (f", {pre:.0f} preemptions" if pre is not None else "")
+        right.plot(cols["t"], cols["usage"], "-", color=color, label=f"{tag}: KV usage")
+        retained = [r if r is not None else float("nan") for r in cols["retained"]]
+        if any(r == r for r in retained):
+            right.plot(cols["t"], retained, ":", color=color, label=f"{leg.upper()}: retained")
+        drew = True
+    right.set_xlabel("time in the point (s)")
+    right.set_ylabel("share of D's KV blocks")
+    right.set_ylim(0, 1.05)
+    right.set_title(f"D's KV memory at {longest} prefix tokens")
+    right.grid(alpha=0.3)
+    if drew:
+        right.legend(fontsize=8)
+    else:
+        right.text(
+            0.5, 0.5, "D's /metrics were not sampled", ha="center", transform=right.transAxes
+        )
+    return _save(plt, fig, out_dir / "decode.png")
