@@ -102,6 +102,16 @@ def _target_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share in (0, 1], got {text!r}")
+    return value
+
+
 def _connector_list(text: str) -> tuple[str, ...]:
     try:
         return parse_connectors(text)
@@ -201,6 +211,38 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="extra argument for both emulated engines (repeatable), e.g. "
         "--engine-arg=--no-kv-verify",
+    )
+    eng.add_argument(
+        "--prefill-engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for P only (repeatable), e.g. "
+        "--prefill-engine-arg=--kv-capacity-tokens=65536 (a finite P pool)",
+    )
+    eng.add_argument(
+        "--decode-engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for D only (repeatable), e.g. "
+        "--decode-engine-arg=--kv-capacity-tokens=131072 (a small D pool), "
+        "--decode-engine-arg=--retained-blocks=pin (vLLM's pinned retention)",
+    )
+    eng.add_argument(
+        "--prefill-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="P keeps its own prefix cache, as deployments run it (default off, as the "
+        "publication: every turn then models a P that evicted the conversation)",
+    )
+    eng.add_argument(
+        "--retention-budget",
+        type=_share,
+        default=None,
+        metavar="S",
+        help="D's bidir_kv_retention_budget: retained turns hold at most this share of its "
+        "KV blocks (docs/connector.md §5.3; the emulator, or --connector bidir-kv)",
     )
     eng.add_argument(
         "--decode-stream",

