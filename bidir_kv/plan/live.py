@@ -58,7 +58,7 @@ from bidir_kv.bench.workload import (
     build_conversations,
     count_words,
 )
-from bidir_kv.client import ClientError
+from bidir_kv.client import ClientError, NodeClient
 from bidir_kv.engine.profiles import ProfileError
 from bidir_kv.plan.calibrate import calibrate, check_rows
 from bidir_kv.plan.calprofile import calibrated_profile
@@ -161,6 +161,20 @@ def _block_size(nodes: Mapping[str, str], given: int | None) -> tuple[int, str]:
                 if value and value.isdigit():
                     return int(value), "P's vllm:cache_config_info"
     return DEFAULT_BLOCK_SIZE, "vLLM's default (P exports no vllm:cache_config_info)"
+
+
+def _served_model(nodes: Mapping[str, str]) -> str:
+    """The model P serves (the first of its ``/v1/models``), for a run without ``-m``."""
+    url = next((u for k, u in nodes.items() if k.startswith("prefill")), None)
+    if url is None:
+        return LiveOptions.model  # LiveOptions names the missing node
+    try:
+        data = NodeClient(url, timeout=10.0).get_json("/v1/models")
+        return str(data["data"][0]["id"])
+    except (ClientError, KeyError, IndexError, TypeError) as exc:
+        raise CalibrationError(
+            f"cannot read the served model from {url}/v1/models ({exc}): give -m NAME"
+        ) from None
 
 
 def _counter(opts: LiveOptions) -> TokenCounter:
@@ -384,7 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a node to scrape: prefill=URL (required), decode=URL, router=URL (default: --url)",
     )
     ap.add_argument("--tokenize-url", help="a node with /tokenize (default: P's)")
-    ap.add_argument("-m", "--model", default=LiveOptions.model, help="served model name")
+    ap.add_argument(
+        "-m", "--model", default=None, help="served model name (default: P's /v1/models)"
+    )
     ap.add_argument(
         "--lengths",
         type=int_list,
@@ -439,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         opts = LiveOptions(
             url=args.url,
             nodes=nodes,
-            model=args.model,
+            model=args.model or _served_model(nodes),
             lengths=tuple(args.lengths),
             conversations=args.conversations,
             input_tokens=args.input_tokens,

@@ -39,6 +39,16 @@ def test_the_command_names_a_missing_prefill_node(capsys: pytest.CaptureFixture[
     assert "--metrics-url prefill=URL" in capsys.readouterr().err
 
 
+def test_without_a_model_name_it_asks_p_and_says_so_when_it_cannot(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["-u", "http://127.0.0.1:9", "--metrics-url", "prefill=http://127.0.0.1:9"]
+    assert main([*argv, "-o", "/nonexistent/never"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read the served model from http://127.0.0.1:9/v1/models" in err
+    assert "give -m NAME" in err
+
+
 def _rec(tokens: int, latency_ms: float, ok: bool = True) -> RequestRecord:
     return RequestRecord(
         ttft_ms=latency_ms / 2,
