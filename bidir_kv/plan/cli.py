@@ -19,6 +19,7 @@ from typing import Any
 from bidir_kv.bench.args import distribution, float_list, int_list
 from bidir_kv.bench.distributions import Distribution, DistributionError
 from bidir_kv.bench.results import ResultError, load_result
+from bidir_kv.engine.profiles import TermRange
 from bidir_kv.plan.calibrate import CheckRow, calibrate, check_rows
 from bidir_kv.plan.modelcfg import ModelConfigError, load_model_config, model_shape
 from bidir_kv.plan.planner import (
@@ -35,6 +36,7 @@ from bidir_kv.plan.planner import (
 )
 from bidir_kv.plan.predict import cost_from_profile
 from bidir_kv.plan.ranges import break_even_spread, threshold_check, ttft_spreads
+from bidir_kv.plan.sources import FP8_PEAK_TFLOPS, class_rate, model_class
 from bidir_kv.plan.tail import Tail, tail_text
 
 __all__ = ["build_parser", "main", "run_plan"]
@@ -76,10 +78,18 @@ def _hardware_args(ap: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--peak-tflops",
         type=float,
-        default=hw.peak_tflops_per_gpu,
-        help="per-GPU dense peak (default 989, H200 BF16; 1979 for FP8)",
+        default=None,
+        help="per-GPU dense peak (default 989, H200 BF16; 1979, FP8, for a model of a measured "
+        "class)",
     )
-    h.add_argument("--mfu", type=float, default=hw.mfu, help="achieved fraction in prefill")
+    h.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help=f"achieved fraction of the peak in prefill (default: the model class's share of "
+        f"the FP8 peak from public measurements, with their spread as a range, "
+        f"docs/profiles.md §8; a model of no measured class: {hw.mfu:g}, an assumption)",
+    )
     h.add_argument(
         "--rail-gbps",
         type=float,
@@ -188,10 +198,14 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
         )
     if args.config is not None:
         shape = model_shape(load_model_config(args.config), args.kv_dtype)
+        cls = model_class(shape) if args.mfu is None else None
+        rate = class_rate(cls) if cls else None
+        default_hw = Hardware()
         hw = Hardware(
             gpus=args.tp,
-            peak_tflops_per_gpu=args.peak_tflops,
-            mfu=args.mfu,
+            peak_tflops_per_gpu=args.peak_tflops
+            or (FP8_PEAK_TFLOPS if rate else default_hw.peak_tflops_per_gpu),
+            mfu=args.mfu or (rate.center if rate else default_hw.mfu),
             rail_gbytes_per_s=args.rail_gbps,
             rails_per_gpu=args.rails_per_gpu,
             per_descriptor_us=args.per_descriptor_us,
@@ -203,7 +217,23 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
                 else Hardware().pull_overhead_us
             ),
         )
-        return CostModel.from_hardware(shape, hw)
+        cost = CostModel.from_hardware(shape, hw)
+        if rate is None:
+            return cost
+        low, high = rate.factors()
+        where = f"{cls}: median of {', '.join(rate.sources)} (docs/profiles.md §8)"
+        return replace(
+            cost,
+            notes=(*cost.notes, f"compute: {rate.center:.2%} of the FP8 peak, class {where}"),
+            uncertainty=(
+                TermRange(
+                    "recompute",
+                    round(low, 4),
+                    round(high, 4),
+                    f"the class's spread over {', '.join(rate.spread_sources)}",
+                ),
+            ),
+        )
     if args.calibration is not None or args.profile is not None:
         cost = _measured_or_profile(args)
         if args.pull_overhead_us is not None:

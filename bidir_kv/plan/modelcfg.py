@@ -92,6 +92,7 @@ class ModelShape:
     total_params: float
     active_params: float  # per token, excluding the embedding lookup
     kv_cache_dtype: str = "bfloat16"  # as the server resolves --kv-cache-dtype
+    num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
 
     @property
     def sparse(self) -> bool:
@@ -284,6 +285,7 @@ def model_shape(config: Mapping[str, Any], kv_dtype: str | None = None) -> Model
         total_params=float(total),
         active_params=float(active),
         kv_cache_dtype=dtype,
+        num_experts=experts,
     )
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "FixedMeasurement",
     "Measurement",
     "class_rate",
+    "model_class",
     "prefill_flops_per_token",
 ]
 
@@ -44,6 +45,15 @@ FP8_PEAK_TFLOPS = 1979.0
 # the serving regimes a measurement comes from
 SERIAL = "tp8-serial"  # a TP 8 engine computing one prefill at a time (queued or alone)
 EP_BATCH = "ep-batch"  # expert/data parallel attention over large batches (a bound)
+
+
+def model_class(shape: ModelShape) -> str | None:
+    """The class of measurements a shape belongs to (None: no class measured here)."""
+    if shape.num_experts and shape.sparse:
+        return "moe-mla-dsa"
+    if shape.num_experts and shape.attention == "mla":
+        return "moe-mla"
+    return None
 
 
 def prefill_flops_per_token(shape: ModelShape, prompt_tokens: float) -> float:

@@ -302,3 +302,25 @@ def test_plan_prints_ranges_the_dominant_term_and_whether_the_threshold_holds(
     assert "over the terms' ranges" not in out
     assert plan_main(["--profile", "qwen3-32b-p5en", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ranges"] is None
+
+
+def test_plan_config_takes_a_measured_class_rate_with_its_range(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    configs = Path(__file__).resolve().parents[2] / "bidir_kv/data/model_configs"
+    assert plan_main(["--config", str(configs / "glm-5-fp8.json"), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rate = class_rate("moe-mla-dsa")
+    assert plan["cost_model"]["recompute_us_per_token"] == pytest.approx(
+        predicted_cost().cost.recompute_us_per_token
+    )
+    assert [t["term"] for t in plan["ranges"]["terms"]] == ["recompute"]
+    assert plan["ranges"]["terms"][0]["high"] == pytest.approx(rate.factors()[1], rel=1e-3)
+    # a model of no measured class keeps the stated assumption, as a point
+    assert plan_main(["--config", str(configs / "qwen3-32b.json"), "--json"]) == 0
+    qwen = json.loads(capsys.readouterr().out)
+    assert qwen["ranges"] is None and "MFU 0.4" in " ".join(qwen["cost_model"]["notes"])
+    # an explicit --mfu is the user's figure: no class, no range
+    argv = ["--config", str(configs / "glm-5-fp8.json"), "--mfu", "0.2", "--json"]
+    assert plan_main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["ranges"] is None
