@@ -23,7 +23,7 @@ from bidir_kv.bench.memory import DEFAULT_INTERVAL_S
 from bidir_kv.bench.runner import RunOptions
 from bidir_kv.bench.sweep import run_bench
 from bidir_kv.bench.topo import CONNECTORS, STOCK, TOPOLOGIES, LegError, LegSetup, parse_connectors
-from bidir_kv.bench.workload import WorkloadError, WorkloadSpec
+from bidir_kv.bench.workload import HISTORY_MODES, WorkloadError, WorkloadSpec
 from bidir_kv.engine.profiles import ProfileError
 from bidir_kv.errors import PlanError
 from bidir_kv.launch.process import ProcessFailed
@@ -155,6 +155,16 @@ def _workload_args(ap: argparse.ArgumentParser) -> None:
         help="length of those gaps in s (default 1.1 × TTL + 1)",
     )
     wl.add_argument("--seed", type=int, default=_WORK.seed)
+    wl.add_argument(
+        "--history",
+        choices=HISTORY_MODES,
+        default=_WORK.history,
+        help="how each client sends the previous reply back in the next turn: verbatim "
+        "(vLLM's benchmark), replaced (another text of as many words, as benchmarks that "
+        "thread recorded replies), half (its first half), no-think (without its reasoning: "
+        "the text after </think>, or its second half); default verbatim "
+        "(docs/benchmarking.md)",
+    )
 
 
 def _client_args(ap: argparse.ArgumentParser) -> None:
@@ -170,6 +180,14 @@ def _client_args(ap: argparse.ArgumentParser) -> None:
         help="send conversation_id and X-Session-ID (vLLM's multi-turn benchmark's flag, "
         "off there by default); --no-send-conversation-id sends no id of any kind, as an "
         "unmodified client (the router then recognises turns by their history)",
+    )
+    cl.add_argument(
+        "--return-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=_RUN.token_ids,
+        help="ask for the reply's token ids (return_token_ids), so each row can say how many "
+        "tokens were reusable; --no-return-token-ids sends vLLM's benchmark body exactly "
+        "(reusable then unknown)",
     )
     cl.add_argument("--request-timeout-sec", type=float, default=_RUN.request_timeout_s)
     cl.add_argument(

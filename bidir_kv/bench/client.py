@@ -22,8 +22,10 @@ def build_chat_body(
     conversation_id: str | None,
     *,
     ignore_eos: bool = True,
+    token_ids: bool = False,
 ) -> dict[str, Any]:
-    """The request body vLLM's multi-turn benchmark sends (plus usage and ``ignore_eos``)."""
+    """The request body vLLM's multi-turn benchmark sends (plus usage, ``ignore_eos`` and,
+    with ``token_ids``, ``return_token_ids``: the reply's ids, for tokens reusable)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": list(messages),
@@ -33,6 +35,8 @@ def build_chat_body(
     }
     if ignore_eos:
         body["ignore_eos"] = True
+    if token_ids:
+        body["return_token_ids"] = True
     if conversation_id is not None:
         body["conversation_id"] = conversation_id
     return body

@@ -103,6 +103,16 @@ class LegPoint:
     d_retained_max: float = math.nan
     d_retained_source: str = "none"
     d_preemptions: float | None = None
+    # prompt tokens D's retained previous turns could have served (bench/reuse.py), the
+    # yardstick of tokens_external; None: not known (no token ids)
+    tokens_reusable: float | None = None
+
+    @property
+    def reused_share(self) -> float | None:
+        """Tokens P read from D over tokens reusable (None: nothing reusable, or unknown)."""
+        if not self.tokens_reusable:
+            return None
+        return self.tokens_external / self.tokens_reusable
 
 
 @dataclass
@@ -228,6 +238,7 @@ def summarize_point(
     itl = [g for r in decoded for g in r.itl_ms]
     d_rows = list(_rows(info, "decode"))
     mem = memory_summary(info)
+    reusable = [r.reusable_tokens for r in records if r.reusable_tokens is not None]
     return LegPoint(
         leg=leg,
         point=point,
@@ -273,6 +284,7 @@ def summarize_point(
         d_retained_max=mem.retained_max if mem else math.nan,
         d_retained_source=mem.source if mem else "none",
         d_preemptions=_decode_preemptions(info, d_rows),
+        tokens_reusable=float(sum(reusable)) if reusable else None,
     )
 
 

@@ -23,8 +23,9 @@ from typing import Any
 
 from bidir_kv.bench.client import build_chat_body, stream_chat
 from bidir_kv.bench.memory import DEFAULT_INTERVAL_S, MemorySampler
+from bidir_kv.bench.reuse import SentTurn
 from bidir_kv.bench.stats import RequestRecord, write_records
-from bidir_kv.bench.workload import Conversation
+from bidir_kv.bench.workload import Conversation, reply_in_history
 from bidir_kv.client import AsyncNodeClient, ClientError, Completion, NodeClient, scrape
 from bidir_kv.scrape import MetricsSnapshot
 
@@ -53,6 +54,9 @@ class RunOptions:
     # nodes whose KV memory is sampled while a point runs (bench/memory.py): P and D
     memory_urls: Mapping[str, str] = field(default_factory=dict)
     memory_interval_s: float = DEFAULT_INTERVAL_S
+    # ask for the reply's token ids (return_token_ids), so the tokens D retains are
+    # known and bench can say how much of each prompt was reusable (bench/reuse.py)
+    token_ids: bool = True
 
 
 @dataclass
@@ -115,6 +119,7 @@ class ConversationState:
     next_turn: int = 0
     messages: list[dict[str, str]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    sent: list[SentTurn] = field(default_factory=list)  # what each request sent and got
 
 
 async def run_point(
@@ -236,7 +241,9 @@ async def _one_turn(
         turn.max_tokens,
         cid if opts.send_conversation_id else None,
         ignore_eos=opts.ignore_eos,
+        token_ids=opts.token_ids,
     )
+    sent_messages = len(state.messages)
     headers = dict(opts.headers)
     if opts.send_conversation_id:
         headers["X-Session-ID"] = cid
@@ -275,10 +282,14 @@ async def _one_turn(
         ok=error is None,
         error=error,
         itl_ms=[round(g * 1e3, 3) for g in res.itl] if error is None else [],
+        cached_tokens=res.cached_tokens if error is None else None,
     )
+    state.sent.append(SentTurn(rec, sent_messages, list(res.token_ids) if error is None else []))
     if error is None:
-        state.messages.append({"role": "assistant", "content": res.text})
-        state.tokens.append(out_tokens)
+        reply = reply_in_history(res.text, state.conv.history, f"{cid}:{turn.index}")
+        state.messages.append({"role": "assistant", "content": reply})
+        # the reply's share of the history, in tokens (exact when it went back verbatim)
+        state.tokens.append(round(out_tokens * len(reply) / len(res.text)) if res.text else 0)
     return rec
 
 

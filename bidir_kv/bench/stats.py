@@ -66,6 +66,12 @@ class RequestRecord:
     # gaps between successive content chunks, ms (vLLM's ``benchmark_serving`` ITL; the
     # multi-turn benchmark keeps only their mean): docs/benchmarking.md "Decode side"
     itl_ms: list[float] = field(default_factory=list)
+    # usage.prompt_tokens_details.cached_tokens: prompt tokens P did not compute (its own
+    # cache hits and what it read from D); None when the server did not say
+    cached_tokens: int | None = None
+    # the prompt's longest block-aligned prefix D's retained previous turn holds
+    # (bench/reuse.py); None: not known (no token ids, or the previous turn failed)
+    reusable_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

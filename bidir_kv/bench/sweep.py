@@ -23,7 +23,9 @@ from bidir_kv.bench.interrupt import Interrupt, run_point_interruptible, termina
 from bidir_kv.bench.memory import DEFAULT_INTERVAL_S
 from bidir_kv.bench.overhead import load_now, node_cpu, point_overhead
 from bidir_kv.bench.progress import Progress
+from bidir_kv.bench.reuse import ChatTokenizer, fill_reusable
 from bidir_kv.bench.runner import (
+    ConversationState,
     HttpTokenCounter,
     RunOptions,
     metrics_delta,
@@ -46,6 +48,7 @@ from bidir_kv.bench.workload import (
     build_conversations,
     count_words,
 )
+from bidir_kv.client import ClientError
 
 __all__ = ["parse_metrics_urls", "run_bench", "write_manifest"]
 
@@ -120,6 +123,7 @@ def _specs(args: argparse.Namespace) -> list[WorkloadSpec]:
             beyond_ttl_fraction=args.beyond_ttl_fraction,
             beyond_ttl_gap_s=beyond_gap,
             seed=args.seed,
+            history=getattr(args, "history", "verbatim"),
         )
         for p in args.prefix_tokens
     ]
@@ -173,6 +177,8 @@ def _manifest(
         "workload": {**asdict(specs[0]), "think_time": str(args.think_time)},
         "num_clients": args.num_clients,
         "max_active_conversations": args.max_active_conversations,
+        "send_conversation_id": args.send_conversation_id,
+        "return_token_ids": getattr(args, "return_token_ids", True),
         "engines": {
             "kv_recompute_threshold": args.kv_recompute_threshold,
             "decoder_kv_blocks_ttl": args.decoder_kv_blocks_ttl,
@@ -207,6 +213,7 @@ class _Sweep:
     progress: Progress
     intr: Interrupt = field(default_factory=Interrupt)
     _conversations: dict[int, list[Conversation]] = field(default_factory=dict)
+    _tokenize_url: str | None = None  # the leg's engine with /tokenize (tokens reusable)
 
     def run(self, legs: Sequence[str]) -> bool:
         """Run every leg; returns whether the run was interrupted. Restores signal handlers."""
@@ -242,10 +249,12 @@ class _Sweep:
         if not HttpTokenCounter(tok_url, args.model).available():
             print(
                 f"warning: no /tokenize at {tok_url}; prompt lengths are counted in "
-                "words, not tokens",
+                "words, not tokens, and tokens reusable are not reported",
                 file=sys.stderr,
             )
             counter = count_words
+        else:
+            self._tokenize_url = tok_url
         return self._leg(leg, args.url, nodes, counter)
 
     def _launched_legs(self, legs: Sequence[str]) -> bool:
@@ -264,6 +273,7 @@ class _Sweep:
                 }
                 write_manifest(self.out, self.manifest)  # which PIDs are ours, should we die
                 counter = HttpTokenCounter(topo.prefill[0].url, self.args.model)
+                self._tokenize_url = topo.prefill[0].url
                 ok = not self.intr.requested and self._leg(
                     leg, topo.router_url, node_urls(topo), counter
                 )
@@ -285,6 +295,7 @@ class _Sweep:
             request_timeout_s=args.request_timeout_sec,
             memory_urls={n: u for n, u in nodes.items() if n.startswith(("prefill", "decode"))},
             memory_interval_s=getattr(args, "memory_interval", DEFAULT_INTERVAL_S),
+            token_ids=getattr(args, "return_token_ids", True),
         )
         for i, spec in enumerate(self.specs):
             if self.intr.requested:
@@ -300,6 +311,22 @@ class _Sweep:
             if not self._point(leg, spec, convs, opts, nodes):
                 return False
         return True
+
+    def _reusable(self, states: Mapping[str, ConversationState]) -> None:
+        """Tokens reusable per turn (bench/reuse.py); a warning, never a failed point,
+        when the engine cannot tokenize chat messages."""
+        if self._tokenize_url is None or not getattr(self.args, "return_token_ids", True):
+            return
+        tokenize = ChatTokenizer(self._tokenize_url, self.args.model)
+        try:
+            fill_reusable(
+                ((s.messages, s.sent) for s in states.values()), tokenize, self.args.block_size
+            )
+        except (ClientError, RuntimeError) as exc:
+            print(
+                f"warning: tokens reusable not computed ({_reusable_error(exc)})",
+                file=sys.stderr,
+            )
 
     def _pids(self, leg: str) -> dict[str, int | None]:
         """PIDs of the nodes this run started for ``leg`` (none for ``--url``)."""
@@ -325,10 +352,14 @@ class _Sweep:
         before = snapshot_nodes(nodes)
         cpu0, load0 = node_cpu(pids), load_now()
         logs0 = log_offsets((self.manifest.get("nodes") or {}).get(leg) or {})
-        result = run_point_interruptible(convs, opts, leg, self.progress.advance, self.intr)
+        states: dict[str, ConversationState] = {}
+        result = run_point_interruptible(
+            convs, opts, leg, self.progress.advance, self.intr, states=states
+        )
         cpu1, load1 = node_cpu(pids), load_now()
         logs1 = log_offsets((self.manifest.get("nodes") or {}).get(leg) or {})
         after = snapshot_nodes(nodes)
+        self._reusable(states)  # after the snapshot: its /tokenize calls are not the point's
         write_point(self.out, leg, spec.prefix_tokens, result, metrics_delta(before, after))
         self.manifest["runs"].setdefault(leg, {})[str(spec.prefix_tokens)] = {
             "duration_s": round(result.duration_s, 3),
@@ -352,6 +383,10 @@ class _Sweep:
                 file=sys.stderr,
             )
         return not result.interrupted
+
+
+def _reusable_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def parse_metrics_urls(items: Sequence[str], prog: str = "bidir-kv bench") -> list[tuple[str, str]]:

@@ -7,6 +7,11 @@ message and ``output_tokens`` per answer. Every conversation has its own text
 (seeded per conversation), so prefix caches never share blocks between
 conversations. Token counts are made exact with the server's tokenizer
 (``/tokenize``) through a ``count`` callable; without one, words are counted.
+
+``history`` is how a client sends the previous reply back in the next turn
+(:func:`reply_in_history`): verbatim, as vLLM's benchmark does, or rewritten the
+ways agentic clients rewrite it (replaced by a recorded text, cut to half, its
+reasoning stripped).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from bidir_kv.bench.distributions import Distribution
 from bidir_kv.errors import ConfigError
 
 __all__ = [
+    "HISTORY_MODES",
     "Conversation",
     "TokenCounter",
     "Turn",
@@ -28,6 +34,7 @@ __all__ = [
     "build_conversations",
     "count_words",
     "fit_text",
+    "reply_in_history",
 ]
 
 TokenCounter = Callable[[str], int]
@@ -60,6 +67,34 @@ class WorkloadError(ConfigError):
     """Bad workload parameters; the message names the parameter."""
 
 
+# how the previous reply goes back into the next turn's history (reply_in_history)
+HISTORY_MODES = ("verbatim", "replaced", "half", "no-think")
+THINK_END = "</think>"
+
+
+def reply_in_history(text: str, mode: str, key: str) -> str:
+    """The assistant message a client sends back for the reply ``text``.
+
+    ``verbatim``: the reply as received (vLLM's multi-turn benchmark). ``replaced``:
+    another text of as many words, seeded by ``key`` (a benchmark threading recorded
+    replies). ``half``: its first half (by characters: a trimmed tool output, a cut
+    reply). ``no-think``: without its reasoning, as reasoning templates send it back:
+    the text after ``</think>`` when the reply has one, else its second half (a model
+    without a reasoning parser's tags: the first half stands for the reasoning).
+    """
+    if mode == "verbatim":
+        return text
+    if mode == "replaced":
+        return " ".join(_WordSource(random.Random(f"bidir-kv:reply:{key}")).take(len(text.split())))
+    if mode == "half":
+        return text[: len(text) // 2]
+    if mode == "no-think":
+        if THINK_END in text:
+            return text.split(THINK_END, 1)[1].lstrip()
+        return text[len(text) // 2 :].lstrip()
+    raise WorkloadError(f"history must be one of {', '.join(HISTORY_MODES)}, got {mode!r}")
+
+
 def count_words(text: str) -> int:
     """Fallback counter when no tokenizer endpoint is available: one token per word."""
     return len(text.split())
@@ -78,8 +113,13 @@ class WorkloadSpec:
     beyond_ttl_fraction: float = 0.0
     beyond_ttl_gap_s: float = 0.0
     seed: int = 0
+    history: str = "verbatim"  # how the previous reply is sent back (HISTORY_MODES)
 
     def __post_init__(self) -> None:
+        if self.history not in HISTORY_MODES:
+            raise WorkloadError(
+                f"history must be one of {', '.join(HISTORY_MODES)}, got {self.history!r}"
+            )
         for name in ("num_conversations", "num_turns", "input_tokens", "output_tokens"):
             if getattr(self, name) < 1:
                 raise WorkloadError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -108,6 +148,7 @@ class Conversation:
     conversation_id: str
     prefix_tokens: int
     turns: tuple[Turn, ...]
+    history: str = "verbatim"  # how its client sends each reply back (reply_in_history)
 
 
 class _WordSource:
@@ -218,5 +259,5 @@ def build_conversations(
                     beyond_ttl=beyond,
                 )
             )
-        out.append(Conversation(cid, spec.prefix_tokens, tuple(turns)))
+        out.append(Conversation(cid, spec.prefix_tokens, tuple(turns), spec.history))
     return out

@@ -18,6 +18,8 @@ headline unreliable (``bidir_kv.report.headline``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import shutil
@@ -28,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bidir_kv.bench import cli as bench_cli
-from bidir_kv.bench.results import load_result
+from bidir_kv.bench.results import LegPoint, load_result
 from bidir_kv.bench.split import on_prefill_split
 from bidir_kv.bench.summary import Summary, ratio_rows, summarize_result
 from bidir_kv.engine.profiles import PROFILE_DIR, ProfileError, load_profile
@@ -37,7 +39,14 @@ from bidir_kv.plan.published import FIGURES, PublishedTable, load_table
 from bidir_kv.report.cli import decode_table, render_dir
 from bidir_kv.report.headline import headline, headline_text
 
-__all__ = ["main", "measured_figures", "published_lines", "scaled_profile"]
+__all__ = [
+    "main",
+    "measured_figures",
+    "published_lines",
+    "rewritten_leg",
+    "rewritten_table",
+    "scaled_profile",
+]
 
 # the publication's acceptance band for a figure of the demo against the published one
 PUBLISHED_BAND = 0.15
@@ -109,6 +118,14 @@ def _parser() -> argparse.ArgumentParser:
         "per pulled token; off in the demo so P's own CPU stays small against its "
         "emulated prefill)",
     )
+    ap.add_argument(
+        "--rewritten",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the sweep, a short ON leg where clients rewrite the previous reply "
+        "(replaced, cut to half, reasoning stripped; with and without ids) and the tokens "
+        "reused are set against the tokens reusable (docs/benchmarking.md; ~20 s)",
+    )
     ap.add_argument("-o", "--out", type=Path, default=Path("out/demo"))
     return ap
 
@@ -152,8 +169,103 @@ def main(argv: Sequence[str] | None = None) -> int:
         min_turn(args.num_turns, args.warmup_fraction),
         args.time_scale,
     )
+    if args.rewritten:
+        rc = rewritten_leg(args.out / "rewritten", args.transport)
+        if rc != 0:
+            return rc
     print(f"done in {time.monotonic() - t0:.0f} s; every process stopped")
     return 0
+
+
+# the rewritten-history leg: reuse is a count of tokens, not a time, so the tiny
+# profile (no emulated durations) serves it in seconds; every run shares one topology
+REWRITTEN = ("verbatim", "replaced", "half", "no-think")
+_REWRITTEN_WORKLOAD = (
+    "--prefix-tokens",
+    "2000",
+    "--num-conversations",
+    "2",
+    "--num-turns",
+    "3",
+    "--input-tokens",
+    "150",
+    "--output-tokens",
+    "300",
+)
+
+
+def rewritten_leg(out: Path, transport: str) -> int:
+    """ON only, on one emulated 1P1D + router (tiny profile): each history mode with and
+    without conversation ids, a ``bench --url`` run each (its own seed, so no run
+    finds another's conversations); prints tokens reused / tokens reusable per run."""
+    from bidir_kv.bench.topo import LegSetup, node_urls, start_leg
+
+    print(
+        "\nrewritten history (ON; tiny profile, 2 conversations x 3 turns, 2000-token "
+        "prefix): tokens P read from D / tokens D's retained turns could serve",
+        flush=True,
+    )
+    setup = LegSetup(profile="tiny", transport=transport, log_dir=out / "logs")
+    rows: list[tuple[str, str, LegPoint | None]] = []
+    with start_leg("on", setup) as topo:
+        metrics = [f"{name[:-1]}={url}" for name, url in node_urls(topo).items()]
+        for seed, (history, ids) in enumerate(
+            (h, i)
+            for h in REWRITTEN
+            for i in ("--send-conversation-id", "--no-send-conversation-id")
+        ):
+            run = out / f"{history}{'' if ids.startswith('--send') else '-no-id'}"
+            argv = [
+                "--url",
+                topo.router_url,
+                *(a for m in metrics for a in ("--metrics-url", m)),
+                "--legs",
+                "on",
+                "--model",
+                setup.model,
+                "--block-size",
+                str(setup.block_size),
+                *_REWRITTEN_WORKLOAD,
+                "--history",
+                history,
+                ids,
+                "--seed",
+                str(1000 + seed),
+                "--no-progress",
+                "--no-client-check",
+                "-o",
+                str(run),
+            ]
+            said = io.StringIO()  # the table below says it; shown when a run fails
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                rc = bench_cli.main(argv)
+            if rc != 0:
+                print(said.getvalue(), end="")
+                print(f"bidir-kv demo: the rewritten-history run {run.name} failed (exit {rc})")
+                return rc
+            summary = summarize_result(load_result(run))
+            rows.append(
+                (history, "yes" if ids.startswith("--send") else "no", summary.get("on", 2000))
+            )
+    for line in rewritten_table(rows):
+        print(line)
+    return 0
+
+
+def rewritten_table(rows: Sequence[tuple[str, str, LegPoint | None]]) -> list[str]:
+    """History mode, ids, and tokens reused / reusable (share) per run."""
+    lines = [f"{'history':<9} {'ids':<4} {'reused':>8} {'reusable':>9} {'share':>6}"]
+    for history, ids, row in rows:
+        if row is None:
+            lines.append(f"{history:<9} {ids:<4} {'n/a':>8} {'n/a':>9} {'n/a':>6}")
+            continue
+        share = row.reused_share
+        lines.append(
+            f"{history:<9} {ids:<4} {row.tokens_external:>8.0f} "
+            f"{_f(row.tokens_reusable, '9.0f')} "
+            f"{'n/a' if share is None else format(100 * share, '5.0f') + '%':>6}"
+        )
+    return lines
 
 
 def _sweep_argv(args: argparse.Namespace, profile_path: Path) -> list[str]:

@@ -43,6 +43,13 @@ def _run_lines(m: Mapping[str, Any]) -> list[str]:
         f"`{wl.get('think_time')}`, seed {wl.get('seed')}",
         f"- clients: {m.get('num_clients')}, max active conversations "
         f"{m.get('max_active_conversations')}",
+        f"- history: previous reply sent back `{wl.get('history', 'verbatim')}`, conversation "
+        f"ids {'sent' if m.get('send_conversation_id', True) else 'not sent'}; tokens reusable "
+        + (
+            "from the replies' token ids"
+            if m.get("return_token_ids", True)
+            else "not known (--no-return-token-ids)"
+        ),
     ]
     legs = m.get("leg_connectors") or {}
     if legs:
@@ -98,17 +105,20 @@ def render_markdown(
         "## Prefill duration and KV transfer (D→P reads, measured on P)",
         "",
         "| leg | prefix tokens | prefill ms (router) | KV transfer ms/request | transfers |"
-        " MiB/transfer | ms/transfer | pulled tokens | P computed tokens | expired | failed |"
-        " errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " MiB/transfer | ms/transfer | pulled tokens | reusable tokens | pulled/reusable |"
+        " P computed tokens | expired | failed | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in summary.rows:
+        share = r.reused_share
         lines.append(
             f"| {r.leg} | {r.point} | {_fmt(r.prefill_ms, '.1f')} "
             f"| {_fmt(r.xfer_ms_per_request, '.2f')} | {r.xfer_count} "
             f"| {_fmt(r.mb_per_transfer, '.2f')} | {_fmt(r.xfer_ms_per_transfer, '.2f')} "
-            f"| {r.tokens_external:.0f} | {r.tokens_local_compute:.0f} | {r.expired:.0f} "
-            f"| {r.failed:.0f} | {r.errors} |"
+            f"| {r.tokens_external:.0f} | {_fmt(r.tokens_reusable)} "
+            f"| {_fmt(None if share is None else 100 * share, '.0f')}"
+            f"{'' if share is None else ' %'} "
+            f"| {r.tokens_local_compute:.0f} | {r.expired:.0f} | {r.failed:.0f} | {r.errors} |"
         )
     lines += _decode_lines(summary)
     lines += _connector_lines(summary)

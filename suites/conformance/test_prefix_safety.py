@@ -8,7 +8,9 @@ sequence, each arranged so that P *does* pull (count >= threshold):
 * stripped reasoning: the first half of the answer ("thinking") is dropped
   (vLLM issue #43094; guard proposed in vLLM PR #44838);
 * shorter prompt: the client branches from an earlier point, so D's sequence is
-  longer than P's prompt and suffix trimming takes D's *last* blocks.
+  longer than P's prompt and suffix trimming takes D's *last* blocks;
+* another conversation's params: a dict D made for another conversation, live
+  (forged onto this request) or already read (stale), handed to P with this prompt.
 
 Direct P/D (no router) is what these pin; through our router the guard must make
 them safe (see test_oracle.py).
@@ -20,7 +22,7 @@ import pytest
 
 from bidir_kv.client import PDTurn, run_pd_turn
 from bidir_kv.testing.backends import PDBackend, PromptFactory
-from bidir_kv.testing.scenario import evidence
+from bidir_kv.testing.scenario import evidence, two_turns
 
 GEN = 16
 ANSWER = 64
@@ -74,3 +76,41 @@ def test_shorter_prompt_matches_recompute(pd: PDBackend, prompts: PromptFactory)
         f"output differs from recompute on a shorter prompt (P pulled {ev.external} tokens; "
         "suffix trimming pairs P's block with D's last block)"
     )
+
+
+def test_another_conversations_params_read_nothing_unverified(
+    pd: PDBackend, prompts: PromptFactory
+) -> None:
+    """P handed the dict D made for conversation A with conversation B's prompt must read
+    none of A's KV: its chain proves no token of B's prompt (docs/connector.md §3.3, the
+    emulator's claim answer, docs/engine.md). Forged: A's live dict (the turn D retains
+    now); stale: A's turn-1 dict, which A's turn 2 already read and D released. Either
+    P answers B from its own compute (equal to recompute) or, when it cannot serve the
+    dict under ``kv_load_failure_policy: fail``, fails cleanly; never a read. Stock vLLM
+    reads whatever the dict names: only a router's guard stands in between upstream
+    (the example proxy's, vLLM PR #44838)."""
+    bs = pd.block_size
+    # A: 3 blocks + 100 tokens, then a second turn that reads turn 1's last 115 tokens
+    a1, a2 = two_turns(pd, prompts, 3 * bs + 100, GEN, 40)
+    assert a2.d is not None and a2.d.params is not None
+    assert evidence(a2.p_leg.p).external > 0, "A's turn 2 should read turn 1 (the control)"
+    # B: P caches B's first block, so A's dicts offer P more than it holds (count >= T)
+    b1 = _turn1(pd, prompts, bs + 30)
+    assert b1.d is not None and b1.d.params is not None
+    prompt_b2 = [*b1.sequence, *prompts.tokens(2 * bs + 44)]
+    ref = pd.reference(prompt_b2, GEN)
+    for label, foreign in (("forged", a2.d.params), ("stale", a1.d.params)):
+        assert a1.d is not None
+        offered = min(foreign.remote_num_tokens or 0, len(prompt_b2))
+        t = run_pd_turn(pd.prefill, pd.decode, prompt_b2, GEN, foreign)
+        ev = evidence(t.p_leg.p)
+        assert ev.external == 0 and ev.bytes == 0, (
+            f"{label} params of another conversation: P read {ev.external} tokens "
+            f"({ev.bytes:.0f} bytes) of its KV (the dict offered {offered}; its chain proves "
+            "none of this prompt)"
+        )
+        if t.p.ok:
+            assert t.d is not None and t.d.ok, f"{label}: D leg failed: {t.d}"
+            assert t.d.token_ids == ref.token_ids, f"{label}: output differs from recompute"
+        else:  # a dict P cannot serve, under policy fail: a clean error, not wrong text
+            assert t.p.status == 500 and t.p.error is not None, (label, t.p)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bidir_kv.bench.results import load_result
 from bidir_kv.bench.stats import VLLM_FIELDS
 from bidir_kv.bench.summary import ratio_rows, summarize_result
@@ -92,6 +94,55 @@ def test_tiny_sweep_engages_reuse_only_when_on(tmp_path: Path) -> None:
     assert [r["point"] for r in ratio_rows(report)] == [64, 600]
     assert report_main([str(out)]) == 0
     assert (out / "ttft.png").is_file() and (out / "prefill.png").is_file()
+
+
+def test_rewritten_history_rows_report_reused_against_reusable(tmp_path: Path) -> None:
+    """``--history half``: each client sends back half its previous reply. Every later
+    turn's record says how many of its prompt tokens D's retained turn held
+    (``reusable_tokens``), the row sums them beside the tokens P pulled, and the report
+    prints both; with ids and the router's block size, everything reusable is reused."""
+    out = tmp_path / "half"
+    argv = bench_argv(out, "--legs", "on", "--prefix-tokens", "200", "--num-turns", "3")
+    argv += ["--history", "half", "--output-tokens", "40", "--no-client-check"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    raw = json.loads((out / "on" / "p000200.stats.json").read_text())
+    assert [r["reusable_tokens"] for r in raw if r["turn"] == 1] == [0, 0]
+    later = [r for r in raw if r["turn"] > 1]
+    assert later and all(r["reusable_tokens"] > 0 for r in later)
+    # half the reply went back: the prompt stops sharing D's tokens inside the reply,
+    # after the previous prompt and before all D retained (its prompt + reply - 1)
+    prev = {(r["conversation_id"], r["turn"]): r for r in raw}
+    for r in later:
+        before = prev[(r["conversation_id"], r["turn"] - 1)]
+        held = before["prompt_tokens"] + before["output_num_tokens"] - 1
+        assert before["prompt_tokens"] - 16 < r["reusable_tokens"] < held, (r, before)
+    row = summarize_result(load_result(out)).get("on", 200)
+    assert row is not None and row.tokens_reusable == sum(r["reusable_tokens"] for r in raw)
+    assert row.tokens_external == row.tokens_reusable  # the guard cut each hit to them
+    assert report_main([str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "history: previous reply sent back `half`" in report
+    assert f"| {row.tokens_reusable:.0f} | 100 % |" in report
+
+
+def test_demo_rewritten_leg_sets_reused_against_reusable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's rewritten-history leg: one topology, eight ``bench --url`` runs (four
+    history modes, with and without ids), one table; every run knows its reusable
+    tokens, and a verbatim history with ids reuses all of them."""
+    from bidir_kv.report.demo import REWRITTEN, rewritten_leg
+
+    assert rewritten_leg(tmp_path / "rw", "tcp") == 0
+    table = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(table) if line.startswith("history"))
+    rows = [line.split() for line in table[head + 1 : head + 1 + 2 * len(REWRITTEN)]]
+    assert [(r[0], r[1]) for r in rows] == [(h, ids) for h in REWRITTEN for ids in ("yes", "no")]
+    assert all(int(r[3]) > 0 for r in rows)  # reusable known for every run
+    assert rows[0][2] == rows[0][3] and rows[0][4] == "100%"  # verbatim with ids
+    manifests = [json.loads(m.read_text()) for m in (tmp_path / "rw").glob("*/manifest.json")]
+    assert len(manifests) == 8 and all(m["complete"] for m in manifests)
 
 
 def _running(proc: subprocess.Popen[str]) -> bool:
