@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bidir_kv.bench.args import distribution, int_list
 from bidir_kv.bench.capacity import measure_capacity
+from bidir_kv.bench.concurrency import run_concurrency
 from bidir_kv.bench.distributions import DistributionError
 from bidir_kv.bench.memory import DEFAULT_INTERVAL_S
 from bidir_kv.bench.runner import RunOptions
@@ -189,6 +190,15 @@ def _client_args(ap: argparse.ArgumentParser) -> None:
         "tokens were reusable; --no-return-token-ids sends vLLM's benchmark body exactly "
         "(reusable then unknown)",
     )
+    cl.add_argument(
+        "--concurrency",
+        type=int_list,
+        default=None,
+        metavar="L[,L...]",
+        help="run the OFF/ON sweep once per level: L clients and L active conversations (at "
+        "least L conversations), into DIR/c<L>/; levels beyond the topology's capacity are "
+        "left out (docs/benchmarking.md 'Concurrency sweep')",
+    )
     cl.add_argument("--request-timeout-sec", type=float, default=_RUN.request_timeout_s)
     cl.add_argument(
         "--point-sleep",
@@ -316,8 +326,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(cap.to_dict(), indent=1))
         return 0
     try:
-        if args.write_profile is not None and args.out is None:
+        if (args.write_profile is not None or args.concurrency) and args.out is None:
             args.out = Path("out") / time.strftime("bench-%Y%m%d-%H%M%S")
+        if args.concurrency:
+            if args.write_profile is not None:
+                raise LegError("--write-profile calibrates one run; not with --concurrency")
+            if min(args.concurrency) < 1:
+                raise LegError(f"--concurrency levels must be >= 1, got {args.concurrency}")
+            return run_concurrency(args, run_bench)
         rc = run_bench(args)
         if rc == 0 and args.write_profile is not None:
             rc = _write_profile(args)

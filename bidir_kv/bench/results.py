@@ -106,6 +106,8 @@ class LegPoint:
     # prompt tokens D's retained previous turns could have served (bench/reuse.py), the
     # yardstick of tokens_external; None: not known (no token ids)
     tokens_reusable: float | None = None
+    latency_p50: float = math.nan  # whole answer at the client, same turns as TTFT
+    p_usage_mean: float = math.nan  # P's KV usage sampled during the point (P's own cache)
 
     @property
     def reused_share(self) -> float | None:
@@ -239,6 +241,7 @@ def summarize_point(
     d_rows = list(_rows(info, "decode"))
     mem = memory_summary(info)
     reusable = [r.reusable_tokens for r in records if r.reusable_tokens is not None]
+    p_mem = memory_summary(info, prefix="prefill")
     return LegPoint(
         leg=leg,
         point=point,
@@ -285,6 +288,8 @@ def summarize_point(
         d_retained_source=mem.source if mem else "none",
         d_preemptions=_decode_preemptions(info, d_rows),
         tokens_reusable=float(sum(reusable)) if reusable else None,
+        latency_p50=percentile([r.latency_ms for r in ok], 50),
+        p_usage_mean=p_mem.usage_mean if p_mem else math.nan,
     )
 
 

@@ -7,20 +7,27 @@ and nothing here draws or formats.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypedDict
 
-from bidir_kv.bench.results import LegPoint, ResultDir, summarize_point
+from bidir_kv.bench.results import LegPoint, ResultDir, ResultError, load_result, summarize_point
 
 __all__ = [
+    "ConcurrencyRow",
     "DecodeRow",
     "RatioRow",
     "Summary",
+    "concurrency_rows",
     "decode_rows",
+    "load_levels",
+    "paying_limit",
     "ratio_rows",
     "regression_pct",
     "summarize_result",
+    "working_set_limit",
 ]
 
 
@@ -147,3 +154,151 @@ def decode_rows(summary: Summary, on_leg: str = "on") -> list[DecodeRow]:
             )
         )
     return out
+
+
+def load_levels(path: Path, min_turn: int = 2) -> list[tuple[int, Summary]]:
+    """The levels of a ``bench --concurrency`` directory (``concurrency.json``), each
+    summarized; raises :class:`ResultError` when ``path`` is not one."""
+    index = path / "concurrency.json"
+    if not index.is_file():
+        raise ResultError(f"{path}: no concurrency.json (not a bench --concurrency result)")
+    doc = json.loads(index.read_text())
+    out = []
+    for entry in doc.get("levels") or []:
+        sub = path / str(entry["dir"])
+        if sub.is_dir() and any(sub.glob("*/p*.stats.json")):
+            out.append((int(entry["level"]), summarize_result(load_result(sub), min_turn)))
+    if not out:
+        raise ResultError(f"{path}: concurrency.json lists no level with results")
+    return out
+
+
+class ConcurrencyRow(TypedDict):
+    """One (level, prefix point): TTFT and TPOT OFF/ON, the whole answer's latency, what
+    ON saves per turn, D's memory, and where P's prompt tokens came from in each leg."""
+
+    level: int
+    point: int
+    ttft_off: float | None
+    ttft_on: float | None
+    tpot_p50_off: float | None
+    tpot_p50_on: float | None
+    tpot_p99_off: float | None
+    tpot_p99_on: float | None
+    latency_off: float | None
+    latency_on: float | None
+    # TTFT saved minus what the slower decode adds to the answer (TPOT p50 difference ×
+    # (output tokens − 1)); ms per turn, > 0: ON pays
+    net_saving_ms: float | None
+    retained_mean_on: float | None
+    preemptions_off: float | None
+    preemptions_on: float | None
+    # shares of P's prompt tokens (all turns): P's own cache, D's read-back, computed
+    p_cache_off: float | None
+    p_cache_on: float | None
+    readback_on: float | None
+    compute_off: float | None
+    compute_on: float | None
+
+
+def _shares(row: LegPoint | None) -> tuple[float | None, float | None, float | None]:
+    if row is None:
+        return None, None, None
+    total = row.tokens_local_cache_hit + row.tokens_external + row.tokens_local_compute
+    if total <= 0:
+        return None, None, None
+    return (
+        row.tokens_local_cache_hit / total,
+        row.tokens_external / total,
+        row.tokens_local_compute / total,
+    )
+
+
+def concurrency_rows(levels: list[tuple[int, Summary]], output_tokens: int) -> list[ConcurrencyRow]:
+    out: list[ConcurrencyRow] = []
+    for level, summary in levels:
+        for point in summary.result.prefix_points:
+            off, on = summary.get("off", point), summary.get("on", point)
+
+            def f(row: LegPoint | None, name: str) -> float | None:
+                return None if row is None else _num(getattr(row, name))
+
+            ttft_off, ttft_on = f(off, "ttft_median"), f(on, "ttft_median")
+            tpot_off, tpot_on = f(off, "tpot_p50"), f(on, "tpot_p50")
+            net = None
+            if None not in (ttft_off, ttft_on, tpot_off, tpot_on):
+                assert ttft_off is not None and ttft_on is not None
+                assert tpot_off is not None and tpot_on is not None
+                net = (ttft_off - ttft_on) - (tpot_on - tpot_off) * max(0, output_tokens - 1)
+            c_off, _, comp_off = _shares(off)
+            c_on, rb_on, comp_on = _shares(on)
+            out.append(
+                ConcurrencyRow(
+                    level=level,
+                    point=point,
+                    ttft_off=ttft_off,
+                    ttft_on=ttft_on,
+                    tpot_p50_off=tpot_off,
+                    tpot_p50_on=tpot_on,
+                    tpot_p99_off=f(off, "tpot_p99"),
+                    tpot_p99_on=f(on, "tpot_p99"),
+                    latency_off=f(off, "latency_p50"),
+                    latency_on=f(on, "latency_p50"),
+                    net_saving_ms=net,
+                    retained_mean_on=f(on, "d_retained_mean"),
+                    preemptions_off=off.d_preemptions if off else None,
+                    preemptions_on=on.d_preemptions if on else None,
+                    p_cache_off=c_off,
+                    p_cache_on=c_on,
+                    readback_on=rb_on,
+                    compute_off=comp_off,
+                    compute_on=comp_on,
+                )
+            )
+    return out
+
+
+def paying_limit(rows: list[ConcurrencyRow], point: int) -> tuple[int | None, int | None]:
+    """At ``point``: the highest level at which ON still saves time per turn and the
+    first level above it at which it no longer does (None: not within the sweep)."""
+    mine = sorted((r for r in rows if r["point"] == point), key=lambda r: r["level"])
+    last_paying = None
+    for r in mine:
+        net = r["net_saving_ms"]
+        if net is None:
+            continue
+        if net > 0:
+            last_paying = r["level"]
+        elif last_paying is not None:
+            return last_paying, r["level"]
+    return last_paying, None
+
+
+def working_set_limit(
+    rows: list[ConcurrencyRow], point: int, *, gain: float = 0.05
+) -> tuple[int | None, int | None]:
+    """With P's own prefix cache on, at ``point``: the first level at which P's cache no
+    longer holds the conversations' histories (OFF's P-cache share of prompt tokens below
+    half of what it was at the lowest level), and the first level at which ON's TTFT
+    median beats OFF's by more than ``gain`` (read-back pays). None: not within the sweep."""
+    mine = sorted((r for r in rows if r["point"] == point), key=lambda r: r["level"])
+    base = next((r["p_cache_off"] for r in mine if r["p_cache_off"] is not None), None)
+    spills = next(
+        (
+            r["level"]
+            for r in mine
+            if base and r["p_cache_off"] is not None and r["p_cache_off"] < base / 2
+        ),
+        None,
+    )
+    pays = next(
+        (
+            r["level"]
+            for r in mine
+            if r["ttft_off"]
+            and r["ttft_on"] is not None
+            and r["ttft_on"] < r["ttft_off"] * (1 - gain)
+        ),
+        None,
+    )
+    return spills, pays

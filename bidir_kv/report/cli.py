@@ -8,13 +8,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bidir_kv.bench.compare import connector_table
+from bidir_kv.bench.concurrency import CONCURRENCY_FILE, level_dir
 from bidir_kv.bench.results import ResultError, load_result
-from bidir_kv.bench.summary import Summary, decode_rows, ratio_rows, summarize_result
+from bidir_kv.bench.summary import (
+    Summary,
+    concurrency_rows,
+    decode_rows,
+    load_levels,
+    ratio_rows,
+    summarize_result,
+)
 from bidir_kv.plan.predict import predict
-from bidir_kv.report.markdown import render_markdown
-from bidir_kv.report.plots import write_plots
+from bidir_kv.report.markdown import render_concurrency, render_markdown
+from bidir_kv.report.plots import write_concurrency_plot, write_plots
 
-__all__ = ["decode_table", "main", "ratio_table", "render_dir"]
+__all__ = ["decode_table", "main", "ratio_table", "render_concurrency_dir", "render_dir"]
 
 
 def render_dir(path: Path, out: Path | None = None, min_turn: int = 2) -> tuple[Path, str]:
@@ -77,6 +85,38 @@ def decode_table(summary: Summary) -> str:
     return "\n".join(lines)
 
 
+def render_concurrency_dir(path: Path, min_turn: int = 2) -> tuple[Path, str]:
+    """A ``bench --concurrency`` directory: each level's report, then ``concurrency.md``
+    and ``concurrency.png`` over the levels; returns (report path, console text)."""
+    levels = load_levels(path, min_turn)
+    for level, _ in levels:
+        render_dir(level_dir(path, level), min_turn=min_turn)
+    manifest = levels[0][1].result.manifest
+    output_tokens = int((manifest.get("workload") or {}).get("output_tokens") or 1)
+    p_cache = bool(((manifest.get("engines") or {}).get("prefix_caching") or {}).get("prefill"))
+    rows = concurrency_rows(levels, output_tokens)
+    plot = write_concurrency_plot(rows, path, p_cache)
+    md = render_concurrency(path.name, rows, output_tokens, p_cache, [str(plot)])
+    report = path / "concurrency.md"
+    report.write_text(md)
+    lines = [
+        f"{'level':>6} {'prefix':>7} {'TTFT OFF/ON':>13} {'TPOT p99 OFF/ON':>16} "
+        f"{'net ms/turn':>12}"
+    ]
+    for r in rows:
+
+        def v(x: float | None, spec: str) -> str:
+            return "n/a" if x is None else format(x, spec)
+
+        lines.append(
+            f"{r['level']:>6} {r['point']:>7} "
+            f"{v(r['ttft_off'], '.0f') + '/' + v(r['ttft_on'], '.0f'):>13} "
+            f"{v(r['tpot_p99_off'], '.2f') + '/' + v(r['tpot_p99_on'], '.2f'):>16} "
+            f"{v(r['net_saving_ms'], '+.0f'):>12}"
+        )
+    return report, "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="bidir-kv report",
@@ -98,6 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rc = 0
     for d in args.dirs:
         try:
+            if (d / CONCURRENCY_FILE).is_file():
+                report_path, table = render_concurrency_dir(d, args.min_turn)
+                print(f"== {d} (concurrency sweep)")
+                print(table)
+                print(f"report: {report_path}  plot: {d / 'concurrency.png'}")
+                continue
             report_path, table = render_dir(d, args.out, args.min_turn)
         except (ResultError, ValueError, OSError) as exc:
             print(f"bidir-kv report: {d}: {exc}", file=sys.stderr)

@@ -13,14 +13,21 @@ from typing import Any
 
 from bidir_kv.bench.compare import connector_points
 from bidir_kv.bench.split import on_prefill_split
-from bidir_kv.bench.summary import Summary, decode_rows, ratio_rows
+from bidir_kv.bench.summary import (
+    ConcurrencyRow,
+    Summary,
+    decode_rows,
+    paying_limit,
+    ratio_rows,
+    working_set_limit,
+)
 from bidir_kv.bench.topo import leg_feature
 from bidir_kv.plan.calibrate import CheckRow
 from bidir_kv.plan.predict import Prediction
 from bidir_kv.plan.tail import tail_text
 from bidir_kv.report.headline import headline, headline_text, point_overhead_of
 
-__all__ = ["render_markdown"]
+__all__ = ["render_concurrency", "render_markdown"]
 
 
 def _fmt(v: float | None, spec: str = ".0f") -> str:
@@ -307,3 +314,76 @@ def _check_lines(pred: Prediction) -> list[str]:
             *tails,
         ]
     return lines
+
+
+def render_concurrency(
+    title: str, rows: list[ConcurrencyRow], output_tokens: int, p_cache: bool, plots: Sequence[str]
+) -> str:
+    """``concurrency.md``: per level and prompt length, TTFT and TPOT OFF/ON, what ON
+    saves per turn net of its decode cost, D's memory; with P's own cache on, where P's
+    prompt tokens came from."""
+    lines = [
+        f"# bidir-kv concurrency sweep: {title}",
+        "",
+        "Level = concurrent clients = active conversations. Medians over turns ≥ 2 unless "
+        "marked p99. Net saving per turn = (TTFT OFF − TTFT ON) − (TPOT p50 ON − TPOT p50 OFF)"
+        f" × {max(0, output_tokens - 1)} further output tokens: above 0 the TTFT gain pays "
+        "for the decode cost. D retained = mean share of D's KV blocks; preemptions OFF/ON.",
+        "",
+        "| level | prefix | TTFT OFF / ON ms | TPOT p50 OFF / ON | TPOT p99 OFF / ON "
+        "| answer latency OFF / ON ms | net saving ms/turn | D retained | preemptions |",
+        "|---:|---:|---|---|---|---|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['level']} | {r['point']} | {_fmt(r['ttft_off'])} / {_fmt(r['ttft_on'])} "
+            f"| {_fmt(r['tpot_p50_off'], '.2f')} / {_fmt(r['tpot_p50_on'], '.2f')} "
+            f"| {_fmt(r['tpot_p99_off'], '.2f')} / {_fmt(r['tpot_p99_on'], '.2f')} "
+            f"| {_fmt(r['latency_off'])} / {_fmt(r['latency_on'])} "
+            f"| {_fmt(r['net_saving_ms'], '+.0f')} | {_share(r['retained_mean_on'])} "
+            f"| {_fmt(r['preemptions_off'])} / {_fmt(r['preemptions_on'])} |"
+        )
+    points = sorted({r["point"] for r in rows})
+    lines += ["", "## Where the TTFT gain stops paying", ""]
+    for point in points:
+        last, first = paying_limit(rows, point)
+        if last is None:
+            lines.append(f"- {point} prefix tokens: ON does not pay at any level of the sweep")
+        elif first is None:
+            lines.append(f"- {point} prefix tokens: ON pays at every level up to {last}")
+        else:
+            lines.append(
+                f"- {point} prefix tokens: ON pays up to {last} concurrent conversations and no "
+                f"longer at {first}"
+            )
+    if p_cache:
+        lines += [
+            "",
+            "## Where each turn's history came from (P's prompt tokens, all turns)",
+            "",
+            "P's own prefix cache (`local_cache_hit`), D's read-back (`external_kv_transfer`), "
+            "computed (`local_compute`, which includes every turn's new tokens), from P's "
+            "`vllm:prompt_tokens_by_source_total`.",
+            "",
+            "| level | prefix | OFF: P cache / computed | ON: P cache / read-back / computed |",
+            "|---:|---:|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['level']} | {r['point']} | {_share(r['p_cache_off'])} / "
+                f"{_share(r['compute_off'])} | {_share(r['p_cache_on'])} / "
+                f"{_share(r['readback_on'])} / {_share(r['compute_on'])} |"
+            )
+        lines += [""]
+        for point in points:
+            spills, pays = working_set_limit(rows, point)
+            lines.append(
+                f"- {point} prefix tokens: P's cache stops holding the working set at "
+                f"{spills if spills is not None else 'no level of the sweep'}; read-back "
+                f"starts to pay (TTFT ON > 5 % below OFF) at "
+                f"{pays if pays is not None else 'no level of the sweep'}"
+            )
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    lines.append("")
+    return "\n".join(lines)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from bidir_kv.bench.split import on_prefill_split
-from bidir_kv.bench.summary import Summary
+from bidir_kv.bench.summary import ConcurrencyRow, Summary
 
-__all__ = ["write_plots"]
+__all__ = ["write_concurrency_plot", "write_plots"]
 
 _COLORS = {"off": "#c0504d", "on": "#4f81bd"}
 
@@ -172,3 +172,50 @@ def _plot_decode(plt: Any, summary: Summary, out_dir: Path) -> Path:
             0.5, 0.5, "D's /metrics were not sampled", ha="center", transform=right.transAxes
         )
     return _save(plt, fig, out_dir / "decode.png")
+
+
+def write_concurrency_plot(rows: list[ConcurrencyRow], out_dir: Path, p_cache: bool) -> Path:
+    """``concurrency.png``: per prompt length, TTFT and TPOT p99 OFF/ON and the net saving
+    per turn against the number of concurrent conversations; with P's own cache on, the
+    share of P's prompt tokens from its cache and from D's read-back."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 4 if p_cache else 3
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 4.0))
+    points = sorted({r["point"] for r in rows})
+    styles = ["o-", "s--", "^-.", "d:"]
+    for i, point in enumerate(points):
+        mine = sorted((r for r in rows if r["point"] == point), key=lambda r: r["level"])
+        xs = [r["level"] for r in mine]
+        st = styles[i % len(styles)]
+
+        def col(name: str, rs: list[ConcurrencyRow] = mine) -> list[float]:
+            return [float("nan") if r[name] is None else float(r[name]) for r in rs]  # type: ignore[literal-required]
+
+        axes[0].plot(xs, col("ttft_off"), st, color=_COLORS["off"], label=f"OFF {point}")
+        axes[0].plot(xs, col("ttft_on"), st, color=_COLORS["on"], label=f"ON {point}")
+        axes[1].plot(xs, col("tpot_p99_off"), st, color=_COLORS["off"], label=f"OFF {point}")
+        axes[1].plot(xs, col("tpot_p99_on"), st, color=_COLORS["on"], label=f"ON {point}")
+        axes[2].plot(xs, col("net_saving_ms"), st, color="#8064a2", label=f"{point}")
+        if p_cache:
+            axes[3].plot(
+                xs, col("p_cache_off"), st, color=_COLORS["off"], label=f"OFF P cache {point}"
+            )
+            axes[3].plot(
+                xs, col("p_cache_on"), st, color=_COLORS["on"], label=f"ON P cache {point}"
+            )
+            axes[3].plot(xs, col("readback_on"), st, color="#9bbb59", label=f"ON read-back {point}")
+    titles = ["TTFT median (ms)", "TPOT p99 (ms)", "net saving per turn (ms)"]
+    if p_cache:
+        titles.append("share of P's prompt tokens")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent conversations")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[2].axhline(0, color="black", lw=0.8)
+    return _save(plt, fig, out_dir / "concurrency.png")

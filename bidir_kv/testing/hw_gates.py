@@ -10,6 +10,10 @@ dict) rounds are made side by side on the same prompts. Three gates:
   failed (a read P declined as expired pulls nothing, so the first point catches it);
 * **efficiency**: bytes / NIXL transfer time >= a share of ``--hw-line-rate-gbps``.
 
+* **decode** (TPOT): D's TPOT p99 over the ON turns exceeds that over the OFF turns by at
+  most ``--hw-max-tpot-regression`` percent (:func:`gate_tpot`; the same function gates a
+  ``bench`` result's OFF and ON legs, ``python -m bidir_kv.tools.gate --bench DIR``).
+
 A failing gate raises :class:`GateFailure` whose message names the length, the bound and
 the measurement, so a red release run says what to look at.
 """
@@ -21,6 +25,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from bidir_kv.bench.stats import percentile
 from bidir_kv.errors import CheckFailure
 from bidir_kv.plan.calibrate import linear_fit
 from bidir_kv.plan.planner import CostModel, PlanError, ttft_rows
@@ -36,6 +41,7 @@ __all__ = [
     "gate_efficiency",
     "gate_mechanism",
     "gate_speedup",
+    "gate_tpot",
     "parse_bounds",
 ]
 
@@ -256,3 +262,25 @@ def bound_for(
         return given[length], "--hw-min-speedup"
     bound, predicted = calibrated[length]
     return bound, f"calibrated: predicted {predicted:.3f}x - {tolerance:.0%} tolerance"
+
+
+def gate_tpot(
+    where: str, off_tpot_s: Sequence[float], on_tpot_s: Sequence[float], max_regression: float
+) -> str:
+    """TPOT p99 of the ON turns at most ``max_regression`` percent above the OFF turns'
+    (TPOT per request: (latency − TTFT) / (output tokens − 1), docs/benchmarking.md
+    "Decode side"); ``where`` names the length or point. Returns what was compared."""
+    if not off_tpot_s or not on_tpot_s:
+        raise GateFailure(
+            f"{where}: no TPOT to compare ({len(off_tpot_s)} OFF and {len(on_tpot_s)} ON turns "
+            "decoded more than one token)"
+        )
+    off, on = percentile(list(off_tpot_s), 99), percentile(list(on_tpot_s), 99)
+    regression = (on / off - 1.0) * 100.0 if off > 0 else math.inf
+    shown = (
+        f"TPOT p99 ON {on * 1e3:.2f} ms vs OFF {off * 1e3:.2f} ms ({regression:+.1f} %; "
+        f"{len(on_tpot_s)} ON and {len(off_tpot_s)} OFF turns)"
+    )
+    if not regression <= max_regression:
+        raise GateFailure(f"{where}: decode regression beyond {max_regression:g} %: {shown}")
+    return shown

@@ -113,3 +113,22 @@ def test_a_length_off_the_runs_own_lines_fails_its_calibrated_bound() -> None:
     gate_speedup(rows[2], bounds[3000][0])
     with pytest.raises(GateFailure, match="length 2000"):
         gate_speedup(rows[1], bounds[2000][0], "calibrated")
+
+
+def test_decode_gate_bounds_tpot_p99_on_over_off() -> None:
+    """TPOT p99 ON vs OFF (issue 33): within the bound passes and says what it compared;
+    beyond it fails naming where, both p99s and the bound; nothing to compare fails."""
+    from bidir_kv.testing.hw_gates import gate_tpot
+
+    off = [0.004] * 99 + [0.005]
+    ok = gate_tpot("length 2000", off, [x * 1.1 for x in off], 20.0)
+    assert "+10.0 %" in ok and "100 ON and 100 OFF turns" in ok
+    with pytest.raises(GateFailure) as exc:
+        gate_tpot("length 2000", off, [x * 1.5 for x in off], 20.0)
+    msg = str(exc.value)
+    assert msg.startswith("length 2000: decode regression beyond 20 %")
+    assert "ON 6.02 ms vs OFF 4.01 ms (+50.0 %" in msg  # p99 of 99 x 4 ms and one 5 ms
+    # a faster ON passes; an empty side is a failure, not a pass
+    assert "-50.0 %" in gate_tpot("p", off, [x / 2 for x in off], 0.0)
+    with pytest.raises(GateFailure, match="no TPOT to compare"):
+        gate_tpot("p", off, [], 20.0)
