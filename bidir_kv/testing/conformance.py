@@ -382,6 +382,13 @@ def pd(request: pytest.FixtureRequest) -> Iterator[PDBackend]:
         backends[value] = {"failed_to_start": str(exc)[-2000:]}
         pytest.fail(f"{value} backend failed to start: {exc}", pytrace=False)
     backend.description["start_seconds"] = round(time.monotonic() - t0, 1)
+    # probed now, while the pair is free: a scenario that pauses it (a pair variant)
+    # may ask later (bidir_kv.testing.features)
+    try:
+        backend.description["streams_params"] = backend.streams_params
+    except Exception:
+        backend.close()
+        raise
     backends[value] = backend.description
     try:
         yield backend
