@@ -28,10 +28,20 @@ from bidir_kv.client import (
 )
 from bidir_kv.fabric.probe import FabricProbe
 from bidir_kv.policy import EXPIRY_SAFETY_MARGIN, cache_ttl_within_retention
-from bidir_kv.scrape import NIXL_EXPIRED, NIXL_FAILED, MetricsSnapshot
+from bidir_kv.scrape import (
+    KV_RETAINED,
+    KV_USAGE,
+    NIXL_EXPIRED,
+    NIXL_FAILED,
+    PREEMPTIONS,
+    RUNNING,
+    WAITING,
+    MetricsSnapshot,
+)
 
 __all__ = [
     "CHECK_NAMES",
+    "DEFAULT_MAX_RETAINED_SHARE",
     "DEFAULT_REQUEST_TIMEOUT",
     "Answer",
     "Context",
@@ -54,6 +64,9 @@ TCP_FALLBACK = re.compile(
 )
 DEFAULT_REQUEST_TIMEOUT = 10.0  # seconds one request may take, all of it
 CLOCK_WARN_S, CLOCK_FAIL_S = 1.0, EXPIRY_SAFETY_MARGIN  # P declines this close to a deadline
+# D's retained turns may hold this share of its KV blocks before the doctor warns: beyond
+# half, the running batch has less room than retention (docs/hardware.md §5)
+DEFAULT_MAX_RETAINED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,7 @@ class Context:
     deadline: float | None = None
     cache: dict[str, Any] = field(default_factory=dict)
     fabric: FabricProbe | None = None  # P's NIC counters, read around the probe's turn 2
+    max_retained_share: float = DEFAULT_MAX_RETAINED_SHARE
 
     def left(self) -> float:
         """Seconds the next request may take: its own bound, cut to the deadline's rest."""
@@ -192,6 +206,7 @@ CHECK_NAMES = {
     "check_lapsed_leases": "P leases lapsed",
     "check_failed": "failed transfers",
     "check_clock": "clock offset P-D",
+    "check_retained_share": "D's KV held by retained turns",
     "check_router_ttl": "router cache TTL below D's TTL",
     "check_router_ids": "router receives conversation ids",
     "check_efa": "EFA provider (fi_info -p efa)",
@@ -441,6 +456,42 @@ def check_clock(ctx: Context) -> Result:
     )
 
 
+@needs_metrics
+def check_retained_share(ctx: Context) -> Result:
+    """How much of D's KV pool retained turns hold now, against ``max_retained_share``.
+
+    Our engines export the share (``bidir_kv:kv_cache_retained_perc``); a vLLM D does not,
+    but while it runs and queues nothing every block it uses is a retained turn's, so its
+    ``vllm:kv_cache_usage_perc`` is the share then. D's preemptions are named beside it:
+    retention takes the room a running request grows into (docs/engine.md "Memory")."""
+    name = CHECK_NAMES["check_retained_share"]
+    bound = ctx.max_retained_share
+    fix = (
+        "cap retention with bidir_kv_retention_budget on D (docs/connector.md §5.3), lower "
+        "decoder_kv_blocks_ttl, or give D more KV; watch D's TPOT and preemptions"
+    )
+    snap = ctx.metrics(ctx.decode_url)
+    if snap is None:
+        raise MalformedResponse(ctx.metrics_problem(ctx.decode_url), url=ctx.decode_url)
+    names = snap.names()
+    if KV_RETAINED in names:
+        share, how = snap.value(KV_RETAINED), "bidir_kv:kv_cache_retained_perc"
+    elif KV_USAGE in names and snap.value(RUNNING) == 0 and snap.value(WAITING) == 0:
+        share, how = snap.value(KV_USAGE), f"{KV_USAGE} while D runs nothing"
+    elif KV_USAGE in names:
+        return Result(
+            name, "PASS", f"not checked: D is busy and exports no {KV_RETAINED} (run it idle)"
+        )
+    else:
+        return Result(name, "WARN", f"not checked: D exports neither {KV_RETAINED} nor {KV_USAGE}")
+    pre = snap.value(PREEMPTIONS)
+    preempted = f"; D preempted {pre:.0f} requests since it started" if pre else ""
+    detail = f"{share:.0%} of D's KV blocks ({how}), bound {bound:.0%}{preempted}"
+    if share > bound:
+        return Result(name, "WARN", detail, fix)
+    return Result(name, "PASS", detail)
+
+
 def node_checks() -> list[Callable[[Context], Result]]:
     return [
         check_nodes,
@@ -449,6 +500,7 @@ def node_checks() -> list[Callable[[Context], Result]]:
         check_lapsed_leases,
         check_failed,
         check_clock,
+        check_retained_share,
     ]
 
 

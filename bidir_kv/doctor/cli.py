@@ -21,6 +21,7 @@ from pathlib import Path
 from bidir_kv.client import RequestTimeout, within
 from bidir_kv.doctor.checks import (
     CHECK_NAMES,
+    DEFAULT_MAX_RETAINED_SHARE,
     DEFAULT_REQUEST_TIMEOUT,
     Context,
     Result,
@@ -118,6 +119,14 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_DEADLINE,
         help="seconds the whole run may take; a check still running then FAILs "
         f"(default {DEFAULT_DEADLINE:g})",
+    )
+    p.add_argument(
+        "--max-retained-share",
+        type=float,
+        default=DEFAULT_MAX_RETAINED_SHARE,
+        metavar="S",
+        help="warn when D's retained turns hold more than this share of its KV blocks "
+        f"(default {DEFAULT_MAX_RETAINED_SHARE:g})",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
@@ -223,6 +232,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if not 0 < ns.max_retained_share <= 1:
+        print(
+            f"bidir-kv doctor: --max-retained-share must be in (0, 1], got {ns.max_retained_share}",
+            file=sys.stderr,
+        )
+        return 2
     logs = {
         role: path
         for role, path in (("prefill", ns.prefill_log), ("decode", ns.decode_log))
@@ -243,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fabric=fabric,
         timeout=ns.timeout,
         deadline_s=ns.deadline,
+        max_retained_share=ns.max_retained_share,
     )
     results = run(
         ctx,

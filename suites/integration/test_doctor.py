@@ -201,3 +201,22 @@ def test_unreachable_node_fails_first(tmp_path: Path, flag: str) -> None:
     )
     assert out.returncode == 1
     assert "FAIL" in out.stdout and "/health answered nothing" in out.stdout
+
+
+def test_retained_share_above_the_bound_warns(engine_pair: Callable[..., EnginePair]) -> None:
+    """Four retained 200-token turns hold 52 of D's 64 blocks (81 %): above the default
+    half it is a WARN naming the share and the budget; a higher bound passes it."""
+    pair = engine_pair(prefill=V33, decode={**V33, "kv_capacity_tokens": 1024})
+    rng = random.Random("retained-share")
+    for _ in range(4):
+        _, d = pair.turn(random_prompt(rng, 200), 8)
+        assert d is not None
+        d.raise_for_status()
+    check = _by_name(run(_ctx(pair), probe=False))["D's KV held by retained turns"]
+    assert check.status == "WARN", check
+    assert check.detail.startswith("81% of D's KV blocks (bidir_kv:kv_cache_retained_perc)")
+    assert "bidir_kv_retention_budget" in check.fix
+    ctx = _ctx(pair)
+    ctx.max_retained_share = 0.9
+    relaxed = _by_name(run(ctx, probe=False))["D's KV held by retained turns"]
+    assert relaxed.status == "PASS" and "bound 90%" in relaxed.detail
