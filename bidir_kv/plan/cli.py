@@ -8,6 +8,7 @@ from explicit per-token figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -19,8 +20,15 @@ from typing import Any
 from bidir_kv.bench.args import distribution, float_list, int_list
 from bidir_kv.bench.distributions import Distribution, DistributionError
 from bidir_kv.bench.results import ResultError, load_result
-from bidir_kv.engine.profiles import TermRange
+from bidir_kv.engine.profiles import ProfileError, TermRange, load_profile
 from bidir_kv.plan.calibrate import CheckRow, calibrate, check_rows
+from bidir_kv.plan.decode import (
+    DEFAULT_HBM_GBYTES_PER_S,
+    DecodeSide,
+    decode_step_ms,
+    pull_hbm_ms,
+    retention_room,
+)
 from bidir_kv.plan.modelcfg import ModelConfigError, load_model_config, model_shape
 from bidir_kv.plan.planner import (
     DEFAULT_BLOCK_SIZE,
@@ -50,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cost_source_args(ap)
     _hardware_args(ap)
     _workload_args(ap)
+    _decode_args(ap)
     ap.add_argument(
         "--check",
         type=Path,
@@ -266,6 +275,65 @@ def _measured_or_profile(args: argparse.Namespace) -> CostModel:
     return cost
 
 
+def _decode_args(ap: argparse.ArgumentParser) -> None:
+    d = ap.add_argument_group(
+        "decode side (what retention costs D; bidir_kv/plan/decode.py, docs/benchmarking.md)"
+    )
+    d.add_argument(
+        "--d-kv-gib",
+        type=float,
+        default=None,
+        help="D's KV pool for one instance (whole TP group), GiB: with it the TTL advice "
+        "keeps retained turns beside the running batch and names a retention budget",
+    )
+    d.add_argument(
+        "--decode-concurrency",
+        type=int,
+        default=2,
+        help="requests decoding on D at once (default 2: the publication's two clients)",
+    )
+    d.add_argument(
+        "--hbm-gbytes-per-s",
+        type=float,
+        default=DEFAULT_HBM_GBYTES_PER_S,
+        help=f"memory bandwidth of one D rank (default {DEFAULT_HBM_GBYTES_PER_S:g}: H200)",
+    )
+
+
+def _decode_side(
+    args: argparse.Namespace, cost: CostModel, work: Workload, ttl: list[Any]
+) -> tuple[dict[str, Any] | None, float | None]:
+    """The decode-side terms as the plan prints them, and the GiB retention may take
+    (None: D's pool not given)."""
+    if getattr(args, "d_kv_gib", None) is None:
+        return None, None
+    side = DecodeSide(
+        args.d_kv_gib,
+        args.decode_concurrency,
+        ranks=args.tp,
+        hbm_gbytes_per_s=args.hbm_gbytes_per_s,
+    )
+    room = retention_room(cost, work, side, ttl)
+    longest = max(args.prompt_lengths)
+    out: dict[str, Any] = {
+        "pool_gib": room.pool_gib,
+        "concurrency": side.concurrency,
+        "running_gib": room.running_gib,
+        "room_gib": room.room_gib,
+        "budget_share": room.budget_share,
+        "overflows": {str(k): v for k, v in room.overflows.items()},
+        "share_of_pool": {str(k): v for k, v in room.share_of_pool.items()},
+        "pull_tokens": longest,
+        "pull_hbm_ms": pull_hbm_ms(cost, longest, side),
+        "decode_step_ms": None,
+        "room": room,
+    }
+    if args.profile is not None:
+        with contextlib.suppress(ProfileError):  # the cost source already said what is wrong
+            out["decode_step_ms"] = decode_step_ms(load_profile(args.profile), side.concurrency)
+    return out, room.room_gib
+
+
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     cost = _cost_model(args)
     block = args.block_size or cost.block_size or DEFAULT_BLOCK_SIZE
@@ -288,7 +356,13 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         gap=args.turn_gap,
     )
     ttl = ttl_rows(cost, work, args.ttls, gpus=args.tp)
-    best, ttl_why = recommend_ttl(ttl, args.miss_target, args.kv_budget_gib)
+    decode, room_gib = _decode_side(args, cost, work, ttl)
+    budget = args.kv_budget_gib
+    if room_gib is not None:  # retention must leave D's running batch its room
+        budget = room_gib if budget is None else min(budget, room_gib)
+    best, ttl_why = recommend_ttl(ttl, args.miss_target, budget)
+    if decode is not None:
+        ttl_why += ". Decode side: " + decode.pop("room").recommend(best)
     check = []
     checked = args.check if args.check is not None else args.calibration
     if checked is not None:
@@ -306,6 +380,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         "ttft": [r.__dict__ for r in ttft],
         "ttl": [r.__dict__ for r in ttl],
         "recommended_ttl_s": best.ttl_s,
+        "decode_side": decode,
         "ttl_reason": ttl_why,
         "workload": {
             "conversations_per_s": work.conversations_per_s,
@@ -427,7 +502,38 @@ def render_text(plan: dict[str, Any]) -> str:
         f"  recommended TTL: {plan['recommended_ttl_s']:g} s — {plan['ttl_reason']}",
         "",
     ]
+    lines += _decode_lines(plan.get("decode_side"), plan["ttl"])
     return "\n".join(lines + _check_lines(plan["calibration_check"], plan.get("checked_run")))
+
+
+def _decode_lines(d: dict[str, Any] | None, ttl: list[dict[str, Any]]) -> list[str]:
+    if d is None:
+        return [
+            "Decode side: not planned (give --d-kv-gib, D's KV pool, and --decode-concurrency)",
+            "",
+        ]
+    lines = [
+        f"Decode side: D's pool {d['pool_gib']:.1f} GiB, {d['concurrency']} requests decoding "
+        f"hold {d['running_gib']:.1f} GiB; {d['room_gib']:.1f} GiB left for retained turns "
+        f"(bidir_kv_retention_budget {d['budget_share']:.2f})",
+        f"  {'TTL s':>7} {'of D':>6}  beside the running batch",
+    ]
+    for r in ttl:
+        key = str(r["ttl_s"])
+        fits = "overflows: preemptions (TPOT) or waits (TTFT)" if d["overflows"][key] else "fits"
+        lines.append(f"  {r['ttl_s']:>7g} {d['share_of_pool'][key]:>6.0%}  {fits}")
+    step = d["decode_step_ms"]
+    hbm = d["pull_hbm_ms"]
+    lines.append(
+        f"  a {d['pull_tokens']}-token pull reads {hbm:.2f} ms of one D rank's memory time"
+        + (
+            f", {hbm / step:.1%} of one {step:.2f} ms decode step once per pull (the "
+            "threshold weighs P's time; D's decode loses this much)"
+            if step
+            else ""
+        )
+    )
+    return [*lines, ""]
 
 
 def _num(x: float) -> str:
