@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 __all__ = [
     "CACHED_BY_SOURCE",
     "CACHE_CONFIG_INFO",
+    "D_ITL",
+    "D_TPOT",
     "KV_RETAINED",
     "KV_USAGE",
     "MEMORY_WATCHED",
@@ -66,6 +68,9 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 MEMORY_WATCHED = (KV_USAGE, KV_RETAINED, RUNNING, WAITING)
+# vLLM's own decode latencies (histograms, seconds): per request and per token
+D_TPOT = "vllm:request_time_per_output_token_seconds"
+D_ITL = "vllm:inter_token_latency_seconds"
 
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]
 

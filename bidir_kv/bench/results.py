@@ -24,7 +24,7 @@ from bidir_kv.bench.memory import memory_summary
 from bidir_kv.bench.stats import RequestRecord, load_records, percentile
 from bidir_kv.bench.topo import leg_connector, leg_feature
 from bidir_kv.errors import ConfigError
-from bidir_kv.scrape import PREEMPTIONS
+from bidir_kv.scrape import D_ITL, D_TPOT, PREEMPTIONS
 
 __all__ = [
     "LegPoint",
@@ -106,6 +106,13 @@ class LegPoint:
     # prompt tokens D's retained previous turns could have served (bench/reuse.py), the
     # yardstick of tokens_external; None: not known (no token ids)
     tokens_reusable: float | None = None
+    # D's own view (vLLM's histograms, every request of the point): per-request TPOT
+    # (vllm:request_time_per_output_token_seconds) and ITL (vllm:inter_token_latency_seconds),
+    # quantiles interpolated within buckets as Prometheus' histogram_quantile does; ms
+    d_tpot_p50: float = math.nan
+    d_tpot_p99: float = math.nan
+    d_itl_p50: float = math.nan
+    d_itl_p99: float = math.nan
     latency_p50: float = math.nan  # whole answer at the client, same turns as TTFT
     p_usage_mean: float = math.nan  # P's KV usage sampled during the point (P's own cache)
 
@@ -288,9 +295,44 @@ def summarize_point(
         d_retained_source=mem.source if mem else "none",
         d_preemptions=_decode_preemptions(info, d_rows),
         tokens_reusable=float(sum(reusable)) if reusable else None,
+        d_tpot_p50=histogram_quantile(d_rows, D_TPOT, 0.50) * 1e3,
+        d_tpot_p99=histogram_quantile(d_rows, D_TPOT, 0.99) * 1e3,
+        d_itl_p50=histogram_quantile(d_rows, D_ITL, 0.50) * 1e3,
+        d_itl_p99=histogram_quantile(d_rows, D_ITL, 0.99) * 1e3,
         latency_p50=percentile([r.latency_ms for r in ok], 50),
         p_usage_mean=p_mem.usage_mean if p_mem else math.nan,
     )
+
+
+def histogram_quantile(
+    rows: Sequence[tuple[str, dict[str, str], float]], base: str, q: float
+) -> float:
+    """Quantile ``q`` (0-1) of histogram ``base`` from its ``_bucket`` deltas, linear
+    within the bucket it falls in (Prometheus' ``histogram_quantile``), except that a
+    quantile in the lowest bucket is that bucket's bound (an upper bound: nothing says
+    where below it the values lie) and one in ``+Inf`` the last finite bound. NaN
+    without observations."""
+    cum: dict[float, float] = {}
+    for name, labels, value in rows:
+        if name == f"{base}_bucket" and "le" in labels:
+            le = float(labels["le"])
+            cum[le] = cum.get(le, 0.0) + value
+    bounds = sorted(cum)
+    if not bounds or cum[bounds[-1]] <= 0:
+        return math.nan
+    total = cum[bounds[-1]]
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for le in bounds:
+        c = cum[le]
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            if c == prev_c or prev_c == 0:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+        prev_le, prev_c = le, c
+    return prev_le
 
 
 def _decode_preemptions(

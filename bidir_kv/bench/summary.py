@@ -101,6 +101,11 @@ class DecodeRow(TypedDict):
     itl_p99_off: float | None
     itl_p99_on: float | None
     tpot_p99_regression_pct: float | None
+    # D's own histograms (vLLM's names), every request of the point
+    d_tpot_p99_off: float | None
+    d_tpot_p99_on: float | None
+    d_itl_p99_off: float | None
+    d_itl_p99_on: float | None
     retained_mean_on: float | None
     retained_max_on: float | None
     retained_source: str
@@ -144,6 +149,10 @@ def decode_rows(summary: Summary, on_leg: str = "on") -> list[DecodeRow]:
                 itl_p99_off=f(off, "itl_p99"),
                 itl_p99_on=f(on, "itl_p99"),
                 tpot_p99_regression_pct=regression_pct(f(off, "tpot_p99"), f(on, "tpot_p99")),
+                d_tpot_p99_off=f(off, "d_tpot_p99"),
+                d_tpot_p99_on=f(on, "d_tpot_p99"),
+                d_itl_p99_off=f(off, "d_itl_p99"),
+                d_itl_p99_on=f(on, "d_itl_p99"),
                 retained_mean_on=f(on, "d_retained_mean"),
                 retained_max_on=f(on, "d_retained_max"),
                 retained_source=on.d_retained_source if on else "none",

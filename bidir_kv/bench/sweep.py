@@ -190,6 +190,9 @@ def _manifest(
             "prefill_engine_args": getattr(args, "prefill_engine_arg", None) or [],
             "decode_engine_args": getattr(args, "decode_engine_arg", None) or [],
             "retention_budget": getattr(args, "retention_budget", None),
+            "decode_stream": None
+            if args.url
+            else (args.decode_stream or ("never" if args.topology == "vllm-cpu" else "always")),
             "prefix_caching": {
                 "prefill": bool(getattr(args, "prefill_prefix_caching", False)),
                 "decode": True,

@@ -60,6 +60,7 @@ class Request:
     error: RequestError | None = None
     out_params: KVTransferParams | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     prefill_started: bool = False  # its per-request prefill costs are charged (steps.py)
     # recompute preemption (steps.py, docs/engine.md "Memory"): how often the request lost
     # its blocks, and the tokens it must compute again before it samples (0: the prompt)

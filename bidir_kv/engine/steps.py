@@ -421,6 +421,9 @@ class StepLoop:
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.labels(**self.metrics.labels).observe(now - req.arrival)
+        elif req.last_token_time is not None:
+            self.metrics.itl.labels(**self.metrics.labels).observe(now - req.last_token_time)
+        req.last_token_time = now
         req.output.append(tok)
         req.tokens.append(tok)
         self.metrics.inc(self.metrics.generation_tokens)
@@ -452,6 +455,9 @@ class StepLoop:
             req.text.finish()
         self.metrics.inc(self.metrics.request_success, finished_reason=reason)
         self.metrics.e2e.labels(**self.metrics.labels).observe(time.perf_counter() - req.arrival)
+        if len(req.output) > 1 and req.first_token_time is not None and req.last_token_time:
+            decode = req.last_token_time - req.first_token_time
+            self.metrics.tpot.labels(**self.metrics.labels).observe(decode / (len(req.output) - 1))
         self.chains.remember(req.tokens, req.block_chain, req.chain_root)
         if state_before == "waiting" or not req.blocks:
             req.blocks = []

@@ -55,7 +55,8 @@ def ratio_table(summary: Summary) -> str:
 
 def decode_table(summary: Summary) -> str:
     """Plain-text decode side, OFF/ON per point: TTFT beside TPOT p50/p99 (ms), ITL p99,
-    D's retained share (ON, mean/max) and D's preemptions (docs/benchmarking.md)."""
+    D's own TPOT p99 (vLLM's histogram), D's retained share (ON, mean/max) and D's
+    preemptions (docs/benchmarking.md)."""
 
     def pair(a: float | None, b: float | None, spec: str, width: int) -> str:
         def one(v: float | None) -> str:
@@ -68,8 +69,8 @@ def decode_table(summary: Summary) -> str:
 
     lines = [
         f"{'prefix':>8} {'TTFT OFF/ON':>13} {'TPOT p50 OFF/ON':>16} {'TPOT p99 OFF/ON':>16} "
-        f"{'p99 ON/OFF':>10} {'ITL p99 OFF/ON':>15} {'D retained ON':>14} "
-        f"{'preempt OFF/ON':>15}"
+        f"{'p99 ON/OFF':>10} {'ITL p99 OFF/ON':>15} {'D TPOT p99 OFF/ON':>18} "
+        f"{'D retained ON':>14} {'preempt OFF/ON':>15}"
     ]
     for r in decode_rows(summary):
         reg = r["tpot_p99_regression_pct"]
@@ -79,6 +80,7 @@ def decode_table(summary: Summary) -> str:
             f"{pair(r['tpot_p99_off'], r['tpot_p99_on'], '.2f', 16)} "
             f"{'n/a' if reg is None else f'{reg:+.1f}%':>10} "
             f"{pair(r['itl_p99_off'], r['itl_p99_on'], '.2f', 15)} "
+            f"{pair(r['d_tpot_p99_off'], r['d_tpot_p99_on'], '.1f', 18)} "
             f"{share(r['retained_mean_on']) + '/' + share(r['retained_max_on']):>14} "
             f"{pair(r['preemptions_off'], r['preemptions_on'], '.0f', 15)}"
         )

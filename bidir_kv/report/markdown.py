@@ -154,13 +154,23 @@ def _decode_lines(summary: Summary) -> list[str]:
         "pooled over the requests (a chunk can carry several tokens, then ITL ≫ TPOT). "
         f"Turns ≥ {summary.min_turn}, as TTFT. D's KV usage and retained share are "
         "sampled from D's `/metrics` while the point runs (mean / max); preemptions are the "
-        "delta of D's `vllm:num_preemptions_total`. Regression = ON p99 / OFF p99 − 1.",
+        "delta of D's `vllm:num_preemptions_total`. Regression = ON p99 / OFF p99 − 1. "
+        "D's own TPOT and ITL p99 come from its `vllm:request_time_per_output_token_seconds` "
+        "and `vllm:inter_token_latency_seconds` histograms (every request of the point; "
+        "interpolated within buckets, a value in the lowest bucket is its bound).",
         "",
         "| prefix tokens | TTFT median ms | TPOT p50 ms | TPOT p99 ms | TPOT p99 regression"
-        " | ITL p50 ms | ITL p99 ms | D retained ON, mean / max | D KV usage mean"
-        " | D preemptions |",
-        "|---:|---|---|---|---:|---|---|---|---|---|",
+        " | ITL p50 ms | ITL p99 ms | D's TPOT p99 ms (vLLM) | D's ITL p99 ms (vLLM)"
+        " | D retained ON, mean / max | D KV usage mean | D preemptions |",
+        "|---:|---|---|---|---:|---|---|---|---|---|---|---|",
     ]
+    if _relayed_whole(summary):
+        lines[4:4] = [
+            "The router relayed D's answers whole (`--decode-stream never`): the client saw "
+            "every token at once, so its TPOT and ITL say nothing about decoding; D's own "
+            "columns do.",
+            "",
+        ]
     for r in rows:
         reg = r["tpot_p99_regression_pct"]
         src = "" if r["retained_source"] in ("gauge", "none") else f" ({r['retained_source']})"
@@ -172,11 +182,18 @@ def _decode_lines(summary: Summary) -> list[str]:
             f"| {_fmt(reg, '+.1f')} % "
             f"| {_fmt(r['itl_p50_off'], '.2f')} / {_fmt(r['itl_p50_on'], '.2f')} "
             f"| {_fmt(r['itl_p99_off'], '.2f')} / {_fmt(r['itl_p99_on'], '.2f')} "
+            f"| {_fmt(r['d_tpot_p99_off'], '.1f')} / {_fmt(r['d_tpot_p99_on'], '.1f')} "
+            f"| {_fmt(r['d_itl_p99_off'], '.1f')} / {_fmt(r['d_itl_p99_on'], '.1f')} "
             f"| {_share(r['retained_mean_on'])} / {_share(r['retained_max_on'])}{src} "
             f"| {_share(r['usage_mean_off'])} / {_share(r['usage_mean_on'])} "
             f"| {_fmt(pre_off)} / {_fmt(pre_on)} |"
         )
     return lines
+
+
+def _relayed_whole(summary: Summary) -> bool:
+    engines = summary.result.manifest.get("engines") or {}
+    return engines.get("decode_stream") == "never"
 
 
 def _connector_lines(summary: Summary) -> list[str]:

@@ -104,3 +104,21 @@ def test_an_idle_engine_reports_the_memory_its_ttl_released(engine_pair: Factory
         return snap.value(RETAINED) == 0.0 and snap.value(USAGE) == 0.0
 
     wait_for(drained, 15, "D's gauges to show the expired turn released")
+
+
+def test_d_records_its_decode_as_vllm_does(engine_pair: Factory) -> None:
+    """vLLM's decode histograms on D: one inter-token gap per token after the first, one
+    TPOT per finished request (P's one-token legs record neither)."""
+    pair = engine_pair()
+    names = [
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:request_time_per_output_token_seconds_count",
+    ]
+    before_p, before_d = pair.p.metrics(names), pair.d.metrics(names)
+    _, d = pair.turn(random_prompt(random.Random("itl"), 64), 20)
+    assert d is not None
+    d.raise_for_status()
+    got_d = pair.d.metrics(names) - before_d
+    assert got_d.value(names[0]) == 19 and got_d.value(names[1]) == 1
+    got_p = pair.p.metrics(names) - before_p
+    assert got_p.value(names[0]) == 0 and got_p.value(names[1]) == 0

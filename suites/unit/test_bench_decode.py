@@ -172,3 +172,28 @@ def test_report_shows_the_decode_side_beside_ttft(tmp_path: Path) -> None:
     text = decode_table(summarize_result(load_result(out)))
     assert "4.89/6.89" in text and "+40.9%" in text and "0/7" in text
     assert text in table
+
+
+def test_histogram_quantile_as_prometheus_with_the_lowest_bucket_as_a_bound() -> None:
+    from bidir_kv.bench.results import histogram_quantile
+
+    def rows(counts: dict[str, float]) -> list[tuple[str, dict[str, str], float]]:
+        base = "vllm:inter_token_latency_seconds_bucket"
+        return [(base, {"le": le}, c) for le, c in counts.items()]
+
+    # 100 observations: 10 below 10 ms, 80 in (10, 50] ms, 10 in (50, 100] ms
+    r = rows({"0.01": 10, "0.05": 90, "0.1": 100, "+Inf": 100})
+    assert histogram_quantile(r, "vllm:inter_token_latency_seconds", 0.5) == pytest.approx(0.03)
+    assert histogram_quantile(r, "vllm:inter_token_latency_seconds", 0.99) == pytest.approx(0.095)
+    # inside the lowest bucket: its bound, not a guess between 0 and it
+    assert histogram_quantile(r, "vllm:inter_token_latency_seconds", 0.05) == 0.01
+    beyond = rows({"0.01": 0, "0.1": 5, "+Inf": 10})
+    assert histogram_quantile(beyond, "vllm:inter_token_latency_seconds", 0.99) == 0.1
+    assert math.isnan(histogram_quantile(rows({"+Inf": 0}), "vllm:x", 0.5))
+
+
+def test_a_relayed_whole_answer_is_not_read_as_a_decode(tmp_path: Path) -> None:
+    out = _result(tmp_path)
+    (out / "manifest.json").write_text(json.dumps({"engines": {"decode_stream": "never"}}))
+    report, _ = render_dir(out)
+    assert "relayed D's answers whole" in report.read_text()
