@@ -167,7 +167,10 @@ def build_report(runs: list[dict[str, Any]], pinned: str = "0.32.0") -> Report:
             release = str(r.get("release") or (pinned if r["backend"] != "emulator" else "-"))
             col = Column(str(r["backend"]), release, str(r.get("family") or "dense"))
             columns.add(col)
-            cells[(_row_name(r), col)] = _cell(r, col, defects)
+            cell = _cell(r, col, defects)
+            if col in unsupported and cell.state == "skip":
+                cell = Cell("unsupported", unsupported[col])
+            cells[(_row_name(r), col)] = cell
     rows = sorted({name for name, _ in cells})
     ordered = sorted(columns, key=lambda c: c.key)
     for row in rows:
@@ -182,7 +185,8 @@ def build_report(runs: list[dict[str, Any]], pinned: str = "0.32.0") -> Report:
 
 
 def _cell(r: dict[str, Any], col: Column, defects: dict[str, Defect]) -> Cell:
-    outcome, reason = str(r["outcome"]), str(r.get("reason") or "")
+    outcome = str(r["outcome"])
+    reason = re.sub(r"^E\s+", "", str(r.get("reason") or ""))  # pytest's "E   " prefix
     pin = r.get("defect")
     if outcome == "passed":
         return Cell("pass", reason)
@@ -266,6 +270,13 @@ def render_markdown(report: Report) -> str:
     head = [f"{c.backend}<br>{c.release}<br>{c.family}" for c in report.columns]
     lines += ["| scenario | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
     notes: list[str] = []
+
+    def note(text: str) -> int:
+        """The footnote number of ``text`` (one number per distinct text)."""
+        if text not in notes:
+            notes.append(text)
+        return notes.index(text) + 1
+
     for row in report.rows:
         out = []
         for col in report.columns:
@@ -279,12 +290,11 @@ def render_markdown(report: Report) -> str:
                 text = (
                     f"defect {_defect_label(d)}" if d.url is None else f"defect [{d.key}]({d.url})"
                 )
-                if d.url is None and not d.key.startswith("#"):
-                    notes.append(f"`{row}` on {col.title}: {d.key}")
-                    text += f" [{len(notes)}]"
-            elif cell.state in ("FAIL", "skip") and cell.note:
-                notes.append(f"`{row}` on {col.title} ({cell.state}): {cell.note}")
-                text += f" [{len(notes)}]"
+                if d.url is None:
+                    text += f" [{note(f'{d.key}: {d.upstream} (see Defects)')}]"
+            elif cell.state in ("FAIL", "skip", "unsupported") and cell.note:
+                what = cell.note if cell.state != "FAIL" else f"`{row}` on {col.title}: {cell.note}"
+                text += f" [{note(f'{cell.state}: {what}')}]"
             out.append(text)
         lines.append(f"| {row} | " + " | ".join(out) + " |")
     if notes:

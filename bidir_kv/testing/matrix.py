@@ -115,7 +115,7 @@ def record(item: pytest.Item, rep: pytest.TestReport) -> None:
         release = backend_release(item.config, backend) if backend != "-" else None
         row = _Row(
             scenario,
-            ",".join(f"{k}={v}" for k, v in sorted(params.items())),
+            ",".join(f"{k}={_value(v)}" for k, v in sorted(params.items())),
             backend,
             proxy,
             "passed",
@@ -137,6 +137,11 @@ def record(item: pytest.Item, rep: pytest.TestReport) -> None:
     name, reason = state
     if rep.when != "teardown" or row.outcome in ("passed", "xfail", "xpass"):
         row.outcome, row.reason = (name if rep.when != "teardown" else "error"), reason
+
+
+def _value(v: Any) -> str:
+    """A parameter as its test id shows it (a tuple ``("fail", "sync")`` as fail-sync)."""
+    return "-".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def _defect(pin: Any) -> dict[str, Any]:
