@@ -133,10 +133,15 @@ def load_runs(paths: Iterable[Path]) -> list[dict[str, Any]]:
     return runs
 
 
+_TUPLE = re.compile(r"\(((?:'[^']*'(?:, )?)+)\)")
+
+
 def _row_name(r: dict[str, Any]) -> str:
     name = str(r["scenario"])
     if r.get("params"):
-        name += f"[{r['params']}]"
+        # a tuple parameter as its id (rows written before matrix.py did so themselves)
+        params = _TUPLE.sub(lambda m: "-".join(re.findall(r"'([^']*)'", m.group(1))), r["params"])
+        name += f"[{params}]"
     if r.get("proxy", "direct") != "direct":
         name += f" via {r['proxy']}"
     return name
