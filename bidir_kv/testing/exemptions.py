@@ -149,7 +149,7 @@ class Exemption:
             return False
         if self.families and family is not None and family not in self.families:
             return False
-        return all(str(params.get(k)) == v for k, v in self.params)
+        return all(_param_id(params.get(k)) == v for k, v in self.params)
 
     @property
     def xfail_reason(self) -> str:
@@ -400,7 +400,20 @@ EXEMPTIONS: dict[tuple[str, str], list[Exemption]] = {
     ],
     ("test_ttl_expiry_d_releases_and_p_declines", "vllm-cpu"): [_NO_DECLINE],
     ("test_failed_read_outcome_follows_the_policy", "vllm-cpu"): [
-        replace(_NO_DECLINE, params=(("failure", "declined"),))
+        replace(_NO_DECLINE, params=(("failure", "declined"),)),
+        *(
+            Exemption(
+                reason="Suspected upstream defect 1, as in test_decline_outcome_per_failure_"
+                "policy[recompute]: after P declines a near-expired read under "
+                "kv_load_failure_policy=recompute the request stalls instead of recomputing.",
+                evidence="vllm-cpu 0.32.0 (test_ttl.py's decline under recompute, 2026-11-30 "
+                "and 2026-12-04); vllm-cpu 0.29.0 recomputes ('Recovered from KV load "
+                "failure: 1 request(s) rescheduled', 2026-12-04).",
+                params=(("failure", "declined"), ("policy_p", f"recompute-{scheduler}")),
+                defect=DECLINE_RECOMPUTE,
+            )
+            for scheduler in ("sync", "async")
+        ),
     ],
     ("test_decline_outcome_per_failure_policy", "vllm-cpu"): [
         _NO_DECLINE,
@@ -453,6 +466,11 @@ EXEMPTIONS: dict[tuple[str, str], list[Exemption]] = {
         )
     ],
 }
+
+
+def _param_id(value: Any) -> str:
+    """A parameter as its test id shows it: ``("recompute", "sync")`` -> recompute-sync."""
+    return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def exemption_for(
