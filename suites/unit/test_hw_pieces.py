@@ -5,34 +5,21 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from bidir_kv.serve.command import argv_value, build
 from bidir_kv.testing.hw_launch import _spec
+from bidir_kv.testing.hw_options import HwOptions
 from bidir_kv.testing.hw_report import _junit
 
 
-class _Config:
-    def __init__(self, **opts: Any) -> None:
-        self.opts = {
-            "--hw-tp": 4,
-            "--hw-nixl-backend": "LIBFABRIC",
-            "--hw-device": "cuda",
-            "--hw-threshold": 64,
-            "--hw-p-gpus": "0,1,2,3",
-            "--hw-d-gpus": "4,5,6,7",
-            "--hw-launch-arg": ["--gpu-memory-utilization", "0.9"],
-            **opts,
-        }
-
-    def getoption(self, name: str) -> Any:
-        return self.opts[name]
-
-
 def test_launched_pair_follows_the_recipe_on_one_host() -> None:
-    p, d = (build(_spec(_Config(), role, "Qwen/Qwen3-32B")) for role in ("prefill", "decode"))  # type: ignore[arg-type]
+    opts = HwOptions(launch=True, launch_model="Qwen/Qwen3-32B")
+    opts = replace(opts, launch_arg=("--gpu-memory-utilization", "0.9"))
+    p, d = (build(_spec(opts, role, "Qwen/Qwen3-32B")) for role in ("prefill", "decode"))
     assert "--no-enable-prefix-caching" in p.argv and "--no-enable-prefix-caching" not in d.argv
     assert p.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and d.env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     assert p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
