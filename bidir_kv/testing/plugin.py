@@ -34,6 +34,7 @@ from bidir_kv.testing import hw_options
 from bidir_kv.testing.families import split_backend_id
 from bidir_kv.testing.faults import FaultNotApplied
 from bidir_kv.testing.gating import REQUIRE_ENV
+from bidir_kv.topology.vllm_cpu import EXECUTOR_ENV, PTHR_DELAY_ENV
 
 TIERS = {
     "unit": "pure, in-process tests; laptops, seconds",
@@ -56,6 +57,10 @@ BACKEND_MARKS = {
 }
 VLLM_MARKS = ("vllm_cpu", "vllm_cpu_bidir_kv")
 HYPOTHESIS_PROFILES = {"unit": 100, "nightly": 1000}  # max_examples of each profile
+# How the tiers run the vllm-cpu servers they start (bidir_kv/topology/vllm_cpu.py reads
+# the variables; so do the bench runs a test starts): the model in the EngineCore and
+# NIXL's progress thread pausing between polls (docs/testing.md §3, measured there)
+TEST_EXECUTOR, TEST_NIXL_DELAY_US = "uni", 100
 _REPO = Path(__file__).resolve().parents[2]
 
 # Fixture and hook modules, registered by pytest when it loads this plugin.
@@ -110,6 +115,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail (instead of skip) when TIER's infrastructure is missing; "
         f"also read from {REQUIRE_ENV} (comma-separated)",
     )
+    group.addoption(
+        "--vllm-executor",
+        default=None,
+        choices=("mp", "uni"),
+        help="the vllm-cpu servers the tiers start: the model in a Worker process (mp, "
+        "vLLM's default) or in the EngineCore (uni: one process fewer, faster to start); "
+        f"default ${EXECUTOR_ENV} or {TEST_EXECUTOR} (docs/testing.md §3)",
+    )
+    group.addoption(
+        "--nixl-progress-delay-us",
+        default=None,
+        type=int,
+        metavar="US",
+        help="the vllm-cpu servers the tiers start: NIXL's progress thread pauses US "
+        "microseconds between polls (0: polls without pause, as NIXL's Python API sets "
+        f"it); default ${PTHR_DELAY_ENV} or {TEST_NIXL_DELAY_US} (docs/testing.md §3)",
+    )
 
 
 def backend_mark(backend: str) -> str:
@@ -138,6 +160,7 @@ def _hypothesis_profiles() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     _hypothesis_profiles()
     hw_options.configure(config)  # the hardware tier's options, checked before any test
+    _vllm_server_settings(config)
     for marks in (TIERS, CADENCES, BACKEND_MARKS):
         for name, text in marks.items():
             config.addinivalue_line("markers", f"{name}: {text}")
@@ -165,6 +188,20 @@ def pytest_configure(config: pytest.Config) -> None:
         out.unlink(missing_ok=True)
         os.environ[ledger.LEDGER_ENV] = str(out)
         config.stash[_LEDGER] = out
+
+
+def _vllm_server_settings(config: pytest.Config) -> None:
+    """``--vllm-executor`` / ``--nixl-progress-delay-us`` (else the variables, else the
+    tiers' defaults) into the environment every vllm-cpu server of the session reads."""
+    executor = config.getoption("--vllm-executor") or os.environ.get(EXECUTOR_ENV)
+    os.environ[EXECUTOR_ENV] = executor or TEST_EXECUTOR
+    delay = config.getoption("--nixl-progress-delay-us")
+    if delay is not None and delay < 0:
+        raise pytest.UsageError(f"--nixl-progress-delay-us must be >= 0, got {delay}")
+    if delay is not None:
+        os.environ[PTHR_DELAY_ENV] = str(delay)
+    else:
+        os.environ.setdefault(PTHR_DELAY_ENV, str(TEST_NIXL_DELAY_US))
 
 
 _LEDGER = pytest.StashKey[Path]()

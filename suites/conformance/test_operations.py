@@ -1,13 +1,15 @@
 """Operational events on a P/D pair (issue 16): memory pressure, bursts, bounded
 queues, restarts with the same engine id.
 
-Each scenario runs on a pair of its own (``PDBackend.pair_variant``), so restarts
-and full KV caches never reach the session's main pair: D gets ``D_BLOCKS`` KV
-blocks (``--num-gpu-blocks-override`` on vLLM, ``--kv-capacity-tokens`` on the
-emulator) and a short retention TTL. Every wait is bounded by ``WINDOW``: a request
-still unanswered then is reported as stalled (with D's queue gauges), never waited
-for. The emulator runs twice: with its defaults (the safe behaviour) and with the
-flags that reproduce vLLM 0.32 (``--peer-cache vllm --retained-blocks pin
+The scenarios run on the backend's *small pair* (``bidir_kv.testing.pairs.small_pair``,
+shared with any scenario that fits it), so restarts and full KV caches never reach the
+session's main pair: D gets ``SMALL_D_BLOCKS`` KV blocks (``--num-gpu-blocks-override``
+on vLLM, ``--kv-capacity-tokens`` on the emulator) and a short retention TTL. Each
+scenario first releases what earlier users of the pair left retained on D
+(``SharedPair.drain``). Every wait is bounded by the timing's window: a request still
+unanswered then is reported as stalled (with D's queue gauges), never waited for.
+The emulator runs twice: with its defaults (the safe behaviour) and with the flags that
+reproduce vLLM 0.32 (``--peer-cache vllm --retained-blocks pin
 --max-waiting-seconds 0``, docs/engine.md "Operations"); the second must show what
 real vLLM shows. Findings and evidence: docs/conformance.md "Operational scenarios".
 
@@ -34,23 +36,28 @@ import pytest
 from bidir_kv.client import Completion, TransportError
 from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.protocol import KVTransferParams
-from bidir_kv.testing.backends import PDBackend, PromptFactory, VariantPair
+from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.faults import confirm_logged
+from bidir_kv.testing.pairs import (
+    KV_USAGE,
+    SMALL_PAIR_TIMING,
+    SharedPair,
+    Timing,
+    small_pair,
+)
 from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import start_router_process
 from bidir_kv.testing.scenario import complete_watching, evidence, queue_state
 from bidir_kv.wire.fence import FAULT_RELEASE_CONFIG_KEY, FENCE_KEY
 
-# D: 12 blocks, 11 usable (block 0 is the null block). A turn of FILL new tokens and
-# GEN generated keeps 3 blocks retained; three of them leave 2 free, one short of
-# the next turn's 3.
-D_BLOCKS, MAX_MODEL_LEN, FILL_TURNS, GEN = 12, 1024, 3, 8
 # D's memory arithmetic assumes one KV cache group and engines with a prefix cache
 pytestmark = pytest.mark.requires_model("one_kv_group", "prefix_cache")
 
+# A turn of FILL new tokens and GEN generated keeps 3 of D's 11 usable blocks retained;
+# three of them leave 2 free, one short of the next turn's 3.
+FILL_TURNS, GEN = 3, 8
 VLLM_FLAGS = ("--peer-cache", "vllm", "--retained-blocks", "pin", "--max-waiting-seconds", "0")
-KV_USAGE = "vllm:kv_cache_usage_perc"
 TOKEN = 7  # the probe prompt (an ordinary token on both models)
 
 
@@ -58,24 +65,7 @@ def _fill_tokens(bs: int) -> int:
     return 2 * bs + 100
 
 
-@dataclass(frozen=True)
-class Timing:
-    """D's retention TTL and the bound on any one wait. The bound is well under the
-    TTL, so a request that waits for retained blocks to expire shows as stalled."""
-
-    ttl: float
-    window: float
-
-
-# vLLM answers a 400-token turn in about 1 s idle, under 10 s on a loaded 2-core box;
-# its TTL must outlive a restart (40-180 s on 2 busy cores) for a conversation to span
-# it; no scenario waits for it (turns are released)
-_VLLM_TIMING = Timing(ttl=300.0, window=10.0)
-TIMING = {
-    "vllm-cpu": _VLLM_TIMING,
-    "vllm-cpu+bidir-kv": _VLLM_TIMING,
-    "emulator": Timing(ttl=10.0, window=4.0),
-}
+TIMING = SMALL_PAIR_TIMING
 
 # Scenarios a backend does not certify, with the reason (none at present: our connector
 # gives retained blocks back early behind the fence of docs/connector.md §5).
@@ -91,61 +81,33 @@ def _in_scope(request: pytest.FixtureRequest, pd: PDBackend) -> None:
 
 @dataclass
 class Ops:
-    """The module's pairs, one per set of flags, and at most one running at a time:
-    asking for another set stops the running pair first (on vllm-cpu an idle engine
-    keeps a core busy, so a second pair would slow everything on 2 cores). The tests
-    that share a pair are grouped in the file, so each set starts once per mode."""
+    """The module's mode and its backend's small pair for each set of flags (shared
+    through the backend's pool: a set starts once per session and backend)."""
 
     pd: PDBackend
     mode: str
     timing: Timing
-    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    running: tuple[tuple[str, ...], VariantPair] | None = None  # (its flags, the pair)
-    started: int = 0  # pairs started so far (names them)
 
     def pair(
         self,
         *emulator_flags: str,
         decode_extra: tuple[tuple[str, Any], ...] = (),
         decode_prefix_caching: bool = True,
-    ) -> VariantPair:
+    ) -> SharedPair:
         """The pair for a scenario; ``emulator_flags`` only apply in the default mode
         (the vLLM mode's flags are fixed), and never to real vLLM; ``decode_extra``:
         more ``kv_connector_extra_config`` keys for D (our connector's)."""
         flags = VLLM_FLAGS if self.mode == "vllm" else tuple(emulator_flags)
         if self.pd.name != "emulator":
             flags = ()
-        key = (
-            *flags,
-            *(f"{k}={v}" for k, v in decode_extra),
-            *(() if decode_prefix_caching else ("d-no-prefix-cache",)),
-        )
-        if self.running is not None and self.running[0] == key:
-            return self.running[1]
-        self.close()
-        # recompute on both: a failed read is a miss, so restarts show as lost reuse
-        kv = {"decoder_kv_blocks_ttl": self.timing.ttl, "kv_load_failure_policy": "recompute"}
-        pair = self.stack.enter_context(
-            self.pd.pair_variant(
-                f"ops-{self.started}",
-                decode_blocks=D_BLOCKS,
-                max_model_len=MAX_MODEL_LEN,
-                prefill_kv=kv,
-                decode_kv={**kv, **dict(decode_extra)},
+        return self.pd.pair(
+            small_pair(
+                self.pd.name,
+                decode_kv=decode_extra,
                 emulator_args=flags,
                 decode_prefix_caching=decode_prefix_caching,
             )
         )
-        self.started += 1
-        self.running = (key, pair)
-        return pair
-
-    def close(self) -> None:
-        """Stop the running pair (if any); its turns are forgotten with it."""
-        if self.running is not None:
-            HELD.pop(id(self.running[1]), None)
-            self.running = None
-        self.stack.close()
 
 
 @pytest.fixture(
@@ -158,11 +120,7 @@ def ops(request: pytest.FixtureRequest, pd: PDBackend) -> Iterator[Ops]:
     mode = str(request.param)
     if pd.name not in TIMING:
         pytest.skip("needs a local backend that can start pairs of its own")
-    ops = Ops(pd, mode, TIMING[pd.name])
-    try:
-        yield ops
-    finally:
-        ops.close()
+    yield Ops(pd, mode, TIMING[pd.name])
 
 
 # ---- helpers ------------------------------------------------------------------------
@@ -196,7 +154,7 @@ class Turn:
 
 
 def turn(
-    pair: VariantPair, prompt: list[int], timeout: float, previous: KVTransferParams | None = None
+    pair: SharedPair, prompt: list[int], timeout: float, previous: KVTransferParams | None = None
 ) -> Turn:
     """P leg then D leg, each bounded by ``timeout`` (``no_answer``: none in time);
     D's queue gauges are sampled while its leg is pending."""
@@ -211,11 +169,11 @@ def turn(
     if isinstance(d, TransportError):
         return Turn(prompt, p, None, peak, no_answer=d)
     if d.params is not None:
-        HELD.setdefault(id(pair), []).append(d.params)
+        pair.held.append(d.params)  # released by the pair's next drain
     return Turn(prompt, p, d, peak)
 
 
-def stalled(what: str, t: Turn, pair: VariantPair, timing: Timing) -> str:
+def stalled(what: str, t: Turn, pair: SharedPair, timing: Timing) -> str:
     if t.no_answer is not None:
         return (
             f"{what}: no answer within {timing.window:g} s (D's TTL {timing.ttl:g} s); "
@@ -226,39 +184,11 @@ def stalled(what: str, t: Turn, pair: VariantPair, timing: Timing) -> str:
     return f"{what}: HTTP {r.status} {r.error}"
 
 
-def blocks_in_use(pair: VariantPair) -> int:
-    """D's KV blocks in use, retained turns included. A one-token request first makes
-    D step, so the usage gauge is fresh (both engines set it at the end of a step,
-    not when a notification or the TTL frees blocks); its own block is freed by
-    then or counted as one."""
-    pair.decode.complete([TOKEN], 1, timeout=30)
-    return round(pair.decode.metrics([KV_USAGE]).value(KV_USAGE) * (D_BLOCKS - 1))
-
-
-# every dict D returned, per pair: a scenario's turns are dead once it ended
-HELD: dict[int, list[KVTransferParams]] = {}
-
-
-def release(pair: VariantPair, params: KVTransferParams) -> None:
-    """Free D's blocks of a turn nobody continues, as our router does: a one-token
-    request through P with D's dict and ``remote_num_tokens: 0`` (notify-only)."""
-    pair.prefill.complete(
-        [TOKEN], 1, params.with_fields(remote_num_tokens=0).for_prefill_hit(), timeout=30
-    )
-
-
-def drained(pair: VariantPair, timeout: float) -> None:
-    """Release earlier scenarios' turns and wait until D holds no retained KV."""
-    for params in HELD.pop(id(pair), []):
-        release(pair, params)
-    wait_for(lambda: blocks_in_use(pair) <= 1, timeout, "D's KV cache to drain", interval=0.5)
-
-
 @contextlib.contextmanager
-def filled(pair: VariantPair, prompts: PromptFactory, bs: int, timing: Timing) -> Iterator[None]:
+def filled(pair: SharedPair, prompts: PromptFactory, bs: int, timing: Timing) -> Iterator[None]:
     """FILL_TURNS turns nobody continues, retained by D until its TTL (or released
     when the next scenario starts)."""
-    drained(pair, timing.ttl + 30)
+    pair.drain(timing.ttl + 30)
     for i in range(FILL_TURNS):
         t = turn(pair, prompts.prompt(_fill_tokens(bs)), timing.window)
         assert t.d is not None and t.d.ok and t.d.params is not None, stalled(
@@ -331,7 +261,7 @@ def test_burst_without_conversation_ids_is_served(ops: Ops, prompts: PromptFacto
     one will continue them): three times D's capacity in a row, each answered within
     the window and correct, and D's KV is not left pinned until the TTL."""
     pair, bs, timing = ops.pair(), ops.pd.block_size, ops.timing
-    drained(pair, timing.ttl + 30)
+    pair.drain(timing.ttl + 30)
     p, d = pair.prefill.node, pair.decode.node
     extra = [
         "--cache-ttl",
@@ -362,7 +292,7 @@ def test_burst_without_conversation_ids_is_served(ops: Ops, prompts: PromptFacto
             )
             done.append((prompt, ids))
         wait_for(
-            lambda: blocks_in_use(pair) <= 1,
+            lambda: pair.blocks_in_use() <= 1,
             timing.window,
             "D to free the burst's blocks (before its TTL)",
             interval=0.5,
@@ -384,7 +314,7 @@ def test_d_restarted_next_turn_misses_and_reuse_resumes(ops: Ops, prompts: Promp
     clean miss with correct output (P's policy ``recompute``), and the turn after
     pulls from the new D again, P not restarted."""
     pair, bs, timing = ops.pair(), ops.pd.block_size, ops.timing
-    drained(pair, timing.ttl + 30)
+    pair.drain(timing.ttl + 30)
     t0 = turn(pair, prompts.prompt(bs + 100), timing.window)
     assert t0.d is not None and t0.d.ok and t0.d.params is not None, stalled(
         "turn 1", t0, pair, timing
@@ -417,7 +347,7 @@ def test_p_restarted_new_and_existing_conversations_served(
     pulls from the new P again, D not restarted. One failed read per peer is
     allowed (a 0.32 dict cannot say P restarted; policy ``recompute`` makes it a miss)."""
     pair, bs, timing = ops.pair(), ops.pd.block_size, ops.timing
-    drained(pair, timing.ttl + 30)
+    pair.drain(timing.ttl + 30)
     t1 = turn(pair, prompts.prompt(bs + 100), timing.window)
     assert t1.d is not None and t1.d.ok and t1.d.params is not None, stalled(
         "turn 1", t1, pair, timing
@@ -467,7 +397,7 @@ def test_release_during_read_is_recomputed(ops: Ops, prompts: PromptFactory) -> 
         ),
         ops.pd.block_size,
     )
-    drained(pair, ops.timing.ttl + 30)
+    pair.drain(ops.timing.ttl + 30)
     d_log = pair.decode.node.log_path
     assert d_log is not None
     mark = Path(d_log).stat().st_size

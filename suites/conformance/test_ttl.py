@@ -7,13 +7,13 @@
   and the outcome follows ``kv_load_failure_policy`` -- never a hang.
 
 The real-time test waits out D's short TTL once. The policy tests move the exported
-deadline instead (P's rule reads only that value), each on a P started with the
-policy under test.
+deadline instead (P's rule reads only that value), each on a pair whose P has the
+policy under test (the main pair for ``fail``, the shared small pair for
+``recompute``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
@@ -21,6 +21,7 @@ import pytest
 from bidir_kv.client import TransportError, run_pd_turn
 from bidir_kv.scrape import NIXL_BYTES, NIXL_EXPIRED
 from bidir_kv.testing.backends import PDBackend, PromptFactory
+from bidir_kv.testing.pairs import SMALL_PAIR_TIMING, small_pair
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.scenario import (
     ANSWER_WITHIN,
@@ -91,27 +92,35 @@ def test_ttl_expiry_d_releases_and_p_declines(pd: PDBackend, prompts: PromptFact
         wait_metric_increase(pd.decode, d_before, NIXL_EXPIRED, ttl + 30)
 
 
-@pytest.mark.timeout(1800)  # a P variant or many turns on a loaded 2-core box
+@pytest.mark.timeout(1800)  # a pair of its own to start, or many turns on a loaded 2-core box
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_decline_outcome_per_failure_policy(
     pd: PDBackend, prompts: PromptFactory, policy: str
 ) -> None:
     """What the client of P sees when P declines: ``fail`` -> HTTP 500, ``recompute`` ->
-    a normal answer equal to the non-disaggregated output. Never a hang."""
+    a normal answer equal to the non-disaggregated output. Never a hang.
+
+    ``fail`` is the main pair's policy; ``recompute`` runs on the backend's small pair,
+    whose P and D have it (``bidir_kv.testing.pairs.small_pair``, shared with the
+    operational scenarios: no server is started for this test alone)."""
     _need_same_clock(pd)
-    same = policy == pd.config.failure_policy
-    with (
-        contextlib.nullcontext(pd.prefill)
-        if same
-        else pd.prefill_variant(f"policy-{policy}", kv_load_failure_policy=policy)
-    ) as p:
-        t1 = run_pd_turn(p, pd.decode, _first(pd, prompts), GEN)
-        assert t1.d is not None and t1.d.params is not None
-        late = expire_soon(t1.d.params, 2.0)
-        prompt2 = [*t1.sequence, *prompts.tokens(50)]
-        before = p.metrics()
-        resp, peak = complete_watching(p, prompt2, GEN, late.for_prefill_hit(), ANSWER_WITHIN)
-        delta = p.metrics() - before
+    assert policy in ("fail", "recompute") and pd.config.failure_policy == "fail"
+    pair = None
+    if policy == "fail":
+        p, d = pd.prefill, pd.decode
+    else:
+        pair = pd.pair(small_pair(pd.name))
+        pair.drain(SMALL_PAIR_TIMING[pd.name].ttl + 30)
+        p, d = pair.prefill, pair.decode
+    t1 = run_pd_turn(p, d, _first(pd, prompts), GEN)
+    assert t1.d is not None and t1.d.params is not None
+    if pair is not None:
+        pair.held.append(t1.d.params)  # declined below: D keeps it until released
+    late = expire_soon(t1.d.params, 2.0)
+    prompt2 = [*t1.sequence, *prompts.tokens(50)]
+    before = p.metrics()
+    resp, peak = complete_watching(p, prompt2, GEN, late.for_prefill_hit(), ANSWER_WITHIN)
+    delta = p.metrics() - before
     if isinstance(resp, TransportError):
         raise AssertionError(
             f"P did not answer within {ANSWER_WITHIN:g} s after declining ({resp}); "
@@ -123,5 +132,6 @@ def test_decline_outcome_per_failure_policy(
         assert resp.status == 500
     else:
         assert resp.ok, f"recompute must answer normally: {resp.status} {resp.error}"
-        # the main P answers for the reference (it is paused while a variant runs)
-        assert resp.token_ids == pd.reference(prompt2, GEN).token_ids
+        # the non-disaggregated output, computed on the same P from nothing
+        salt = f"ref-{time.time_ns()}"
+        assert resp.token_ids == p.complete(prompt2, GEN, extra={"cache_salt": salt}).token_ids

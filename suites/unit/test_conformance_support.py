@@ -249,6 +249,47 @@ def test_the_kv_core_fix_says_when_it_finds_nothing_to_patch(
     assert "no discover_numa_topology" in capsys.readouterr().err
 
 
+def test_nixl_agents_get_the_progress_thread_delay_when_their_binding_is_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fix 3: every agent the binding builds carries ``pthrDelay`` (NIXL's Python API sets
+    0); the API module, which reads ``nixlAgent`` from the binding at call time, is
+    untouched."""
+    site = _load_site_fixes()
+    pkg = tmp_path / "fakenixl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_bindings.py").write_text(
+        "class nixlAgentConfig:\n    pthrDelay = 0\n"
+        "class nixlAgent:\n"
+        "    def __init__(self, name, config):\n"
+        "        self.name, self.delay = name, config.pthrDelay\n"
+    )
+    (pkg / "_api.py").write_text(
+        "from . import _bindings as nixlBind\n"
+        "def agent(name):\n"
+        "    cfg = nixlBind.nixlAgentConfig()\n"
+        "    cfg.pthrDelay = 0\n"
+        "    return nixlBind.nixlAgent(name, cfg)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(
+        sys,
+        "meta_path",
+        [
+            site.PatchOnImport(
+                ("fakenixl._bindings",), lambda m: site.delay_progress_thread(m, 100)
+            ),
+            *sys.meta_path,
+        ],
+    )
+    for name in ("fakenixl", "fakenixl._bindings", "fakenixl._api"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    api = importlib.import_module("fakenixl._api")
+    agent = api.agent("p")
+    assert (agent.name, agent.delay) == ("p", 100)
+
+
 _TREE = """
 import ctypes, os, subprocess, sys
 cpu = min(os.sched_getaffinity(0))

@@ -14,6 +14,12 @@ Why each is needed, with measurements: ``docs/conformance.md`` ("Start-up fixes"
    both workers then share the host's last core, and P sees D's "read done" only when
    its lease ends. Like vLLM PR #58036 (issue #58033, not in 0.32), the cores are
    intersected with the CPUs the thread may already use.
+3. **NIXL's progress thread pauses between polls** when ``BIDIR_KV_NIXL_PTHR_DELAY_US``
+   is set (the launcher sets it for the test tiers' servers): NIXL's Python API builds
+   every agent with ``pthrDelay = 0``, so its progress thread polls without pause and an
+   idle server keeps a whole core busy (docs/conformance.md, "Idle vLLM engines keep a
+   core busy each"). The value goes to ``nixlAgentConfig.pthrDelay`` of every agent the
+   process builds; nothing else of the agent changes.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from types import ModuleType
 from typing import Any
 
 CPU_PLATFORM_MODULE = "vllm.platforms.cpu"
+NIXL_BINDINGS = ("nixl_cu12._bindings", "nixl_cu13._bindings")
+PTHR_DELAY_ENV = "BIDIR_KV_NIXL_PTHR_DELAY_US"
 
 
 def request_amx() -> None:
@@ -65,6 +73,25 @@ def limit_kv_cores(module: ModuleType) -> None:
     platform_cls.discover_numa_topology = classmethod(discover_numa_topology)
 
 
+def delay_progress_thread(module: ModuleType, delay_us: int) -> None:
+    """Wrap the binding's ``nixlAgent`` so each agent's config carries ``delay_us``."""
+    agent_cls: Any = getattr(module, "nixlAgent", None)
+    if agent_cls is None:
+        print(
+            f"bidir-kv sitecustomize: {module.__name__} has no nixlAgent; NIXL's progress "
+            "thread is left polling without pause",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+
+    def nixl_agent(name: str, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return agent_cls(name, config)
+
+    module.nixlAgent = nixl_agent  # type: ignore[attr-defined]
+
+
 class PatchOnImport(importlib.abc.MetaPathFinder):
     """Runs ``patch(module)`` right after ``name`` is first imported.
 
@@ -72,14 +99,14 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
     cost every process seconds, so the patch waits for the module's own import.
     """
 
-    def __init__(self, name: str, patch: Callable[[ModuleType], None]) -> None:
-        self.name = name
+    def __init__(self, names: str | Sequence[str], patch: Callable[[ModuleType], None]) -> None:
+        self.names = (names,) if isinstance(names, str) else tuple(names)
         self.patch = patch
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.name:
+        if fullname not in self.names:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -99,6 +126,12 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
 def install() -> None:
     request_amx()
     sys.meta_path.insert(0, PatchOnImport(CPU_PLATFORM_MODULE, limit_kv_cores))
+    delay = os.environ.get(PTHR_DELAY_ENV)
+    if delay:
+        us = int(delay)
+        sys.meta_path.insert(
+            0, PatchOnImport(NIXL_BINDINGS, lambda module: delay_progress_thread(module, us))
+        )
 
 
 if __name__ == "sitecustomize":  # at interpreter start-up, not when a test loads the file
