@@ -98,6 +98,12 @@ class SharedPair:
     config: PairConfig
     held: list[KVTransferParams] = field(default_factory=list)
 
+    def use(self) -> None:
+        """Make this pair the running one. Its clients do so on every request; traffic
+        that does not go through them (a router in front of the pair) needs this first."""
+        if self.prefill.before_use is not None:
+            self.prefill.before_use()
+
     def restart(self, role: str) -> None:
         """Restart P or D as a deploy would (same engine id and ports, new process);
         checked: the old process is gone and a new one serves (``restart_node``)."""

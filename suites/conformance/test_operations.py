@@ -271,8 +271,9 @@ def test_burst_without_conversation_ids_is_served(ops: Ops, prompts: PromptFacto
         "--block-size",
         str(bs),
     ]
-    if not ops.pd.streams_params:
+    if not ops.pd.streams_params:  # may probe the main pair: the small pair is paused then
         extra += ["--decode-stream", "never"]
+    pair.use()  # the router's traffic does not go through the pair's clients
     router = start_router_process(
         ops.pd.run_dir,
         [(p.host, p.port)],
