@@ -50,7 +50,7 @@ from bidir_kv.router.relay import RelayResult
 from bidir_kv.router.release import Releaser
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, Entry, StoreError, Taken
-from bidir_kv.router.turn import Turn, record_client_gone
+from bidir_kv.router.turn import Turn, conv_label, record_client_gone
 from bidir_kv.router.upstreams import (
     NodeFacts,
     Upstream,
@@ -58,6 +58,7 @@ from bidir_kv.router.upstreams import (
     pair_problem,
     sizes_differ,
 )
+from bidir_kv.wire.params import advertises_verify
 
 __all__ = ["RouterFlow"]
 
@@ -242,8 +243,11 @@ class RouterFlow:
             p_node, p_params = await self.prefill_leg.run_with_fallback(turn, p_node, hit, release)
         except UpstreamFailure as exc:
             return self._failure_response(turn, Leg.PREFILL, exc)
-        if p_params is not None and self.peers.seen(p_node, p_params.remote_engine_id):
-            self.facts.forget(p_node)  # restarted under another id: ask its block size again
+        if p_params is not None:
+            if self.peers.seen(p_node, p_params.remote_engine_id):
+                self.facts.forget(p_node)  # restarted under another id: ask it again
+            # P's dict says whether it reads only what D's chain proves (wire.params)
+            p_node.verifies = advertises_verify(p_params.extra)
         if hit is not None:
             self._count_hit(turn, hit, fell_back=turn.fell_back)
         if turn.prompt_tokens is None and turn.wants_ids:
@@ -265,7 +269,7 @@ class RouterFlow:
         """A hit is counted once P reports it took D's tokens (not when the dict is sent)."""
         if fell_back:
             return
-        pulled = pulled_tokens(hit, turn.p_usage)
+        pulled = pulled_tokens(hit, turn.p_usage, p_trims=turn.p_trims)
         if pulled is None:  # P reports no cached tokens: count the hit it accepted
             self.metrics.hits.inc()
         elif pulled > 0:
@@ -297,7 +301,10 @@ class RouterFlow:
             return None
         turn.since = self.store.now()
         try:
-            taken = await self.store.take(turn.key.storage_key)
+            if turn.history is not None:  # the longest prefix a stored turn shares
+                taken = await self.store.take_first([k.storage_key for k in turn.history.probes])
+            else:
+                taken = await self.store.take(turn.key.storage_key)
         except StoreError as exc:
             m.errors.labels("store").inc()
             m.misses.labels("store_error").inc()
@@ -320,6 +327,16 @@ class RouterFlow:
             )
         elif taken.entry is None:
             m.misses.labels("not_found").inc()
+        elif turn.history is not None and taken.matched is not None:
+            probe = turn.history.probes[taken.matched]
+            exact = probe == turn.history.lookup
+            m.history_matches.labels("exact" if exact else "prefix").inc()
+            log.info(
+                "conv=%s: cache HIT (age=%.1fs)%s",
+                turn.conv,
+                taken.age,
+                "" if exact else f" on a shorter history ({conv_label(probe)})",
+            )
         else:
             log.info("conv=%s: cache HIT (age=%.1fs)", turn.conv, taken.age)
 
@@ -371,6 +388,12 @@ class RouterFlow:
         m = self.metrics
         if not self.settings.guard:
             return GuardVerdict(cached, "guard-off")
+        if p_node.verifies:
+            # this P reads only the prefix D's chain proves for its own prompt: D's whole
+            # dict goes to it and it cuts the read itself (no /tokenize round trip)
+            turn.p_trims = True
+            m.prefill_verified.inc()
+            return GuardVerdict(cached, "prefill-verifies", cached.num_remote_tokens)
         try:
             prompt_tokens = await self.prefill_leg.tokenize(turn, p_node)
             turn.prompt_tokens = prompt_tokens
@@ -389,7 +412,8 @@ class RouterFlow:
         if verdict.accepted:
             if verdict.reason.startswith("trimmed"):
                 m.guard_trims.inc()
-                log.warning(
+                # the expected answer to a rewritten history, not a fault: INFO
+                log.info(
                     "[%s] conv=%s: guard %s: reusing only %d tokens",
                     turn.rid,
                     turn.conv,

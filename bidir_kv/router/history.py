@@ -27,6 +27,7 @@ from typing import Any, Final
 import orjson
 
 from bidir_kv.router.identity import ConversationKey, IdentityError
+from bidir_kv.router.prefix import boundaries
 
 __all__ = [
     "HISTORY_SOURCE",
@@ -155,12 +156,17 @@ def opt_out(body: Mapping[str, Any], chat: bool) -> str | None:
 
 @dataclass(frozen=True)
 class History:
-    """One request's history digests: ``lookup`` keys the entry this turn may reuse
-    (``None``: no assistant message yet); :meth:`key_after` the entry it leaves."""
+    """One request's history digests. ``lookup`` keys the entry of an exact continuation
+    (the turn whose messages and reply this request repeats; ``None``: no assistant
+    message yet); ``probes`` are the keys of every boundary a stored turn may be found
+    under, longest first, ``lookup`` among them (:mod:`bidir_kv.router.prefix`);
+    :meth:`index_after` names the entry this turn leaves and the keys it is found by."""
 
     tenant: str
     lookup: ConversationKey | None
+    probes: tuple[ConversationKey, ...]
     _state: Any  # sha256 after the scope and every message of the request
+    _marks: tuple[ConversationKey, ...]  # the entry's boundaries up to this request's end
 
     def key_after(self, reply: Mapping[str, Any]) -> ConversationKey:
         """The key of this request's messages followed by ``reply`` (the assistant
@@ -168,6 +174,14 @@ class History:
         h = self._state.copy()
         h.update(_dumps(canonical_message(dict(reply), "reply")) + b"\n")
         return _key(self.tenant, h.hexdigest())
+
+    def index_after(
+        self, reply: Mapping[str, Any]
+    ) -> tuple[ConversationKey, tuple[ConversationKey, ...]]:
+        """(the entry's key, the keys it is indexed under, longest first): the entry is
+        found by an exact continuation and by a request sharing a prefix with it."""
+        key = self.key_after(reply)
+        return key, (key, *self._marks)
 
 
 def _key(tenant: str, digest: str) -> ConversationKey:
@@ -181,14 +195,37 @@ def scope_bytes(body: Mapping[str, Any], tenant: str) -> bytes:
 
 
 def history_of(body: Mapping[str, Any], tenant: str) -> History:
-    """Digest a chat request's messages (checked by :func:`canonical_message`)."""
+    """Digest a chat request's messages (checked by :func:`canonical_message`) at the
+    boundaries it probes and the ones its entry will be indexed under."""
     messages: Sequence[Any] = body.get("messages") or ()
-    h = hashlib.sha256(_VERSION)
-    h.update(scope_bytes(body, tenant) + b"\n")
-    lookup: str | None = None
+    lines = []
+    assistant = []
     for i, message in enumerate(messages):
         canon = canonical_message(message, f"messages[{i}]")
-        h.update(_dumps(canon) + b"\n")
+        lines.append(_dumps(canon) + b"\n")
         if canon["role"] == "assistant":
-            lookup = h.hexdigest()
-    return History(tenant, None if lookup is None else _key(tenant, lookup), h)
+            assistant.append(i)
+    n = len(lines)
+    # the request probes from its first assistant message on; the entry it leaves is
+    # indexed from there too, or from its reply (a first turn: its prompt and itself)
+    exact = assistant[-1] + 1 if assistant else None
+    probe_at: list[int] = []
+    if exact is not None:
+        probe_at = sorted({*boundaries(assistant[0], n), exact}, reverse=True)
+    mark_at = boundaries(assistant[0] if assistant else n, n + 1)[1:]  # n + 1: the reply
+    wanted = {*probe_at, *mark_at}
+    h = hashlib.sha256(_VERSION)
+    h.update(scope_bytes(body, tenant) + b"\n")
+    keys: dict[int, ConversationKey] = {}
+    for j in range(n + 1):
+        if j:
+            h.update(lines[j - 1])
+        if j in wanted:
+            keys[j] = _key(tenant, h.hexdigest())
+    return History(
+        tenant,
+        None if exact is None else keys[exact],
+        tuple(keys[j] for j in probe_at),
+        h,
+        tuple(keys[j] for j in mark_at),
+    )

@@ -102,7 +102,7 @@ class TurnMemo:
                 )
                 self.release(turn, p_node, d_node, params, "untracked_delta")
                 return
-        key = self._key(turn, result)
+        key, index = self._key(turn, result)
         if key is None:
             m.not_cached.labels("no_reply").inc()
             self.release(turn, p_node, d_node, params, "no_reply")
@@ -120,7 +120,10 @@ class TurnMemo:
         try:
             # a close reaches id-keyed entries only (a history key is new each turn)
             stored = await self.store.put(
-                key.storage_key, entry, since=turn.since if turn.history is None else None
+                key.storage_key,
+                entry,
+                since=turn.since if turn.history is None else None,
+                index=[k.storage_key for k in index],
             )
         except StoreError as exc:
             m.errors.labels("store").inc()
@@ -146,19 +149,22 @@ class TurnMemo:
         )
 
     @staticmethod
-    def _key(turn: Turn, result: RelayResult) -> ConversationKey | None:
-        """Where the turn's entry goes: its id, or the digest of its history followed by
-        the reply the client was sent (``None``: the reply could not be read)."""
+    def _key(
+        turn: Turn, result: RelayResult
+    ) -> tuple[ConversationKey | None, tuple[ConversationKey, ...]]:
+        """Where the turn's entry goes: its id; or the digest of its history followed by
+        the reply the client was sent, and the history prefixes it is found under
+        (``None``: the reply could not be read)."""
         if turn.history is None:
-            return turn.key
+            return turn.key, ()
         reply = result.reply()
         if reply is None:
-            return None
+            return None, ()
         try:
-            return turn.history.key_after(reply)
+            return turn.history.index_after(reply)
         except IdentityError as exc:  # D's own answer: not the client's fault
             log.warning("[%s] cannot digest the reply (%s); turn not cached", turn.rid, exc)
-            return None
+            return None, ()
 
     def _explain_missing_params(self, d_node: Upstream, result: RelayResult) -> None:
         """Say once per D why it returns nothing to cache (AWS post's "always MISS")."""

@@ -65,10 +65,21 @@ class RouterMetrics:
             registry=r,
         )
         self.stale = Counter(p + "cache_stale", "Entries found older than --cache-ttl", registry=r)
+        self.history_matches = Counter(
+            p + "history_matches",
+            "Turns without an id that found a stored turn by their history",
+            ["match"],  # exact: its whole history repeated; prefix: a shorter one
+            registry=r,
+        )
         self.guard_rejections = Counter(
             p + "guard_rejections",
             "Cached entries not reused because the prompt is not a provable continuation",
             ["reason"],
+            registry=r,
+        )
+        self.prefill_verified = Counter(
+            p + "prefill_verified_offers",
+            "Hits sent whole to a P that reads only the prefix D's token chain proves",
             registry=r,
         )
         self.guard_trims = Counter(

@@ -223,11 +223,15 @@ def prompt_ids_of(body: dict[str, Any]) -> list[int] | None:
     return None
 
 
-def pulled_tokens(hit: KVTransferParams, usage: dict[str, Any] | None) -> int | None:
+def pulled_tokens(
+    hit: KVTransferParams, usage: dict[str, Any] | None, p_trims: bool = False
+) -> int | None:
     """Tokens P took from D's hit, judged from P's ``usage``: its cached tokens when they
     cover the offered prefix (a pull, or P already had it), else 0 (P skipped the pull:
-    below its threshold, declined, failed). ``None``: P reported no
-    ``prompt_tokens_details`` (vLLM without ``--enable-prompt-tokens-details``)."""
+    below its threshold, declined, failed). With ``p_trims`` (D's whole dict went to a P
+    that reads only the prefix D's chain proves) any cached tokens count: P cut the offer.
+    ``None``: P reported no ``prompt_tokens_details`` (vLLM without
+    ``--enable-prompt-tokens-details``)."""
     details = (usage or {}).get("prompt_tokens_details")
     if not isinstance(details, dict) or not isinstance(details.get("cached_tokens"), int):
         return None
@@ -236,4 +240,6 @@ def pulled_tokens(hit: KVTransferParams, usage: dict[str, Any] | None) -> int | 
     offered = hit.num_remote_tokens
     if isinstance(prompt, int):
         offered = min(offered, prompt)
+    if p_trims:
+        return cached
     return cached if offered > 0 and cached >= offered else 0

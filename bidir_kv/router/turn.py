@@ -36,6 +36,7 @@ class Turn:
     first_byte: bool = False
     p_usage: dict[str, Any] | None = None  # ``usage`` of P's answer to the P leg
     fell_back: bool = False  # the P leg was retried as a miss
+    p_trims: bool = False  # D's whole dict went to a P that verifies D's chain itself
     # the digests of a turn recognised by its history (no id); ``key`` is then the
     # lookup key, ``None`` before the first assistant message
     history: History | None = None

@@ -187,21 +187,27 @@ def test_two_tenants_with_the_same_history_never_share(
     assert own == oracle(topo, msgs2)
 
 
-def test_a_client_that_strips_the_reasoning_misses_and_answers_right(
+def test_a_client_that_strips_the_reasoning_reuses_the_rest_and_answers_right(
     topo: Any, router: Callable[..., str]
 ) -> None:
-    """The client drops the start of each answer (as a reasoning trace is dropped)."""
+    """The client drops the start of each answer (as a reasoning trace is dropped): the
+    exact history is never found, but the previous turn is, under its own prompt (the
+    longest prefix the two share), and the guard keeps only the tokens before the
+    dropped part (issue #30; before it: 0 hits, every later turn ``not_found``)."""
     url = router()
     from_d, hits, wrong = converse(
         topo, url, "strip", 3, stream=True, mangle=lambda t: t.split(" ", 2)[-1]
     )
-    assert (from_d, hits, wrong) == (0, 0, 0)
-    assert router_counter(url, "cache_misses", reason="not_found") == 2
+    assert (from_d, hits, wrong) == (2, 2, 0)
+    assert router_counter(url, "history_matches", match="prefix") == 2
+    assert router_counter(url, "guard_trims") == 2
 
 
 def test_a_retried_request_never_takes_the_entry_twice(
     topo: Any, router: Callable[..., str]
 ) -> None:
+    """Turn 2 sent twice: the first try takes turn 1's entry (exact history); the retry
+    finds the first try's own turn under its prompt (a prefix of it), not turn 1's."""
     url = router()
     api = client(url)
     msgs = long_opening(conversation_id("retry"))
@@ -214,9 +220,11 @@ def test_a_retried_request_never_takes_the_entry_twice(
     before = pulled(topo)
     answers = [ask(api, msgs2, stream=True) for _ in range(2)]  # a retry of the same turn
     assert answers == [oracle(topo, msgs2)] * 2
-    assert router_counter(url, "cache_hits") == 1
-    assert router_counter(url, "cache_misses", reason="not_found") == 1
-    assert pulled(topo) - before >= 64
+    assert router_counter(url, "cache_hits") == 2
+    assert router_counter(url, "history_matches", match="exact") == 1
+    assert router_counter(url, "history_matches", match="prefix") == 1
+    assert router_counter(url, "cache_misses", reason="not_found") == 0
+    assert pulled(topo) - before >= 2 * 64
 
 
 def _post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:

@@ -181,8 +181,9 @@ def test_hits_count_only_tokens_p_actually_took(
     topo: Any, router_process: Callable[..., RouterProcess]
 ) -> None:
     """A real continuation counts a hit (with P's cached tokens); a rewritten history
-    whose verified prefix is below P's recompute threshold (64) is offered, trimmed,
-    and not pulled by P: offered, but not a hit."""
+    whose verified prefix is below P's recompute threshold (64) is offered and not
+    pulled by P: offered, but not a hit. (The emulated P advertises that it checks D's
+    chain, so D's dict goes to it whole and P cuts the read, not the router.)"""
     rp = router_for(topo, router_process, topo.decode[:1])
     conv = conversation_id("hitcount")
     msgs = long_opening(conv)
@@ -206,6 +207,7 @@ def test_hits_count_only_tokens_p_actually_took(
     third = chat(rp.url, rewritten, conv)
     assert third.status == 200 and third.text == oracle(topo, rewritten)
     assert router_counter(rp.url, "cache_hit_offers") == 2
-    assert router_counter(rp.url, "guard_trims") == 1
+    assert router_counter(rp.url, "prefill_verified_offers") == 2
+    assert router_counter(rp.url, "guard_trims") == 0
     assert router_counter(rp.url, "cache_hits") == 1
     assert router_counter(rp.url, "cache_misses", reason="not_pulled") == 1

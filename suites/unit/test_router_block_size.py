@@ -181,3 +181,43 @@ async def test_a_turn_goes_to_the_decode_node_its_prefill_can_read() -> None:
             assert status == 200
         assert s.decode[0].received == [] and len(s.decode[1].received) == 8
         assert counter(s.flow, "cache_hits") == 4
+
+
+# ---- a prefill node that verifies D's chain itself (wire.params.VERIFY_KEY) ---------
+
+
+async def test_a_verifying_prefill_gets_ds_whole_dict_and_cuts_the_read_itself() -> None:
+    async with StubStack() as s:
+        s.prefill[0].verifies = True
+        await two_turns(s, conv="warm")  # P's first dict carries the advert
+        assert s.flow.prefill.nodes[0].verifies
+        await two_turns(s, rewrite=True)
+        sent = last_params(s.prefill[0])
+        assert sent is not None and sent.num_remote_tokens == 53  # D's whole 47 + 8 - 1
+        assert counter(s.flow, "prefill_verified_offers") == 2
+        assert counter(s.flow, "guard_trims") == 0 and counter(s.flow, "cache_hits") == 2
+
+
+@pytest.mark.parametrize("engine_id", ["same", "new"])
+async def test_a_prefill_that_stops_advertising_is_trimmed_for_again(engine_id: str) -> None:
+    async with StubStack() as s:
+        p = s.prefill[0]
+        p.verifies = True
+        await two_turns(s, conv="warm")
+        # P restarts as an engine without the chain check (stock vLLM), under the same
+        # engine id or a new one: its next dict carries no advert
+        p.verifies = False
+        if engine_id == "new":
+            p.name = "p0-stock"
+        await two_turns(s, rewrite=True)
+        sent = last_params(s.prefill[0])
+        assert sent is not None and sent.num_remote_tokens == 32  # the router cut it
+        assert counter(s.flow, "guard_trims") == 1
+        assert not s.flow.prefill.nodes[0].verifies
+
+
+def test_no_advert_is_trusted_across_a_node_marked_down() -> None:
+    node = Upstream("prefill", "127.0.0.1", 1, verifies=True)
+    node.mark(False, "gone")
+    node.mark(True)
+    assert not node.verifies

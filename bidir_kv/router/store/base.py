@@ -108,6 +108,7 @@ class Taken:
     entry: Entry | None
     stale: bool = False
     age: float = 0.0
+    matched: int | None = None  # take_first: the position of the key it was found under
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,17 +166,43 @@ class ConversationStore(abc.ABC):
             return Taken(None, stale=True, age=age)
         return Taken(entry, age=age)
 
+    async def take_first(self, keys: Sequence[str]) -> Taken:
+        """The entry indexed under the first of ``keys`` that names a stored one
+        (:meth:`put`'s ``index``), removed with every index key pointing at it, so no
+        other key can hand it out again; judged as :meth:`take` judges. Keys whose entry
+        is gone are skipped. (A history turn, never closed: no in-flight mark.)"""
+        found = await self._pop_first(keys)
+        if found is None:
+            return Taken(None)
+        matched, entry = found
+        now = self.now()
+        age = entry_age(entry.created, now)
+        if entry_is_stale(entry.created, now, self.ttl):
+            self.evicted_stale += 1
+            self._evicted([entry], "stale")
+            return Taken(None, stale=True, age=age, matched=matched)
+        return Taken(entry, age=age, matched=matched)
+
+    @abc.abstractmethod
+    async def _pop_first(self, keys: Sequence[str]) -> tuple[int, Entry] | None:
+        """Atomically: the first of ``keys`` whose index entry names a stored entry,
+        that entry removed with all its index keys; ``(position, entry)``."""
+
     @abc.abstractmethod
     async def _pop(self, key: str, turn: bool = False) -> Entry | None:
         """Remove and return the entry for ``key``, fresh or not; with ``turn``, mark
         ``key`` as having a turn in flight (cleared by :meth:`put`)."""
 
     @abc.abstractmethod
-    async def put(self, key: str, entry: Entry, since: float | None = None) -> bool:
+    async def put(
+        self, key: str, entry: Entry, since: float | None = None, index: Sequence[str] = ()
+    ) -> bool:
         """Store (overwrite) the entry for ``key``, unless the conversation was closed
         at or after ``since`` (the storing turn's start, store clock): then store
         nothing and return False (the caller frees the entry's blocks). A close
-        always wins over a turn that was in flight when it came."""
+        always wins over a turn that was in flight when it came. ``index``: keys
+        :meth:`take_first` finds it under (an index key already naming another entry
+        is moved to this one: the newest turn wins it)."""
 
     @abc.abstractmethod
     async def size(self) -> int:

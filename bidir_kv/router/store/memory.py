@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from bidir_kv.policy import entry_is_stale, lease_deadline, lease_expired
 from bidir_kv.router.store.base import ConversationStore, Entry, Renewal
@@ -24,10 +24,23 @@ class MemoryStore(ConversationStore):
         self._deadlines: dict[str, float] = {}
         self._in_flight: dict[str, float] = {}  # key -> when its last turn took (store clock)
         self._closed: dict[str, float] = {}  # key -> when it was closed (the tombstone)
+        self._index: dict[str, str] = {}  # index key -> the entry's key (take_first)
+        self._indexed: dict[str, tuple[str, ...]] = {}  # entry key -> its index keys
 
     def _remove(self, key: str) -> Entry | None:
         self._deadlines.pop(key, None)
+        for ix in self._indexed.pop(key, ()):
+            if self._index.get(ix) == key:  # not moved to a newer entry since
+                del self._index[ix]
         return self._entries.pop(key, None)
+
+    async def _pop_first(self, keys: Sequence[str]) -> tuple[int, Entry] | None:
+        for i, ix in enumerate(keys):
+            name = self._index.get(ix)
+            entry = None if name is None else self._remove(name)
+            if entry is not None:
+                return i, entry
+        return None
 
     async def _pop(self, key: str, turn: bool = False) -> Entry | None:
         if turn:
@@ -46,13 +59,19 @@ class MemoryStore(ConversationStore):
             for key in [k for k, t in marks.items() if entry_is_stale(t, now, self.ttl)]:
                 del marks[key]
 
-    async def put(self, key: str, entry: Entry, since: float | None = None) -> bool:
+    async def put(
+        self, key: str, entry: Entry, since: float | None = None, index: Sequence[str] = ()
+    ) -> bool:
         self._in_flight.pop(key, None)
         closed = self._closed.get(key)
         if since is not None and closed is not None and closed >= since:
             return False
         self._evicted([self._remove(key)], "replaced")
         self._entries[key] = entry
+        if index:
+            self._indexed[key] = tuple(index)
+            for ix in index:
+                self._index[ix] = key
         if entry.lease is not None:
             self._deadlines[key] = lease_deadline(entry.created, entry.lease)
         while len(self._entries) > self.max_entries:

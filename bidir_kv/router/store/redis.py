@@ -1,18 +1,77 @@
 """Redis conversation store: several router replicas, and restarts, share the hits.
 
-Redis's ``GETDEL`` makes the single-use take atomic across replicas.
+Redis's ``GETDEL`` makes the single-use take atomic across replicas. A history entry is
+also found under index keys (``pfx:<key>``, each naming the entry's record) listed in
+its ``ixof:<key>``; the take of :meth:`RedisStore.take_first` and every removal drop
+them in the same script, so an entry found once is never handed out again.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from bidir_kv.policy import lease_deadline, stale_cutoff
 from bidir_kv.router.store.base import ConversationStore, Entry, Renewal, StoreError
 
 __all__ = ["RedisStore"]
+
+# Drop the index keys of a removed record ``name`` (those still naming it: a newer entry
+# may have taken one over) and its list; ``ixof`` prefix and the record prefix's length
+# turn a record name into its list's name.
+_UNINDEX = """
+local function unindex(name, ixof, convlen)
+  local list_key = ixof .. string.sub(name, tonumber(convlen) + 1)
+  local list = redis.call('GET', list_key)
+  if list then
+    for ik in string.gmatch(list, '[^\\n]+') do
+      if redis.call('GET', ik) == name then redis.call('DEL', ik) end
+    end
+    redis.call('DEL', list_key)
+  end
+end
+"""
+# The first of KEYS (index keys, longest prefix first) naming a live record: the record
+# is removed with its index (ARGV: ixof prefix, record prefix length, the creation index,
+# the lease tables); returns {position, record}. A key naming a gone record is deleted.
+_TAKE_FIRST = (
+    _UNINDEX
+    + """
+for i, ik in ipairs(KEYS) do
+  local name = redis.call('GET', ik)
+  if name then
+    local raw = redis.call('GETDEL', name)
+    if raw then
+      redis.call('ZREM', ARGV[3], name)
+      redis.call('ZREM', ARGV[4], name)
+      redis.call('HDEL', ARGV[5], name)
+      unindex(name, ARGV[1], ARGV[2])
+      return {i, raw}
+    end
+    redis.call('DEL', ik)
+  end
+end
+return false
+"""
+)
+# Remove records KEYS (eviction, stale sweep) with their index; returns each record's
+# value, '' for a record already gone. ARGV as _TAKE_FIRST's.
+_DROP = (
+    _UNINDEX
+    + """
+local out = {}
+for i, name in ipairs(KEYS) do
+  local raw = redis.call('GETDEL', name)
+  redis.call('ZREM', ARGV[3], name)
+  redis.call('ZREM', ARGV[4], name)
+  redis.call('HDEL', ARGV[5], name)
+  unindex(name, ARGV[1], ARGV[2])
+  out[i] = raw or ''
+end
+return out
+"""
+)
 
 # Keep-alive, atomic: a fresh entry (index score = creation time >= cutoff) with a
 # lease gets deadline = now + idle (policy.lease_deadline; ZADD XX never re-adds a
@@ -26,8 +85,10 @@ redis.call('ZADD', KEYS[3], 'XX', tonumber(ARGV[1]) + tonumber(idle), KEYS[1])
 return idle
 """
 # Lease expiry, atomic against keep-alives and takes: every entry whose deadline is
-# <= now (policy.lease_expired) is removed and its record returned.
-_EXPIRE = """
+# <= now (policy.lease_expired) is removed with its index and its record returned.
+_EXPIRE = (
+    _UNINDEX
+    + """
 local names = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 local out = {}
 for _, name in ipairs(names) do
@@ -35,16 +96,20 @@ for _, name in ipairs(names) do
   redis.call('ZREM', KEYS[1], name)
   redis.call('ZREM', KEYS[2], name)
   redis.call('HDEL', KEYS[3], name)
+  unindex(name, ARGV[2], ARGV[3])
   if raw then table.insert(out, raw) end
 end
 return out
 """
+)
 
 
 # Store a turn's entry unless its conversation was closed since the turn began (the
 # tombstone KEYS[2] holds the close's time, ARGV[1] the turn's start): the check and
 # the write are one step, so a close cannot fall between them. Clears the turn's
-# in-flight mark KEYS[3]. Returns {0} when closed, else {1, old value or '', count}.
+# in-flight mark KEYS[3]. KEYS[7] (optional) is the record's index list, KEYS[8..] its
+# index keys, each set to name the record. Returns {0} when closed, else {1, old value
+# or '', count}.
 _PUT = """
 local closed = redis.call('GET', KEYS[2])
 redis.call('DEL', KEYS[3])
@@ -57,6 +122,10 @@ if ARGV[5] ~= '' then
 else
   redis.call('ZREM', KEYS[5], KEYS[1])
   redis.call('HDEL', KEYS[6], KEYS[1])
+end
+if #KEYS > 7 then
+  for i = 8, #KEYS do redis.call('SET', KEYS[i], KEYS[1], 'PX', ARGV[3]) end
+  redis.call('SET', KEYS[7], table.concat(KEYS, '\\n', 8), 'PX', ARGV[3])
 end
 return {1, old or '', redis.call('ZCARD', KEYS[4])}
 """
@@ -92,6 +161,8 @@ class RedisStore(ConversationStore):
         self._index = f"{prefix}index"
         self._leases = f"{prefix}lease"  # sorted set: entry name -> lease deadline
         self._idle = f"{prefix}leaseidle"  # hash: entry name -> idle seconds
+        self._pfx = f"{prefix}pfx:"  # index key -> the record it names (take_first)
+        self._ixof = f"{prefix}ixof:"  # a record's index keys, one per line
         # Bounded and blocking: a request beyond ``max_connections`` waits (up to
         # ``wait_timeout``) for a free connection; redis-py's default pool raises
         # "Too many connections" past 100 instead.
@@ -106,6 +177,23 @@ class RedisStore(ConversationStore):
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}conv:{key}"
+
+    def _tables(self) -> tuple[str, int, str, str, str]:
+        """ARGV of the scripts that remove records: index prefixes, then the tables."""
+        return self._ixof, len(self._key("")), self._index, self._leases, self._idle
+
+    async def _pop_first(self, keys: Sequence[str]) -> tuple[int, Entry] | None:
+        if not keys:
+            return None
+        found = await self._run(
+            "take",
+            self._redis.eval(
+                _TAKE_FIRST, len(keys), *[self._pfx + k for k in keys], *self._tables()
+            ),
+        )
+        if not found:
+            return None
+        return int(found[0]) - 1, Entry.from_bytes(found[1])
 
     def _marks(self, key: str) -> tuple[str, str]:
         """The tombstone (closed at) and in-flight (a turn took at) keys of ``key``."""
@@ -152,8 +240,11 @@ class RedisStore(ConversationStore):
         pipe.zrem(self._leases, *names)
         pipe.hdel(self._idle, *names)
 
-    async def put(self, key: str, entry: Entry, since: float | None = None) -> bool:
+    async def put(
+        self, key: str, entry: Entry, since: float | None = None, index: Sequence[str] = ()
+    ) -> bool:
         name = self._key(key)
+        indexed = [self._ixof + key, *(self._pfx + k for k in index)] if index else []
         closed, in_flight = self._marks(key)
         lease = "" if entry.lease is None else repr(lease_deadline(entry.created, entry.lease))
         # the old value: an entry this one overwrites (concurrent turns of one
@@ -162,13 +253,14 @@ class RedisStore(ConversationStore):
             "SET",
             self._redis.eval(
                 _PUT,
-                6,
+                6 + len(indexed),
                 name,
                 closed,
                 in_flight,
                 self._index,
                 self._leases,
                 self._idle,
+                *indexed,
                 "" if since is None else repr(since),
                 entry.to_bytes(),
                 str(int((self.ttl + self.GRACE) * 1000)),
@@ -192,11 +284,11 @@ class RedisStore(ConversationStore):
         return True
 
     async def _getdel(self, names: list[Any]) -> list[Any]:
-        pipe = self._redis.pipeline(transaction=True)
-        for name in names:
-            pipe.getdel(name)
-        self._forget(pipe, names)
-        return list(await self._run("GETDEL", pipe.execute()))[: len(names)]
+        """Remove records with their index; their values (None: already gone)."""
+        raws = await self._run(
+            "GETDEL", self._redis.eval(_DROP, len(names), *names, *self._tables())
+        )
+        return [raw or None for raw in raws]
 
     @staticmethod
     def _decode(raws: list[Any]) -> list[Entry | None]:
@@ -223,11 +315,7 @@ class RedisStore(ConversationStore):
         )
         if not names:
             return 0
-        pipe = self._redis.pipeline(transaction=True)
-        for name in names:
-            pipe.getdel(name)
-        self._forget(pipe, names)
-        raws = (await self._run("sweep", pipe.execute()))[: len(names)]
+        raws = await self._getdel(names)
         self.evicted_stale += len(names)
         self._evicted(self._decode(raws), "stale")
         return len(names)
@@ -257,7 +345,16 @@ class RedisStore(ConversationStore):
     async def expire_leases(self) -> int:
         raws = await self._run(
             "lease expiry",
-            self._redis.eval(_EXPIRE, 3, self._leases, self._index, self._idle, repr(self.now())),
+            self._redis.eval(
+                _EXPIRE,
+                3,
+                self._leases,
+                self._index,
+                self._idle,
+                repr(self.now()),
+                self._ixof,
+                len(self._key("")),
+            ),
         )
         self._evicted(self._decode(list(raws or [])), "lease_expired")
         return len(raws or [])
