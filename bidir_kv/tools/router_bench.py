@@ -8,6 +8,12 @@ against: the engines directly (the client does the P and D legs itself), the
 relay, and our router (guard on, and with ``--no-continuation-guard``). All
 in one run; it prints p50/p99 latency, added latency against direct, request
 throughput and the ratios. Numbers depend on the machine: compare within a run.
+
+``--prefill-entries N`` writes N retained turns into the Redis store of the
+``*-redis-*`` modes before measuring (half keyed by id, half by history with their
+prefix index), so those modes run against a full store; ``--baseline DIR`` runs the
+``baseline-*`` modes with the router of another source tree (e.g. ``git archive REV``
+unpacked into DIR) in the same run, for an A/B of the router's CPU per request.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -67,16 +74,20 @@ class Cell:
 
 
 class Conversation:
-    def __init__(self, worker: int, send_id: bool = True) -> None:
+    def __init__(self, worker: int, send_id: bool = True, rewrite: bool = False) -> None:
         self.worker = worker
         self.send_id = send_id  # False: the router recognises the turn by its history
+        # True: the client sends a recorded answer back instead of the one it got, so
+        # every later turn is found by a shorter history and cut by the guard
+        self.rewrite = rewrite
         self._new()
 
     def _new(self) -> None:
         self.id = f"bench-{self.worker}-{uuid.uuid4().hex[:8]}"
         self.turn = 0
         self.messages: list[dict[str, str]] = [
-            {"role": "user", "content": f"worker {self.worker}: " + "tell me about the sea. " * 8}
+            # the id in the text too: no two conversations share a history
+            {"role": "user", "content": f"{self.id}: " + "tell me about the sea. " * 8}
         ]
 
     def body(self) -> dict[str, Any]:
@@ -92,7 +103,7 @@ class Conversation:
             return
         self.messages = [
             *self.messages,
-            {"role": "assistant", "content": text},
+            {"role": "assistant", "content": "a recorded answer" if self.rewrite else text},
             {"role": "user", "content": f"more, part {self.turn}"},
         ]
 
@@ -139,7 +150,7 @@ async def run_cell(
         measuring = [False]
 
         async def worker(i: int) -> None:
-            conv = Conversation(i, send_id=mode not in NO_ID_MODES)
+            conv = Conversation(i, send_id=mode not in NO_ID_MODES, rewrite=mode in REWRITE_MODES)
             while time.perf_counter() < stop_at[0]:
                 t = time.perf_counter()
                 try:
@@ -172,8 +183,47 @@ async def run_cell(
 # ---- orchestration ----------------------------------------------------------------
 
 
-def _start(name: str, argv: list[str], log_dir: Path, port: int) -> ManagedProcess:
-    proc = ManagedProcess(name, argv, log_dir / f"{name}.log").start()
+async def prefill_store(url: str, count: int, tokens: int = 256) -> None:
+    """Write ``count`` retained turns into the Redis store at ``url`` as routers leave
+    them: half keyed by id, half by history digest with a prefix index as a 5-turn
+    conversation's (its boundaries, :func:`bidir_kv.router.prefix.boundaries`)."""
+    from array import array
+
+    from bidir_kv.router.prefix import boundaries
+    from bidir_kv.router.store import Entry, RedisStore
+
+    store = RedisStore(url, ttl=3600, max_entries=2 * count + 100_000)
+    try:
+        now = time.time()
+        ids = array("I", range(tokens))
+        params = KVTransferParams.build(
+            do_remote_decode=True,
+            remote_block_ids=[list(range(1, tokens // 16 + 1))],
+            remote_engine_id="prefilled",
+            remote_request_id="prefilled",
+            remote_host=HOST,
+            remote_port=1,
+            remote_num_tokens=tokens,
+        )
+        entry = Entry(params=params, decode="prefilled:1", prefill=None, created=now, tokens=ids)
+
+        async def put(i: int) -> None:
+            if i % 2:
+                await store.put(f"anon/prefilled-{i}", entry)
+                return
+            keys = [f"anon#{uuid.uuid4().hex}{i:08x}" for _ in boundaries(1, 10)]
+            await store.put(keys[0], entry, index=keys)
+
+        for start in range(0, count, 512):
+            await asyncio.gather(*(put(i) for i in range(start, min(count, start + 512))))
+    finally:
+        await store.close()
+
+
+def _start(
+    name: str, argv: list[str], log_dir: Path, port: int, env: dict[str, str] | None = None
+) -> ManagedProcess:
+    proc = ManagedProcess(name, argv, log_dir / f"{name}.log", env=env).start()
     try:
         wait_http_ok(
             f"http://{HOST}:{port}/health" if name != "relay" else f"http://{HOST}:{port}/docs",
@@ -228,6 +278,31 @@ def _fmt(x: float) -> str:
     return f"{x * 1000:8.2f}"
 
 
+DEFAULT_MODES = ("direct", "relay", "router", "router-noguard")
+# modes served by our router, and the extra flags each is started with; router-id and
+# router-history compare the two identities (docs/router.md "Identity"): ids sent and
+# --identity id, against no id and the default --identity both (the history digest);
+# *-prefix: no id, and a recorded answer sent back instead of the real one (found by a
+# shorter history, cut by the guard); *-redis-*: on the Redis store (--prefill-entries
+# fills it); baseline-*: the router of --baseline DIR
+ROUTER_MODES = {
+    "router": (),
+    "router-noguard": ("--no-continuation-guard",),
+    "router-id": ("--identity", "id"),
+    "router-history": ("--identity", "both"),
+    "router-prefix": ("--identity", "both"),
+    "router-redis-id": ("--identity", "id"),
+    "router-redis-history": ("--identity", "both"),
+    "router-redis-prefix": ("--identity", "both"),
+}
+BASELINE_MODES = {
+    "baseline-id": ("--identity", "id"),
+    "baseline-redis-id": ("--identity", "id"),
+}
+REDIS_MODES = frozenset(
+    {"router-redis", "router-workers", "router-redis-id", "router-redis-history"}
+    | {"router-redis-prefix", "baseline-redis-id"}
+)
 MODES = (
     "direct",
     "relay",
@@ -235,20 +310,13 @@ MODES = (
     "router-noguard",
     "router-redis",
     "router-workers",
-    "router-id",
-    "router-history",
+    *(m for m in ROUTER_MODES if m not in ("router", "router-noguard")),
+    *BASELINE_MODES,
 )
-DEFAULT_MODES = ("direct", "relay", "router", "router-noguard")
-# modes served by our router, and the extra flags each is started with; router-id and
-# router-history compare the two identities (docs/router.md "Identity"): ids sent and
-# --identity id, against no id and the default --identity both (the history digest)
-ROUTER_MODES = {
-    "router": (),
-    "router-noguard": ("--no-continuation-guard",),
-    "router-id": ("--identity", "id"),
-    "router-history": ("--identity", "both"),
-}
-NO_ID_MODES = frozenset({"router-history"})  # clients send no conversation id
+NO_ID_MODES = frozenset(  # clients send no conversation id
+    {"router-history", "router-prefix", "router-redis-history", "router-redis-prefix"}
+)
+REWRITE_MODES = frozenset({"router-prefix", "router-redis-prefix"})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -274,6 +342,19 @@ def _parser() -> argparse.ArgumentParser:
         default=2,
         help="router processes of the router-workers mode (default 2)",
     )
+    ap.add_argument(
+        "--prefill-entries",
+        type=int,
+        default=0,
+        help="retained turns written into the Redis store before measuring (the "
+        "*-redis-* modes; half by id, half by history with their index)",
+    )
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a bidir-kv source tree whose router runs the baseline-* modes",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     return ap
 
@@ -294,6 +375,8 @@ def _start_all(
     procs: list[ManagedProcess],
     pids: dict[str, int | None],
     workers: int = 2,
+    prefill: int = 0,
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
     """Start the stub engines and every proxy in ``modes``; each mode's target URL(s).
 
@@ -347,41 +430,54 @@ def _start_all(
         "--decoder-ports",
         str(d_port),
     ]
-    modes_flags = {m: list(f) for m, f in ROUTER_MODES.items()}
-    if {"router-redis", "router-workers"} & set(modes):
+    modes_flags = {m: list(f) for m, f in {**ROUTER_MODES, **BASELINE_MODES}.items()}
+    if REDIS_MODES & set(modes):
         from bidir_kv.topology.redis_server import RedisServer
 
         redis = RedisServer(log_dir).start()
         assert redis.process is not None
         procs.append(redis.process)  # stopped with the others
-        modes_flags["router-redis"] = ["--store", redis.url]
-        modes_flags["router-workers"] = ["--store", redis.url, "--workers", str(workers)]
+        for mode in REDIS_MODES:
+            modes_flags.setdefault(mode, [])
+            modes_flags[mode] += ["--store", redis.url]
+        modes_flags["router-workers"] += ["--workers", str(workers)]
+        if prefill:
+            asyncio.run(prefill_store(redis.url, prefill))
     for mode, extra in modes_flags.items():
-        if mode in modes:
-            port = free_port()
-            procs.append(
-                _start(
-                    mode,
-                    [
-                        py,
-                        "-m",
-                        "bidir_kv",
-                        "proxy",
-                        "--host",
-                        HOST,
-                        "--port",
-                        str(port),
-                        *upstream,
-                        "--log-level",
-                        "warning",
-                        *extra,
-                    ],
-                    log_dir,
-                    port,
-                )
+        if mode not in modes:
+            continue
+        if prefill:  # room for the filled turns and the run's: no eviction while measuring
+            extra = [*extra, "--max-conversations", str(2 * prefill + 100_000)]
+        env = None
+        if mode in BASELINE_MODES:
+            if baseline is None:
+                raise SystemExit(f"mode {mode} needs --baseline DIR (a bidir-kv source tree)")
+            env = {**os.environ, "PYTHONPATH": str(baseline.resolve())}
+        port = free_port()
+        procs.append(
+            _start(
+                mode,
+                [
+                    py,
+                    "-m",
+                    "bidir_kv",
+                    "proxy",
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(port),
+                    *upstream,
+                    "--log-level",
+                    "warning",
+                    *extra,
+                ],
+                log_dir,
+                port,
+                env=env,
             )
-            targets[mode] = f"http://{HOST}:{port}"
-            pids[mode] = procs[-1].pid
+        )
+        targets[mode] = f"http://{HOST}:{port}"
+        pids[mode] = procs[-1].pid
     if "relay" in modes:
         port = free_port()
         procs.append(
@@ -416,7 +512,9 @@ def _measure(
     cells = {mode: Cell(mode, c) for mode in args.modes}
     # router-workers' /metrics answers for one worker only: no histogram for it
     hist0 = {
-        m: _buckets(targets[m]) for m in args.modes if m in ROUTER_MODES or m == "router-redis"
+        m: _buckets(targets[m])
+        for m in args.modes
+        if m in ROUTER_MODES or m in BASELINE_MODES or m == "router-redis"
     }
     hits0 = {m: _hits(targets[m]) for m in hist0}
     # Modes take turns in short rounds, so drifting machine load hits all alike.
@@ -470,14 +568,7 @@ def _print_cells(c: int, cells: dict[str, Cell]) -> None:
 def _print_ratios(cells: dict[str, Cell]) -> None:
     relay, base = cells.get("relay"), cells.get("direct")
     relay_cpu = relay.cpu_ms_per_request if relay else None
-    for mode in (
-        "router",
-        "router-noguard",
-        "router-redis",
-        "router-workers",
-        "router-id",
-        "router-history",
-    ):
+    for mode in (m for m in MODES if m not in ("direct", "relay")):
         cell = cells.get(mode)
         if cell is None:
             continue
@@ -493,18 +584,34 @@ def _print_ratios(cells: dict[str, Cell]) -> None:
     ]
     if caps:  # what one fully given core would serve at this CPU cost per request
         print(f"  CPU-bound capacity, req/s per core: {', '.join(caps)}")
-    by_id, by_history = cells.get("router-id"), cells.get("router-history")
-    if by_id and by_history and by_id.cpu_ms_per_request and by_history.cpu_ms_per_request:
-        print(
-            f"  router-history / router-id CPU per request: "
-            f"{by_history.cpu_ms_per_request / by_id.cpu_ms_per_request:.3f}x"
-        )
+    for a, b in _CPU_PAIRS:
+        ca, cb = cells.get(a), cells.get(b)
+        if ca and cb and ca.cpu_ms_per_request and cb.cpu_ms_per_request:
+            print(
+                f"  {a} / {b} CPU per request: {ca.cpu_ms_per_request / cb.cpu_ms_per_request:.3f}x"
+            )
     single, multi = cells.get("router-redis"), cells.get("router-workers")
     if single and multi and single.rps:
         print(
             f"  router-workers / router-redis throughput (same store): "
             f"{multi.rps / single.rps:.2f}x"
         )
+
+
+# CPU per request compared pairwise when both modes ran: the history and prefix paths
+# against the id path, and this tree's against the baseline's
+_CPU_PAIRS = (
+    ("router-history", "router-id"),
+    ("router-prefix", "router-id"),
+    ("router-id", "baseline-id"),
+    ("router-history", "baseline-id"),
+    ("router-prefix", "baseline-id"),
+    ("router-redis-history", "router-redis-id"),
+    ("router-redis-prefix", "router-redis-id"),
+    ("router-redis-id", "baseline-redis-id"),
+    ("router-redis-history", "baseline-redis-id"),
+    ("router-redis-prefix", "baseline-redis-id"),
+)
 
 
 def _write_json(path: Path, results: Sequence[Cell]) -> None:
@@ -540,12 +647,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bidir-kv-router-bench-"))
     try:
         pids: dict[str, int | None] = {}
-        targets = _start_all(args.modes, log_dir, procs, pids, args.workers)
+        targets = _start_all(
+            args.modes, log_dir, procs, pids, args.workers, args.prefill_entries, args.baseline
+        )
         print(
             "router benchmark: upstream = stub engines (bidir_kv.testing.doubles.stub_engine, "
             f"aiohttp, 8-token streamed answers), {TURNS_PER_CONVERSATION}-turn conversations, "
             f"client loop {loop_name}, {args.duration:g}s per cell in {args.rounds} "
-            f"interleaved rounds; logs in {log_dir}"
+            f"interleaved rounds; {args.prefill_entries} turns filled into the Redis "
+            f"store; logs in {log_dir}"
         )
         results: list[Cell] = []
         for c in args.concurrency:
