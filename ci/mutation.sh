@@ -2,6 +2,7 @@
 # Mutation testing (`make mutation`, the nightly job; never `make test`: it is slow).
 #   ci/mutation.sh [SCOPE...]   SCOPE: a dotted package or module of [tool.mutmut]
 #                               only_mutate (default: $MUTATION_SCOPES, else every one)
+#   ci/mutation.sh --list-scopes  every scope, in the suite power table's order
 # mutmut mutates a copy of bidir_kv in mutants/ and runs, for each mutant, only the
 # unit tests nearest the code ([tool.mutmut] in pyproject.toml) that reach the mutated
 # function. Then bidir_kv.tools.mutation_score writes out/mutation/{score.json,
@@ -15,9 +16,19 @@ PY=${PY:-$VENV/bin/python}
 MUTMUT=${MUTMUT:-$VENV/bin/mutmut}
 CHILDREN=${MUTATION_CHILDREN:-2}
 FLOOR=${MUTATION_FLOOR:-0.85}
-# every file of [tool.mutmut] only_mutate, as a scope of its own (policy/ is one)
-ALL_SCOPES="bidir_kv.policy bidir_kv.protocol bidir_kv.router.identity bidir_kv.router.guard \
-bidir_kv.router.store.memory bidir_kv.router.relay bidir_kv.connector.rules bidir_kv.plan.planner"
+# every runtime package of [tool.mutmut] only_mutate, and the gate parts of testing/ and
+# tools/ module by module: the rows of the suite power table (docs/conformance.md)
+ALL_SCOPES="bidir_kv.policy bidir_kv.protocol bidir_kv.wire bidir_kv.fabric \
+bidir_kv.testing.hw_gates bidir_kv.testing.hw_baseline bidir_kv.testing.gating \
+bidir_kv.testing.exemptions bidir_kv.testing.faults bidir_kv.tools.gate bidir_kv.router \
+bidir_kv.connector bidir_kv.doctor bidir_kv.launch bidir_kv.plan bidir_kv.report \
+bidir_kv.bench bidir_kv.engine"
+# the table the scores go into (empty: none); the nightly job keeps the page as an artifact
+DOC=${MUTATION_DOC-docs/conformance.md}
+if [ "${1:-}" = "--list-scopes" ]; then  # the table's rows, in order (the nightly job)
+  echo "$ALL_SCOPES"
+  exit 0
+fi
 SCOPES=("$@")
 if [ ${#SCOPES[@]} -eq 0 ]; then
   read -r -a SCOPES <<< "${MUTATION_SCOPES:-$ALL_SCOPES}"
@@ -37,7 +48,12 @@ if [ $rc -ne 0 ]; then
   echo "mutation: mutmut run failed (exit $rc; out/mutation-run.log)" >&2
   exit $rc
 fi
+doc_args=()
+if [ -n "$DOC" ]; then
+  doc_args=(--doc "$DOC" --order "$ALL_SCOPES"
+    --run-label "$(date -u +%F) $(git rev-parse --short HEAD 2>/dev/null || echo unknown)")
+fi
 # shellcheck disable=SC2086  # MUTATION_PACKAGE_FLOORS is a list of --package-floor X=Y
 exec "$PY" -m bidir_kv.tools.mutation_score "${scope_args[@]}" --floor "$FLOOR" \
   ${MUTATION_PACKAGE_FLOORS:-} --equivalents ci/mutation-equivalents.txt \
-  --out out/mutation --mutmut "$MUTMUT"
+  --out out/mutation --mutmut "$MUTMUT" "${doc_args[@]}"

@@ -186,17 +186,19 @@ def gate_efficiency(result: LengthResult, line_rate_gbps: float, share: float) -
 
 def _cost_model(results: Sequence[LengthResult], kv_bytes: float) -> tuple[CostModel, float]:
     """The run's own cost lines: recompute (fixed µs + µs/token) from the OFF rounds of
-    every length; the pull (µs per read + µs/token) from what the ON rounds took beyond
-    recomputing their unpulled tail."""
+    every length; the pull (µs per read + µs/token) from what the ON rounds of the lengths
+    that pulled took beyond recomputing their unpulled tail (none pulled: no pull cost,
+    every length predicted as recomputed)."""
     med = statistics.median  # per-length medians: a slow round or two does not tilt a line
     xs = [float(r.prompt_tokens) for r in results]
     ys = [med(r.off_s) * 1e6 for r in results]
     fixed, recompute = linear_fit(xs, ys)
     recompute = max(recompute, 1e-9)
-    px = [float(med(r.pulled_tokens)) for r in results]
+    pulled = [r for r in results if r.pulled_tokens]  # a length that pulled nothing has no pull
+    px = [float(med(r.pulled_tokens)) for r in pulled]
     py = [
         med(r.on_s) * 1e6 - fixed - recompute * (r.prompt_tokens - n)
-        for r, n in zip(results, px, strict=True)
+        for r, n in zip(pulled, px, strict=True)
     ]
     overhead, per_token = linear_fit(px, py) if px else (0.0, 0.0)
     cost = CostModel(

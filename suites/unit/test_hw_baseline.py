@@ -97,3 +97,58 @@ def test_the_newest_of_several_matching_runs_is_the_baseline(storage: Path) -> N
         gate_baseline(2000, _result(2000, 0.40, 0.20), base, 10.0)
     # a glob over every run: still the newest (0003), not the oldest
     assert load_baseline(str(storage), "*").source.endswith("0003_release.json")
+
+
+def test_a_stored_run_with_missing_parts_reads_what_it_has() -> None:
+    """A run stored without the deployment, a benchmark that is no OFF/ON length (any
+    order), a length stored before prompt_tokens was recorded."""
+    from bidir_kv.testing.hw_baseline import Baseline
+
+    assert Baseline("empty.json", {}).deployment == {} and Baseline("empty.json", {}).lengths == {}
+    assert Baseline("x", {"machine_info": {"node": "n"}}).deployment == {}
+    ok = _result(2000, 0.40, 0.20).to_dict()
+    old = {k: v for k, v in _result(8000, 1.6, 0.40).to_dict().items() if k != "prompt_tokens"}
+    benches = [
+        {"name": "test_other"},  # no extra_info at all
+        {"extra_info": {"history_tokens": 4000, "on_s": [0.1]}},  # ON rounds only
+        {"extra_info": {"history_tokens": 4000, "off_s": [0.1]}},  # OFF rounds only
+        {"extra_info": {"on_s": [0.1], "off_s": [0.2]}},  # no length
+        {"extra_info": ok},
+        {"extra_info": old},
+    ]
+    base = Baseline("run.json", {"benchmarks": benches})
+    assert sorted(base.lengths) == [2000, 8000]
+    assert base.lengths[8000]["speedup"] == pytest.approx(4.0)
+
+
+def test_a_baseline_speedup_of_zero_makes_any_drop_infinite() -> None:
+    assert DropCheck("speedup", 10).compute({"speedup": 1.0}, {"speedup": 0.0}) == float("inf")
+
+
+def test_a_corrupt_stored_run_is_skipped_with_a_warning(
+    storage: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (storage / "Linux-CPython-3.11-64bit" / "0002_release.json").write_text("{not json")
+    base = load_baseline(str(storage), "release")  # the good 0001 is found
+    assert base.source.endswith("0001_release.json")
+    assert "0002_release.json" in caplog.text
+
+
+def test_the_baseline_messages_in_full(storage: Path, tmp_path: Path) -> None:
+    with pytest.raises(pytest.UsageError) as none:
+        load_baseline(str(storage), "0042")
+    assert str(none.value) == (
+        f"--hw-baseline 0042: no stored run matches in {storage} (runs are stored with "
+        "--benchmark-autosave or --benchmark-save)"
+    )
+    empty = tmp_path / "empty"
+    _store(empty, "nothing", [])
+    with pytest.raises(GateFailure) as lengthless:
+        gate_baseline(2000, _result(2000, 0.4, 0.2), load_baseline(str(empty), "nothing"), 10.0)
+    assert str(lengthless.value).endswith("has no rounds at this length (it has none)")
+    base = load_baseline(str(storage), "release")
+    shown = gate_baseline(2000, _result(2000, 0.40, 0.20), base, 10.0)
+    assert shown == (
+        "ON median 200.0 ms vs 200.0 ms, speedup 2.000x vs 2.000x "
+        "(baseline Linux-CPython-3.11-64bit/0001_release.json)"
+    )

@@ -132,3 +132,124 @@ def test_decode_gate_bounds_tpot_p99_on_over_off() -> None:
     assert "-50.0 %" in gate_tpot("p", off, [x / 2 for x in off], 0.0)
     with pytest.raises(GateFailure, match="no TPOT to compare"):
         gate_tpot("p", off, [], 20.0)
+
+
+def test_speedup_gate_edges_and_its_whole_message() -> None:
+    res = _result(3000, off_ms=500, on_ms=125)
+    assert gate_speedup(res, 4.0) == 4.0  # exactly at the bound: passes
+    with pytest.raises(GateFailure) as exc:
+        gate_speedup(res, 4.5)
+    assert str(exc.value) == (
+        "length 3000: TTFT speedup 4.000x (OFF median 500.0 ms / ON median 125.0 ms) is "
+        "below the bound 4.500x (given)"
+    )
+    for missing in ("off_s", "on_s"):
+        half = _result(3000, off_ms=300, on_ms=100)
+        setattr(half, missing, [])
+        with pytest.raises(GateFailure) as none:
+            gate_speedup(half, 1.0)
+        assert str(none.value) == "length 3000: no OFF/ON rounds were measured"
+
+
+def test_mechanism_gate_edges_and_its_whole_messages() -> None:
+    one = _result(1000, 10, 5, pulled=1)  # a single pulled token is a pull
+    assert gate_mechanism(one, BLOCK, PER_TOKEN) is None
+    for pulled in ([], [1000, 0, 1000]):
+        res = _result(1000, 10, 5)
+        res.pulled_tokens = pulled
+        with pytest.raises(GateFailure) as exc:
+            gate_mechanism(res, BLOCK, PER_TOKEN)
+        assert str(exc.value) == (
+            "length 1000: an ON round pulled 0 tokens from D (bound: > 0); D->P readback "
+            "did not engage"
+        )
+    short = _result(1000, 10, 5)
+    short.bytes_moved[2] = 1000.0
+    with pytest.raises(GateFailure) as bad:
+        gate_mechanism(short, BLOCK, PER_TOKEN)
+    assert str(bad.value) == (
+        "length 1000: 1,000 bytes moved for 1031 pulled tokens; expected 2,359,296 "
+        "(= 1152 block slots × 2,048 B/token) within 1%"
+    )
+    # model shape unknown: the first round sets the bytes per token, later rounds of
+    # another length must agree with it
+    mixed = _result(1000, 10, 5, rounds=2)
+    mixed.pulled_tokens = [1000, 2000]
+    mixed.bytes_moved = [1024 * 300.0, 2048 * 300.0]  # 8 and 16 blocks of 128 × 300 B
+    assert gate_mechanism(mixed, BLOCK, None) is None
+    mixed.bytes_moved[1] *= 1.05
+    with pytest.raises(GateFailure, match="× 300 B/token"):
+        gate_mechanism(mixed, BLOCK, None)
+    uneven = _result(1000, 10, 5)
+    uneven.bytes_moved.pop()  # a round with a pull count and no byte count
+    with pytest.raises(ValueError):
+        gate_mechanism(uneven, BLOCK, PER_TOKEN)
+
+
+def test_efficiency_gate_edges_and_its_whole_messages() -> None:
+    res = _result(3000, 10, 5)
+    rate = res.gbps
+    assert rate is not None and gate_efficiency(res, rate, 1.0) == rate  # at the bound
+    res.xfer_s = [0.0] * 3
+    with pytest.raises(GateFailure) as exc:
+        gate_efficiency(res, 100.0, 0.5)
+    assert str(exc.value) == (
+        "length 3000: transfer rate no transfer time recorded is below the bound 50.00 Gb/s "
+        "(50% of 100 Gb/s)"
+    )
+    slow = _result(3000, 10, 5)
+    with pytest.raises(GateFailure) as low:
+        gate_efficiency(slow, 100.0, 0.5)
+    assert str(low.value) == (
+        f"length 3000: transfer rate {slow.gbps:.2f} Gb/s is below the bound 50.00 Gb/s "
+        "(50% of 100 Gb/s)"
+    )
+
+
+def test_bounds_skip_empty_items_anywhere() -> None:
+    assert parse_bounds("4096=1.3,,16384=2,") == {4096: 1.3, 16384: 2.0}
+    assert parse_bounds(" ,4096=1.3") == {4096: 1.3}
+
+
+def test_a_stored_round_reads_back_whole() -> None:
+    """What the hardware tier stores per length (pytest-benchmark's extra_info, read back
+    by --hw-baseline and the report) holds every field under its own name."""
+    res = _result(3000, 300, 100)
+    res.failed, res.expired, res.fabric = 1, 2, [{"eth1 rx_bytes": 5}]
+    stored = res.to_dict()
+    assert stored["speedup"] == pytest.approx(3.0) and stored["gbps"] == res.gbps
+    back = LengthResult(**{k: v for k, v in stored.items() if k not in ("speedup", "gbps")})
+    assert back == res
+    assert LengthResult(3000, 3182, off_s=[0.3]).to_dict()["speedup"] is None
+    assert LengthResult(3000, 3182, on_s=[0.1]).to_dict()["speedup"] is None
+
+
+def test_calibrated_bounds_reproduce_rounds_on_the_runs_own_lines() -> None:
+    """Rounds exactly on straight lines (recompute 5 ms + 100 µs/token; a pull 2 ms +
+    5 µs/token, then the unpulled tail recomputed): the prediction is each length's own
+    measured speedup, and the bound is that less the tolerance."""
+
+    def on_the_lines(n: int) -> LengthResult:
+        prompt = n + 182
+        off = (5000 + 100 * prompt) / 1e6
+        on = (5000 + 2000 + 5 * n + 100 * (prompt - n)) / 1e6
+        return LengthResult(n, prompt, [off] * 3, [on] * 3, [n] * 3, [n * 1e3] * 3)
+
+    rows = [on_the_lines(n) for n in (1024, 2048, 4096)]
+    bounds = calibrated_bounds(
+        rows, threshold=64, block_size=BLOCK, tolerance=0.1, kv_bytes_per_token=1e3
+    )
+    for r in rows:
+        bound, predicted = bounds[r.history_tokens]
+        assert predicted == pytest.approx(r.speedup, rel=1e-9)
+        assert bound == pytest.approx(r.speedup * 0.9, rel=1e-9)
+    assert calibrated_bounds([], threshold=64, block_size=BLOCK, tolerance=0.1) == {}
+    # a length whose ON rounds pulled nothing (readback did not engage; the mechanism
+    # gate names it) is predicted as recomputed and leaves the others' bounds alone
+    rows[1].pulled_tokens, rows[1].on_s = [], list(rows[1].off_s)
+    again = calibrated_bounds(
+        rows, threshold=64, block_size=BLOCK, tolerance=0.1, kv_bytes_per_token=1e3
+    )
+    assert again[2048][1] == pytest.approx(1.0)
+    for r in (rows[0], rows[2]):
+        assert again[r.history_tokens][1] == pytest.approx(r.speedup, rel=1e-9)

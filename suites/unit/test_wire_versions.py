@@ -245,3 +245,45 @@ def test_a_wire_changes_only_with_a_new_version(name: str) -> None:
 
 def test_every_pinned_wire_is_in_the_registry() -> None:
     assert set(PINNED) == {w.name for w in versions.WIRES} == set(_on_the_wire())
+
+
+# ---- the values' edges: what a reader accepts and what it refuses ------------------------
+
+
+def test_a_fence_word_at_its_edges() -> None:
+    from bidir_kv.wire.fence import FENCE_KEY, word_base, word_of, word_to_wire
+
+    def params(**word: object) -> dict[str, object]:
+        return {FENCE_KEY: {"v": 1, "slot": 0, "gen": 1, **word}}
+
+    assert word_of(params()) == (0, 1)  # slot 0 and generation 1 are words
+    assert word_of(params(gen=2**64 - 1)) == (0, 2**64 - 1)
+    for bad in ({"slot": -1}, {"gen": 0}, {"gen": 2**64}, {"slot": True}, {"gen": "1"}):
+        assert word_of(params(**bad)) is None, bad
+    assert word_of(None) is None and word_of({}) is None
+    assert word_base({FENCE_KEY: word_to_wire(3, 7, base=4096)}) == 4096
+    for base in (0, -4096, True, "4096", None):
+        assert word_base(params(base=base)) is None, base
+    assert word_base({FENCE_KEY: word_to_wire(3, 7)}) is None
+    assert word_base({FENCE_KEY: "4096"}) is None
+    assert word_base(None) is None and word_base({}) is None
+
+
+def test_a_token_chain_that_does_not_cover_its_tokens_is_refused_by_name() -> None:
+    good = HeldTokens.of(list(range(10)), 4).to_wire()
+    one = HeldTokens.of(list(range(3)), 1).to_wire()  # a block of one token is a chain
+    assert HeldTokens.from_wire(one).block_size == 1 and len(HeldTokens.from_wire(one).chain) == 3
+    for bad in (
+        {**good, "block_size": 0},
+        {**good, "block_size": -4, "num_tokens": 0, "chain": []},
+        {**good, "num_tokens": 12},  # three blocks' tokens, two blocks' chain
+    ):
+        with pytest.raises(ValueError) as err:
+            HeldTokens.from_wire(bad)
+        assert str(err.value) == "malformed held tokens: the chain does not cover num_tokens"
+    with pytest.raises(ValueError) as other:
+        HeldTokens.from_wire({**good, "v": 2})
+    assert str(other.value) == "malformed held tokens: not version 1"
+    with pytest.raises(ValueError) as short:
+        HeldTokens.of(list(range(10)), 4, chain=[b"\0" * 16])
+    assert str(short.value) == "chain covers 1 blocks, 10 tokens need 2"

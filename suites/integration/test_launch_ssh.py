@@ -3,7 +3,7 @@ only the process the launcher started, named by its PID *and* its start time, so
 the kernel gave to another process since is never signalled.
 
 ``ssh`` is replaced by a stand-in that runs the script it is handed with ``sh`` here
-(the unit boundary: the scripts are what is under test; the real OpenSSH client and
+(below the unit boundary: the scripts are what is under test; the real OpenSSH client and
 server are in suites/integration/test_two_hosts.py).
 """
 
@@ -19,8 +19,6 @@ import pytest
 from bidir_kv.launch.process import process_running
 from bidir_kv.launch.ssh import SshHost, SshLauncher, SshNode
 from bidir_kv.testing.poll import wait_for
-
-pytestmark = pytest.mark.unit
 
 # the last argument is the script (SshHost.argv); run it here
 SHIM = '#!/bin/sh\nfor last in "$@"; do :; done\nexec sh -c "$last"\n'
