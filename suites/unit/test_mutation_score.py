@@ -82,13 +82,9 @@ def test_the_doc_table_gets_this_runs_rows_and_keeps_the_others(tmp_path: Path) 
     kept = "| `bidir_kv.router` | 10 | 9 | 0 | 1 | 0 | 0 | 90.0% | 85% | 2026-11-30 abc |"
     doc.write_text(_page(kept))
     args = ["--mutants", str(_mutants(tmp_path / "mutants")), "--out", str(tmp_path / "out")]
-    assert (
-        main(
-            [*args, "--scope", "bidir_kv.policy", "--floor", "0.5", "--doc", str(doc)]
-            + ["--run-label", "2026-12-04 def", "--order", "bidir_kv.policy bidir_kv.router"]
-        )
-        == 0
-    )
+    run = [*args, "--scope", "bidir_kv.policy", "--floor", "0.5", "--doc", str(doc)]
+    run += ["--run-label", "2026-12-04 def", "--order", "bidir_kv.policy bidir_kv.router"]
+    assert main(run) == 0
     text = doc.read_text()
     assert text.startswith("# Page\n\n") and text.endswith("-->\n")
     rows = parse_table(text)
