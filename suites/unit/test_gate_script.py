@@ -129,3 +129,112 @@ def test_missing_inputs_fail(tmp_path: Path) -> None:
     assert main(["--benchmark", str(tmp_path / "nope.json")]) == 1
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_the_gates_summary_in_full(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every kind of input and failure at once: the printed summary (also appended to
+    --summary, as the workflow's step summary) says each input's result and every
+    reason, word for word."""
+    unit = _junit(
+        tmp_path / "unit.xml",
+        ("test_ok", ""),
+        ("test_bad", "<failure message='x'/>"),
+        ("test_broken", "<error message='y'/>"),
+        ("test_skip", "<skipped message='z'/>"),
+    )
+    hw = _junit(tmp_path / "hw.xml", ("test_skip", "<skipped message='no hosts'/>"))
+    empty = _junit(tmp_path / "empty.xml")
+    matrix = tmp_path / "matrix.json"
+    matrix.write_text(
+        json.dumps(
+            {
+                "results": [
+                    {"scenario": "test_a", "params": "n=1", "backend": "emulator", "outcome": o}
+                    for o in ("passed", "passed", "failed", "error", "xpassed")
+                ]
+                + [
+                    {"scenario": "test_c", "params": "", "backend": "vllm-cpu", "outcome": "xfail"},
+                    {"scenario": "test_b", "params": "", "backend": "vllm-cpu", "outcome": "xfail"},
+                ],
+                "exemptions": {
+                    "test_b[] @ vllm-cpu": {"reason": "no citation", "evidence": " "},
+                },
+            }
+        )
+    )
+    bench = _bench(tmp_path / "bench.json", ok=False)
+    summary = tmp_path / "summary.md"
+    summary.write_text("before\n")
+    args = ["--junit", f"unit={unit}", "--junit", f"hardware={hw}", "--junit", f"x={empty}"]
+    args += ["--no-skips", "hardware", "--matrix", str(matrix), "--benchmark", str(bench)]
+    assert main([*args, "--summary", str(summary)]) == 1
+    expected = "\n".join(
+        [
+            "## Release gate: FAIL",
+            "",
+            "| input | result | summary |",
+            "|---|---|---|",
+            "| unit | FAIL | 4 tests, 2 failed, 1 skipped |",
+            "| hardware | FAIL | 1 tests, 0 failed, 1 skipped |",
+            "| x | FAIL | 0 tests, 0 failed, 0 skipped |",
+            "| conformance | FAIL | 1 error, 1 failed, 2 passed, 2 xfail, 1 xpassed |",
+            "| hardware gates | FAIL | 0/1 gates passed over lengths [1000] on vllm-cpu |",
+            "",
+            "Failures:",
+            "",
+            "- unit: suites.unit.test_x::test_bad failed",
+            "- unit: suites.unit.test_x::test_broken failed",
+            "- hardware: suites.unit.test_x::test_skip skipped in a tier that must run",
+            f"- x: no test ran ({empty})",
+            "- conformance: test_a[n=1] @ emulator failed",
+            "- conformance: test_a[n=1] @ emulator error",
+            "- conformance: test_a[n=1] @ emulator xpassed",
+            "- conformance: test_c[] @ vllm-cpu is an expected failure with no exemption on "
+            "record",
+            "- conformance: exemption test_b[] @ vllm-cpu has no evidence",
+            "- conformance: exemption test_b[] @ vllm-cpu cites no upstream issue/PR",
+            "- hardware: speedup at 1000: length 1000: TTFT speedup 1.1x is below the bound 2.0x",
+            "",
+        ]
+    )
+    assert capsys.readouterr().out == expected
+    assert summary.read_text() == "before\n" + expected
+
+
+def test_unreadable_and_empty_inputs_are_failures_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.xml"
+    bad.write_text("<testsuites>")
+    (tmp_path / "m.json").write_text("{")
+    (tmp_path / "empty.json").write_text("{}")
+    args = ["--junit", f"unit={bad}", "--matrix", str(tmp_path / "m.json")]
+    args += ["--benchmark", str(tmp_path / "nope.json")]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "| unit | FAIL | unreadable |" in out and f"- unit: cannot read JUnit {bad}: " in out
+    assert "| conformance | FAIL | unreadable |" in out
+    assert f"- conformance: cannot read {tmp_path / 'm.json'}: " in out
+    assert "| hardware gates | FAIL | unreadable |" in out
+    assert f"- hardware: cannot read {tmp_path / 'nope.json'}: " in out
+    assert main(["--matrix", str(tmp_path / "empty.json")]) == 1
+    out = capsys.readouterr().out
+    assert "| conformance | FAIL | empty |" in out
+    assert f"- conformance: no results in {tmp_path / 'empty.json'}" in out
+    assert main(["--benchmark", str(tmp_path / "empty.json")]) == 1
+    out = capsys.readouterr().out
+    assert "| hardware gates | FAIL | 0/0 gates passed over lengths [] on None |" in out
+    assert f"- hardware: no gate results in {tmp_path / 'empty.json'}" in out
+    ok = _junit(tmp_path / "ok.xml", ("test_ok", ""), ("test_skip", "<skipped/>"))
+    assert main(["--junit", f"unit={ok}"]) == 0  # a skip passes where skips are allowed
+    assert capsys.readouterr().out.startswith("## Release gate: PASS\n")
+
+
+@pytest.mark.parametrize("arg", ["unit", "=x.xml", "unit=", ""])
+def test_a_junit_argument_without_tier_or_path_is_refused(
+    arg: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--junit", arg])
+    assert exc.value.code == 2
+    assert f"expected TIER=PATH, got {arg!r}" in capsys.readouterr().err

@@ -4,6 +4,7 @@ file layout: it passes against itself and fails on a planted regression."""
 from __future__ import annotations
 
 import json
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,34 @@ def test_the_baseline_messages_in_full(storage: Path, tmp_path: Path) -> None:
         "ON median 200.0 ms vs 200.0 ms, speedup 2.000x vs 2.000x "
         "(baseline Linux-CPython-3.11-64bit/0001_release.json)"
     )
+
+
+def test_every_stored_run_carries_its_deployment() -> None:
+    """pytest-benchmark's machine-info hook stores the deployment's summary with each run
+    (what --hw-baseline compares against): these fields, none other."""
+    from bidir_kv.testing.hardware import deployment_info
+    from bidir_kv.testing.hw_baseline import pytest_benchmark_update_machine_info
+
+    class _Config:
+        stash = pytest.Stash()
+
+    config: Any = _Config()
+    deployment_info(config).update(
+        {"kind": "vllm-cpu", "model": "tiny", "vllm": "0.32.0", "hosts": 2, "pids": [1, 2]}
+    )
+    machine_info: dict[str, Any] = {"node": "ci-runner"}
+    pytest_benchmark_update_machine_info(config, machine_info)
+    assert machine_info == {
+        "node": "ci-runner",
+        "bidir_kv": {
+            "kind": "vllm-cpu",
+            "model": "tiny",
+            "vllm": "0.32.0",
+            "nixl": None,
+            "backend": None,
+            "launcher": None,
+            "hosts": 2,
+            "block_size": None,
+            "kv_bytes_per_token": None,
+        },
+    }
