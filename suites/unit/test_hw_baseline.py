@@ -4,8 +4,8 @@ file layout: it passes against itself and fails on a planted regression."""
 from __future__ import annotations
 
 import json
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
