@@ -37,6 +37,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["RESPAWN_DELAY_MAX_S", "RESPAWN_DELAY_S", "reuse_port_socket", "run_workers"]
@@ -71,10 +72,30 @@ def _exit_status(status: int) -> int:
     return os.waitstatus_to_exitcode(status) if status else 0
 
 
+@dataclass(frozen=True)
+class _System:
+    """The calls the supervisor makes to the OS and the clock (a unit test gives its
+    own, so the supervision rules run without forking)."""
+
+    fork: Callable[[], int] = os.fork
+    wait: Callable[[], tuple[int, int]] = os.wait
+    waitpid: Callable[[int, int], tuple[int, int]] = os.waitpid
+    kill: Callable[[int, int], None] = os.kill
+    handle: Callable[[int, Any], Any] = signal.signal
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+
+
 class _Supervisor:
     def __init__(
-        self, count: int, serve: Callable[[int, Any], int], max_deaths: int, window: float
+        self,
+        count: int,
+        serve: Callable[[int, Any], int],
+        max_deaths: int,
+        window: float,
+        system: _System | None = None,
     ) -> None:
+        self.os = system or _System()
         self.count = count
         self.serve = serve
         self.max_deaths = max_deaths
@@ -86,7 +107,7 @@ class _Supervisor:
         self.restarts: Any = multiprocessing.sharedctypes.RawValue("i", 0)
 
     def spawn(self, index: int) -> None:
-        pid = os.fork()
+        pid = self.os.fork()
         if pid == 0:  # worker: default signal handling, serve, never return here
             code = 1
             try:
@@ -104,29 +125,29 @@ class _Supervisor:
         self.stopping = True
         for child in self.children:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signum)
+                self.os.kill(child, signum)
 
     def _backoff(self) -> bool:
         """Wait before a respawn; False when a stop came meanwhile."""
         delay = min(RESPAWN_DELAY_MAX_S, RESPAWN_DELAY_S * 2 ** (len(self.deaths) - 1))
-        until = time.monotonic() + delay
-        while not self.stopping and time.monotonic() < until:
-            time.sleep(0.05)  # pacing; a signal handler sets ``stopping`` meanwhile
+        until = self.os.clock() + delay
+        while not self.stopping and self.os.clock() < until:
+            self.os.sleep(0.05)  # pacing; a signal handler sets ``stopping`` meanwhile
         return not self.stopping
 
     def run(self) -> int:
         for index in range(self.count):
             self.spawn(index)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self.forward)
+            self.os.handle(sig, self.forward)
         code = 0
         try:
             while self.children:
-                pid, status = os.wait()
+                pid, status = self.os.wait()
                 index = self.children.pop(pid, -1)
                 if index < 0 or self.stopping:
                     continue
-                now = time.monotonic()
+                now = self.os.clock()
                 self.deaths.append(now)
                 while self.deaths and self.deaths[0] < now - self.window:
                     self.deaths.popleft()
@@ -157,7 +178,7 @@ class _Supervisor:
             self.forward(signal.SIGTERM)
             for child in list(self.children):
                 with contextlib.suppress(ChildProcessError):
-                    os.waitpid(child, 0)
+                    self.os.waitpid(child, 0)
         return code
 
 
