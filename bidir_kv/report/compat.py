@@ -147,10 +147,16 @@ def _row_name(r: dict[str, Any]) -> str:
     return name
 
 
+_OLD_KEY = re.compile(r"^Defect\(key='([^']+)'")
+
+
 def _defect_key(d: dict[str, Any]) -> str:
     if d.get("number"):
         return f"#{d['number']}"
-    return str(d.get("defect") or d.get("reason", "")[:60])
+    key = str(d.get("defect") or d.get("reason", "")[:60])
+    # runs of 2026-12-04 before 09:00 wrote the pin's Defect object, not its key
+    old = _OLD_KEY.match(key)
+    return old.group(1) if old else key
 
 
 def build_report(runs: list[dict[str, Any]], pinned: str = "0.32.0") -> Report:
@@ -201,17 +207,18 @@ def _cell(r: dict[str, Any], col: Column, defects: dict[str, Defect]) -> Cell:
         return Cell("skip", reason)
     if outcome == "xfail" and isinstance(pin, dict):
         key = _defect_key(pin)
-        found = defects.get(key)
-        if found is None:
-            found = defects[key] = Defect(
-                key,
-                str(pin.get("upstream") or "not filed upstream yet"),
-                pin.get("url"),
-                str(pin.get("first") or "?"),
-                pin.get("last"),
-                str(pin.get("reason") or reason),
-                str(pin.get("reproduce") or ""),
-            )
+        # runs are folded oldest first: the latest run's pin (its range) is the one shown
+        seen = defects[key].seen if key in defects else set()
+        found = defects[key] = Defect(
+            key,
+            str(pin.get("upstream") or "not filed upstream yet"),
+            pin.get("url"),
+            str(pin.get("first") or "?"),
+            pin.get("last"),
+            str(pin.get("what") or pin.get("reason") or reason),
+            str(pin.get("reproduce") or ""),
+            seen,
+        )
         found.seen.add(col.release)
         return Cell("defect", reason, key)
     if outcome == "xfail":  # a format-1 run: the pin's text is the reason

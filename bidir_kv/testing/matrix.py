@@ -147,8 +147,10 @@ def _value(v: Any) -> str:
 def _defect(pin: Any) -> dict[str, Any]:
     """What the report needs of a pin: the defect's name, its upstream record, the
     releases it holds for, and for an unfiled one how to reproduce it."""
+    defect = pin.defect
     return {
-        "defect": pin.defect or pin.reason[:60],
+        "defect": defect.key if defect is not None else pin.reason[:60],
+        "what": defect.what if defect is not None else "",
         "upstream": pin.upstream.label,
         "number": pin.upstream.number,
         "kind": pin.upstream.kind,
