@@ -20,22 +20,25 @@ from bidir_kv.connector.rules import (
     PullPlan,
     Refusal,
     is_d_params,
+    layout_of,
     peer_refusal,
     plan_pull,
     positional_remote_blocks,
 )
 from bidir_kv.connector.versions import check_vllm_version
-from bidir_kv.policy import PeerAllowlist
+from bidir_kv.policy import GroupRefusal, PeerAllowlist
 from bidir_kv.wire.fence import ALLOWLIST_CONFIG_KEY, FENCE_KEY
 from bidir_kv.wire.ids import EngineId, RequestId
 from bidir_kv.wire.params import (
     CHAIN_KEY,
+    GROUPS_KEY,
     LEASE_CONFIG_KEY,
     LEASE_KEY,
     VERIFY_CONFIG_KEY,
     VERIFY_KEY,
     HeldTokens,
     configured_lease,
+    groups_to_wire,
     lease_to_wire,
     verifier_advert,
 )
@@ -77,6 +80,9 @@ _WHY = {
 }
 
 
+_GROUP_REFUSALS = frozenset(str(r) for r in GroupRefusal)
+
+
 def lease_from_config(kv: Any) -> float | None:
     """D's renewable lease from vLLM's ``KVTransferConfig`` (``None``: not configured)."""
     return configured_lease(kv.get_from_extra_config(LEASE_CONFIG_KEY, None))
@@ -96,6 +102,12 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         # never dropped silently
         self._allow = PeerAllowlist.parse(kv.get_from_extra_config(ALLOWLIST_CONFIG_KEY, None))
         self._producer = kv.kv_role == "kv_producer"
+        # the model's KV cache groups (None: one full-attention group): P cuts D's lists
+        # with them, D describes them in its dict for a router (docs/protocol.md §6.4)
+        groups = getattr(kv_cache_config, "transfer_groups", None)
+        if groups is None:
+            groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        self._layout = layout_of([g.kv_cache_spec for g in groups])
         self._refused_peers: set[tuple[Any, ...]] = set()
         self.num_peer_refused = 0
         if self._allow is None:
@@ -137,6 +149,7 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
             host_buffer=bool(self.use_host_buffer),
             threshold=self.kv_recompute_threshold,
             verify=self._verify,
+            layout=self._layout,
         )
         if plan is None:
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -160,7 +173,7 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
             self.fence.check_after_read(request.request_id, params)
         if hit is not None and reads:
             params["remote_block_ids"] = positional_remote_blocks(
-                params["remote_block_ids"], hit, num_external_tokens, self.block_size
+                params["remote_block_ids"], hit, num_external_tokens, self.block_size, self._layout
             )
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -172,6 +185,8 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
             n = int(out.get("remote_num_tokens") or 0)
             held = HeldTokens.of(list(request.all_token_ids[:n]), self.block_size)
             out[CHAIN_KEY] = held.to_wire()
+            if self._layout is not None:  # a router needs the layout to cut several lists
+                out[GROUPS_KEY] = groups_to_wire(self._layout)
             if self._lease is not None:  # the router frees these blocks once idle
                 out[LEASE_KEY] = lease_to_wire(self._lease)
             word = self.fence.retain(request.request_id, request.kv_transfer_params, block_ids)
@@ -228,6 +243,14 @@ class BidirKVScheduler(NixlPullConnectorScheduler):
         if plan.reason in _WHY:
             level = logging.WARNING if plan.reason == Refusal.FEATURE_OFF else logging.INFO
             log.log(level, "bidir-kv: request %s: %s.", req_id, _WHY[Refusal(plan.reason)])
+        elif plan.reason in _GROUP_REFUSALS:
+            log.info(
+                "bidir-kv: request %s: D's KV cache groups cannot be read up to the prefix "
+                "its chain proves (%s: a sliding window D no longer holds there, or a "
+                "group kind that cannot be cut); recomputing.",
+                req_id,
+                plan.reason,
+            )
         elif plan.capped:
             log.info(
                 "bidir-kv: request %s: the prompt continues D's sequence for %d tokens "

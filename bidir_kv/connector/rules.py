@@ -12,7 +12,10 @@ upstream defect it avoids (docs/connector.md):
 * unverified / misaligned: vLLM never checks that the prompt continues D's sequence
   (vLLM issue #43094, PR #44838); we pull only the prefix D's chain proves;
 * block layout: position pairing needs D's list to be one block per position from
-  token 0 (full attention); other layouts (sliding window, Mamba) are recomputed.
+  token 0 (full attention). With several KV cache groups (vLLM's hybrid manager, PR
+  #41847) every group is cut where its attention allows (``policy.trim_groups``: a
+  sliding window only where D still holds what it needs), else the read is refused with
+  the rule's reason; Mamba and other kinds are recomputed.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from enum import StrEnum
 from typing import Any
 
 from bidir_kv.policy import (
+    GroupKind,
+    KVGroup,
     PeerAllowlist,
     blocks_for_tokens,
     pull_decision,
     target_block_range,
+    trim_groups,
     verified_continuation,
 )
 from bidir_kv.wire.ids import BlockIds
@@ -36,6 +42,7 @@ __all__ = [
     "PullPlan",
     "Refusal",
     "is_d_params",
+    "layout_of",
     "peer_refusal",
     "plan_pull",
     "positional_remote_blocks",
@@ -71,6 +78,26 @@ class PullPlan:
     def capped(self) -> bool:
         """The guard cut the pull below what stock vLLM would have loaded."""
         return self.verified is not None and self.tokens < self.offered and self.offered > 0
+
+
+def layout_of(specs: Sequence[Any]) -> tuple[KVGroup, ...] | None:
+    """The KV cache groups of vLLM's transfer groups' specs (``kv_cache_spec`` of each),
+    read by class name so every release's classes are read alike: a sliding window, full
+    attention (MLA and sink variants included; not the R-SWA gap), or another kind that
+    is never cut. ``None`` for one full-attention group (a dense model)."""
+    out: list[KVGroup] = []
+    for spec in specs:
+        names = {c.__name__ for c in type(spec).__mro__}
+        bs = int(spec.block_size)
+        if "SlidingWindowSpec" in names:
+            out.append(KVGroup.sliding(int(spec.sliding_window), bs))
+        elif "FullAttentionSpec" in names and "RSWASpec" not in names:
+            out.append(KVGroup.full(bs))
+        else:
+            out.append(KVGroup(type(spec).__name__, bs))
+    if len(out) == 1 and out[0].kind == GroupKind.FULL:
+        return None
+    return tuple(out)
 
 
 def is_d_params(params: Mapping[str, Any] | None) -> bool:
@@ -122,11 +149,14 @@ def plan_pull(
     host_buffer: bool,
     threshold: int,
     verify: bool = True,
+    layout: Sequence[KVGroup] | None = None,
 ) -> PullPlan | None:
     """P's decision on a D-node dict; ``None`` when ``params`` are not one (vLLM decides).
 
     ``num_computed`` is P's block-aligned local hit; ``verify=False`` trusts D's
     ``remote_num_tokens`` as stock vLLM does (position pairing still applies).
+    ``layout``: P's own KV cache groups (:func:`layout_of`; D runs the same model), whose
+    lists are cut at the pull's end by ``policy.trim_groups`` (``None``: one group).
     """
     if not is_d_params(params):
         return None
@@ -139,7 +169,7 @@ def plan_pull(
         return PullPlan(0, offered, None, Refusal.HOST_BUFFER)
     if params.get("_remote_blocks_processed"):
         return PullPlan(0, offered, None, Refusal.ALREADY_READ)
-    if not _layout_ok(params["remote_block_ids"], remote, block_size):
+    if layout is None and not _layout_ok(params["remote_block_ids"], remote, block_size):
         return PullPlan(0, offered, None, Refusal.BLOCK_LAYOUT)
     verified: int | None = None
     if verify:
@@ -163,11 +193,21 @@ def plan_pull(
         block_size=block_size,
         threshold=threshold,
     )
+    if layout is not None and decision.tokens > 0:
+        cut = trim_groups(
+            params["remote_block_ids"], num_computed + decision.tokens, block_size, layout
+        )
+        if not cut.ok:  # e.g. a sliding window D no longer holds there: read nothing
+            return PullPlan(0, offered, verified, cut.reason)
     return PullPlan(decision.tokens, offered, verified, str(decision.reason))
 
 
 def positional_remote_blocks(
-    remote_block_ids: Sequence[Sequence[int]], local_hit: int, tokens: int, block_size: int
+    remote_block_ids: Sequence[Sequence[int]],
+    local_hit: int,
+    tokens: int,
+    block_size: int,
+    layout: Sequence[KVGroup] | None = None,
 ) -> BlockIds:
     """D's lists cut to end at the last block P reads, so vLLM's suffix trim pairs by
     position (docs/protocol.md §6.3, defect 3).
@@ -176,8 +216,16 @@ def positional_remote_blocks(
     more than the prompt (a shorter or branched prompt) those are other positions.
     Cutting D's lists to blocks ``[0, cdiv(hit + tokens, bs))`` makes "the last N"
     exactly the blocks of positions ``[hit, hit + tokens)``; wire and worker unchanged.
+    With a ``layout`` every group is cut by ``policy.trim_groups`` (a sliding list ends
+    at the same block, as D would have exported it there), which :func:`plan_pull`
+    accepted for this end (``ValueError`` otherwise).
     """
     if tokens <= 0:
         return [list(g) for g in remote_block_ids]
+    if layout is not None:
+        cut = trim_groups(remote_block_ids, local_hit + tokens, block_size, layout)
+        if cut.block_ids is None:
+            raise ValueError(f"D's groups cannot be cut at {local_hit + tokens}: {cut.reason}")
+        return cut.block_ids
     stop = target_block_range(local_hit, tokens, block_size).stop
     return [list(g[:stop]) for g in remote_block_ids]

@@ -30,7 +30,7 @@ from bidir_kv.testing.pd_client import EngineClient
 from bidir_kv.topology.base import BackendUnavailable, EngineSpec, Node, Topology, TopologySpec
 from bidir_kv.topology.vllm_source import OPTIONAL_PARAM_FIELDS
 from bidir_kv.wire.fence import FENCE_KEY
-from bidir_kv.wire.params import CHAIN_KEY, VERIFY_KEY
+from bidir_kv.wire.params import CHAIN_KEY, GROUPS_KEY, VERIFY_KEY
 
 __all__ = ["UnsupportedRelease", "pair_spec", "pd_spec", "prefill_spec", "start_backend"]
 
@@ -287,8 +287,12 @@ def _start_vllm_cpu(
         p_params_extension=(
             frozenset({FENCE_KEY, VERIFY_KEY}) if cfg.connector_module else frozenset()
         ),
+        # our D describes a model's KV cache groups when it has more than one
         d_params_extension=(
-            frozenset({CHAIN_KEY, FENCE_KEY}) if cfg.connector_module else frozenset()
+            frozenset({CHAIN_KEY, FENCE_KEY})
+            | (frozenset({GROUPS_KEY}) if family_named(family).kv_groups > 1 else frozenset())
+            if cfg.connector_module
+            else frozenset()
         ),
     )
 

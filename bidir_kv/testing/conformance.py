@@ -206,6 +206,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_not_generated(config, items)
     _deselect_other_backends(config, items)
     if config.getoption("--scenarios-only"):
         keep = [i for i in items if _backend_of(i) is not None or not matrix.in_tier(i)]
@@ -224,6 +225,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         pin = exemption_for(scenario, backend, params, release, family)
         if pin is not None:
             item.add_marker(pytest.mark.xfail(strict=True, reason=pin.xfail_reason))
+
+
+def _deselect_not_generated(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A scenario no selected backend and family runs (e.g. one that needs several KV
+    cache groups, with only the emulator selected) got no ``pd`` id: pytest's
+    empty-parameter placeholder is deselected, not reported as a skip."""
+    drop = [i for i in items if _pd_placeholder(i)]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [i for i in items if not _pd_placeholder(i)]
+
+
+def _pd_placeholder(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return (
+        callspec is not None
+        and "pd" in callspec.params
+        and not isinstance(callspec.params["pd"], str)
+    )
 
 
 def _deselect_other_backends(config: pytest.Config, items: list[pytest.Item]) -> None:

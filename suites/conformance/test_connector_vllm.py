@@ -36,6 +36,7 @@ CHECKS = [
     "d_pressure_releases_a_fenced_turn_for_a_waiting_request",
     "p_two_turn_lifecycle_advert_checked_read_expire",
     "p_advertises_verify_when_it_verifies",
+    "hybrid_groups_cut_where_the_window_allows",
 ]
 
 

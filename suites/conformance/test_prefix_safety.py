@@ -114,3 +114,43 @@ def test_another_conversations_params_read_nothing_unverified(
             assert t.d.token_ids == ref.token_ids, f"{label}: output differs from recompute"
         else:  # a dict P cannot serve, under policy fail: a clean error, not wrong text
             assert t.p.status == 500 and t.p.error is not None, (label, t.p)
+
+
+@pytest.mark.kv_groups
+@pytest.mark.requires_model("kv_groups")
+@pytest.mark.parametrize(
+    ("cut", "readable"), [("verbatim", True), ("late", True), ("early", False)]
+)
+def test_hybrid_rewritten_history_reads_only_where_every_group_allows(
+    pd: PDBackend, prompts: PromptFactory, cut: str, readable: bool
+) -> None:
+    """A hybrid model (a sliding window of 256 tokens beside full attention, vLLM's
+    hybrid KV cache manager, docs/protocol.md §6.4). D keeps only the last window of the
+    sliding layers: a history rewritten inside D's last block can still be read (the
+    full group to the cut, the window's blocks there), one rewritten a block earlier
+    cannot (D freed the block the window needs there). P reads the verified prefix in
+    the first case and nothing in the second (our connector: ``policy.trim_groups`` on
+    P's own groups); every answer equals recompute. Stock vLLM reads D's whole history
+    whatever the prompt."""
+    bs = pd.block_size
+    first = 5 * bs + 60  # P caches the prompt's 5 full blocks on turn 1
+    t1 = _turn1(pd, prompts, first, 200)
+    assert t1.d is not None and t1.d.params is not None
+    held = t1.d.params.remote_num_tokens or 0  # first + 199
+    window = (t1.d.params.remote_block_ids or [[]])[0]
+    assert len(window) == 3, f"expected the sliding group's last 3 blocks first, got {window}"
+    end = held // bs * bs  # where D's last, partial block starts
+    keep = {"verbatim": held, "late": end + 1, "early": end - bs + 1}[cut] - first
+    answer = list(t1.d.token_ids)
+    reply = answer if cut == "verbatim" else [*answer[:keep], *prompts.tokens(40)]
+    prompt2 = [*t1.prompt, *reply, *prompts.tokens(30)]
+    reads = {"verbatim": held, "late": end, "early": end - bs}[cut] - 5 * bs
+    t2 = run_pd_turn(pd.prefill, pd.decode, prompt2, GEN, t1.d.params)
+    assert t2.p.ok and t2.d is not None and t2.d.ok, (t2.p.error, t2.d)
+    ev = evidence(t2.p_leg.p)
+    assert ev.local_cache_hit == 5 * bs, ev
+    assert ev.external == (reads if readable else 0), (
+        f"{cut} history: P read {ev.external} tokens of D's KV; the verified prefix beyond "
+        f"P's own {5 * bs} is {reads}, which every group allows: {readable}"
+    )
+    assert t2.d.token_ids == pd.reference(prompt2, GEN).token_ids

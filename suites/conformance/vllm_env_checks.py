@@ -80,25 +80,38 @@ def vllm_config(*, ours: bool = True, role: str = "kv_consumer", **extra: Any) -
     )
 
 
-def kv_cache_config(num_blocks: int) -> Any:
-    """One full-attention group of ``num_blocks`` blocks (block 0 is vLLM's null block)."""
+def kv_cache_config(num_blocks: int, sliding_window: int | None = None) -> Any:
+    """One full-attention group of ``num_blocks`` blocks (block 0 is vLLM's null block);
+    with ``sliding_window``, a sliding-window group first (vLLM's order for a hybrid
+    model), as the hybrid KV cache manager builds it."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)]
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
     )
 
+    kw: dict[str, Any] = {"block_size": BS, "num_kv_heads": 1, "head_size": 8}
+    groups = [KVCacheGroupSpec(["l"], FullAttentionSpec(**kw, dtype=torch.float32))]
+    if sliding_window is not None:
+        spec = SlidingWindowSpec(**kw, dtype=torch.float32, sliding_window=sliding_window)
+        groups.insert(0, KVCacheGroupSpec(["s"], spec))
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
-def connector_scheduler(*, ours: bool = True, num_blocks: int = 64, **config: Any) -> Any:
+
+def connector_scheduler(
+    *, ours: bool = True, num_blocks: int = 64, sliding_window: int | None = None, **config: Any
+) -> Any:
     """The scheduler half of a connector, built by vLLM's factory from the config."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     cfg = vllm_config(ours=ours, **config)
     connector = KVConnectorFactory.create_connector(
-        config=cfg, role=KVConnectorRole.SCHEDULER, kv_cache_config=kv_cache_config(num_blocks)
+        config=cfg,
+        role=KVConnectorRole.SCHEDULER,
+        kv_cache_config=kv_cache_config(num_blocks, sliding_window),
     )
     return connector.connector_scheduler
 
@@ -515,6 +528,60 @@ def p_advertises_verify_when_it_verifies() -> None:
     assert out["do_remote_decode"] and not advertises_verify(out), out
     step(d, sending=["d"])
     assert_no_state(d)
+
+
+@check
+def hybrid_groups_cut_where_the_window_allows() -> None:
+    """A hybrid model's groups (a sliding window of 40 tokens, then full attention),
+    read from vLLM's own KV cache config: P reads a rewritten history only where D
+    still holds the window at the verified end (stock reads it all), vLLM's worker then
+    pairs both groups' cut lists by position (stock: the window's last blocks), and D
+    describes its groups in its dict (docs/protocol.md §6.4)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    from bidir_kv.connector.rules import positional_remote_blocks
+    from bidir_kv.policy import KVGroup
+    from bidir_kv.wire.params import groups_of
+
+    ours = connector_scheduler(role="kv_producer", sliding_window=40)
+    layout = (KVGroup.sliding(40, BS), KVGroup.full(BS))
+    assert ours._layout == layout, ours._layout
+    assert connector_scheduler(role="kv_producer")._layout is None  # dense: one group
+    stock = connector_scheduler(ours=False, role="kv_producer", sliding_window=40)
+    n = -(-len(HELD) // BS)  # D holds 87 tokens: 6 blocks; vLLM freed window blocks 0-1
+    lists = [[200 + i for i in range(n - 4, n)], [100 + i for i in range(n)]]
+    late = [*HELD[: 5 * BS + 3], 7, *HELD[5 * BS + 4 :], 9]  # rewritten in block 5
+    early = [*HELD[: 4 * BS + 3], 7, *HELD[4 * BS + 4 :], 9]  # rewritten in block 4
+    for prompt, want in (([*HELD, 1], len(HELD)), (late, 5 * BS), (early, 0)):
+        got = ours.get_num_new_matched_tokens(
+            request("r", prompt, d_params(HELD, remote_block_ids=lists)), 0
+        )
+        assert got == (want, want > 0), (want, got)
+        got = stock.get_num_new_matched_tokens(
+            request("r", prompt, d_params(HELD, remote_block_ids=lists)), 0
+        )
+        assert got == (len(HELD), True), f"stock vLLM no longer reads every group: {got}"
+    # vLLM's worker on P's new blocks for tokens [0, 80): the window's last 4 (blocks
+    # 1-4, clipped like D's list) and the full group's 5
+    worker = object.__new__(NixlPullConnectorWorker)  # its constructor starts a NIXL agent
+    worker._has_mamba = False
+    local = [[11, 12, 13, 14], [1, 2, 3, 4, 5]]
+    _, stock_pair = worker._apply_prefix_caching(local, lists, 1, 1)
+    assert [list(g) for g in stock_pair] == [[202, 203, 204, 205], [101, 102, 103, 104, 105]]
+    cut = positional_remote_blocks(lists, 0, 5 * BS, BS, layout)
+    _, ours_pair = worker._apply_prefix_caching(local, cut, 1, 1)
+    # by position: window blocks 1-4 (block 1 freed on D: its null block 0), full 0-4
+    assert [list(g) for g in ours_pair] == [[0, 202, 203, 204], [100, 101, 102, 103, 104]]
+    # D's dict names its groups; a dense D's does not
+    d = engine_scheduler()
+    d.connector.connector_scheduler._layout = layout
+    out = run_turn(d, request("d", HELD, p_params("d", HELD)), loads=True)
+    assert groups_of(out) == layout, out
+    step(d, sending=["d"])
+    dense = engine_scheduler()
+    out = run_turn(dense, request("e", HELD, p_params("e", HELD)), loads=True)
+    assert groups_of(out) is None, out
+    step(dense, sending=["e"])
 
 
 def main() -> int:

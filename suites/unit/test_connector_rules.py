@@ -11,11 +11,12 @@ from bidir_kv.connector import SUPPORTED_VLLM, UnsupportedVllm, check_vllm_versi
 from bidir_kv.connector.rules import (
     Refusal,
     is_d_params,
+    layout_of,
     peer_refusal,
     plan_pull,
     positional_remote_blocks,
 )
-from bidir_kv.policy import PeerAllowlist, cdiv, position_pairing, suffix_trim_pairing
+from bidir_kv.policy import KVGroup, PeerAllowlist, cdiv, position_pairing, suffix_trim_pairing
 from bidir_kv.wire.params import CHAIN_KEY, HeldTokens
 
 BS = 16
@@ -243,3 +244,77 @@ def test_chain_shorter_than_the_offer_reads_nothing() -> None:
 
 def test_no_tokens_to_read_leaves_ds_lists_whole() -> None:
     assert positional_remote_blocks([[1, 2, 3], [4]], 2 * BS, 0, BS) == [[1, 2, 3], [4]]
+
+
+# ---- several KV cache groups (docs/protocol.md §6.4) -------------------------------------
+
+
+class FullAttentionSpec:  # stand-ins named as vLLM's classes: layout_of reads class names
+    def __init__(self, block_size: int = BS) -> None:
+        self.block_size = block_size
+
+
+class SlidingWindowSpec:
+    def __init__(self, window: int, block_size: int = BS) -> None:
+        self.block_size, self.sliding_window = block_size, window
+
+
+class SlidingWindowMLASpec(SlidingWindowSpec):
+    pass
+
+
+class RSWASpec(FullAttentionSpec):
+    pass
+
+
+class MambaSpec:
+    block_size = BS
+
+
+def test_layout_of_reads_vllms_group_specs_by_class() -> None:
+    assert layout_of([FullAttentionSpec()]) is None  # a dense model: one full group
+    assert layout_of([SlidingWindowMLASpec(40), FullAttentionSpec()]) == (
+        KVGroup.sliding(40, BS),
+        KVGroup.full(BS),
+    )
+    kinds = [g.kind for g in layout_of([RSWASpec(), MambaSpec(), FullAttentionSpec()]) or ()]
+    assert kinds == ["RSWASpec", "MambaSpec", "full"]  # kinds the rule never cuts
+
+
+HYBRID = (KVGroup.sliding(40, BS), KVGroup.full(BS))  # vLLM's order: sliding group first
+
+
+def hybrid_params(held: list[int]) -> dict[str, object]:
+    """D's dict for a hybrid model: the sliding group's last cdiv(40, 16) + 1 = 4 entries
+    (vLLM freed blocks 0-1: (86 - 40 + 1) // 16 = 2), then the full group's 6."""
+    n = cdiv(len(held), BS)
+    return d_params(
+        held, remote_block_ids=[[200 + i for i in range(n - 4, n)], [100 + i for i in range(n)]]
+    )
+
+
+def test_hybrid_continuation_reads_everything_and_a_cut_only_where_the_window_is_held() -> None:
+    params = hybrid_params(D)  # D: 87 tokens, 6 blocks; window entries for blocks 2-5
+    exact = plan(params, [*D, 1, 2], layout=HYBRID)
+    assert exact is not None and exact.tokens == len(D)
+    assert plan(params, [*D, 1, 2]) is not None  # without a layout: the old refusal
+    assert plan(params, [*D, 1, 2]).reason == Refusal.BLOCK_LAYOUT  # type: ignore[union-attr]
+    # a change in block 5: 80 tokens verified; the window at 80 needs blocks 2-4: held
+    late = [*D[: 5 * BS + 3], 7, *D[5 * BS + 4 :], 9]
+    cut = plan(params, late, layout=HYBRID)
+    assert cut is not None and cut.tokens == 5 * BS and cut.verified == 5 * BS
+    lists = positional_remote_blocks(params["remote_block_ids"], 0, 5 * BS, BS, HYBRID)  # type: ignore[arg-type]
+    # the full group's first 5 blocks; the window's entries for blocks 1-4 (1 freed)
+    assert lists == [[0, 202, 203, 204], [100, 101, 102, 103, 104]]
+    # a change in block 4: 64 verified; the window at 64 needs block 1, which D freed
+    early = [*D[: 4 * BS + 3], 7, *D[4 * BS + 4 :], 9]
+    refused = plan(params, early, layout=HYBRID)
+    assert refused is not None and (refused.tokens, refused.reason) == (
+        0,
+        "sliding-window-released",
+    )
+    with pytest.raises(ValueError, match="sliding-window-released"):
+        positional_remote_blocks(params["remote_block_ids"], 0, 4 * BS, BS, HYBRID)  # type: ignore[arg-type]
+    # another number of groups than P's own layout: nothing read
+    other = plan(d_params(D), [*D, 1], layout=HYBRID)
+    assert other is not None and (other.tokens, other.reason) == (0, "group-layout-mismatch")
