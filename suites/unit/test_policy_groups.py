@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bidir_kv.policy import (
@@ -24,7 +24,6 @@ from bidir_kv.policy import (
     window_block_range,
 )
 
-PROPS = settings(max_examples=150, deadline=None, database=None)
 BS = 16
 
 
@@ -127,7 +126,6 @@ def cases(draw: st.DrawFn) -> tuple[list[KVGroup], int, int, int]:
     return layout, n, extra, tokens
 
 
-@PROPS
 @given(cases())
 def test_a_trim_is_accepted_exactly_when_d_holds_the_window(
     case: tuple[list[KVGroup], int, int, int],
@@ -166,7 +164,6 @@ def test_a_trim_is_accepted_exactly_when_d_holds_the_window(
         assert all(b in (NULL_BLOCK, t[first + j]) for j, b in enumerate(cut))
 
 
-@PROPS
 @given(cases())
 def test_the_whole_history_is_always_reusable_and_cuts_are_monotone(
     case: tuple[list[KVGroup], int, int, int],
