@@ -55,6 +55,8 @@ class Completion:
     first_chunk_tokens: int = 0  # tokens in the first content chunk (1 without token ids)
     # streams: when each content chunk arrived (perf_counter s): the inter-token latencies
     content_times: list[float] = field(default_factory=list)
+    # streams: when each chunk carrying token ids arrived (a token may decode to no text)
+    token_times: list[float] = field(default_factory=list)
     # streams: where params appeared (chunk index; whether that chunk had a finish_reason)
     params_chunk: int | None = None
     params_on_terminal: bool | None = None
@@ -90,6 +92,17 @@ class Completion:
         one per chunk after the first; a chunk may carry several tokens)."""
         t = self.content_times
         return [b - a for a, b in itertools.pairwise(t)]
+
+    @property
+    def tpot(self) -> float | None:
+        """A stream's time per output token, seconds: (latency − first token) / (tokens −
+        1), vLLM's benchmark definition, the first token being the first chunk with token
+        ids (else with content); None for one token or a non-streamed answer."""
+        times = self.token_times or self.content_times
+        n = len(self.token_ids) or self.content_chunks
+        if not self.stream or not times or n < 2:
+            return None
+        return (self.start + self.elapsed - times[0]) / (n - 1)
 
     @property
     def output_tokens(self) -> int:
@@ -175,6 +188,8 @@ class StreamReader:
             ids = choice.get("token_ids")
             if ids:
                 out.token_ids.extend(int(t) for t in ids)
+                if not out.token_times or out.token_times[-1] != now:
+                    out.token_times.append(now)
             piece = choice.get("text")
             if piece is None:
                 delta = choice.get("delta")

@@ -70,6 +70,8 @@ NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds_sum"
 _NAMES = (*WATCHED, NIXL_XFER_TIME)
 NEW_TOKENS = 150  # the blog's per-turn user input
 OUTPUT_TOKENS = 32
+# D's answer to a measured dry-run round (turn 2 alone): enough tokens for a TPOT
+DRY_RUN_ANSWER_TOKENS = 8
 _MEASUREMENTS: pytest.StashKey[HwMeasurements] = pytest.StashKey()
 _DEPLOYMENT: pytest.StashKey[dict[str, Any]] = pytest.StashKey()
 
@@ -213,14 +215,24 @@ def _metrics(client: EngineClient, timeout: float = 5.0) -> MetricsSnapshot:
 
 
 def _finish_on_d(
-    dep: HwDeployment, prompt: list[int], p_params: KVTransferParams | None, tokens: int = 1
+    dep: HwDeployment,
+    prompt: list[int],
+    p_params: KVTransferParams | None,
+    tokens: int = 1,
+    tpot: list[float] | None = None,
 ) -> Completion | None:
     """D's leg of the turn: D reads what P holds for it, so no P lease is left to lapse
     and count as an expired transfer in a later round; ``tokens`` is the answer's length
-    (1 when the conversation ends here)."""
+    (1 when the conversation ends here). With ``tpot``, an answer of more than one token
+    is streamed and its TPOT appended (the decode gate, :func:`gate_tpot`)."""
     if p_params is None:
         return None
-    return dep.decode.complete(prompt, tokens, p_params)
+    stream = tpot is not None and tokens > 1
+    out = dep.decode.complete(prompt, tokens, p_params, stream=stream)
+    if stream and out.ok and out.tpot is not None:
+        assert tpot is not None
+        tpot.append(out.tpot)
+    return out
 
 
 def measure_turn(
@@ -233,10 +245,11 @@ def measure_turn(
     lock: threading.Lock | None = None,
 ) -> Completion | None:
     """A measured turn >= 2: P's prefill of ``prompt`` twice, OFF (miss dict, fresh
-    cache_salt so nothing local is reused) and ON (D's dict), in the order given; OFF is
-    finished on D with one token, ON with ``answer_tokens`` (the conversation's answer,
-    returned). ``lock`` serializes the prefills of concurrent clients, so P's counter
-    deltas belong to one request."""
+    cache_salt so nothing local is reused) and ON (D's dict), in the order given; both
+    are finished on D with ``answer_tokens`` tokens, streamed, so D decodes the same in
+    both and each answer's TPOT is recorded (the ON answer carries the conversation on
+    and is returned). ``lock`` serializes the prefills of concurrent clients, so P's
+    counter deltas belong to one request."""
     p = dep.prefill
     res.prompt_tokens = max(res.prompt_tokens, len(prompt))
     guard = lock or contextlib.nullcontext()
@@ -248,7 +261,7 @@ def measure_turn(
             out = p.complete(prompt, 1, KVTransferParams.miss(), extra=salt)
         assert out.ok, f"OFF prefill failed: {out.error}"
         res.off_s.append(out.elapsed)
-        _finish_on_d(dep, prompt, out.params)
+        _finish_on_d(dep, prompt, out.params, answer_tokens, res.off_tpot_s)
 
     def on() -> None:
         with guard:
@@ -268,7 +281,7 @@ def measure_turn(
         res.xfers.append(int(delta.value(NIXL_XFERS)))
         res.failed += int(delta.value(NIXL_FAILED))
         res.expired += int(delta.value(NIXL_EXPIRED))
-        answer[0] = _finish_on_d(dep, prompt, out.params, answer_tokens)
+        answer[0] = _finish_on_d(dep, prompt, out.params, answer_tokens, res.on_tpot_s)
 
     for step in (off, on) if off_first else (on, off):
         step()
@@ -283,7 +296,7 @@ def run_round(
     assert turn1.d is not None and turn1.d.ok, f"turn 1 failed: {turn1.d or turn1.p}"
     assert turn1.d.params is not None, "D returned no kv_transfer_params: bidirectional off?"
     prompt2 = [*turn1.sequence, *dep.prompt(rng, NEW_TOKENS)]
-    measure_turn(dep, prompt2, turn1.d.params, res, off_first)
+    measure_turn(dep, prompt2, turn1.d.params, res, off_first, DRY_RUN_ANSWER_TOKENS)
 
 
 def measure_conversations(
@@ -323,8 +336,14 @@ def measure_conversations(
                 answer_tokens=answer_tokens,
                 lock=lock,
             )
-            assert out is not None and out.ok and out.params is not None, (
+            assert out is not None and out.ok, (
                 f"conversation {i} turn {turn}: D's answer failed: {out}"
+            )
+            assert out.params is not None, (
+                f"conversation {i} turn {turn}: D's streamed answer carried no "
+                "kv_transfer_params (vLLM before PR #40186 puts none on streams); the tier "
+                "streams D's answers to measure TPOT: use a vLLM with the PR, or measure "
+                "turn 2 alone (--hw-turns 2)"
             )
             seq, params = [*prompt, *out.token_ids], out.params
 

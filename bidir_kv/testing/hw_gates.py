@@ -66,6 +66,9 @@ class LengthResult:
     failed: int = 0
     expired: int = 0
     fabric: list[dict[str, int]] = field(default_factory=list)  # P's NIC counter deltas per ON
+    # D's answer to each OFF and ON round, streamed: TPOT per request (s), the decode gate's
+    off_tpot_s: list[float] = field(default_factory=list)
+    on_tpot_s: list[float] = field(default_factory=list)
 
     @property
     def speedup(self) -> float:
@@ -90,6 +93,8 @@ class LengthResult:
             "failed": self.failed,
             "expired": self.expired,
             "fabric": self.fabric,
+            "off_tpot_s": self.off_tpot_s,
+            "on_tpot_s": self.on_tpot_s,
             "speedup": self.speedup if self.off_s and self.on_s else None,
             "gbps": self.gbps,
         }

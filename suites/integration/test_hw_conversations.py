@@ -12,7 +12,7 @@ import pytest
 from bidir_kv.launch.process import free_port
 from bidir_kv.testing.emulated_read import BLOCK, KV_BYTES_PER_TOKEN, LocalNodes, node_spec
 from bidir_kv.testing.hardware import HwDeployment, measure_conversations
-from bidir_kv.testing.hw_gates import LengthResult, gate_mechanism
+from bidir_kv.testing.hw_gates import LengthResult, gate_mechanism, gate_tpot
 
 
 @pytest.fixture
@@ -43,3 +43,7 @@ def test_conversations_by_two_clients_measure_every_later_turn(emulated: HwDeplo
     assert min(res.pulled_tokens) >= 512 and max(res.pulled_tokens) >= 512 + 2 * (150 + 24)
     assert res.prompt_tokens == 512 + 24 + 3 * 150 + 2 * 24
     gate_mechanism(res, BLOCK, KV_BYTES_PER_TOKEN)
+    # D answered both rounds of every turn in full, streamed: a TPOT for each, gated
+    assert len(res.off_tpot_s) == len(res.on_tpot_s) == 3 * 3
+    assert all(t > 0 for t in res.off_tpot_s + res.on_tpot_s)
+    assert "9 ON and 9 OFF turns" in gate_tpot("512", res.off_tpot_s, res.on_tpot_s, 1000.0)

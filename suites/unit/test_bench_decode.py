@@ -197,3 +197,16 @@ def test_a_relayed_whole_answer_is_not_read_as_a_decode(tmp_path: Path) -> None:
     (out / "manifest.json").write_text(json.dumps({"engines": {"decode_stream": "never"}}))
     report, _ = render_dir(out)
     assert "relayed D's answers whole" in report.read_text()
+
+
+def test_a_streams_tpot_counts_tokens_that_decode_to_no_text() -> None:
+    """TPOT of a token-id stream: from the first chunk carrying token ids (a token may
+    decode to no text, which TTFT skips) to the end, over tokens − 1."""
+    out = Completion(status=200, stream=True, start=0.0)
+    reader = StreamReader(out)
+    for t, text, ids in ((1.0, "", [7]), (1.1, "a", [8]), (1.2, "b", [9, 10]), (1.4, "", [11])):
+        reader.feed(json.dumps({"choices": [{"text": text, "token_ids": ids}]}).encode(), t)
+    reader.finish(1.5)
+    assert out.ttft == pytest.approx(1.1)  # the first text, as vLLM's benchmark
+    assert out.tpot == pytest.approx((1.5 - 1.0) / 4)
+    assert Completion(status=200, stream=False, elapsed=1.0).tpot is None
