@@ -14,10 +14,14 @@ Reading path:
    (``client``) — one point's requests; ``stats`` — one record per request;
    ``progress``, ``interrupt`` — the console and Ctrl-C.
 3. ``overhead`` — the nodes' own CPU and the machine's load per point; ``capacity``
-   — whether the client could keep up; ``split`` — where each point's router log
-   lines are, and the ON reuse turns' prefill split into compute and transfer.
+   — whether the client could keep up; ``memory`` — P's and D's KV usage and D's
+   retained share sampled from ``/metrics`` while a point runs; ``split`` — where each
+   point's router log lines are, and the ON reuse turns' prefill split into compute
+   and transfer; ``concurrency`` — ``--concurrency``: the sweep once per level of
+   concurrent conversations, up to what the topology and the client carry.
 4. ``results`` — reading a result directory back; ``summary`` — one row per (leg,
-   point) and the OFF/ON ratios, the data model the planner and the report share.
+   point) and the OFF/ON ratios, the decode side (TPOT, ITL, D's memory, preemptions)
+   and the concurrency sweep's rows, the data model the planner and the report share.
    ``compare`` — with ``--connector stock,bidir-kv``, each connector's ON leg beside
    the reference's: TTFT and P's prefill, median and p90, and their ratios.
 5. ``lease`` — ``bench lease``; ``args`` — argparse value types ``plan`` reuses.

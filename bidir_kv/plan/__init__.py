@@ -17,5 +17,7 @@ Reading path:
    measured run, the queueing of clients on one P, and the outliers that move a mean;
    ``calprofile`` — a calibration written as an emulator profile.
 4. ``predict`` — the cost model's OFF/ON prediction beside a measured sweep.
-5. ``cli`` — ``bidir-kv plan``.
+5. ``decode`` — the decode side: D's running batch beside retained turns (the room a
+   TTL may take, the retention budget), a pull's share of D's memory time.
+6. ``cli`` — ``bidir-kv plan``.
 """
