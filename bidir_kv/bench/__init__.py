@@ -14,7 +14,7 @@ Reading path:
    (``client``) — one point's requests; ``stats`` — one record per request;
    ``progress``, ``interrupt`` — the console and Ctrl-C.
 3. ``overhead`` — the nodes' own CPU and the machine's load per point; ``capacity``
-   — whether the client could keep up; ``memory`` — P's and D's KV usage and D's
+   — whether the client could keep up; ``memory`` — D's KV usage and its
    retained share sampled from ``/metrics`` while a point runs; ``split`` — where each
    point's router log lines are, and the ON reuse turns' prefill split into compute
    and transfer; ``concurrency`` — ``--concurrency``: the sweep once per level of

@@ -297,7 +297,7 @@ def _output_args(ap: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_INTERVAL_S,
         metavar="S",
-        help="seconds between samples of P's and D's KV usage and retained share while a "
+        help="seconds between samples of D's KV usage and retained share while a "
         f"point runs (default {DEFAULT_INTERVAL_S:g}; 0: no samples)",
     )
     out.add_argument("--no-progress", dest="progress", action="store_false")

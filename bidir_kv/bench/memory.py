@@ -26,7 +26,10 @@ from bidir_kv.scrape import KV_RETAINED, KV_USAGE, MEMORY_WATCHED, RUNNING, WAIT
 
 __all__ = ["DEFAULT_INTERVAL_S", "MemorySampler", "RetainedShare", "memory_summary"]
 
-DEFAULT_INTERVAL_S = 0.25
+# a scrape costs the emulator ~3-6 ms of its one event loop (prometheus_client renders
+# the whole registry), which a decode step then waits for: once a second keeps that
+# below 1 % of D's time and off the ITL p99 of a ~4 ms step (docs/benchmarking.md)
+DEFAULT_INTERVAL_S = 1.0
 _FIELDS = ("t", "usage", "retained", "running", "waiting")
 
 

@@ -114,7 +114,6 @@ class LegPoint:
     d_itl_p50: float = math.nan
     d_itl_p99: float = math.nan
     latency_p50: float = math.nan  # whole answer at the client, same turns as TTFT
-    p_usage_mean: float = math.nan  # P's KV usage sampled during the point (P's own cache)
 
     @property
     def reused_share(self) -> float | None:
@@ -248,7 +247,6 @@ def summarize_point(
     d_rows = list(_rows(info, "decode"))
     mem = memory_summary(info)
     reusable = [r.reusable_tokens for r in records if r.reusable_tokens is not None]
-    p_mem = memory_summary(info, prefix="prefill")
     return LegPoint(
         leg=leg,
         point=point,
@@ -300,7 +298,6 @@ def summarize_point(
         d_itl_p50=histogram_quantile(d_rows, D_ITL, 0.50) * 1e3,
         d_itl_p99=histogram_quantile(d_rows, D_ITL, 0.99) * 1e3,
         latency_p50=percentile([r.latency_ms for r in ok], 50),
-        p_usage_mean=p_mem.usage_mean if p_mem else math.nan,
     )
 
 

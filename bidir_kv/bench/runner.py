@@ -51,7 +51,7 @@ class RunOptions:
     request_timeout_s: float = 300.0
     ignore_eos: bool = True
     headers: Mapping[str, str] = field(default_factory=dict)
-    # nodes whose KV memory is sampled while a point runs (bench/memory.py): P and D
+    # nodes whose KV memory is sampled while a point runs (bench/memory.py): D
     memory_urls: Mapping[str, str] = field(default_factory=dict)
     memory_interval_s: float = DEFAULT_INTERVAL_S
     # ask for the reply's token ids (return_token_ids), so the tokens D retains are
