@@ -268,19 +268,19 @@ def concurrency_rows(levels: list[tuple[int, Summary]], output_tokens: int) -> l
 
 
 def paying_limit(rows: list[ConcurrencyRow], point: int) -> tuple[int | None, int | None]:
-    """At ``point``: the highest level at which ON still saves time per turn and the
-    first level above it at which it no longer does (None: not within the sweep)."""
+    """At ``point``: the lowest level at which ON saves time per turn, and the first level
+    above it at which it no longer does (None: not within the sweep)."""
     mine = sorted((r for r in rows if r["point"] == point), key=lambda r: r["level"])
-    last_paying = None
+    first_paying = None
     for r in mine:
         net = r["net_saving_ms"]
         if net is None:
             continue
-        if net > 0:
-            last_paying = r["level"]
-        elif last_paying is not None:
-            return last_paying, r["level"]
-    return last_paying, None
+        if net > 0 and first_paying is None:
+            first_paying = r["level"]
+        elif net <= 0 and first_paying is not None:
+            return first_paying, r["level"]
+    return first_paying, None
 
 
 def working_set_limit(

@@ -363,15 +363,19 @@ def render_concurrency(
     points = sorted({r["point"] for r in rows})
     lines += ["", "## Where the TTFT gain stops paying", ""]
     for point in points:
-        last, first = paying_limit(rows, point)
-        if last is None:
+        pays, stops = paying_limit(rows, point)
+        top = max(r["level"] for r in rows if r["point"] == point)
+        if pays is None:
             lines.append(f"- {point} prefix tokens: ON does not pay at any level of the sweep")
-        elif first is None:
-            lines.append(f"- {point} prefix tokens: ON pays at every level up to {last}")
+        elif stops is None:
+            lines.append(
+                f"- {point} prefix tokens: ON pays from {pays} concurrent conversations up to "
+                f"the highest level run ({top})"
+            )
         else:
             lines.append(
-                f"- {point} prefix tokens: ON pays up to {last} concurrent conversations and no "
-                f"longer at {first}"
+                f"- {point} prefix tokens: ON pays from {pays} concurrent conversations and "
+                f"stops paying at {stops}"
             )
     if p_cache:
         lines += [

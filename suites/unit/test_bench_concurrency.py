@@ -140,14 +140,14 @@ def test_where_the_gain_stops_paying_and_the_working_set_spills(tmp_path: Path) 
     assert by_level[1]["net_saving_ms"] == pytest.approx(100.0)
     assert by_level[4]["net_saving_ms"] == pytest.approx(110.0 - 0.5 * 99)
     assert by_level[16]["net_saving_ms"] == pytest.approx(100.0 - 1.5 * 99)
-    assert paying_limit(rows, 1000) == (4, 16)
+    assert paying_limit(rows, 1000) == (1, 16)
     assert by_level[16]["p_cache_off"] == pytest.approx(0.1)
     assert by_level[16]["readback_on"] == pytest.approx(0.8)
     # OFF's P-cache share falls below half of level 1's at 16; ON beats OFF by > 5 % from 1
     assert working_set_limit(rows, 1000) == (16, 1)
     report, text = render_concurrency_dir(out)
     md = report.read_text()
-    assert "ON pays up to 4 concurrent conversations and no longer at 16" in md
+    assert "ON pays from 1 concurrent conversations and stops paying at 16" in md
     assert "P's cache stops holding the working set at 16" in md
     assert "| 16 | 1000 | 10 % / 90 % | 0 % / 80 % / 20 % |" in md
     assert (out / "concurrency.png").stat().st_size > 0
@@ -160,3 +160,15 @@ def test_concurrency_flag_checks(tmp_path: Path) -> None:
 
     assert main(["--concurrency", "0,2", "-o", str(tmp_path / "x")]) == 2
     assert main(["--concurrency", "2", "--write-profile", str(tmp_path / "p.json")]) == 2
+
+
+def test_paying_limit_when_low_levels_do_not_pay() -> None:
+    """P's own cache holds a few conversations: ON pays only once it no longer does."""
+
+    def row(level: int, net: float) -> dict:
+        return {"level": level, "point": 8000, "net_saving_ms": net}
+
+    rows = [row(1, -4.0), row(2, -8.0), row(8, 3.0), row(16, 1224.0)]
+    assert paying_limit(rows, 8000) == (8, None)  # type: ignore[arg-type]
+    assert paying_limit(rows + [row(32, -1.0)], 8000) == (8, 32)  # type: ignore[arg-type]
+    assert paying_limit([row(1, -1.0)], 8000) == (None, None)  # type: ignore[arg-type]
