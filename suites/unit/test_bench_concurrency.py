@@ -170,5 +170,5 @@ def test_paying_limit_when_low_levels_do_not_pay() -> None:
 
     rows = [row(1, -4.0), row(2, -8.0), row(8, 3.0), row(16, 1224.0)]
     assert paying_limit(rows, 8000) == (8, None)  # type: ignore[arg-type]
-    assert paying_limit(rows + [row(32, -1.0)], 8000) == (8, 32)  # type: ignore[arg-type]
+    assert paying_limit([*rows, row(32, -1.0)], 8000) == (8, 32)  # type: ignore[arg-type]
     assert paying_limit([row(1, -1.0)], 8000) == (None, None)  # type: ignore[arg-type]
