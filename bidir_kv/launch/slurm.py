@@ -100,6 +100,11 @@ def slurm_end(text: str) -> str | None:
     return found.group("how") if found is not None else None
 
 
+def _by_signal(code: int) -> bool:
+    """Whether srun's exit code says its task was ended by a signal (128 + N)."""
+    return code < 0 or code > 128
+
+
 def _read(path: Path | None, tail: int | None = None) -> str:
     """A file's text (its last ``tail`` bytes), or "" when it cannot be read."""
     try:
@@ -181,6 +186,8 @@ class SlurmStep:
     srun_log: Path | None = None
     stopped: str | None = field(default=None, init=False)
     cancelling: bool = field(default=False, init=False)
+    words_grace: float = 3.0  # seconds to wait for Slurm's words after srun's exit
+    _end: str | None = field(default=None, init=False, repr=False)
 
     @property
     def where(self) -> str:
@@ -203,8 +210,22 @@ class SlurmStep:
         code = self.proc.poll()
         if code is None:
             return None
+        if self._end is not None:
+            return self._end
         srun_err, out_tail = self._srun_says(), _read(self.log, 4096)
         how = slurm_end(srun_err + "\n" + out_tail)
+        # srun and slurmstepd write independently: srun may exit ("task 0: Killed")
+        # before slurmstepd's "*** STEP ... CANCELLED AT ..." reaches the step's log.
+        # A step ended by a signal gets a bounded wait for Slurm's words.
+        deadline = time.monotonic() + self.words_grace
+        while how is None and _by_signal(code) and time.monotonic() < deadline:
+            time.sleep(0.05)  # a bounded poll of two files another process writes
+            srun_err, out_tail = self._srun_says(), _read(self.log, 4096)
+            how = slurm_end(srun_err + "\n" + out_tail)
+        self._end = self._describe(code, how, srun_err, out_tail)
+        return self._end
+
+    def _describe(self, code: int, how: str | None, srun_err: str, out_tail: str) -> str:
         if how is not None:
             cause = (
                 "its time limit"

@@ -69,7 +69,7 @@ class Baseline:
                 continue
             res = LengthResult(
                 history_tokens=int(info["history_tokens"]),
-                prompt_tokens=int(info.get("prompt_tokens", 0)),
+                prompt_tokens=0,  # not compared (summarize reads the rounds only)
                 off_s=list(info["off_s"]),
                 on_s=list(info["on_s"]),
             )

@@ -63,6 +63,12 @@ def test_efa_counters_on_p_host_are_found_and_read_in_one_call(
     }
     named = remote_probe("efa:rdmap16s27", host, overhead=1.1)
     assert named.read() == {"rdmap16s27 port 1 rdma_read_bytes": 5} and named.overhead == 1.1
+    both = remote_probe("efa:rdmap16s27,rdmap0s31", host)
+    assert sorted(both.read()) == [
+        "rdmap0s31 port 1 rdma_read_bytes",
+        "rdmap0s31 port 2 rdma_read_bytes",
+        "rdmap16s27 port 1 rdma_read_bytes",
+    ]
 
 
 def test_an_interface_on_p_host(p_host: tuple[SshHost, Path]) -> None:
@@ -88,6 +94,11 @@ def test_no_efa_device_and_an_unreadable_counter_are_named(p_host: tuple[SshHost
     with pytest.raises(FabricFailure) as gone:
         probe.read()
     assert str(gone.value).startswith("reading counters on ubuntu@p-host failed: cat: ")
+    # a counter that reads more than one value: not what was asked for
+    _counter(ib, "rdmap0s31", 1, 100)
+    (ib / "rdmap0s31" / "ports" / "1" / "hw_counters" / "rdma_read_bytes").write_text("1 2\n")
+    with pytest.raises(FabricFailure, match=r"^reading counters on ubuntu@p-host failed: 1"):
+        probe.read()
     missing = remote_probe("if:bkv-none", host)
     with pytest.raises(FabricFailure, match="reading counters on ubuntu@p-host failed: cat: "):
         missing.read()

@@ -473,3 +473,129 @@ def test_an_xfail_test_whose_fault_did_not_take_effect_fails(pytester: pytest.Py
     assert "FAILED test_inner.py::test_pinned_but_the_fault_did_nothing" in text, text
     assert f"FaultNotApplied: {FAULT_NOT_APPLIED}: d0 reports faults" in text, text
     assert "XFAIL test_inner.py::test_pinned_and_failing_for_its_defect" in text, text
+
+
+# ---- every refusal in full (the words a red run shows) --------------------------------
+
+_DEAF = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('deaf', flush=True); time.sleep(60)"
+)
+
+
+def _deaf(tmp_path: Path, started: list[ManagedProcess]) -> ManagedProcess:
+    """A process that ignores SIGTERM, once it does (it says so in its log)."""
+    proc = _proc(tmp_path, "deaf", _DEAF)
+    started.append(proc)
+    log = tmp_path / "deaf.log"
+    wait_for(lambda: log.exists() and "deaf" in log.read_text(), 10, "SIGTERM ignored")
+    return proc
+
+
+def test_a_kill_that_leaves_the_process_running_fails_in_full(
+    tmp_path: Path, started: list[ManagedProcess]
+) -> None:
+    deaf = _deaf(tmp_path, started)
+    with pytest.raises(AssertionError) as err:
+        kill_process(deaf, signal.SIGTERM, timeout=0.3)
+    assert str(err.value) == (
+        f"{NOT_APPLIED}deaf (pid {deaf.pid}) still runs 0.3 s after signal SIGTERM"
+    )
+    assert deaf.pid is not None
+    with pytest.raises(AssertionError) as pid_err:
+        kill_pid(deaf.pid, "worker", signal.SIGTERM, timeout=0.3)
+    assert str(pid_err.value) == (
+        f"{NOT_APPLIED}worker (pid {deaf.pid}) still runs 0.3 s after signal SIGTERM"
+    )
+
+
+def test_a_stop_kills_what_ignores_sigterm_after_its_timeout(
+    tmp_path: Path, started: list[ManagedProcess]
+) -> None:
+    deaf = _deaf(tmp_path, started)
+    assert stop_process(deaf, 0.3, gone_within=5) == -signal.SIGKILL
+
+
+def test_refusals_name_the_state_and_the_last_ten_log_lines(
+    tmp_path: Path, started: list[ManagedProcess]
+) -> None:
+    gone = _proc(tmp_path, "chatty", "for i in range(12): print(f'line {i}')")
+    wait_for(lambda: gone.returncode is not None, 10, "the node to exit by itself")
+    with pytest.raises(AssertionError) as err:
+        kill_process(gone)
+    assert str(err.value) == (
+        f"{NOT_APPLIED}kill of chatty (pid {gone.pid}): it had already exited with code 0\n"
+        + gone.log_tail(10)
+    )
+    assert "line 2\n" in gone.log_tail(10) and "line 1\n" not in gone.log_tail(10)
+    assert gone.pid is not None
+    with pytest.raises(AssertionError) as pid_err:
+        kill_pid(gone.pid, "worker")
+    assert str(pid_err.value) == (
+        f"{NOT_APPLIED}kill of worker (pid {gone.pid}): it was not running (state gone)"
+    )
+    import subprocess
+
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exited, not yet reaped
+    try:
+        wait_for(lambda: process_state(zombie.pid) == "Z", 10, "a zombie")
+        with pytest.raises(AssertionError) as z_err:
+            kill_pid(zombie.pid, "worker")
+        assert str(z_err.value).endswith("it was not running (state Z)")
+    finally:
+        zombie.wait(10)
+    never = ManagedProcess("never", [sys.executable, "-c", "pass"], tmp_path / "never.log")
+    with pytest.raises(AssertionError) as n_err:
+        stop_process(never)
+    assert str(n_err.value) == f"{NOT_APPLIED}stop of never: it was never started"
+
+
+class _Broken(_Servers):
+    """Restarts that go wrong in other ways: the new process dies at once, or never
+    serves /health."""
+
+    def restart(self, node: Node) -> None:
+        self.procs[-1].stop()
+        if self.mode == "dies":
+            proc = ManagedProcess(
+                "server", [sys.executable, "-c", "pass"], self.run_dir / "dies.log"
+            ).start()
+            wait_for(lambda: proc.returncode is not None, 10, "the new process to exit")
+        else:  # "silent": runs, never answers
+            proc = ManagedProcess(
+                "server",
+                [sys.executable, "-c", "import time; time.sleep(60)"],
+                self.run_dir / "s.log",
+            ).start()
+        self.procs.append(proc)
+        node.info["pid"] = proc.pid
+
+
+def test_a_restart_whose_new_process_dies_or_never_serves_fails(tmp_path: Path) -> None:
+    for mode, says in (
+        ("dies", "the new process (pid {new}) is not running (state gone)"),
+        ("silent", "the new process (pid {new}) does not answer {url}/health within 0.5 s"),
+    ):
+        topo = _Broken(tmp_path, mode).start()
+        try:
+            node = topo.decode[0]
+            with pytest.raises(AssertionError) as err:
+                restart_node(topo, node, timeout=0.5)
+            new = node.info["pid"]
+            assert str(err.value) == (
+                f"{NOT_APPLIED}restart of decode-0: " + says.format(new=new, url=node.url)
+            )
+        finally:
+            topo.close()
+    topo = _Servers(tmp_path, "real").start()
+    try:
+        node = topo.decode[0]
+        del node.info["pid"]
+        with pytest.raises(AssertionError) as unknown:
+            restart_node(topo, node)
+        assert str(unknown.value) == (
+            f"{NOT_APPLIED}restart of decode-0: its process id is not known, so no restart "
+            "can be shown"
+        )
+    finally:
+        topo.close()

@@ -282,3 +282,60 @@ def test_a_bench_result_is_gated_on_its_decode_side(tmp_path: Path, capsys: Any)
     assert main(["--bench", str(slow), "--max-tpot-regression", "60"]) == 0
     assert main(["--bench", str(tmp_path / "missing")]) == 1
     assert "unreadable" in capsys.readouterr().out
+
+
+def test_pass_rows_counted_gates_and_repeated_no_skips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bidir_kv.tools.gate import check_junit
+
+    skip = ("test_skip", "<skipped/>")
+    unit = _junit(tmp_path / "a=b.xml", ("test_ok", ""), skip)  # a path holding "="
+    assert check_junit("unit", unit).ok  # skips are allowed unless the tier is named
+    bench = tmp_path / "bench.json"
+    bench.write_text(
+        json.dumps(
+            {
+                "deployment": {"kind": "vllm-cpu"},
+                "lengths": [{"history_tokens": 1000}, {"history_tokens": 2000}],
+                "gates": [
+                    {"length": 1000, "gate": "speedup", "ok": True, "detail": "fine"},
+                    {"length": 2000, "gate": "speedup", "ok": True, "detail": "fine"},
+                    {"length": 2000, "gate": "mechanism", "ok": False, "detail": "0 pulled"},
+                ],
+            }
+        )
+    )
+    hw = _junit(tmp_path / "hw.xml", ("test_ok", ""), skip)
+    args = ["--junit", f"unit={unit}", "--junit", f"hardware={hw}", "--benchmark", str(bench)]
+    assert main([*args, "--no-skips", "unit", "--no-skips", "hardware"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "| hardware gates | FAIL | 2/3 gates passed over lengths [1000, 2000] on vllm-cpu |" in out
+    )
+    assert "- unit: suites.unit.test_x::test_skip skipped in a tier that must run" in out
+    assert "- hardware: suites.unit.test_x::test_skip skipped in a tier that must run" in out
+    assert main(["--junit", f"unit={unit}"]) == 0
+    assert "| unit | PASS | 2 tests, 0 failed, 1 skipped |" in capsys.readouterr().out
+
+
+def test_the_gates_help_names_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: python -m bidir_kv.tools.gate [-h] [--junit TIER=PATH]")
+    assert "The release gate: the tiers' results in, one pass/fail and a summary out." in text
+    for words in (
+        "--junit TIER=PATH",
+        "--matrix MATRIX conformance matrix.json",
+        "--benchmark BENCHMARK hardware benchmark.json",
+        "--no-skips TIER a skipped test in TIER fails the gate (repeatable)",
+        "--summary SUMMARY also append the summary here",
+    ):
+        assert words in text, words
+    with pytest.raises(SystemExit) as nothing:
+        main([])
+    assert nothing.value.code == 2
+    err = capsys.readouterr().err
+    assert "nothing to gate: pass --junit, --matrix, --benchmark or --bench" in err

@@ -253,3 +253,71 @@ def test_calibrated_bounds_reproduce_rounds_on_the_runs_own_lines() -> None:
     assert again[2048][1] == pytest.approx(1.0)
     for r in (rows[0], rows[2]):
         assert again[r.history_tokens][1] == pytest.approx(r.speedup, rel=1e-9)
+
+
+def _on_lines(
+    fixed: float, recompute: float, overhead: float, per_token: float
+) -> list[LengthResult]:
+    """Rounds exactly on a recompute line and a pull line (µs), at three lengths."""
+    out = []
+    for n in (1024, 2048, 4096):
+        prompt = n + 182
+        off = (fixed + recompute * prompt) / 1e6
+        on = (fixed + overhead + per_token * n + recompute * (prompt - n)) / 1e6
+        out.append(LengthResult(n, prompt, [off] * 3, [on] * 3, [n] * 3, [n * 1e3] * 3))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fixed", "recompute", "overhead", "per_token"),
+    [
+        (0.0, 100.0, 0.5, 0.5),  # no fixed cost, a pull cheaper than 1 µs per read and token
+        (10_000.0, 0.0, 2000.0, 5.0),  # OFF flat: recompute costs nothing per token
+    ],
+)
+def test_calibrated_lines_keep_small_and_zero_terms(
+    fixed: float, recompute: float, overhead: float, per_token: float
+) -> None:
+    rows = _on_lines(fixed, recompute, overhead, per_token)
+    bounds = calibrated_bounds(rows, threshold=64, block_size=BLOCK, tolerance=0.1)
+    for r in rows:
+        assert bounds[r.history_tokens][1] == pytest.approx(r.speedup, rel=1e-6)
+
+
+def test_calibration_without_any_pull_and_a_failed_calibration() -> None:
+    rows = _on_lines(5000.0, 100.0, 2000.0, 5.0)
+    for r in rows:  # readback never engaged: ON is a recompute
+        r.pulled_tokens, r.on_s = [], list(r.off_s)
+    bounds = calibrated_bounds(rows, threshold=64, block_size=BLOCK, tolerance=0.1)
+    assert [p for _, p in bounds.values()] == pytest.approx([1.0, 1.0, 1.0])
+    with pytest.raises(GateFailure) as exc:
+        calibrated_bounds(
+            _on_lines(5000.0, 100.0, 2000.0, 5.0),
+            threshold=64,
+            block_size=BLOCK,
+            tolerance=0.1,
+            kv_bytes_per_token=-1.0,
+        )
+    assert str(exc.value) == "calibration failed: kv_bytes_per_token must be >= 0, got -1.0"
+
+
+def test_decode_gate_edges_and_its_whole_messages() -> None:
+    from bidir_kv.testing.hw_gates import gate_tpot
+
+    off = [0.004] * 100
+    at = gate_tpot("length 2000", off, [0.005] * 100, 25.0)  # exactly +25 %: passes
+    assert at == "TPOT p99 ON 5.00 ms vs OFF 4.00 ms (+25.0 %; 100 ON and 100 OFF turns)"
+    with pytest.raises(GateFailure) as exc:
+        gate_tpot("point 8", off, [0.006] * 100, 25.0)
+    assert str(exc.value) == (
+        "point 8: decode regression beyond 25 %: TPOT p99 ON 6.00 ms vs OFF 4.00 ms "
+        "(+50.0 %; 100 ON and 100 OFF turns)"
+    )
+    with pytest.raises(GateFailure) as zero:
+        gate_tpot("p", [0.0] * 3, [0.001] * 3, 1000.0)  # OFF took no time: any ON is worse
+    assert "(+inf %;" in str(zero.value)
+    with pytest.raises(GateFailure) as none:
+        gate_tpot("length 2000", [], [0.004], 20.0)
+    assert str(none.value) == (
+        "length 2000: no TPOT to compare (0 OFF and 1 ON turns decoded more than one token)"
+    )

@@ -287,3 +287,32 @@ def test_a_token_chain_that_does_not_cover_its_tokens_is_refused_by_name() -> No
     with pytest.raises(ValueError) as short:
         HeldTokens.of(list(range(10)), 4, chain=[b"\0" * 16])
     assert str(short.value) == "chain covers 1 blocks, 10 tokens need 2"
+
+
+def test_fence_slots_start_at_the_clock_and_refuse_an_empty_table() -> None:
+    import time
+
+    from bidir_kv.wire.fence import FenceConfig, FenceSlots
+
+    before = time.time_ns() // 1_000_000
+    slots = FenceSlots(2)
+    after = time.time_ns() // 1_000_000
+    assert slots.num_slots == 2
+    word = slots.export("a")
+    assert word is not None and word[0] == 0
+    # the first value is the clock's milliseconds shifted by 16 bits, plus one: a D
+    # restarted later never exports a value it exported before
+    assert before << 16 < word[1] <= (after << 16) + 1
+    for bad in (0, -1):
+        with pytest.raises(ValueError) as err:
+            FenceSlots(bad)
+        assert str(err.value) == f"a fence table needs slots, got {bad}"
+    cfg = FenceConfig.from_extra({"bidir_kv_fence": "yes"})
+    assert cfg.fence is False and cfg.problems
+    assert FenceConfig.from_extra(None).fence is True
+
+
+def test_a_word_table_address_of_one_is_an_address() -> None:
+    from bidir_kv.wire.fence import FENCE_KEY, word_base, word_to_wire
+
+    assert word_base({FENCE_KEY: word_to_wire(0, 1, base=1)}) == 1
