@@ -47,7 +47,7 @@ from bidir_kv.client.node import (
     read_reply,
     scrape,
 )
-from bidir_kv.client.result import Completion
+from bidir_kv.client.result import Completion, StreamCut
 from bidir_kv.client.tokens import (
     LegDelta,
     PDTurn,
@@ -70,6 +70,7 @@ __all__ = [
     "PDTurn",
     "Reply",
     "RequestTimeout",
+    "StreamCut",
     "TokenClient",
     "TransportError",
     "fetch",

@@ -18,15 +18,21 @@ import functools
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
 import httpx
 
-from bidir_kv.client.errors import BODY_EXCERPT, HTTPStatusError, MalformedResponse, translated
-from bidir_kv.client.result import Completion, StreamReader, read_body, read_error
+from bidir_kv.client.errors import (
+    BODY_EXCERPT,
+    HTTPStatusError,
+    MalformedResponse,
+    TransportError,
+    translated,
+)
+from bidir_kv.client.result import Completion, StreamCut, StreamReader, read_body, read_error
 from bidir_kv.client.sse import aiter_data, iter_data
 from bidir_kv.scrape import MetricsSnapshot, parse_metrics
 
@@ -117,6 +123,18 @@ def _metrics(text: str, names: Sequence[str] | None) -> MetricsSnapshot:
         keep = tuple(names)
         text = "\n".join(ln for ln in text.splitlines() if ln.startswith(keep)) + "\n"
     return MetricsSnapshot(parse_metrics(text))
+
+
+@contextlib.contextmanager
+def _cut_streams(out: Completion) -> Iterator[None]:
+    """A transport failure after a stream's 2xx headers is a :class:`StreamCut` that
+    keeps what the stream delivered (a test of a node dying mid-answer reads it)."""
+    try:
+        yield
+    except TransportError as exc:
+        if out.stream and 200 <= out.status < 300:
+            raise StreamCut(str(exc), url=exc.url, partial=out) from exc
+        raise
 
 
 class _NodeBase:
@@ -257,7 +275,7 @@ class NodeClient(_NodeBase):
         stream = bool(body.get("stream"))
         url = self._target(path)
         out = self._start(url, stream)
-        with translated(url):
+        with _cut_streams(out), translated(url):
             req = self._build(self._http, "POST", path, body, None, headers, timeout)
             resp = self._http.send(req, stream=True)
             try:
@@ -368,7 +386,7 @@ class AsyncNodeClient(_NodeBase):
         stream = bool(body.get("stream"))
         url = self._target(path)
         out = self._start(url, stream)
-        with translated(url):
+        with _cut_streams(out), translated(url):
             req = self._build(self._http, "POST", path, body, None, headers, timeout)
             resp = await self._http.send(req, stream=True)
             try:
@@ -391,10 +409,19 @@ class AsyncNodeClient(_NodeBase):
 # ---- one-off calls (a client per call; the TLS context is shared) ---------------------
 
 
-def fetch(url: str, *, method: str = "GET", json: Any = None, timeout: float = 10.0) -> Reply:
-    """One request to a full URL, any status returned."""
+def fetch(
+    url: str,
+    *,
+    method: str = "GET",
+    json: Any = None,
+    content: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 10.0,
+) -> Reply:
+    """One request to a full URL, any status returned (``content``: raw body bytes,
+    for a test that sends what a JSON encoder would not)."""
     with NodeClient(url, timeout=timeout) as client:
-        return client.request(method, "", json=json)
+        return client.request(method, "", json=json, content=content, headers=headers)
 
 
 def get_json(url: str, *, timeout: float = 10.0) -> Any:

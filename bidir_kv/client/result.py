@@ -21,7 +21,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bidir_kv.client.errors import BODY_EXCERPT, HTTPStatusError, MalformedResponse
+from bidir_kv.client.errors import (
+    BODY_EXCERPT,
+    HTTPStatusError,
+    MalformedResponse,
+    TransportError,
+)
 from bidir_kv.protocol import (
     KVTransferParams,
     ProtocolError,
@@ -29,7 +34,7 @@ from bidir_kv.protocol import (
     scan_terminal_chunk,
 )
 
-__all__ = ["Completion", "StreamReader", "read_body", "read_error"]
+__all__ = ["Completion", "StreamCut", "StreamReader", "read_body", "read_error"]
 
 
 @dataclass
@@ -109,6 +114,16 @@ class Completion:
         """Generated tokens: usage's count, else one per content chunk."""
         n = self.completion_tokens
         return n if n is not None else self.content_chunks
+
+
+class StreamCut(TransportError):
+    """A streamed answer that began (a 2xx status and headers) and was cut before its
+    end: a :class:`TransportError` that keeps what the stream delivered (``partial``:
+    its chunks, tokens, text so far; never a ``[DONE]``)."""
+
+    def __init__(self, message: str, *, url: str | None = None, partial: Completion) -> None:
+        super().__init__(message, url=url)
+        self.partial = partial
 
 
 def _usage_int(usage: Mapping[str, Any] | None, key: str) -> int | None:

@@ -7,13 +7,12 @@ A pytest plugin (loaded by :mod:`bidir_kv.testing.plugin`).
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from bidir_kv.client import fetch
 from bidir_kv.testing.faults import confirm_faults
 from bidir_kv.testing.router import RouterProcess
 
@@ -24,12 +23,10 @@ Faults = Callable[[Any, dict[str, Any]], None]
 
 def _faults(node: Any, changes: dict[str, Any] | None = None) -> dict[str, Any]:
     """An emulated engine's faults (``GET``), or set some of them (``POST``)."""
-    data = None if changes is None else json.dumps(changes).encode()
-    req = urllib.request.Request(
-        node.url + "/_emulator/faults", data=data, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return dict(json.loads(resp.read()))
+    url = node.url + "/_emulator/faults"
+    if changes is None:
+        return fetch(url, timeout=10).raise_for_status().json_object()
+    return fetch(url, method="POST", json=changes, timeout=10).raise_for_status().json_object()
 
 
 @pytest.fixture

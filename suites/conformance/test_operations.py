@@ -22,10 +22,7 @@ bidir_kv.testing.families).
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.client import Completion, TransportError
+from bidir_kv.client import COMPLETIONS_PATH, Completion, TransportError, fetch
 from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.backends import PDBackend, PromptFactory
@@ -232,8 +229,9 @@ def test_queued_request_has_a_bound_and_a_clear_error(ops: Ops, prompts: PromptF
         assert r.token_ids == reference(pair.prefill, t.prompt, GEN)
 
 
-def _ask(url: str, prompt: list[int], timeout: float) -> tuple[int, list[int], str]:
-    """One request through the router without a conversation id."""
+def _ask(url: str, prompt: list[int], timeout: float) -> tuple[int | None, list[int], str]:
+    """One request through the router without a conversation id: (status, token ids,
+    why not); status ``None``: no answer at all."""
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -242,17 +240,13 @@ def _ask(url: str, prompt: list[int], timeout: float) -> tuple[int, list[int], s
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    req = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            out: dict[str, Any] = json.loads(resp.read())
-        return resp.status, [int(x) for x in out["choices"][0]["token_ids"]], ""
-    except urllib.error.HTTPError as exc:
-        return exc.code, [], exc.read().decode(errors="replace")[:300]
-    except OSError as exc:
-        return 0, [], f"no answer within {timeout:g} s: {exc!r}"
+        reply = fetch(url + COMPLETIONS_PATH, method="POST", json=body, timeout=timeout)
+    except TransportError as exc:
+        return None, [], f"no answer within {timeout:g} s: {exc}"
+    if not reply.ok:
+        return reply.status, [], reply.text[:300]
+    return reply.status, [int(x) for x in reply.json()["choices"][0]["token_ids"]], ""
 
 
 @pytest.mark.timeout(900)

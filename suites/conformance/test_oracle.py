@@ -15,14 +15,12 @@ with the router's continuation guard it must equal recompute as well.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import urllib.request
 
 import pytest
 
-from bidir_kv.client import run_pd_turn
+from bidir_kv.client import COMPLETIONS_PATH, fetch, run_pd_turn
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.scenario import evidence
@@ -81,13 +79,14 @@ def _ask(url: str, conv: str, prompt: list[int], gen: int) -> list[int]:
         "return_token_ids": True,
         "conversation_id": conv,
     }
-    req = urllib.request.Request(
-        url + "/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json", "X-Session-ID": conv},
+    reply = fetch(
+        url + COMPLETIONS_PATH,
+        method="POST",
+        json=body,
+        headers={"X-Session-ID": conv},
+        timeout=120,
     )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        out = json.loads(resp.read())
+    out = reply.raise_for_status().json_object()
     choice = out["choices"][0]
     assert "kv_transfer_params" not in out or out["kv_transfer_params"] is None
     ids = choice.get("token_ids")

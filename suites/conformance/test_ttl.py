@@ -67,9 +67,11 @@ def test_ttl_expiry_d_releases_and_p_declines(pd: PDBackend, prompts: PromptFact
     p_before = pd.prefill.metrics()
     p_mark = pd.prefill.log_mark()
     prompt2 = [*t1.sequence, *prompts.tokens(50)]
-    resp = pd.prefill.complete(prompt2, 1, d_params.for_prefill_hit(), timeout=60)
+    try:
+        resp = pd.prefill.complete(prompt2, 1, d_params.for_prefill_hit(), timeout=60)
+    except TransportError as exc:  # no answer within the timeout, or the connection dropped
+        pytest.fail(f"P hung or dropped the connection: {exc}")
     p_delta = pd.prefill.metrics() - p_before
-    assert resp.status != 0, f"P hung or dropped the connection: {resp.error}"
     assert p_delta.value(NIXL_BYTES) == 0, "a declined read must move no bytes"
     assert wait_metric_increase(pd.prefill, p_before, NIXL_EXPIRED, 10) == 1
     p_log = pd.prefill.log_since(p_mark)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from bidir_kv.client import scrape
+from bidir_kv.client import COMPLETIONS_PATH, fetch, scrape
 from bidir_kv.topology.base import TopologySpec
 from bidir_kv.topology.container import HTTP_PORT, LABEL, ContainerTopology
 from bidir_kv.topology.container_image import ImageBuild
@@ -50,13 +48,8 @@ def test_one_engine_container_serves_and_is_cleaned_up(
     assert list(attrs["NetworkSettings"]["Networks"]) == [topo.network.name]
 
     body = {"model": "tiny", "prompt": "hello from a container " * 4, "max_tokens": 5}
-    req = urllib.request.Request(
-        node.url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        out = json.loads(resp.read())
+    out = fetch(node.url + COMPLETIONS_PATH, method="POST", json=body, timeout=30)
+    out = out.raise_for_status().json()
     assert out["usage"]["completion_tokens"] == 5
     assert scrape(node.url).value("vllm:prompt_tokens_total") > 0
 

@@ -10,15 +10,13 @@ fires here, so every drop seen is the router's release.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from bidir_kv.client import fetch, get_json
 from bidir_kv.testing.engines import kv_config
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import (
@@ -47,17 +45,12 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 def retained(node: Any) -> int:
-    with urllib.request.urlopen(node.url + "/_emulator/state", timeout=10) as resp:
-        return int(json.loads(resp.read())["retained"])
+    return int(get_json(node.url + "/_emulator/state")["retained"])
 
 
 def call(url: str, method: str, path: str) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url + path, method=method, data=b"" if method == "POST" else None)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    reply = fetch(url + path, method=method, content=b"" if method == "POST" else None)
+    return reply.status, reply.json_object()
 
 
 def start(topo: Any, router_process: Callable[..., RouterProcess], *flags: str) -> RouterProcess:

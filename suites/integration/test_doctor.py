@@ -8,13 +8,12 @@ import random
 import re
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from bidir_kv.client import COMPLETIONS_PATH, fetch
 from bidir_kv.doctor.checks import Context, Result
 from bidir_kv.doctor.cli import run
 from bidir_kv.testing.engines import EnginePair, random_prompt
@@ -144,14 +143,6 @@ def test_version_skew(engine_pair: Callable[..., EnginePair]) -> None:
     assert "0.32.0" in fails["NIXL compatibility"].detail
 
 
-def _post(url: str, body: dict[str, Any]) -> None:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        resp.read()
-
-
 def test_router_faults(engine_pair: Callable[..., EnginePair], run_dir: Path) -> None:
     """A 0.32 D (no params on streams) behind a router that streams from D, was told a
     wrong D TTL (900 s; D keeps 480 s) so its cache TTL is above D's, and whose clients
@@ -166,10 +157,12 @@ def test_router_faults(engine_pair: Callable[..., EnginePair], run_dir: Path) ->
         timeout=60,
     )
     try:
-        _post(
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "hello there", "max_tokens": 4},
-        )
+        fetch(
+            router.url + COMPLETIONS_PATH,
+            method="POST",
+            json={"model": "tiny", "prompt": "hello there", "max_tokens": 4},
+            timeout=60,
+        ).raise_for_status()
         fails = _fails(run(_ctx(pair, router=router.url)))
     finally:
         router.proc.stop()

@@ -3,16 +3,13 @@ when its health probe sees a node die (docs/router.md "Dead peers")."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bidir_kv.client import scrape
+from bidir_kv.client import fetch, scrape
 from bidir_kv.testing.faults import confirm_faults, restart_node, stop_process
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import (
@@ -33,14 +30,8 @@ def topo(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
 
 
 def post(url: str, path: str, body: Any) -> tuple[int, Any]:
-    req = urllib.request.Request(
-        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    reply = fetch(url + path, method="POST", json=body, timeout=10)
+    return reply.status, reply.json()
 
 
 def engine_id(node: Any) -> str:

@@ -8,18 +8,16 @@ allowlist itself (``TopologySpec.peer_allowlist``, on by default): its own peers
 
 from __future__ import annotations
 
-import json
 import random
 import socket
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bidir_kv.client import fetch
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.engines import EnginePair, random_prompt, sources
 
@@ -157,39 +155,33 @@ def test_without_an_allowlist_p_connects_where_params_say(
     assert _log(pair, "p").count("bidir_kv_peer_allowlist is unset") == 1
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[int, str]:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 def test_prefill_node_refuses_remote_prefill_params_with_400(
     engine_pair: Factory, outsider: Listener
 ) -> None:
     pair = engine_pair()
     params = _foreign_d_params(outsider.port, do_remote_decode=False, do_remote_prefill=True)
-    status, text = _post(
+    r = fetch(
         pair.p.url + "/v1/completions",
-        {
+        method="POST",
+        timeout=30,
+        json={
             "model": "tiny",
             "prompt": random_prompt(random.Random("dp"), 50),
             "max_tokens": 1,
             "kv_transfer_params": params.to_dict(),
         },
     )
-    assert status == 400 and "do_remote_prefill" in text, (status, text)
+    assert r.status == 400 and "do_remote_prefill" in r.text, (r.status, r.text)
     assert outsider.accepted == 0
 
 
 def test_claim_with_non_integer_block_ids_is_400(engine_pair: Factory) -> None:
     pair = engine_pair()
     for blocks in (["a"], [1.5], [True], [None]):
-        status, text = _post(
-            pair.d.url + "/_emulator/claim", {"request_id": "x", "blocks": blocks, "reader": "r"}
+        r = fetch(
+            pair.d.url + "/_emulator/claim",
+            method="POST",
+            json={"request_id": "x", "blocks": blocks, "reader": "r"},
+            timeout=30,
         )
-        assert status == 400 and "'blocks'" in text, (blocks, status, text)
+        assert r.status == 400 and "'blocks'" in r.text, (blocks, r.status, r.text)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import random
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from bidir_kv.client import fetch
 from bidir_kv.protocol import KVTransferParams, iter_sse_data
 from bidir_kv.testing.engines import EnginePair, random_prompt
 
@@ -24,20 +23,24 @@ Factory = Callable[..., EnginePair]
 
 
 def call(url: str, path: str, body: Any = None, *, raw: bytes | None = None) -> tuple[int, Any]:
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            text = r.read()
-            ctype = r.headers.get("Content-Type", "")
-            status = r.status
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
+    """(status, the answer decoded by its content type: SSE events, JSON or bytes)."""
+    post = body is not None or raw is not None
+    reply = fetch(
+        url + path,
+        method="POST" if post else "GET",
+        json=body if raw is None else None,
+        content=raw,
+        headers={"Content-Type": "application/json"} if raw is not None else None,
+        timeout=30,
+    )
+    if not reply.ok:
+        return reply.status, json.loads(reply.content or b"null")
+    ctype = reply.headers.get("content-type", "")
     if "event-stream" in ctype:
-        return status, [d for d in iter_sse_data(text.splitlines()) if d]
+        return reply.status, [d for d in iter_sse_data(reply.content.splitlines()) if d]
     if "json" in ctype:
-        return status, json.loads(text)
-    return status, text
+        return reply.status, reply.json()
+    return reply.status, reply.content
 
 
 def chunks(events: list[bytes]) -> list[dict[str, Any]]:

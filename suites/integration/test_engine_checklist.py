@@ -7,13 +7,13 @@ are observed on real engine processes through params, `/metrics` deltas and
 
 from __future__ import annotations
 
-import json
+import asyncio
 import random
-import urllib.request
 from collections.abc import Callable
 
 import pytest
 
+from bidir_kv.client import COMPLETIONS_PATH, AsyncNodeClient
 from bidir_kv.policy import cdiv
 from bidir_kv.testing.engines import EnginePair, random_prompt, sources
 from bidir_kv.testing.poll import wait_for
@@ -107,13 +107,15 @@ def test_aborted_request_frees_immediately_without_params(engine_pair: Factory) 
         "remote_host": None,
         "remote_port": None,
     }
-    req = urllib.request.Request(
-        pair.p.url + "/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        resp.readline()  # the first chunk arrived: the request is running
+
+    async def first_chunk_then_leave() -> None:
+        async with (
+            AsyncNodeClient(pair.p.url, timeout=30) as client,
+            client.open_stream(COMPLETIONS_PATH, body) as data,
+        ):
+            await anext(data)  # the first chunk arrived: the request is running
+
+    asyncio.run(first_chunk_then_leave())
     wait_for(lambda: idle(pair, "p"))
     st = pair.state("p")
     assert st["free_blocks"] == st["usable_blocks"]

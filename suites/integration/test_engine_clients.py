@@ -13,14 +13,13 @@ import socket
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bidir_kv.client import fetch
 from bidir_kv.engine.fields import REFUSED
 from bidir_kv.launch.process import free_port
 from bidir_kv.protocol import iter_sse_data
@@ -39,16 +38,15 @@ def post(
     ctype: str = "application/json",
 ) -> tuple[int, Any]:
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data, {"Content-Type": ctype})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            text, status = r.read(), r.status
-            stream = "event-stream" in r.headers.get("Content-Type", "")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
-    if stream:
-        return status, [json.loads(d) for d in iter_sse_data(text.splitlines()) if d != b"[DONE]"]
-    return status, json.loads(text)
+    reply = fetch(
+        url + path, method="POST", content=data, headers={"Content-Type": ctype}, timeout=60
+    )
+    if not reply.ok:
+        return reply.status, json.loads(reply.content or b"null")
+    if "event-stream" in reply.headers.get("content-type", ""):
+        events = iter_sse_data(reply.content.splitlines())
+        return reply.status, [json.loads(d) for d in events if d != b"[DONE]"]
+    return reply.status, reply.json()
 
 
 def complete(url: str, **body: Any) -> dict[str, Any]:

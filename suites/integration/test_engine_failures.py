@@ -6,17 +6,13 @@ turn-2 read covers D's whole history and the threshold never hides a read.
 
 from __future__ import annotations
 
-import contextlib
-import http.client
-import json
 import random
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from bidir_kv.client import TransportError
+from bidir_kv.client import StreamCut, TransportError, fetch
 from bidir_kv.testing.engines import EnginePair, random_prompt, sources
 from bidir_kv.testing.faults import confirm_counter_rose, stop_process
 from bidir_kv.testing.poll import wait_for
@@ -159,23 +155,9 @@ def test_exit_after_streamed_tokens_truncates_the_stream(engine_pair: Factory) -
     prompt = random_prompt(random.Random("exit"), 40)
     pr = pair.prefill(prompt, None)
     assert pr.params is not None
-    body = pair.d.body(prompt, 10, pr.params, stream=True)
-    req = urllib.request.Request(
-        pair.d.url + "/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    chunks = []
-    with (
-        contextlib.suppress(http.client.HTTPException, OSError),
-        urllib.request.urlopen(req, timeout=30) as resp,
-    ):
-        for line in resp:
-            if line.startswith(b"data: "):
-                chunks.append(line[6:].strip())
-    assert b"[DONE]" not in chunks
-    assert len(chunks) == 3
-    assert all(b'"finish_reason":null' in c for c in chunks)
+    with pytest.raises(StreamCut) as cut:  # never a [DONE]
+        pair.d.complete(prompt, 10, pr.params, stream=True, timeout=30)
+    assert cut.value.partial.chunks == 3 and cut.value.partial.finish_reason is None
     proc = pair.topo.process("decode-0")
     wait_for(lambda: proc.returncode is not None)
     assert proc.returncode == 3
@@ -242,8 +224,7 @@ def test_stall_freezes_scheduling_but_not_health(engine_pair: Factory) -> None:
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(pair.p.complete, prompt, 4)
         wait_for(lambda: pair.state("p")["running"] == 1)
-        with urllib.request.urlopen(pair.p.url + "/health", timeout=10) as r:
-            assert r.status == 200
+        assert fetch(pair.p.url + "/health", timeout=10).status == 200
         assert not pending.done()
         pair.set_faults("p", stall=False)
         assert pending.result(timeout=30).ok

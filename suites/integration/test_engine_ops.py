@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import random
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from bidir_kv.client import Completion
+from bidir_kv.client import Completion, fetch
 from bidir_kv.testing.engines import EnginePair, random_prompt
 from bidir_kv.testing.faults import restart_node
 from bidir_kv.testing.pd_client import EngineClient
@@ -47,14 +45,6 @@ def _next_turn(pair: EnginePair, seed: str, timeout: float) -> Completion:
     prompt = random_prompt(random.Random(seed), PROMPT)
     pr = pair.prefill(prompt, None).raise_for_status()
     return pair.d.complete(prompt, GEN, pr.params, timeout=timeout)
-
-
-def _health(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 # ---- memory pressure --------------------------------------------------------------
@@ -121,21 +111,25 @@ def test_health_sees_a_stalled_step_loop(engine_pair: Factory) -> None:
     and 200 again once the loop runs; an idle stalled engine stays healthy."""
     pair = engine_pair(decode={"extra_args": ("--health-stall-seconds", "1")})
     pair.set_faults("d", stall=True)
-    assert _health(pair.d.url)[0] == 200  # nothing pending: nothing to see
+    assert fetch(pair.d.url + "/health").status == 200  # nothing pending: nothing to see
     done: list[Completion] = []
     prompt = random_prompt(random.Random("stall"), 50)
     worker = threading.Thread(target=lambda: done.append(pair.d.complete(prompt, 4, timeout=60)))
     worker.start()
     try:
-        _, text = wait_for(
-            lambda: (s := _health(pair.d.url))[0] == 503 and s, timeout=20, what="health 503"
+        reply = wait_for(
+            lambda: (r := fetch(pair.d.url + "/health")).status == 503 and r,
+            timeout=20,
+            what="health 503",
         )
-        assert "scheduler stalled" in text and "running" in text
+        assert "scheduler stalled" in reply.text and "running" in reply.text
     finally:
         pair.set_faults("d", stall=False)
         worker.join(60)
     assert done and done[0].ok
-    wait_for(lambda: _health(pair.d.url)[0] == 200, timeout=10, what="health back to 200")
+    wait_for(
+        lambda: fetch(pair.d.url + "/health").status == 200, timeout=10, what="health back to 200"
+    )
 
 
 # ---- peers restarted with the same engine id ----------------------------------------

@@ -8,14 +8,13 @@ whole history; conversations run four at a time through one long-lived pair.
 
 from __future__ import annotations
 
-import json
 import random
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
+from bidir_kv.client import CHAT_PATH, fetch
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.engines import EnginePair, _start_pair, random_prompt, transport_names
 from bidir_kv.testing.pd_client import EngineClient
@@ -95,14 +94,11 @@ def _chat(
     }
     if params is not None:
         body["kv_transfer_params"] = params
-    req = urllib.request.Request(
-        url + "/v1/chat/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
+    return (
+        fetch(url + CHAT_PATH, method="POST", json=body, timeout=60)
+        .raise_for_status()
+        .json_object()
     )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        out: dict[str, Any] = json.loads(r.read())
-    return out
 
 
 def test_oracle_chat_text_round_trips(

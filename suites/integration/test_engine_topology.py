@@ -3,16 +3,14 @@ and engines started with the realistic cost profiles."""
 
 from __future__ import annotations
 
-import json
 import random
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bidir_kv.client import scrape
+from bidir_kv.client import CHAT_PATH, fetch, scrape
 from bidir_kv.engine.model import WORDS
 from bidir_kv.engine.profiles import available_profiles
 from bidir_kv.testing.engines import EnginePair, kv_config, random_prompt
@@ -25,14 +23,11 @@ EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transf
 
 
 def chat(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url + "/v1/chat/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
+    return (
+        fetch(url + CHAT_PATH, method="POST", json=body, timeout=60)
+        .raise_for_status()
+        .json_object()
     )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        out: dict[str, Any] = json.loads(r.read())
-    return out
 
 
 def test_local_topology_with_router_reuses_kv_across_turns(tmp_path: Path) -> None:

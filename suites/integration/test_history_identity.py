@@ -8,17 +8,15 @@ P reports it took from D.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bidir_kv.client import scrape
+from bidir_kv.client import CHAT_PATH, fetch, scrape
 from bidir_kv.testing.router import (
     RouterProcess,
     chat,
@@ -227,17 +225,6 @@ def test_a_retried_request_never_takes_the_entry_twice(
     assert pulled(topo) - before >= 2 * 64
 
 
-def _post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_bad_messages_are_refused_before_any_engine(topo: Any, router: Callable[..., str]) -> None:
     url = router("--max-body-bytes", "100000")
     p0, d0 = scrape(topo.prefill[0].url), scrape(topo.decode[0].url)
@@ -251,24 +238,17 @@ def test_bad_messages_are_refused_before_any_engine(topo: Any, router: Callable[
         ([user, {"role": "user", "content": 7}], "messages[1].content"),
     ]
     for messages, field in malformed:
-        status, err = _post(url, json.dumps({"model": "tiny", "messages": messages}).encode())
-        assert status == 400 and field in err["error"]["message"], err
+        reply = fetch(url + CHAT_PATH, method="POST", json={"model": "tiny", "messages": messages})
+        assert reply.status == 400 and field in reply.json()["error"]["message"], reply.text
     deep: Any = "x"
     for _ in range(100):
         deep = [deep]
-    status, err = _post(
-        url,
-        json.dumps(
-            {
-                "model": "tiny",
-                "messages": [{"role": "user", "content": [{"type": "text", "text": deep}]}],
-            }
-        ).encode(),
-    )
-    assert status == 400 and "nests deeper" in err["error"]["message"]
+    deep_turn = [{"role": "user", "content": [{"type": "text", "text": deep}]}]
+    reply = fetch(url + CHAT_PATH, method="POST", json={"model": "tiny", "messages": deep_turn})
+    assert reply.status == 400 and "nests deeper" in reply.json()["error"]["message"]
     huge = [{"role": "user", "content": "x" * 200_000}]
-    status, _ = _post(url, json.dumps({"model": "tiny", "messages": huge}).encode())
-    assert status == 413
+    reply = fetch(url + CHAT_PATH, method="POST", json={"model": "tiny", "messages": huge})
+    assert reply.status == 413
     for node, snap in ((topo.prefill[0], p0), (topo.decode[0], d0)):
         delta = scrape(node.url) - snap
         assert delta.value("vllm:prompt_tokens_total") == 0, f"{node.url} saw a request"

@@ -17,14 +17,13 @@ import json
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from bidir_kv.client import fetch
 from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.testing.engines import EnginePair
 from bidir_kv.testing.poll import wait_for
@@ -83,11 +82,9 @@ def test_connection_past_the_bound_gets_a_503(lone_router: Callable[..., RouterP
     held = [_connect(router.port) for _ in range(4)]
     try:
         wait_for(lambda: _refused(router.url), timeout=15, what="a 503 past the bound")
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(router.url + "/metrics", timeout=10)
-        assert err.value.code == 503
-        body = json.loads(err.value.read())
-        assert "--max-connections" in body["error"]["message"]
+        reply = fetch(router.url + "/metrics", timeout=10)
+        assert reply.status == 503
+        assert "--max-connections" in reply.json()["error"]["message"]
     finally:
         for sock in held:
             sock.close()
@@ -96,11 +93,7 @@ def test_connection_past_the_bound_gets_a_503(lone_router: Callable[..., RouterP
 
 
 def _refused(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url + "/metrics", timeout=10).read()
-    except urllib.error.HTTPError as exc:
-        return exc.code == 503
-    return False
+    return fetch(url + "/metrics", timeout=10).status == 503
 
 
 @pytest.fixture
@@ -153,10 +146,9 @@ def test_a_bound_the_descriptor_limit_cannot_hold_is_lowered_and_said(
     assert "--max-connections 1000 is more than the descriptor limit can hold" in log, log
     flood = [_connect(port) for _ in range(100)]  # the kernel queues what waits
     try:
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30)
-        assert err.value.code == 503
-        message = json.loads(err.value.read())["error"]["message"]
+        reply = fetch(f"http://127.0.0.1:{port}/metrics", timeout=30)
+        assert reply.status == 503
+        message = reply.json()["error"]["message"]
         assert "--max-connections 1000 lowered to" in message and "ulimit -n 64" in message
     finally:
         for sock in flood:

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import socket
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from bidir_kv.client import scrape
+from bidir_kv.client import CHAT_PATH, MalformedResponse, fetch, scrape
 from bidir_kv.testing.router import RouterProcess, chat, emulated_router_topology
 
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
@@ -39,18 +37,23 @@ def post_raw(
     url: str,
     data: bytes,
     content_type: str = "application/json",
-    path: str = "/v1/chat/completions",
+    path: str = CHAT_PATH,
 ) -> tuple[int, Any]:
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": content_type})
+    """POST raw bytes (what a JSON encoder would never send): (status, the JSON error
+    object of a refusal, else the raw body)."""
+    reply = fetch(
+        url + path,
+        method="POST",
+        content=data,
+        headers={"Content-Type": content_type},
+        timeout=30,
+    )
+    if reply.ok:
+        return reply.status, reply.content
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        try:
-            return exc.code, json.loads(raw)
-        except ValueError:
-            return exc.code, raw
+        return reply.status, reply.json()
+    except MalformedResponse:
+        return reply.status, reply.content
 
 
 def message(status: int, body: Any) -> str:
@@ -218,12 +221,9 @@ def test_no_id_warning_names_the_client_side_fix(own_router: RouterProcess) -> N
 
 def _cached_tokens(url: str, messages: list[dict[str, Any]], token: str | None) -> int:
     body = {"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0}
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), headers)
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        out = json.loads(resp.read())
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    reply = fetch(url + CHAT_PATH, method="POST", json=body, headers=headers, timeout=60)
+    out = reply.raise_for_status().json()
     return int((out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.client import scrape
+from bidir_kv.client import COMPLETIONS_PATH, fetch, get_json, scrape
 from bidir_kv.launch.process import free_port
 from bidir_kv.scrape import MetricsSnapshot
 from bidir_kv.testing.poll import wait_for
@@ -239,15 +239,7 @@ def test_declined_read_falls_back_to_a_miss(topo: Any, extra_router: Callable[..
 
 
 def _set_faults(url: str, faults: dict[str, Any]) -> None:
-    import urllib.request
-
-    req = urllib.request.Request(
-        url + "/_emulator/faults",
-        data=json.dumps(faults).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert resp.status == 200
+    fetch(url + "/_emulator/faults", method="POST", json=faults).raise_for_status()
 
 
 def test_prefill_down_gives_503_naming_it(topo: Any, extra_router: Callable[..., str]) -> None:
@@ -275,14 +267,6 @@ def test_stale_entry_is_discarded(topo: Any, extra_router: Callable[..., str]) -
     assert res.status == 200 and pulled == 0
     assert router_counter(url, "cache_stale") == 1
     assert router_counter(url, "cache_hits") == 0
-
-
-def _get(url: str) -> bytes:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        body: bytes = resp.read()
-        return body
 
 
 def test_openai_client_through_the_router(topo: Any) -> None:
@@ -316,8 +300,6 @@ def test_openai_client_through_the_router(topo: Any) -> None:
 
 
 def _complete(url: str, prompt: list[int], conv: str | None, stream: bool) -> dict[str, Any]:
-    import urllib.request
-
     body: dict[str, Any] = {
         "model": "tiny",
         "prompt": prompt,
@@ -328,13 +310,8 @@ def _complete(url: str, prompt: list[int], conv: str | None, stream: bool) -> di
     }
     if conv:
         body["conversation_id"] = conv
-    req = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        raw = resp.read()
+    raw = fetch(url + COMPLETIONS_PATH, method="POST", json=body, timeout=60)
+    raw = raw.raise_for_status().content
     if not stream:
         out: dict[str, Any] = json.loads(raw)
         return {"ids": out["choices"][0]["token_ids"], "raw": raw}
@@ -374,7 +351,7 @@ def test_rejected_hit_releases_ds_pinned_blocks_early(
         [(n.host, n.port) for n in topo.prefill], [(n.host, n.port) for n in topo.decode]
     ).url
     d_state = topo.decode[0].url + "/_emulator/state"
-    retained0 = json.loads(_get(d_state))["retained"]
+    retained0 = get_json(d_state)["retained"]
     conv = conversation_id("release")
     msgs = long_opening(conv)
     first = chat(url, msgs, conv)
@@ -388,7 +365,7 @@ def test_rejected_hit_releases_ds_pinned_blocks_early(
     assert router_counter(url, "guard_rejections", reason="mismatch") == 1
     # turn 1's pinned blocks are gone, turn 2's are pinned: one more than before
     wait_for(
-        lambda: json.loads(_get(d_state))["retained"] == retained0 + 1,
+        lambda: get_json(d_state)["retained"] == retained0 + 1,
         10,
         "D to free turn 1's pinned blocks (one more retained than before)",
     )

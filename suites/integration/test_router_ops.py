@@ -7,8 +7,6 @@ resets any fault it sets on an engine, even when it fails.
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,19 +36,6 @@ def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         prefix_caching_on_p=False,
     ) as t:
         yield t
-
-
-def _post_json(url: str, body: Any) -> Any:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
 
 
 def oracle(topo: Any, messages: list[dict[str, Any]], max_tokens: int = 12) -> str:

@@ -8,13 +8,12 @@ D's ``decoder_kv_blocks_ttl`` (480 s).
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from bidir_kv.client import get_json
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.router import (
     RouterProcess,
@@ -40,8 +39,7 @@ def topo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def retained(node: Any) -> int:
     """Finished turns whose blocks D holds for a next turn's P."""
-    with urllib.request.urlopen(node.url + "/_emulator/state", timeout=10) as resp:
-        return int(json.loads(resp.read())["retained"])
+    return int(get_json(node.url + "/_emulator/state")["retained"])
 
 
 @pytest.mark.parametrize("stream", [True, False])

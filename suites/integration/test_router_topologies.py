@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bidir_kv.client import scrape
+from bidir_kv.client import fetch, scrape
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.faults import confirm_faults, stop_process
 from bidir_kv.testing.gating import skip_or_fail
@@ -126,18 +126,15 @@ def test_2p2d_next_turn_goes_to_the_d_holding_the_conversation(
 def test_decode_dying_mid_stream_gives_an_sse_error_and_drops_the_entry(
     request: pytest.FixtureRequest, run_dir: Path
 ) -> None:
-    import json
-    import urllib.request
-
     with _local(request)(_spec(1, 2), run_dir) as topo:
         for d in topo.decode:
-            req = urllib.request.Request(
+            now = fetch(
                 d.url + "/_emulator/faults",
-                data=json.dumps({"exit_after_tokens": 3}).encode(),
-                headers={"Content-Type": "application/json"},
+                method="POST",
+                json={"exit_after_tokens": 3},
+                timeout=10,
             )
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                confirm_faults(d.name, {"exit_after_tokens": 3}, json.loads(resp.read()))
+            confirm_faults(d.name, {"exit_after_tokens": 3}, now.raise_for_status().json())
         msgs = _story("dies")
         res = chat(topo.router_url, msgs, "dies")
         assert res.status == 200  # headers were sent before D died
@@ -153,12 +150,12 @@ def test_decode_dying_mid_stream_gives_an_sse_error_and_drops_the_entry(
         )
         assert len(dead) == 1, f"{len(dead)} decode nodes exited (one had the fault)"
         alive = next(d for d in topo.decode if d not in dead)
-        req = urllib.request.Request(
+        fetch(
             alive.url + "/_emulator/faults",
-            data=json.dumps({"exit_after_tokens": 0}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        urllib.request.urlopen(req, timeout=10).close()
+            method="POST",
+            json={"exit_after_tokens": 0},
+            timeout=10,
+        ).raise_for_status()
         assert router_counter(topo.router_url, "errors", cause="decode_mid_stream") == 1
         assert router_counter(topo.router_url, "cache_stores") == 0
         before = [scrape(p.url) for p in topo.prefill]

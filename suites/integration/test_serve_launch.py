@@ -12,11 +12,11 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from bidir_kv.client import fetch
 from bidir_kv.launch.pidfile import read_record
 from bidir_kv.launch.process import free_port, process_running
 
@@ -71,8 +71,7 @@ def test_serve_starts_waits_and_stop_cleans_up(tmp_path: Path) -> None:
     try:
         assert started.returncode == 0, started.stderr
         assert record is not None and f"http://127.0.0.1:{port}" in started.stdout
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
-            assert resp.status == 200
+        assert fetch(f"http://127.0.0.1:{port}/health", timeout=10).status == 200
         kv = json.loads(record.argv[record.argv.index("--kv-transfer-config") + 1])
         assert kv["kv_role"] == "kv_consumer"
         assert kv["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == 42.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -22,6 +22,7 @@ from bidir_kv.client import (
     MalformedResponse,
     NodeClient,
     RequestTimeout,
+    StreamCut,
     TokenClient,
     TransportError,
     read_reply,
@@ -224,6 +225,42 @@ def test_httpx_failures_become_ours(exc: Exception, kind: type[ClientError]) -> 
     assert info.value.url == URL + "/v1/completions" and info.value.__cause__ is exc
     with pytest.raises(kind):
         mock(fail).metrics()
+
+
+class _CutAfter(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A stream body that breaks after ``n`` of its SSE events (a node that died)."""
+
+    def __init__(self, raw: bytes, n: int) -> None:
+        self.events = raw.split(b"\n\n")[:n]
+
+    def __iter__(self) -> Iterator[bytes]:
+        for e in self.events:
+            yield e + b"\n\n"
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete body")
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for e in self.events:
+            yield e + b"\n\n"
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete body")
+
+
+async def test_a_stream_cut_after_its_headers_keeps_what_it_delivered() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=_CutAfter(COMPLETION_STREAM, 2))
+
+    with pytest.raises(StreamCut) as cut:
+        mock(handler).complete({"stream": True})
+    assert isinstance(cut.value, TransportError) and cut.value.url == URL + "/v1/completions"
+    part = cut.value.partial
+    assert part.chunks == 2 and part.token_ids == [7, 8] and part.finish_reason is None
+    async with AsyncNodeClient(URL, transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(StreamCut) as acut:
+            await client.complete({"stream": True})
+    assert acut.value.partial.chunks == 2
+    # no headers yet: a plain transport error, nothing delivered
+    with pytest.raises(TransportError) as early:
+        mock(lambda r: (_ for _ in ()).throw(httpx.ReadError("reset"))).complete({"stream": True})
+    assert not isinstance(early.value, StreamCut)
 
 
 def test_a_refused_connection_is_a_transport_error() -> None:
