@@ -25,12 +25,16 @@ from bidir_kv.report.plots import write_concurrency_plot, write_plots
 __all__ = ["decode_table", "main", "ratio_table", "render_concurrency_dir", "render_dir"]
 
 
-def render_dir(path: Path, out: Path | None = None, min_turn: int = 2) -> tuple[Path, str]:
-    """Render one result directory; returns (report path, ratio table text)."""
+def render_dir(
+    path: Path, out: Path | None = None, min_turn: int = 2, plots: bool = True
+) -> tuple[Path, str]:
+    """Render one result directory; returns (report path, ratio table text). Without
+    ``plots`` the report has its tables only (no PNG is written, none is linked)."""
     summary = summarize_result(load_result(path), min_turn=min_turn)
     out_dir = out or path
-    plots = write_plots(summary, out_dir)
-    md = render_markdown(summary, predict(summary), [str(p) for p in plots])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = write_plots(summary, out_dir) if plots else []
+    md = render_markdown(summary, predict(summary), [str(p) for p in written])
     report_path = out_dir / "report.md"
     report_path.write_text(md)
     table = f"{ratio_table(summary)}\n\n{decode_table(summary)}"
@@ -87,18 +91,19 @@ def decode_table(summary: Summary) -> str:
     return "\n".join(lines)
 
 
-def render_concurrency_dir(path: Path, min_turn: int = 2) -> tuple[Path, str]:
+def render_concurrency_dir(path: Path, min_turn: int = 2, plots: bool = True) -> tuple[Path, str]:
     """A ``bench --concurrency`` directory: each level's report, then ``concurrency.md``
-    and ``concurrency.png`` over the levels; returns (report path, console text)."""
+    and ``concurrency.png`` over the levels (without ``plots``: no PNG anywhere);
+    returns (report path, console text)."""
     levels = load_levels(path, min_turn)
     for level, _ in levels:
-        render_dir(level_dir(path, level), min_turn=min_turn)
+        render_dir(level_dir(path, level), min_turn=min_turn, plots=plots)
     manifest = levels[0][1].result.manifest
     output_tokens = int((manifest.get("workload") or {}).get("output_tokens") or 1)
     p_cache = bool(((manifest.get("engines") or {}).get("prefix_caching") or {}).get("prefill"))
     rows = concurrency_rows(levels, output_tokens)
-    plot = write_concurrency_plot(rows, path, p_cache)
-    md = render_concurrency(path.name, rows, output_tokens, p_cache, [str(plot)])
+    written = [str(write_concurrency_plot(rows, path, p_cache))] if plots else []
+    md = render_concurrency(path.name, rows, output_tokens, p_cache, written)
     report = path / "concurrency.md"
     report.write_text(md)
     lines = [
@@ -122,7 +127,8 @@ def render_concurrency_dir(path: Path, min_turn: int = 2) -> tuple[Path, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="bidir-kv report",
-        description="Render bench result directories: report.md, ttft.png, prefill.png.",
+        description="Render bench result directories: report.md, ttft.png, prefill.png, "
+        "decode.png (a --concurrency sweep: concurrency.md and concurrency.png too).",
     )
     ap.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="bench result directory")
     ap.add_argument(
@@ -134,6 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=2,
         help="TTFT statistics use turns >= this (default 2: turn 1 misses in both legs)",
     )
+    ap.add_argument(
+        "--no-plots",
+        dest="plots",
+        action="store_false",
+        help="write report.md and print the tables only, no PNG plots",
+    )
     args = ap.parse_args(argv)
     if args.out is not None and len(args.dirs) > 1:
         ap.error("--out needs exactly one DIR")
@@ -141,20 +153,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     for d in args.dirs:
         try:
             if (d / CONCURRENCY_FILE).is_file():
-                report_path, table = render_concurrency_dir(d, args.min_turn)
+                report_path, table = render_concurrency_dir(d, args.min_turn, args.plots)
                 print(f"== {d} (concurrency sweep)")
                 print(table)
-                print(f"report: {report_path}  plot: {d / 'concurrency.png'}")
+                plot = f"  plot: {d / 'concurrency.png'}" if args.plots else ""
+                print(f"report: {report_path}{plot}")
                 continue
-            report_path, table = render_dir(d, args.out, args.min_turn)
+            report_path, table = render_dir(d, args.out, args.min_turn, args.plots)
         except (ResultError, ValueError, OSError) as exc:
             print(f"bidir-kv report: {d}: {exc}", file=sys.stderr)
             rc = 1
             continue
         print(f"== {d}")
         print(table)
-        print(
-            f"report: {report_path}  plots: {report_path.parent / 'ttft.png'}, "
-            f"{report_path.parent / 'prefill.png'}, {report_path.parent / 'decode.png'}"
-        )
+        names = ("ttft.png", "prefill.png", "decode.png") if args.plots else ()
+        plots = ", ".join(str(report_path.parent / n) for n in names)
+        print(f"report: {report_path}" + (f"  plots: {plots}" if plots else ""))
     return rc

@@ -53,7 +53,9 @@ __all__ = [
 
 
 async def _serve(app: web.Application, host: str = "127.0.0.1") -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+    # what still runs when a test ends is a delay the test set up (a slow P, a hung D):
+    # cancelled at once, not waited for (aiohttp waits shutdown_timeout for handlers)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.05)
     await runner.setup()
     port = free_port(host)
     await web.TCPSite(runner, host, port).start()

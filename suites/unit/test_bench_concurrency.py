@@ -14,12 +14,15 @@ from bidir_kv.bench.concurrency import LevelLimits, level_dir, level_limits, run
 from bidir_kv.bench.runner import point_name
 from bidir_kv.bench.stats import RequestRecord, write_records
 from bidir_kv.bench.summary import (
+    ConcurrencyRow,
     concurrency_rows,
     load_levels,
     paying_limit,
     working_set_limit,
 )
+from bidir_kv.report import cli as report_cli
 from bidir_kv.report.cli import render_concurrency_dir
+from bidir_kv.report.plots import write_concurrency_plot
 
 
 def test_limits_from_d_pool_sequences_and_client() -> None:
@@ -145,14 +148,51 @@ def test_where_the_gain_stops_paying_and_the_working_set_spills(tmp_path: Path) 
     assert by_level[16]["readback_on"] == pytest.approx(0.8)
     # OFF's P-cache share falls below half of level 1's at 16; ON beats OFF by > 5 % from 1
     assert working_set_limit(rows, 1000) == (16, 1)
-    report, text = render_concurrency_dir(out)
+    report, text = render_concurrency_dir(out, plots=False)  # plots: the next two tests
     md = report.read_text()
     assert "ON pays from 1 concurrent conversations and stops paying at 16" in md
     assert "P's cache stops holding the working set at 16" in md
     assert "| 16 | 1000 | 10 % / 90 % | 0 % / 80 % / 20 % |" in md
-    assert (out / "concurrency.png").stat().st_size > 0
     assert (level_dir(out, 4) / "report.md").is_file()  # every level rendered too
     assert "-48" in text  # level 16's net saving on the console
+    assert ".png" not in md and not list(out.rglob("*.png"))
+
+
+def test_the_sweep_plots_every_level_and_the_levels_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Which plots a sweep's report writes (the plots themselves: the next test and
+    test_bench_report.py, each drawn once)."""
+    out = _sweep(tmp_path)
+    drawn: list[tuple[str, Path, bool | None]] = []
+
+    def level_plots(summary: object, out_dir: Path) -> list[Path]:
+        drawn.append(("level", out_dir, None))
+        (out_dir / "ttft.png").write_bytes(b"png")
+        return [out_dir / "ttft.png"]
+
+    def sweep_plot(rows: list[ConcurrencyRow], out_dir: Path, p_cache: bool) -> Path:
+        assert [r["level"] for r in rows] == list(LEVELS)
+        drawn.append(("sweep", out_dir, p_cache))
+        (out_dir / "concurrency.png").write_bytes(b"png")
+        return out_dir / "concurrency.png"
+
+    monkeypatch.setattr(report_cli, "write_plots", level_plots)
+    monkeypatch.setattr(report_cli, "write_concurrency_plot", sweep_plot)
+    report, _ = render_concurrency_dir(out)
+    assert drawn == [("level", level_dir(out, lv), None) for lv in LEVELS] + [
+        ("sweep", out, True)  # the manifest has P's prefix cache on
+    ]
+    assert "![concurrency](concurrency.png)" in report.read_text()
+    assert "![ttft](ttft.png)" in (level_dir(out, 16) / "report.md").read_text()
+
+
+def test_the_concurrency_plot_has_a_panel_for_ps_cache(tmp_path: Path) -> None:
+    rows = concurrency_rows(load_levels(_sweep(tmp_path)), output_tokens=100)
+    png = write_concurrency_plot(rows, tmp_path, p_cache=True).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # four panels of 4.2 inches at 110 dpi (three without P's cache)
+    assert int.from_bytes(png[16:20], "big") == round(4 * 4.2 * 110)
 
 
 def test_concurrency_flag_checks(tmp_path: Path) -> None:

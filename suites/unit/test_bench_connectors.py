@@ -275,7 +275,7 @@ def test_side_by_side_figures_and_ratios(tmp_path: Path) -> None:
 
 def test_report_prints_the_table_and_writes_the_section(tmp_path: Path, capsys) -> None:
     res = make_session(tmp_path)
-    assert report_main([str(res)]) == 0
+    assert report_main([str(res), "--no-plots"]) == 0  # plots: test_bench_report.py
     out = capsys.readouterr().out
     assert "ratio = leg / on (stock)" in out
     assert "on+bidir-kv/on" in out and "1.157×" in out  # P prefill median 29.5 / 25.5
@@ -293,5 +293,5 @@ def test_one_connector_has_no_comparison(tmp_path: Path) -> None:
     (res / "on+bidir-kv").rmdir()
     summary = summarize_result(load_result(res))
     assert connector_points(summary) == [] and connector_table(summary) == ""
-    assert report_main([str(res)]) == 0
+    assert report_main([str(res), "--no-plots"]) == 0
     assert "Connectors side by side" not in (res / "report.md").read_text()

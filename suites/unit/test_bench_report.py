@@ -129,12 +129,24 @@ def test_report_cli_writes_markdown_and_plots(tmp_path: Path, capsys) -> None:
     assert "OFF/ON" in out and "9.78×" in out  # 4000: medians 401 / 41
     md = (res / "report.md").read_text()
     assert "| 4000 |" in md and "![ttft](ttft.png)" in md and "![prefill](prefill.png)" in md
+    assert "![decode](decode.png)" in md
     # no profile costs ("tiny" is all zeros): the prediction comes from a calibration
     assert "## Planner prediction (calibration)" in md
     assert "Calibration against its own run" in md and "| 4000 |" in md.split("own run")[1]
     assert "pulling pays from 10 history tokens" in md  # 1000 µs / (100 − 2) µs per token
-    for png in ("ttft.png", "prefill.png"):
+    for png in ("ttft.png", "prefill.png", "decode.png"):
         assert (res / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert str(res / png) in out
+
+
+def test_report_without_plots_writes_the_tables_only(tmp_path: Path, capsys) -> None:
+    res = make_result(tmp_path)
+    assert report_main([str(res), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "9.78×" in out and ".png" not in out
+    md = (res / "report.md").read_text()
+    assert "| 4000 |" in md and ".png" not in md
+    assert not list(res.glob("*.png"))
 
 
 def test_report_rejects_a_non_result(tmp_path: Path, capsys) -> None:
