@@ -254,3 +254,18 @@ def test_landing_matrix_adds_the_hybrid_family_only_where_groups_matter() -> Non
     ids = _pd_ids(_metafunc(every, {"requires_model": ("prefix_cache",)}))
     assert "vllm-cpu@mla" not in ids and "vllm-cpu+bidir-kv@moe" in ids
     assert [i for i in ids if i.startswith("emulator")] == ["emulator"]
+
+
+def test_compat_report_shows_the_latest_runs_range_of_a_defect(tmp_path: Path) -> None:
+    old = {**STREAM, "number": None, "url": None, "kind": "unfiled", "first": "0.32.0"}
+    old["defect"] = "Defect(key='feature-off-stalls', upstream=Upstream(kind='unfiled'))"
+    new = {**old, "defect": "feature-off-stalls", "first": "0.21.0", "what": "P stalls"}
+    a = _run(
+        tmp_path / "a", "0.29.0", [_row("test_off", "vllm-cpu", "0.29.0", "xfail", defect=old)]
+    )
+    b = _run(
+        tmp_path / "b", "0.21.0.", [_row("test_off", "vllm-cpu", "0.21.0", "xfail", defect=new)]
+    )
+    report = compat.build_report(compat.load_runs([a, b]))
+    d = report.defects["feature-off-stalls"]  # the old object text read as its key
+    assert (d.first, d.reason, d.seen) == ("0.21.0", "P stalls", {"0.29.0", "0.21.0"})
