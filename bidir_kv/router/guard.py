@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bidir_kv.policy import GroupRefusal, common_prefix_tokens, reusable_prefix, trim_groups
+from bidir_kv.policy import GroupRefusal, block_align_down, common_prefix_tokens, trim_groups
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.wire.params import groups_of
 
@@ -57,12 +57,13 @@ def judge_continuation(
     if d_tokens is None or len(d_tokens) < r:
         return GuardVerdict(None, "unverifiable")
     held = d_tokens[:r]
-    if len(prompt_tokens) >= r and common_prefix_tokens(held, prompt_tokens) == r:
+    common = common_prefix_tokens(held, prompt_tokens)  # once: the check and the cut
+    if len(prompt_tokens) >= r and common == r:
         return GuardVerdict(params, "continuation", r)
     reason = "shorter-prompt" if len(prompt_tokens) < r else "mismatch"
     groups = params.remote_block_ids or []
     if block_size and groups:
-        n = reusable_prefix(held, prompt_tokens, block_size)
+        n = block_align_down(common, block_size)  # policy.reusable_prefix's cut
         # every KV cache group cut where its attention allows (policy.trim_groups); D's
         # groups are described by our D only, several without it are refused
         cut = trim_groups(groups, n, block_size, groups_of(params.extra))
