@@ -369,3 +369,32 @@ def test_rejected_hit_releases_ds_pinned_blocks_early(
         10,
         "D to free turn 1's pinned blocks (one more retained than before)",
     )
+
+
+@pytest.mark.parametrize("conv_id", [True, False], ids=["id", "no-id"])
+def test_a_trimmed_hit_frees_the_rest_of_ds_blocks_at_once(
+    topo: Any, extra_router: Callable[..., str], conv_id: bool
+) -> None:
+    """A rewritten reply reuses only the shared prefix of turn 1's blocks; the rest are
+    not left pinned until D's TTL: P's read ends with its notification, and D frees
+    the whole turn then (turn 2's own retained turn is the only one more than before)."""
+    url = extra_router()
+    d_state = topo.decode[0].url + "/_emulator/state"
+    retained0 = json.loads(_get(d_state))["retained"]
+    conv = conversation_id("trim-free")
+    msgs = long_opening(conv)
+    first = chat(url, msgs, conv if conv_id else None)
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": "A recorded answer, not the one D gave."},
+        {"role": "user", "content": "Please continue."},
+    ]
+    trims = router_counter(url, "guard_trims")
+    res, pulled, _ = p_pulled(topo, lambda: chat(url, msgs2, conv if conv_id else None))
+    assert first.status == res.status == 200 and res.text == oracle(topo, msgs2)
+    assert router_counter(url, "guard_trims") - trims == 1 and pulled >= 64
+    wait_for(
+        lambda: json.loads(_get(d_state))["retained"] == retained0 + 1,
+        10,
+        "D to free turn 1's blocks (only turn 2's retained turn left)",
+    )
