@@ -316,9 +316,7 @@ def router(request: pytest.FixtureRequest, pd: PDBackend, proxy: str) -> Iterato
             str(cache_ttl),
             "--decoder-kv-blocks-ttl",
             str(kv.decoder_ttl),
-            "--block-size",
-            str(kv.block_size),
-        ]
+        ]  # no --block-size: the router learns it from the nodes (test_oracle checks)
         if not pd.streams_params:
             extra += ["--decode-stream", "never"]
         ours = start_router_process(

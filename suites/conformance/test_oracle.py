@@ -20,7 +20,7 @@ import random
 
 import pytest
 
-from bidir_kv.client import COMPLETIONS_PATH, fetch, run_pd_turn
+from bidir_kv.client import COMPLETIONS_PATH, fetch, get_json, run_pd_turn
 from bidir_kv.protocol import KVTransferParams
 from bidir_kv.testing.backends import PDBackend, PromptFactory
 from bidir_kv.testing.scenario import evidence
@@ -122,3 +122,7 @@ def test_oracle_through_router(
     ev = evidence(pd.prefill.metrics() - p_before)
     assert not mismatches, f"output through the router differs from recompute: {mismatches}"
     assert ev.external > 0 and ev.bytes > 0, f"no D->P pull engaged through the router: {ev}"
+    if proxy == "bidir-kv":  # started without --block-size: each node's own figure
+        health = get_json(router + "/health")
+        learned = {n["block_size"] for role in ("prefill", "decode") for n in health[role]}
+        assert learned == {pd.block_size}, f"block sizes learned from the nodes: {health}"
