@@ -380,7 +380,7 @@ def test_a_trimmed_hit_frees_the_rest_of_ds_blocks_at_once(
     the whole turn then (turn 2's own retained turn is the only one more than before)."""
     url = extra_router()
     d_state = topo.decode[0].url + "/_emulator/state"
-    retained0 = json.loads(_get(d_state))["retained"]
+    retained0 = get_json(d_state)["retained"]
     conv = conversation_id("trim-free")
     msgs = long_opening(conv)
     first = chat(url, msgs, conv if conv_id else None)
@@ -394,7 +394,7 @@ def test_a_trimmed_hit_frees_the_rest_of_ds_blocks_at_once(
     assert first.status == res.status == 200 and res.text == oracle(topo, msgs2)
     assert router_counter(url, "guard_trims") - trims == 1 and pulled >= 64
     wait_for(
-        lambda: json.loads(_get(d_state))["retained"] == retained0 + 1,
+        lambda: get_json(d_state)["retained"] == retained0 + 1,
         10,
         "D to free turn 1's blocks (only turn 2's retained turn left)",
     )
