@@ -26,6 +26,7 @@ import bidir_kv.connector
 from bidir_kv.config import KVTransferConfig
 from bidir_kv.errors import ConfigError
 from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_RECOMPUTE_THRESHOLD,
@@ -55,8 +56,6 @@ STOCK = "stock"
 CONNECTORS: dict[str, str | None] = {STOCK: None, "bidir-kv": bidir_kv.connector.__name__}
 _FEATURES = ("off", "on")
 _SEP = "+"  # "on+bidir-kv": the ON leg with a connector other than the reference
-# the servers import our connector from this checkout (VllmCpuOptions.python_path)
-_REPO = Path(bidir_kv.__file__).resolve().parent.parent
 
 
 class LegError(ConfigError):
@@ -236,7 +235,7 @@ def _make_topology(setup: LegSetup, spec: TopologySpec, leg: str) -> Topology:
         from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
 
         ours = CONNECTORS[leg_connector(leg, setup.connector)] is not None
-        opts = VllmCpuOptions(log_dir=setup.log_dir / leg, python_path=(_REPO,) if ours else ())
+        opts = VllmCpuOptions(log_dir=setup.log_dir / leg, python_path=(REPO_ROOT,) if ours else ())
         return VllmCpuTopology(spec, opts)
     raise BackendUnavailable(f"unknown topology {setup.topology!r}; use one of {TOPOLOGIES}")
 

@@ -17,7 +17,15 @@ from typing import Any
 from bidir_kv.client import AsyncNodeClient, ClientError, Completion, MalformedResponse, token_body
 from bidir_kv.engine.model import BYTE_BASE, VOCAB_SIZE
 
-__all__ = ["Clients", "Conversation", "Turn", "body", "post", "random_tokens", "reference_ok"]
+__all__ = [
+    "Clients",
+    "Conversation",
+    "TurnOutcome",
+    "body",
+    "post",
+    "random_tokens",
+    "reference_ok",
+]
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:
@@ -87,7 +95,7 @@ async def reference_ok(
 
 
 @dataclass
-class Turn:
+class TurnOutcome:
     """What the client saw for one turn: ``status`` is ``None`` when no answer came
     (``error`` then names the :class:`ClientError`)."""
 
@@ -115,7 +123,7 @@ class Conversation:
     cid: str | None
     rng: random.Random
     history: list[int] = field(default_factory=list)
-    turns: list[Turn] = field(default_factory=list)
+    turns: list[TurnOutcome] = field(default_factory=list)
 
     def next_prompt(self, new: int) -> list[int]:
         return [*self.history, *random_tokens(self.rng, new)]
@@ -129,14 +137,14 @@ class Conversation:
         gen: int,
         *,
         stream: bool = True,
-    ) -> Turn:
+    ) -> TurnOutcome:
         """One turn of ``new`` tokens more; checked by the oracle when ``ref_url`` is set."""
         prompt = self.next_prompt(new)
         t0 = time.perf_counter()
         try:
             res = await post(clients, url, body(prompt, gen, self.cid, stream=stream))
         except ClientError as exc:
-            t = Turn(
+            t = TurnOutcome(
                 len(self.turns),
                 None,
                 time.perf_counter() - t0,
@@ -149,6 +157,6 @@ class Conversation:
         if res.ok:
             correct = await reference_ok(clients, ref_url, prompt, gen, res.token_ids)
             self.history = [*prompt, *res.token_ids]
-        t = Turn(len(self.turns), res.status, res.elapsed, correct, res.error, res.ttft)
+        t = TurnOutcome(len(self.turns), res.status, res.elapsed, correct, res.error, res.ttft)
         self.turns.append(t)
         return t

@@ -11,7 +11,7 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 
-from bidir_kv.campaign.client import Clients, Conversation, Turn
+from bidir_kv.campaign.client import Clients, Conversation, TurnOutcome
 from bidir_kv.campaign.deploy import Deployment
 from bidir_kv.client import ClientError, scrape
 
@@ -34,7 +34,7 @@ class LoadPlan:
 @dataclass
 class LoadResult:
     plan: LoadPlan
-    turns: list[Turn] = field(default_factory=list)
+    turns: list[TurnOutcome] = field(default_factory=list)
     hits: float | None = None  # the router's counter (one process: its whole count)
     pulls: float | None = None  # READs the P nodes made, from their own metrics
     router_rss: int | None = None
@@ -94,7 +94,7 @@ def _delta(before: list[float | None], after: list[float | None]) -> float | Non
     return total
 
 
-async def _drive(dep: Deployment, plan: LoadPlan, tag: str) -> list[Turn]:
+async def _drive(dep: Deployment, plan: LoadPlan, tag: str) -> list[TurnOutcome]:
     rng = random.Random(plan.seed)
     convs = [
         Conversation(f"load-{tag}-{i}", random.Random(rng.random()))

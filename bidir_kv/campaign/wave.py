@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bidir_kv.campaign.client import Clients, Conversation, Turn
+from bidir_kv.campaign.client import Clients, Conversation, TurnOutcome
 from bidir_kv.campaign.deploy import Deployment
 from bidir_kv.client import ClientError, scrape
 
@@ -91,15 +91,15 @@ def percentile(xs: Sequence[float], q: float) -> float | None:
 @dataclass
 class WaveResult:
     plan: WavePlan
-    baseline: list[Turn] = field(default_factory=list)  # probes before the wave
-    probes: list[Turn] = field(default_factory=list)  # during and after it
-    big: list[Turn] = field(default_factory=list)
-    continued: list[tuple[Turn, bool]] = field(default_factory=list)  # (turn, hit)
+    baseline: list[TurnOutcome] = field(default_factory=list)  # probes before the wave
+    probes: list[TurnOutcome] = field(default_factory=list)  # during and after it
+    big: list[TurnOutcome] = field(default_factory=list)
+    continued: list[tuple[TurnOutcome, bool]] = field(default_factory=list)  # (turn, hit)
     releases: dict[str, float] | None = None  # by reason; None: D does not say
     seconds: float = 0.0
 
     @staticmethod
-    def first_token(t: Turn) -> float | None:
+    def first_token(t: TurnOutcome) -> float | None:
         """When the client had the first token: the first chunk with text, or for an
         answer none of whose chunks had text (a greedy tiny model may generate only
         tokens that decode to nothing), its end; ``None`` when not answered."""
@@ -152,7 +152,7 @@ class WaveResult:
         checked = [t.correct for t, _ in self.continued if t.correct is not None]
         return sum(1 for c in checked if not c) if checked else None
 
-    def turns(self) -> list[Turn]:
+    def turns(self) -> list[TurnOutcome]:
         return [*self.big, *self.probes, *(t for t, _ in self.continued)]
 
     @property
@@ -236,13 +236,13 @@ async def run_wave(dep: Deployment, clients: Clients, plan: WavePlan, tag: str) 
         n = next(serial)
         return Conversation(f"wave-{tag}-{kind}-{n}-{stamp}", random.Random(f"{tag}-{kind}-{n}"))
 
-    async def probe() -> Turn:  # answers are not the question here: no oracle
+    async def probe() -> TurnOutcome:  # answers are not the question here: no oracle
         return await conv("new").turn(clients, url, None, plan.probe_tokens, plan.gen)
 
     async def none() -> None:
         return None
 
-    async def go_on(c: Conversation | None) -> tuple[Turn, bool] | None:
+    async def go_on(c: Conversation | None) -> tuple[TurnOutcome, bool] | None:
         """One continuing turn, concurrent with nothing else that can hit or discard."""
         if c is None:
             return None

@@ -303,7 +303,7 @@ class StartupError(EngineError, RuntimeError):
 async def _serve(settings: EngineSettings) -> None:
     from bidir_kv.engine.app import run_engine
     from bidir_kv.engine.hf_tokenizer import TokenizerLoadError
-    from bidir_kv.engine.transport.base import TransportError
+    from bidir_kv.engine.transport.base import KVTransportError
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -311,5 +311,5 @@ async def _serve(settings: EngineSettings) -> None:
         loop.add_signal_handler(sig, stop.set)  # POSIX only, like vllm serve on CPU
     try:
         await run_engine(settings, stop)
-    except (TransportError, OSError, TokenizerLoadError) as exc:
+    except (KVTransportError, OSError, TokenizerLoadError) as exc:
         raise StartupError(str(exc)) from None

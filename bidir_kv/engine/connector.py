@@ -28,7 +28,12 @@ import msgpack
 from bidir_kv.engine import notifications
 from bidir_kv.engine.faults import Faults
 from bidir_kv.engine.fencewords import FenceTable
-from bidir_kv.engine.transport.base import KVAgent, NotificationHandler, ReadResult, TransportError
+from bidir_kv.engine.transport.base import (
+    KVAgent,
+    KVTransportError,
+    NotificationHandler,
+    ReadResult,
+)
 from bidir_kv.engine.transport.sidechannel import (
     EngineMetadata,
     PeerInfo,
@@ -47,11 +52,11 @@ _ENVELOPE = "bidir-kv-engine/1"
 CONTROL_TIMEOUT = 30.0
 
 
-class ClaimRefused(TransportError):
+class ClaimRefused(KVTransportError):
     """The owner answered and refused the claim: the peer itself is fine."""
 
 
-class StaleParams(TransportError):
+class StaleParams(KVTransportError):
     """The params name an earlier start of the peer: their blocks died with it."""
 
 
@@ -244,21 +249,21 @@ class ConnectorWorker:
             timeout=CONTROL_TIMEOUT,
         )
         if info.meta.block_size != self.block_size:
-            raise TransportError(
+            raise KVTransportError(
                 f"engine {info.engine_id} uses block size {info.meta.block_size}, "
                 f"we use {self.block_size}"
             )
         try:
             env = msgpack.unpackb(info.meta.agent_metadata, raw=False)
         except (ValueError, msgpack.UnpackException) as exc:
-            raise TransportError(f"peer metadata envelope is malformed: {exc}") from None
+            raise KVTransportError(f"peer metadata envelope is malformed: {exc}") from None
         if not isinstance(env, dict) or env.get("envelope") != _ENVELOPE:
-            raise TransportError(
+            raise KVTransportError(
                 f"engine {info.engine_id} is not a bidir-kv engine (no metadata envelope)"
             )
         remote_tp = int(env.get("tp_size", 1))
         if remote_tp != self.tp_size:
-            raise TransportError(
+            raise KVTransportError(
                 f"engine {info.engine_id} runs tensor_parallel_size {remote_tp}, we run "
                 f"{self.tp_size}; the emulator needs equal TP on both sides"
             )
@@ -285,7 +290,7 @@ class ConnectorWorker:
             async with self._session.post(url, json=body) as resp:
                 answer = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise TransportError(f"claim of {request_id} at {url} failed: {exc}") from None
+            raise KVTransportError(f"claim of {request_id} at {url} failed: {exc}") from None
         if resp.status != 200:
             reason = answer.get("error") if isinstance(answer, dict) else answer
             raise ClaimRefused(f"engine {peer.engine_id} refused to serve {request_id}: {reason}")
@@ -295,7 +300,7 @@ class ConnectorWorker:
         try:
             return HeldTokens.from_wire(held)
         except ValueError as exc:
-            raise TransportError(str(exc)) from None
+            raise KVTransportError(str(exc)) from None
 
     # ---- transfers -----------------------------------------------------------------
 
@@ -312,7 +317,7 @@ class ConnectorWorker:
         (``floor`` seconds when given, else the profile's wire time for ``tokens``)."""
         start = time.perf_counter()
         if self.faults.roll(self.faults.fail_transfers):
-            raise TransportError("injected transfer failure (fault fail_transfers)")
+            raise KVTransportError("injected transfer failure (fault fail_transfers)")
         if self.faults.roll(self.faults.delay_transfers) and self.faults.delay_seconds > 0:
             await asyncio.sleep(self.faults.delay_seconds)
         local_rows, remote_rows = self.rank_rows(local), self.rank_rows(remote)
@@ -354,5 +359,5 @@ class ConnectorWorker:
         msg = notifications.heartbeat(request_ids)
         while True:
             await asyncio.sleep(interval)
-            with contextlib.suppress(TransportError):
+            with contextlib.suppress(KVTransportError):
                 await self.notify(peer, msg)

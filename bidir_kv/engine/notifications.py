@@ -21,12 +21,12 @@ from bidir_kv.wire.ids import RequestId
 
 __all__ = [
     "HEARTBEAT_PREFIX",
-    "Completion",
     "Heartbeat",
     "MalformedNotification",
-    "completion",
+    "ReadDone",
     "heartbeat",
     "parse",
+    "read_done",
 ]
 
 # This format's version is ``bidir_kv.wire.versions.NOTIFICATIONS`` (vLLM 0.33's format);
@@ -41,7 +41,7 @@ class MalformedNotification(KVTransferError, ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Completion:
+class ReadDone:
     """``"<request_id>:<consumers>"``: a reader finished with the owner's blocks."""
 
     request_id: RequestId
@@ -55,7 +55,7 @@ class Heartbeat:
     request_ids: tuple[str, ...]
 
 
-def completion(request_id: RequestId, consumers: int = 1) -> str:
+def read_done(request_id: RequestId, consumers: int = 1) -> str:
     """The completion message for ``request_id``."""
     return f"{request_id}{_COUNT_SEPARATOR}{consumers}"
 
@@ -65,7 +65,7 @@ def heartbeat(request_ids: Iterable[str]) -> str:
     return HEARTBEAT_PREFIX + _ID_SEPARATOR.join(request_ids)
 
 
-def parse(text: str) -> Completion | Heartbeat:
+def parse(text: str) -> ReadDone | Heartbeat:
     """Read one decoded notification.
 
     Empty ids in a heartbeat are dropped; a completion count below 1 counts as 1.
@@ -81,4 +81,4 @@ def parse(text: str) -> Completion | Heartbeat:
         consumers = max(1, int(count))
     except ValueError:
         raise MalformedNotification(text) from None
-    return Completion(request_id, consumers)
+    return ReadDone(request_id, consumers)

@@ -278,7 +278,7 @@ class HandleOwner:
                 heartbeat_extension(self.kv.kv_lease_duration),
             )
 
-    def _completed(self, note: notifications.Completion) -> None:
+    def _completed(self, note: notifications.ReadDone) -> None:
         rid = note.request_id
         if rid in self.ledger:
             rel = self.ledger.notify(rid, note.consumers)

@@ -24,7 +24,7 @@ from bidir_kv.engine.guard import verified_tokens
 from bidir_kv.engine.metrics import EngineMetrics
 from bidir_kv.engine.request import Request, RequestError
 from bidir_kv.engine.settings import EngineSettings
-from bidir_kv.engine.transport.base import TransportError
+from bidir_kv.engine.transport.base import KVTransportError
 from bidir_kv.policy import (
     PullReason,
     capped_pull_tokens,
@@ -273,7 +273,7 @@ class PullReader:
     ) -> None:
         p = req.params
         assert p is not None and p.remote_request_id is not None
-        done = notifications.completion(p.remote_request_id)
+        done = notifications.read_done(p.remote_request_id)
         heartbeats: asyncio.Task[None] | None = None
         peer: Peer | None = None
         try:
@@ -310,7 +310,7 @@ class PullReader:
         except Exception as exc:  # any failure ends in the policy, never in a hang
             self.metrics.transfer_failed()
             self._peer_failed(peer, exc)
-            if isinstance(exc, TransportError | OSError):
+            if isinstance(exc, KVTransportError | OSError):
                 logger.warning("KV transfer for %s failed: %s", req.request_id, exc)
             else:
                 logger.exception("KV transfer for %s failed unexpectedly", req.request_id)
@@ -343,7 +343,7 @@ class PullReader:
         slot, gen = word
         try:
             now = await self.worker.read_fence_word(peer, slot)
-        except TransportError as exc:
+        except KVTransportError as exc:
             now, why = None, f"its fence word could not be read ({exc})"
         else:
             why = f"its fence word changed during the read ({gen} -> {now})"
@@ -431,8 +431,8 @@ class PullReader:
         try:
             peer = await self._peer_for(params)
             # str(): a null remote_request_id is present on the wire and sent as "None"
-            await self.worker.notify(peer, notifications.completion(str(params.remote_request_id)))
-        except (TransportError, OSError) as exc:
+            await self.worker.notify(peer, notifications.read_done(str(params.remote_request_id)))
+        except (KVTransportError, OSError) as exc:
             self.metrics.notification_failed()
             self._peer_failed(peer, exc)
             logger.warning("Notification to %s failed: %s", params.remote_engine_id, exc)

@@ -29,7 +29,7 @@ from bidir_kv.router.failures import (
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.relay import RelayResult, StreamRelay, synthesize_sse
 from bidir_kv.router.settings import RouterSettings
-from bidir_kv.router.turn import Turn, record_client_gone, record_first_byte
+from bidir_kv.router.turn import TurnState, record_client_gone, record_first_byte
 from bidir_kv.router.upstreams import Upstream, UpstreamPool
 
 __all__ = ["DecodeLeg", "Release", "Remember"]
@@ -37,9 +37,9 @@ __all__ = ["DecodeLeg", "Release", "Remember"]
 log = logging.getLogger("bidir_kv.router")
 
 # Called with (turn, P node, D node, what the relay captured) once D's answer is complete.
-Remember = Callable[[Turn, Upstream, Upstream, RelayResult], Awaitable[None]]
+Remember = Callable[[TurnState, Upstream, Upstream, RelayResult], Awaitable[None]]
 # Called with (turn, P node, D node, D's dict, reason) to free D's blocks of a turn not stored.
-Release = Callable[[Turn, Upstream, Upstream, KVTransferParams | None, str], None]
+Release = Callable[[TurnState, Upstream, Upstream, KVTransferParams | None, str], None]
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -62,7 +62,7 @@ class DecodeLeg:
         self.release = release
 
     def body(
-        self, turn: Turn, p_node: Upstream, p_params: KVTransferParams | None, stream: bool
+        self, turn: TurnState, p_node: Upstream, p_params: KVTransferParams | None, stream: bool
     ) -> tuple[dict[str, Any], bool]:
         """D's request body, and whether the router added ``return_token_ids`` itself."""
         body = dict(turn.body)
@@ -81,7 +81,7 @@ class DecodeLeg:
     async def run(
         self,
         request: web.Request,
-        turn: Turn,
+        turn: TurnState,
         p_node: Upstream,
         d_node: Upstream,
         p_params: KVTransferParams | None,
@@ -142,7 +142,7 @@ class DecodeLeg:
                     resp.close()  # client gone or D failed: abort D's request
         return unavailable_response(self.metrics, self.pool)
 
-    def _timed_out(self, turn: Turn, node: Upstream) -> web.Response:
+    def _timed_out(self, turn: TurnState, node: Upstream) -> web.Response:
         """D gave no answer within ``--decode-timeout`` (stalled or overloaded)."""
         self.metrics.errors.labels(failure_label(Leg.DECODE, Cause.TIMEOUT)).inc()
         limit = self.settings.decode_timeout
@@ -160,7 +160,7 @@ class DecodeLeg:
         )
 
     async def _drop_failed_pull(
-        self, turn: Turn, node: Upstream, resp: aiohttp.ClientResponse
+        self, turn: TurnState, node: Upstream, resp: aiohttp.ClientResponse
     ) -> None:
         """Count and log D's 5xx to a turn whose prompt it was to pull from P."""
         try:
@@ -182,7 +182,7 @@ class DecodeLeg:
         )
 
     def _next_after(
-        self, turn: Turn, node: Upstream, exc: BaseException, tried: list[Upstream]
+        self, turn: TurnState, node: Upstream, exc: BaseException, tried: list[Upstream]
     ) -> Upstream | None:
         """The D to try after ``node`` could not be reached; ``None``: give up."""
         problem = f"D leg: {exc.__class__.__name__}: {exc}"
@@ -213,7 +213,7 @@ class _Answer:
         self,
         leg: DecodeLeg,
         request: web.Request,
-        turn: Turn,
+        turn: TurnState,
         p_node: Upstream,
         d_node: Upstream,
         resp: aiohttp.ClientResponse,

@@ -50,7 +50,7 @@ from bidir_kv.router.relay import RelayResult
 from bidir_kv.router.release import Releaser
 from bidir_kv.router.settings import RouterSettings
 from bidir_kv.router.store import ConversationStore, Entry, StoreError, Taken
-from bidir_kv.router.turn import Turn, conv_label, record_client_gone
+from bidir_kv.router.turn import TurnState, conv_label, record_client_gone
 from bidir_kv.router.upstreams import (
     NodeFacts,
     Upstream,
@@ -138,7 +138,7 @@ class RouterFlow:
         auth = self._api_auth or request.headers.get("Authorization")
         if auth:
             headers["Authorization"] = auth
-        turn = Turn(
+        turn = TurnState(
             rid,
             endpoint,
             body,
@@ -178,7 +178,7 @@ class RouterFlow:
         self.decode.unhold(entry.decode, str(entry.params.remote_request_id))
         self.releaser.release_entry(entry, reason)
 
-    async def _run(self, request: web.Request, turn: Turn) -> web.StreamResponse:
+    async def _run(self, request: web.Request, turn: TurnState) -> web.StreamResponse:
         entry = await self._take(turn)
         await self.facts.settle(self.prefill, self.decode)  # once per node start
         if entry is not None:
@@ -223,7 +223,7 @@ class RouterFlow:
     async def _legs(
         self,
         request: web.Request,
-        turn: Turn,
+        turn: TurnState,
         entry: Entry | None,
         p_node: Upstream,
         d_node: Upstream,
@@ -259,13 +259,13 @@ class RouterFlow:
         return await self.decode_leg.run(request, turn, p_node, d_node, p_params, self._remember)
 
     async def _remember(
-        self, turn: Turn, p_node: Upstream, d_node: Upstream, result: RelayResult
+        self, turn: TurnState, p_node: Upstream, d_node: Upstream, result: RelayResult
     ) -> None:
         if result.params is not None and self.peers.seen(d_node, result.params.remote_engine_id):
             self.facts.forget(d_node)
         await self.memo.remember(turn, p_node, d_node, result)
 
-    def _count_hit(self, turn: Turn, hit: KVTransferParams, fell_back: bool) -> None:
+    def _count_hit(self, turn: TurnState, hit: KVTransferParams, fell_back: bool) -> None:
         """A hit is counted once P reports it took D's tokens (not when the dict is sent)."""
         if fell_back:
             return
@@ -286,7 +286,7 @@ class RouterFlow:
 
     # ---- store and guard --------------------------------------------------------
 
-    async def _take(self, turn: Turn) -> Entry | None:
+    async def _take(self, turn: TurnState) -> Entry | None:
         m = self.metrics
         if turn.key is None and turn.history is not None:
             m.misses.labels("no_history").inc()  # no assistant message yet
@@ -313,7 +313,7 @@ class RouterFlow:
         self._report_take(turn, taken)
         return taken.entry
 
-    def _report_take(self, turn: Turn, taken: Taken) -> None:
+    def _report_take(self, turn: TurnState, taken: Taken) -> None:
         """Count and log what the store decided (it judges staleness, not the flow)."""
         m = self.metrics
         if taken.stale:
@@ -341,7 +341,7 @@ class RouterFlow:
             log.info("conv=%s: cache HIT (age=%.1fs)", turn.conv, taken.age)
 
     async def _reuse(
-        self, turn: Turn, p_node: Upstream, entry: Entry | None
+        self, turn: TurnState, p_node: Upstream, entry: Entry | None
     ) -> tuple[KVTransferParams | None, KVTransferParams | None]:
         """(hit, release): D's dict to reuse, or the dict that only frees D's blocks."""
         if entry is None:
@@ -379,7 +379,7 @@ class RouterFlow:
 
     async def _guard(
         self,
-        turn: Turn,
+        turn: TurnState,
         p_node: Upstream,
         holder: Upstream | None,
         cached: KVTransferParams,
@@ -433,7 +433,7 @@ class RouterFlow:
 
     # ---- errors ---------------------------------------------------------------
 
-    def _failure_response(self, turn: Turn, leg: Leg, exc: UpstreamFailure) -> web.Response:
+    def _failure_response(self, turn: TurnState, leg: Leg, exc: UpstreamFailure) -> web.Response:
         self.metrics.errors.labels(failure_label(leg, exc.cause)).inc()
         log.error("[%s] conv=%s: %s leg failed: %s", turn.rid, turn.conv, leg.value, exc)
         if exc.unreachable and not self.prefill.healthy():

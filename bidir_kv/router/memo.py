@@ -20,7 +20,7 @@ from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.relay import RelayResult
 from bidir_kv.router.release import Releaser
 from bidir_kv.router.store import ConversationStore, Entry, StoreError
-from bidir_kv.router.turn import Turn, conv_label
+from bidir_kv.router.turn import TurnState, conv_label
 from bidir_kv.router.upstreams import Upstream
 from bidir_kv.wire.params import lease_of
 
@@ -51,7 +51,7 @@ class TurnMemo:
 
     def release(
         self,
-        turn: Turn,
+        turn: TurnState,
         p_node: Upstream,
         d_node: Upstream,
         params: KVTransferParams | None,
@@ -68,7 +68,7 @@ class TurnMemo:
         )
 
     async def remember(
-        self, turn: Turn, p_node: Upstream, d_node: Upstream, result: RelayResult
+        self, turn: TurnState, p_node: Upstream, d_node: Upstream, result: RelayResult
     ) -> None:
         """Store the turn's entry, or count why it is not stored."""
         m = self.metrics
@@ -150,7 +150,7 @@ class TurnMemo:
 
     @staticmethod
     def _key(
-        turn: Turn, result: RelayResult
+        turn: TurnState, result: RelayResult
     ) -> tuple[ConversationKey | None, tuple[ConversationKey, ...]]:
         """Where the turn's entry goes: its id; or the digest of its history followed by
         the reply the client was sent, and the history prefixes it is found under
@@ -186,7 +186,7 @@ class TurnMemo:
             )
 
 
-async def _prompt_ids(turn: Turn) -> list[int] | None:
+async def _prompt_ids(turn: TurnState) -> list[int] | None:
     """This turn's prompt ids: known from P, or from the background tokenization."""
     if turn.prompt_tokens is not None:
         return turn.prompt_tokens

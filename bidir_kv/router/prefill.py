@@ -19,7 +19,7 @@ from bidir_kv.protocol import KVTransferParams, ProtocolError, params_from_respo
 from bidir_kv.router.failures import Cause, Leg, UpstreamFailure, failure_label
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.router.settings import RouterSettings
-from bidir_kv.router.turn import Turn
+from bidir_kv.router.turn import TurnState
 from bidir_kv.router.upstreams import Upstream, UpstreamPool
 
 __all__ = ["PrefillLeg", "prompt_ids_of", "pulled_tokens"]
@@ -56,7 +56,7 @@ class PrefillLeg:
 
     # ---- /tokenize ------------------------------------------------------------
 
-    async def tokenize(self, turn: Turn, node: Upstream, timed: bool = True) -> list[int]:
+    async def tokenize(self, turn: TurnState, node: Upstream, timed: bool = True) -> list[int]:
         """P's token ids of this turn's prompt (what the guard compares with D's sequence)."""
         prompt = turn.body.get("prompt")
         if (
@@ -98,7 +98,7 @@ class PrefillLeg:
 
     async def run_with_fallback(
         self,
-        turn: Turn,
+        turn: TurnState,
         node: Upstream,
         hit: KVTransferParams | None,
         release: KVTransferParams | None,
@@ -134,7 +134,7 @@ class PrefillLeg:
             return retry, await self.run(turn, retry, KVTransferParams.miss())
 
     async def run(
-        self, turn: Turn, node: Upstream, params: KVTransferParams
+        self, turn: TurnState, node: Upstream, params: KVTransferParams
     ) -> KVTransferParams | None:
         """One prefill on ``node``; P's answer dict (``None`` if it sent none)."""
         body = dict(turn.body)
@@ -160,7 +160,7 @@ class PrefillLeg:
                 Cause.BAD_RESPONSE, f"P {node.id} answer unusable: {exc}"
             ) from None
 
-    async def _post(self, turn: Turn, node: Upstream, body: dict[str, Any]) -> bytes:
+    async def _post(self, turn: TurnState, node: Upstream, body: dict[str, Any]) -> bytes:
         timeout = self.settings.prefill_timeout
         t = time.perf_counter()
         node.inflight += 1
@@ -193,7 +193,7 @@ class PrefillLeg:
         return raw
 
 
-def _tokenize_request(turn: Turn) -> dict[str, Any]:
+def _tokenize_request(turn: TurnState) -> dict[str, Any]:
     """The ``/tokenize`` body that reproduces this turn's prompt on P."""
     body = turn.body
     if turn.endpoint == "completions":

@@ -13,13 +13,13 @@ from bidir_kv.router.identity import ConversationKey, log_safe
 from bidir_kv.router.metrics import RouterMetrics
 from bidir_kv.wire.ids import RequestId
 
-__all__ = ["Turn", "conv_label", "record_client_gone", "record_first_byte"]
+__all__ = ["TurnState", "conv_label", "record_client_gone", "record_first_byte"]
 
 log = logging.getLogger("bidir_kv.router")
 
 
 @dataclass
-class Turn:
+class TurnState:
     """State of one request; ``upstream`` sums the seconds spent waiting on engines."""
 
     rid: RequestId
@@ -78,7 +78,7 @@ def conv_label(key: ConversationKey) -> str:
     return log_safe(key.conversation_id)
 
 
-def record_first_byte(turn: Turn, metrics: RouterMetrics) -> None:
+def record_first_byte(turn: TurnState, metrics: RouterMetrics) -> None:
     """Observe the router's own latency once, when the client's first byte goes out."""
     if not turn.first_byte:
         turn.first_byte = True
@@ -86,7 +86,7 @@ def record_first_byte(turn: Turn, metrics: RouterMetrics) -> None:
         metrics.added_latency.observe(max(0.0, added))
 
 
-def record_client_gone(turn: Turn, metrics: RouterMetrics) -> None:
+def record_client_gone(turn: TurnState, metrics: RouterMetrics) -> None:
     """The client closed its connection; nothing more to send (not an engine error)."""
     turn.cancel_tokenize()
     metrics.errors.labels("client_gone").inc()

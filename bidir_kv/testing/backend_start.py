@@ -13,9 +13,9 @@ from typing import Any
 
 from bidir_kv.config import CONNECTOR_MODULE_PATH
 from bidir_kv.connector.versions import UnsupportedVllm, check_vllm_version
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.policy import DEFAULT_DECODER_KV_BLOCKS_TTL
 from bidir_kv.testing.backends import (
-    _REPO,
     BACKEND_CONFIG,
     CONNECTOR_BACKEND,
     EMULATOR_CONFIG,
@@ -237,7 +237,7 @@ def _start_vllm_cpu(
         enforce_eager=not compiled,
         block_size=None,
         dtype="float32",
-        python_path=(_REPO,) if cfg.connector_module else (),
+        python_path=(REPO_ROOT,) if cfg.connector_module else (),
     )
     if cfg.block_size != 128:
         opts = replace(opts, block_size=cfg.block_size)

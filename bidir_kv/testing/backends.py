@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 CONNECTOR_BACKEND = "vllm-cpu+bidir-kv"  # real vLLM with kv_connector_module_path below
-_REPO = Path(__file__).resolve().parents[2]
 
 # Token ids that are ordinary tokens in both the tiny vLLM model (vocab 1024, ids
 # 0-4 special) and the emulator's model (BYTE_BASE 5, vocab 1024).

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.launch.process import ManagedProcess, ProcessFailed, free_port, wait_http_ok
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.policy import cache_ttl_below_retention
 from bidir_kv.testing import matrix
 from bidir_kv.testing.backend_start import UnsupportedRelease, start_backend
@@ -53,14 +54,12 @@ __all__ = [
     "selected_proxies",
 ]
 
-_REPO = Path(__file__).resolve().parents[2]
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("bidir-kv conformance")
     g.addoption(
         "--conformance-report",
-        default=str(_REPO / "out" / "conformance"),
+        default=str(REPO_ROOT / "out" / "conformance"),
         help="directory for matrix.md / matrix.json and backend logs",
     )
     g.addoption(

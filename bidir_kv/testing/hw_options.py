@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import pytest
 
+from bidir_kv.paths import REPO_ROOT
+
 __all__ = [
     "CPU_LENGTHS",
     "DRY_RUN_MAX_TPOT_REGRESSION",
@@ -38,7 +40,6 @@ __all__ = [
     "hw_options",
 ]
 
-_REPO = Path(__file__).resolve().parents[2]
 GPU_LENGTHS = (2000, 4000, 8000, 12000, 16000, 20000, 24000)  # the publication's sweep
 QUICK_LENGTHS = (2000, 8000)
 CPU_LENGTHS = (1000, 2000, 3000)  # the tiny model's context is 4096
@@ -97,7 +98,7 @@ class HwOptions:
     # percent D's TPOT p99 over the ON rounds may exceed the OFF rounds' (None: the
     # deployment decides, :attr:`tpot_bound`; docs/hardware.md §4 argues both values)
     max_tpot_regression: float | None = None
-    report: Path = _REPO / "out" / "hardware"
+    report: Path = REPO_ROOT / "out" / "hardware"
 
     # ---- what the deployment decides --------------------------------------------------
 
@@ -315,7 +316,9 @@ def add_options(group: pytest.OptionGroup) -> None:
         )
         if isinstance(default, Path):
             shown = (
-                str(default.relative_to(_REPO)) if default.is_relative_to(_REPO) else str(default)
+                str(default.relative_to(REPO_ROOT))
+                if default.is_relative_to(REPO_ROOT)
+                else str(default)
             )
         group.addoption(_flag(name), default=None, help=f"{help} (default: {shown})", **kw)
 

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from bidir_kv.launch import ledger
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.testing import hw_options
 from bidir_kv.testing.families import split_backend_id
 from bidir_kv.testing.faults import FaultNotApplied
@@ -64,7 +65,6 @@ HYPOTHESIS_PROFILES = {"unit": 100, "nightly": 1000}  # max_examples of each pro
 # start a pair in 21 s instead of 54 s: docs/conformance.md, "Pairs and what they cost")
 TEST_EXECUTOR: str = "mp"
 TEST_NIXL_DELAY_US: int | None = None
-_REPO = Path(__file__).resolve().parents[2]
 
 # Fixture and hook modules, registered by pytest when it loads this plugin.
 pytest_plugins = [
@@ -186,7 +186,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get(ledger.LEDGER_ENV) and not hasattr(config, "workerinput"):
         # every vLLM server this session (and the bench runs it starts) brings up is
         # counted; xdist workers and child processes inherit the variable
-        out = _REPO / "out" / f"server-starts-{os.getpid()}.jsonl"
+        out = REPO_ROOT / "out" / f"server-starts-{os.getpid()}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.unlink(missing_ok=True)
         os.environ[ledger.LEDGER_ENV] = str(out)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from bidir_kv.paths import REPO_ROOT
+
 __all__ = [
     "TINY_MODEL_SCRIPT",
     "build_tiny_tokenizer_apart",
@@ -30,7 +32,7 @@ __all__ = [
     "tiny_tokenizer_dir",
 ]
 
-TINY_MODEL_SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "tiny_model.py"
+TINY_MODEL_SCRIPT = REPO_ROOT / "fixtures" / "tiny_model.py"
 _APART = """
 import runpy, sys
 sys.modules["torch"] = None  # any import of these now raises ImportError

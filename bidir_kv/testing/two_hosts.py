@@ -26,13 +26,12 @@ import pytest
 
 from bidir_kv.launch.remote import Command, LaunchFailed
 from bidir_kv.launch.ssh import SshHost, SshLauncher, SshNode, stop_all
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.serve.command import ServeCommand, ServeSpec, build
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.netns import TwoHosts, TwoHostsUnavailable
 
 __all__ = ["emulator_command", "ssh_host", "ssh_launch", "two_hosts"]
-
-_REPO = Path(__file__).resolve().parents[2]
 
 
 def emulator_command(spec: ServeSpec, *extra: str, python: str = sys.executable) -> ServeCommand:
@@ -40,7 +39,7 @@ def emulator_command(spec: ServeSpec, *extra: str, python: str = sys.executable)
     the emulator's own flags (``extra``, e.g. ``--transport tcp``) appended."""
     cmd = build(spec)
     argv = (python, "-m", "bidir_kv", "engine", *cmd.argv[2:], *extra)
-    env = {**cmd.env, "PYTHONPATH": str(_REPO)}
+    env = {**cmd.env, "PYTHONPATH": str(REPO_ROOT)}
     return replace(cmd, argv=argv, env=env)
 
 

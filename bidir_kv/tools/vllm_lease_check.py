@@ -21,8 +21,9 @@ from typing import Any
 from bidir_kv.client import fetch, scrape
 from bidir_kv.config import CONNECTOR_MODULE_PATH
 from bidir_kv.launch.process import free_port, wait_http_ok
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.policy import cache_ttl_below_retention
-from bidir_kv.testing.backends import _REPO, BackendConfig
+from bidir_kv.testing.backends import BackendConfig
 from bidir_kv.topology.base import EngineSpec, TopologySpec
 from bidir_kv.topology.vllm_cpu import VllmCpuOptions, VllmCpuTopology
 
@@ -136,8 +137,8 @@ def main() -> int:
         prefill=EngineSpec(kv=cfg.kv("prefill", "p-000")),
         decode=EngineSpec(kv=cfg.kv("decode", "d-000", bidir_kv_lease_seconds=LEASE)),
     )
-    log_dir = _REPO / "out" / "vllm-lease-check"
-    opts = VllmCpuOptions(log_dir=log_dir, dtype="float32", python_path=(_REPO,))
+    log_dir = REPO_ROOT / "out" / "vllm-lease-check"
+    opts = VllmCpuOptions(log_dir=log_dir, dtype="float32", python_path=(REPO_ROOT,))
     topo = VllmCpuTopology(spec, opts).start()
     router: subprocess.Popen[bytes] | None = None
     try:

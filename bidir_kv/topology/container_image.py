@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.topology.base import BackendUnavailable
 from bidir_kv.topology.container_manifest import (
     IMAGE_PYTHON,
@@ -36,9 +37,8 @@ from bidir_kv.topology.container_manifest import (
     write_base_tar,
 )
 
-__all__ = ["PROJECT_ROOT", "ImageBuild", "ensure_image"]
+__all__ = ["REPO_ROOT", "ImageBuild", "ensure_image"]
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 BASE_REPO = "bidir-kv-base"
 APP_REPO = "bidir-kv"
 LABEL = "org.bidir-kv.image"
@@ -132,7 +132,7 @@ def _build_lock(cache: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def ensure_image(client: Any | None = None, project_root: Path = PROJECT_ROOT) -> ImageBuild:
+def ensure_image(client: Any | None = None, project_root: Path = REPO_ROOT) -> ImageBuild:
     """Return the project image, building whichever layer is missing."""
     client = client or _docker_client()
     cache = project_root / ".cache"

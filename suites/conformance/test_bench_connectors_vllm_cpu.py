@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from bidir_kv.launch.process import process_running
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.testing.gating import skip_or_fail
 
 pytestmark = pytest.mark.vllm_cpu_bidir_kv  # starts real vLLM itself (docs/testing.md §1)
 
-ROOT = Path(__file__).resolve().parents[2]
 POINT = 512
 
 
@@ -84,7 +84,7 @@ def test_ctrl_c_in_our_connectors_leg_stops_every_node(tmp_path: Path, request) 
         str(out),
     ]
     log = (tmp_path / "bench.log").open("w")
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
         # the leg's servers (P, D and the router) answer /health

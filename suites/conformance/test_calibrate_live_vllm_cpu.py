@@ -22,9 +22,9 @@ from bidir_kv.bench.summary import summarize_result
 from bidir_kv.bench.topo import LegSetup, node_urls, start_leg
 from bidir_kv.engine.profiles import load_profile
 from bidir_kv.launch.process import process_running
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.testing.gating import skip_or_fail
 
-ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (256, 1024, 2048)
 BUDGET_S = 180
 
@@ -72,7 +72,7 @@ def test_calibrate_measures_a_live_vllm_cpu_pair(tmp_path: Path, request) -> Non
             "--write-profile",
             str(written),
         ]
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
         print(proc.stdout)  # the fit against its own run, for a human (-s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [p for p in pids if p and process_running(int(p))] == []
@@ -90,7 +90,7 @@ def test_calibrate_measures_a_live_vllm_cpu_pair(tmp_path: Path, request) -> Non
     assert mine.sources and any("pull:" in s for s in mine.sources)
     plan = subprocess.run(
         [sys.executable, "-m", "bidir_kv", "plan", "--profile", str(written), "--json"],
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,

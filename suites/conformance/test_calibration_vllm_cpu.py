@@ -20,12 +20,12 @@ from bidir_kv.bench.results import load_result
 from bidir_kv.bench.summary import summarize_result
 from bidir_kv.engine.profiles import load_profile
 from bidir_kv.launch.process import process_running
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.plan.calibrate import calibrate, check_rows
 from bidir_kv.testing.gating import skip_or_fail
 
 pytestmark = pytest.mark.vllm_cpu  # starts real vLLM itself (docs/testing.md §1)
 
-ROOT = Path(__file__).resolve().parents[2]
 POINTS = (256, 1536)
 
 
@@ -63,7 +63,7 @@ def test_vllm_cpu_run_calibrates_into_a_profile(tmp_path: Path, request) -> None
         "--write-profile",
         str(written),
     ]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the completed session stopped every leg's servers (P, D and the router of each)
     manifest = json.loads((out / "manifest.json").read_text())

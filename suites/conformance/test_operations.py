@@ -130,7 +130,7 @@ def reference(p: EngineClient, prompt: Sequence[int], gen: int) -> list[int]:
 
 
 @dataclass
-class Turn:
+class TurnLegs:
     prompt: list[int]
     p: Completion | None  # None: P did not answer in time (``no_answer``)
     d: Completion | None
@@ -152,25 +152,25 @@ class Turn:
 
 def turn(
     pair: SharedPair, prompt: list[int], timeout: float, previous: KVTransferParams | None = None
-) -> Turn:
+) -> TurnLegs:
     """P leg then D leg, each bounded by ``timeout`` (``no_answer``: none in time);
     D's queue gauges are sampled while its leg is pending."""
     sent = KVTransferParams.miss() if previous is None else previous.for_prefill_hit()
     try:
         p = pair.prefill.complete(prompt, 1, sent, timeout=timeout)
     except TransportError as exc:
-        return Turn(prompt, None, None, no_answer=exc)
+        return TurnLegs(prompt, None, None, no_answer=exc)
     if not p.ok or p.params is None:
-        return Turn(prompt, p, None)
+        return TurnLegs(prompt, p, None)
     d, peak = complete_watching(pair.decode, prompt, GEN, p.params, timeout)
     if isinstance(d, TransportError):
-        return Turn(prompt, p, None, peak, no_answer=d)
+        return TurnLegs(prompt, p, None, peak, no_answer=d)
     if d.params is not None:
         pair.held.append(d.params)  # released by the pair's next drain
-    return Turn(prompt, p, d, peak)
+    return TurnLegs(prompt, p, d, peak)
 
 
-def stalled(what: str, t: Turn, pair: SharedPair, timing: Timing) -> str:
+def stalled(what: str, t: TurnLegs, pair: SharedPair, timing: Timing) -> str:
     if t.no_answer is not None:
         return (
             f"{what}: no answer within {timing.window:g} s (D's TTL {timing.ttl:g} s); "

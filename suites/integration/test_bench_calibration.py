@@ -18,9 +18,9 @@ import pytest
 from bidir_kv.bench.results import load_result
 from bidir_kv.bench.summary import summarize_result
 from bidir_kv.engine.profiles import load_profile
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.plan.calibrate import CheckRow, calibrate, check_rows
 
-ROOT = Path(__file__).resolve().parents[2]
 KNOWN = {
     "name": "known",
     "prefill_us_per_token": 100.0,
@@ -63,7 +63,7 @@ def bench(out: Path, profile: Path, *extra: str) -> None:
         str(out),
         *extra,
     ]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

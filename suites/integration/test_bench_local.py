@@ -15,10 +15,9 @@ from bidir_kv.bench.results import load_result
 from bidir_kv.bench.stats import VLLM_FIELDS
 from bidir_kv.bench.summary import ratio_rows, summarize_result
 from bidir_kv.client import scrape
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.report.cli import main as report_main
 from bidir_kv.testing.poll import wait_for
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench_argv(out: Path, *extra: str) -> list[str]:
@@ -64,7 +63,7 @@ def test_tiny_sweep_engages_reuse_only_when_on(tmp_path: Path) -> None:
     out = tmp_path / "res"
     proc = subprocess.run(
         bench_argv(out, "--prefix-tokens", "64,600", "--num-turns", "3", "--no-client-check"),
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=400,
@@ -104,7 +103,7 @@ def test_rewritten_history_rows_report_reused_against_reusable(tmp_path: Path) -
     out = tmp_path / "half"
     argv = bench_argv(out, "--legs", "on", "--prefix-tokens", "200", "--num-turns", "3")
     argv += ["--history", "half", "--output-tokens", "40", "--no-client-check"]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     raw = json.loads((out / "on" / "p000200.stats.json").read_text())
     assert [r["reusable_tokens"] for r in raw if r["turn"] == 1] == [0, 0]
@@ -155,7 +154,7 @@ def test_ctrl_c_leaves_a_valid_partial_result(tmp_path: Path) -> None:
     out = tmp_path / "res"
     proc = subprocess.Popen(
         bench_argv(out, "--prefix-tokens", "64,128,256", "--num-turns", "40", "--legs", "on"),
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -231,7 +230,7 @@ def test_external_url_leg_into_an_existing_result(tmp_path: Path) -> None:
             "-o",
             str(out),
         ]
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["topology"] == "external" and manifest["complete"] is True
@@ -249,7 +248,7 @@ def test_sigterm_stops_every_node(tmp_path: Path) -> None:
     out = tmp_path / "res"
     proc = subprocess.Popen(
         bench_argv(out, "--prefix-tokens", "64", "--num-turns", "200", "--legs", "on"),
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

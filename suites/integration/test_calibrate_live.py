@@ -21,12 +21,12 @@ import pytest
 
 from bidir_kv.bench.results import load_result
 from bidir_kv.engine.profiles import load_profile
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.plan.calibrate import calibrate
 from bidir_kv.testing.engines import kv_config
 from bidir_kv.topology.base import EngineSpec, RouterSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology
 
-ROOT = Path(__file__).resolve().parents[2]
 KNOWN: dict[str, Any] = {
     "name": "known",
     "prefill_us_per_token": 100.0,
@@ -83,7 +83,7 @@ def calibrate_cli(topo: LocalTopology, out: Path, *extra: str) -> subprocess.Com
         str(out),
         *extra,
     ]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_calibrate_gives_the_known_terms_back_within_its_budget(
     assert "measured in" in proc.stdout and str(written) in proc.stdout
     plan = subprocess.run(
         [sys.executable, "-m", "bidir_kv", "plan", "--profile", str(written), "--check", str(out)],
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,

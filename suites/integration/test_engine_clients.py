@@ -22,11 +22,11 @@ import pytest
 from bidir_kv.client import fetch
 from bidir_kv.engine.fields import REFUSED
 from bidir_kv.launch.process import free_port
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.protocol import iter_sse_data
 from bidir_kv.testing.engines import EnginePair, random_prompt
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def post(
@@ -350,7 +350,7 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "fixtures/tiny_model.py"),
+            str(REPO_ROOT / "fixtures/tiny_model.py"),
             "--tokenizer-only",
             "--out",
             str(out),

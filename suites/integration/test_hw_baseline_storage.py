@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.testing.hw_baseline import gate_baseline, load_baseline
 from bidir_kv.testing.hw_gates import GateFailure, LengthResult
 
@@ -65,7 +66,7 @@ def _run(tmp_path: Path, storage: Path, name: str, factor: float) -> None:
         env={
             **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
             "ON_FACTOR": str(factor),
-            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            "PYTHONPATH": str(REPO_ROOT),
         },
     )
     assert out.returncode == 0, out.stdout + out.stderr

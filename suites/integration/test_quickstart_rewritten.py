@@ -36,12 +36,13 @@ import pytest
 
 from bidir_kv.client import get_json, scrape
 from bidir_kv.launch.process import free_port, wait_http_ok
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.scrape import CACHED_BY_SOURCE
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import chat
 from bidir_kv.topology.base import BackendUnavailable
 from bidir_kv.topology.redis_server import RedisServer
-from suites.integration.test_readme_quickstart import PORTS, ROOT, quickstart_commands
+from suites.integration.test_readme_quickstart import PORTS, quickstart_commands
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +82,7 @@ def quickstart(
     pattern = re.compile(r"(?<![\d.])(" + "|".join(PORTS) + r")(?!\d)")
     commands = [
         pattern.sub(lambda m: ports[m.group(1)], c)[:-1].strip()
-        for c in quickstart_commands((ROOT / "README.md").read_text())[:3]
+        for c in quickstart_commands((REPO_ROOT / "README.md").read_text())[:3]
     ]
     redis = RedisServer(run) if request.param == "redis" else None
     if redis is not None:

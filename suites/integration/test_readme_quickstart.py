@@ -21,10 +21,10 @@ import pytest
 
 from bidir_kv.client import scrape
 from bidir_kv.launch.process import free_port
+from bidir_kv.paths import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 PORTS = ("8000", "8100", "8200", "5600", "5601")
 
 
@@ -38,7 +38,7 @@ def quickstart_commands(readme: str) -> list[str]:
 
 
 def test_readme_has_five_commands() -> None:
-    commands = quickstart_commands((ROOT / "README.md").read_text())
+    commands = quickstart_commands((REPO_ROOT / "README.md").read_text())
     assert len(commands) == 5
     assert [c.endswith("&") for c in commands] == [True, True, True, False, False]
 
@@ -65,7 +65,7 @@ def test_readme_quickstart_runs(tmp_path: Path, background: list[subprocess.Pope
     pattern = re.compile(r"(?<![\d.])(" + "|".join(PORTS) + r")(?!\d)")
     commands = [
         pattern.sub(lambda m: mapping[m.group(1)], c)
-        for c in quickstart_commands((ROOT / "README.md").read_text())
+        for c in quickstart_commands((REPO_ROOT / "README.md").read_text())
     ]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     outputs = []

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.testing.gating import skip_or_fail
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 MODES = ("router-id", "router-prefix", "router-redis-prefix", "baseline-redis-id")
 
 
@@ -46,7 +46,7 @@ def test_prefix_and_baseline_modes_are_served_by_hits(
         "--prefill-entries",
         "300",
         "--baseline",
-        str(ROOT),
+        str(REPO_ROOT),
         "--json",
         str(out),
     ]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bidir_kv.engine.transport import KVAgent, KVPool, TransportError, create_agent
+from bidir_kv.engine.transport import KVAgent, KVPool, KVTransportError, create_agent
 from bidir_kv.engine.transport.sidechannel import PeerInfo, handshake
 from bidir_kv.testing.poll import wait_for
 from bidir_kv.tools.transport_peer import PeerProcess, seeded_pool_bytes, spawn
@@ -125,7 +125,7 @@ async def test_whole_pool_read_matches_owner_hash(kv_backend: str, owner: PeerPr
 async def test_out_of_range_and_no_stray_notification(kv_backend: str, owner: PeerProcess) -> None:
     agent, peer, _ = await _connect(kv_backend, owner, "reader-3")
     try:
-        with pytest.raises(TransportError, match="out of range"):
+        with pytest.raises(KVTransportError, match="out of range"):
             await agent.read(peer, [0], [NUM_BLOCKS + 3], b"bad:1")
         await agent.read(peer, [1], [1], b"good:1")
     finally:
@@ -162,9 +162,9 @@ async def test_dead_owner_fails_the_read_instead_of_hanging(
     try:
         await agent.read(peer, [0], [0], b"warm:1")
         owner.stop()
-        with pytest.raises(TransportError):
+        with pytest.raises(KVTransportError):
             await agent.read(peer, [1, 2], [1, 2], b"late:1")
-        with pytest.raises(TransportError):
+        with pytest.raises(KVTransportError):
             await handshake(
                 "127.0.0.1",
                 owner.ready["side_channel_port"],

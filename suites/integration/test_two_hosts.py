@@ -33,6 +33,7 @@ from bidir_kv.fabric.probe import local_probe
 from bidir_kv.launch.process import free_port, process_running
 from bidir_kv.launch.remote import LaunchFailed
 from bidir_kv.launch.ssh import SshLauncher, SshNode
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.serve.command import ServeSpec
 from bidir_kv.testing.emulated_read import (
     EMULATOR,
@@ -47,8 +48,6 @@ from bidir_kv.testing.poll import wait_for
 from bidir_kv.testing.two_hosts import emulator_command, ssh_host
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -207,7 +206,7 @@ def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     try:
         wait_for(
@@ -272,7 +271,7 @@ def test_doctor_fabric_check_sees_the_read_cross_the_veth_and_not_loopback(
         text=True,
         timeout=120,
         check=False,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     results = {r["name"]: r for r in json.loads(out.stdout)}
     fabric = results["fabric: the D->P read crossed P's NIC"]

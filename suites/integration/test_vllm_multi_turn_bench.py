@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 
 from bidir_kv.client import scrape
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import RouterProcess, emulated_router_topology, start_router_process
 from bidir_kv.topology.vllm_cpu import cache_root
 
-ROOT = Path(__file__).resolve().parents[2]
 BENCH = "benchmark_serving_multi_turn.py"
 PULLED = "vllm:prompt_tokens_by_source_total"
 CONVERSATIONS, TURNS = 8, 5
@@ -77,7 +77,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "fixtures/tiny_model.py"),
+            str(REPO_ROOT / "fixtures/tiny_model.py"),
             "--tokenizer-only",
             "--out",
             str(out),

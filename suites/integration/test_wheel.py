@@ -21,10 +21,10 @@ import httpx
 import pytest
 
 from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
+from bidir_kv.paths import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 # what the wheel is built from: the package and the files pyproject.toml names
 SOURCES = ("pyproject.toml", "README.md", "bidir_kv")
 
@@ -36,7 +36,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = work / "src"
     src.mkdir()
     for name in SOURCES:
-        path = ROOT / name
+        path = REPO_ROOT / name
         if path.is_dir():
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
@@ -77,7 +77,7 @@ def clean_env() -> dict[str, str]:
 def outside(tmp_path: Path, venv: Path) -> tuple[Path, dict[str, str]]:
     """A working directory outside the checkout and an environment using the venv only."""
     env = {**clean_env(), "PATH": f"{venv}{os.pathsep}{os.environ['PATH']}"}
-    assert ROOT not in tmp_path.parents
+    assert REPO_ROOT not in tmp_path.parents
     return tmp_path, env
 
 

@@ -25,10 +25,10 @@ from bidir_kv.bench.topo import (
     parse_connectors,
     plan_legs,
 )
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.report.cli import main as report_main
 
 MODULE = "bidir_kv.connector"
-REPO = Path(__file__).resolve().parents[2]
 
 # ---- option parsing and leg naming ------------------------------------------------
 
@@ -120,7 +120,7 @@ def test_our_connector_leg_puts_the_checkout_on_the_servers_path(tmp_path: Path)
     setup = LegSetup(topology="vllm-cpu", log_dir=tmp_path)
     ours = _make_topology(setup, leg_spec("on+bidir-kv", setup), "on+bidir-kv")
     stock = _make_topology(setup, leg_spec("on", setup), "on")
-    assert ours.options.python_path == (REPO,)  # type: ignore[attr-defined]
+    assert ours.options.python_path == (REPO_ROOT,)  # type: ignore[attr-defined]
     assert stock.options.python_path == ()  # type: ignore[attr-defined]
     assert ours.options.log_dir == tmp_path / "on+bidir-kv"  # type: ignore[attr-defined]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 
 from bidir_kv.bench.distributions import Distribution
 from bidir_kv.engine.profiles import load_profile
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.plan.cli import main as plan_main
 from bidir_kv.plan.derive import TARGETS, derive_profile, generated_profiles, target_shape
 from bidir_kv.plan.modelcfg import ModelConfigError, load_model_config, model_shape
@@ -30,8 +30,7 @@ from bidir_kv.plan.planner import (
 )
 from bidir_kv.policy import should_decline
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "bidir_kv" / "data" / "model_configs"
+CONFIGS = REPO_ROOT / "bidir_kv" / "data" / "model_configs"
 
 
 def shape(name: str):
@@ -84,7 +83,9 @@ def test_profiles_match_the_generation() -> None:
     generated = generated_profiles()
     assert set(generated) == {"qwen3-32b-p5en-derived", "qwen3-32b-p5en", "glm5-fp8-p5en"}
     for name, want in generated.items():
-        on_disk = json.loads((ROOT / "bidir_kv" / "data" / "profiles" / f"{name}.json").read_text())
+        on_disk = json.loads(
+            (REPO_ROOT / "bidir_kv" / "data" / "profiles" / f"{name}.json").read_text()
+        )
         assert set(on_disk) == set(want), name
         for key, value in want.items():
             if isinstance(value, float):
@@ -128,7 +129,7 @@ def test_pull_terms_by_model() -> None:
 
 def test_profile_sources_are_in_the_docs() -> None:
     """Every upstream issue/PR a profile cites is cited in docs/profiles.md too."""
-    doc = (ROOT / "docs" / "profiles.md").read_text()
+    doc = (REPO_ROOT / "docs" / "profiles.md").read_text()
     for name in generated_profiles():
         for src in load_profile(name).sources:
             for ref in re.findall(r"#\d+", src):

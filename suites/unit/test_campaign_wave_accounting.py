@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bidir_kv.campaign.client import Turn
+from bidir_kv.campaign.client import TurnOutcome
 from bidir_kv.campaign.faults import FaultResult, summary
 from bidir_kv.campaign.sidebyside import Variant, render
 from bidir_kv.campaign.wave import (
@@ -21,18 +21,18 @@ from bidir_kv.campaign.wave import (
 )
 
 
-def ok(ttft: float | None, correct: bool | None = None) -> Turn:
-    return Turn(0, 200, (ttft or 0.0) + 0.01, correct, None, ttft)
+def ok(ttft: float | None, correct: bool | None = None) -> TurnOutcome:
+    return TurnOutcome(0, 200, (ttft or 0.0) + 0.01, correct, None, ttft)
 
 
-def failed(status: int | None = 503) -> Turn:
-    return Turn(0, status, 30.0, None, None if status else "ReadTimeout: no answer", None)
+def failed(status: int | None = 503) -> TurnOutcome:
+    return TurnOutcome(0, status, 30.0, None, None if status else "ReadTimeout: no answer", None)
 
 
 def wave(
     baseline: list[float],
-    probes: list[Turn],
-    continued: list[tuple[Turn, bool]] = (),
+    probes: list[TurnOutcome],
+    continued: list[tuple[TurnOutcome, bool]] = (),
     **plan: float,
 ) -> WaveResult:
     return WaveResult(
@@ -64,7 +64,7 @@ def test_ttft_counts_only_answered_probes_and_failures_apart() -> None:
 def test_an_answer_without_text_has_its_first_token_at_its_end() -> None:
     """A stream none of whose chunks had text (the tiny model's greedy tokens may decode
     to nothing) is answered, not failed; its first token is no later than its end."""
-    silent = Turn(0, 200, 4.5, None, None, None)
+    silent = TurnOutcome(0, 200, 4.5, None, None, None)
     w = wave([0.1], [ok(0.2), silent])
     assert w.ttfts() == [0.2, 4.5]
     assert w.failed == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.topology import container_image as ci
 from bidir_kv.topology import container_manifest as manifest
 
@@ -43,7 +44,7 @@ def test_link_chain_ends_in_a_real_file_without_symlinked_directories() -> None:
 
 
 def test_app_files_are_sources_only() -> None:
-    files = dict(ci._app_files(ci.PROJECT_ROOT))
+    files = dict(ci._app_files(REPO_ROOT))
     assert "bidir_kv/__init__.py" in files
     assert "bidir_kv/topology/container_image.py" in files
     assert not any("__pycache__" in rel or rel.endswith(".pyc") for rel in files)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from bidir_kv.paths import REPO_ROOT
+
 SCANNED_DIRS = ("bidir_kv", "suites", "fixtures", "ci", "docs")
 SCANNED_FILES = ("Makefile", "conftest.py")
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".json", ".txt", ".cfg", ".ini", ".yaml", ".yml"}
@@ -51,7 +52,7 @@ class Offence:
 @cache
 def doc_sections(name: str) -> frozenset[str] | None:
     """Numbers of the numbered headings of ``docs/<name>``; ``None`` if no such doc."""
-    path = ROOT / "docs" / name
+    path = REPO_ROOT / "docs" / name
     if not path.is_file():
         return None
     return frozenset(_HEADING.findall(path.read_text(encoding="utf-8")))
@@ -125,9 +126,9 @@ def check_text(
 
 
 def scanned_files() -> list[Path]:
-    files = [ROOT / f for f in SCANNED_FILES if (ROOT / f).is_file()]
+    files = [REPO_ROOT / f for f in SCANNED_FILES if (REPO_ROOT / f).is_file()]
     for d in SCANNED_DIRS:
-        for p in sorted((ROOT / d).rglob("*")):
+        for p in sorted((REPO_ROOT / d).rglob("*")):
             if p.is_file() and p.suffix in TEXT_SUFFIXES and "__pycache__" not in p.parts:
                 files.append(p)
     return [p for p in files if p.resolve() != SELF]
@@ -136,7 +137,7 @@ def scanned_files() -> list[Path]:
 def offences() -> list[Offence]:
     out: list[Offence] = []
     for p in scanned_files():
-        out += check_text(p.read_text(encoding="utf-8"), p.relative_to(ROOT).as_posix())
+        out += check_text(p.read_text(encoding="utf-8"), p.relative_to(REPO_ROOT).as_posix())
     return out
 
 

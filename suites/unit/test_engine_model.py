@@ -181,10 +181,10 @@ def test_guard_verifies_chain_prefix_and_partial_tail() -> None:
 def test_notifications_round_trip_in_vllms_format() -> None:
     from bidir_kv.engine import notifications as nt
 
-    assert nt.completion("cmpl-d-1") == "cmpl-d-1:1"
-    assert nt.parse(nt.completion("cmpl-d-1")) == nt.Completion("cmpl-d-1", 1)
-    assert nt.parse("a:b:3") == nt.Completion("a:b", 3)  # ids may contain ':'
-    assert nt.parse("x:0") == nt.Completion("x", 1)  # a count below 1 counts as 1
+    assert nt.read_done("cmpl-d-1") == "cmpl-d-1:1"
+    assert nt.parse(nt.read_done("cmpl-d-1")) == nt.ReadDone("cmpl-d-1", 1)
+    assert nt.parse("a:b:3") == nt.ReadDone("a:b", 3)  # ids may contain ':'
+    assert nt.parse("x:0") == nt.ReadDone("x", 1)  # a count below 1 counts as 1
     assert nt.heartbeat(["a", "b"]) == "HB:a,b"
     assert nt.parse(nt.heartbeat(["a", "b"])) == nt.Heartbeat(("a", "b"))
     assert nt.parse("HB:,a,,") == nt.Heartbeat(("a",))

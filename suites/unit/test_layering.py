@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "bidir_kv"
+from bidir_kv.paths import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "bidir_kv"
 
 # Arithmetic/comparisons the heuristic flags that decide nothing. Keyed by the flagged
 # expression's source text (whitespace-normalised), so a move to another module keeps
@@ -174,7 +175,7 @@ def _modules() -> list[Path]:
 
 
 def _rel(path: Path) -> str:
-    return path.relative_to(ROOT).as_posix()
+    return path.relative_to(REPO_ROOT).as_posix()
 
 
 def test_no_rule_outside_policy() -> None:

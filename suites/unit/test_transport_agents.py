@@ -16,7 +16,7 @@ import pytest
 
 from bidir_kv.engine.transport import (
     KVPool,
-    TransportError,
+    KVTransportError,
     create_agent,
 )
 from bidir_kv.engine.transport.tcp_io import block_runs
@@ -108,7 +108,7 @@ async def test_read_copies_exact_bytes_and_notifies_once(pair: Pair) -> None:
 
 async def test_out_of_range_remote_block_fails(pair: Pair) -> None:
     p, got_d = pair.p, pair.got_d
-    with pytest.raises(TransportError, match=f"{NUM_BLOCKS}.*out of range|out of range"):
+    with pytest.raises(KVTransportError, match=f"{NUM_BLOCKS}.*out of range|out of range"):
         await p.read("agent-d", [0, 1], [2, NUM_BLOCKS], b"bad:1")
     assert not p.pool.data.any()
     # The agent stays usable after a refused read, and no notification leaked.
@@ -119,11 +119,11 @@ async def test_out_of_range_remote_block_fails(pair: Pair) -> None:
 
 async def test_bad_local_ids_and_pairing_fail(pair: Pair) -> None:
     p = pair.p
-    with pytest.raises(TransportError, match="out of range"):
+    with pytest.raises(KVTransportError, match="out of range"):
         await p.read("agent-d", [NUM_BLOCKS], [0], b"x:1")
-    with pytest.raises(TransportError, match="pairs 2 local with 1 remote"):
+    with pytest.raises(KVTransportError, match="pairs 2 local with 1 remote"):
         await p.read("agent-d", [0, 1], [0], b"x:1")
-    with pytest.raises(TransportError, match="unknown peer"):
+    with pytest.raises(KVTransportError, match="unknown peer"):
         await p.read("nobody", [0], [0], b"x:1")
 
 
@@ -160,7 +160,7 @@ async def test_block_size_mismatch_refused_at_add_peer(kv_backend: str, shared: 
     other = create_agent(kv_backend, "agent-other", KVPool.allocate(4, 128))
     await other.start(lambda peer, msg: None)
     try:
-        with pytest.raises(TransportError, match="128-byte blocks"):
+        with pytest.raises(KVTransportError, match="128-byte blocks"):
             await shared.p.add_peer(other.metadata())
     finally:
         await other.close()
@@ -208,9 +208,9 @@ async def test_fence_word_reads_the_owners_current_value(pair: Pair) -> None:
     assert await p.read_word("agent-d", 3) == 2**63 + 5
     d.fence[3] = 7  # the owner bumps: the next read sees it
     assert await p.read_word("agent-d", 3) == 7
-    with pytest.raises(TransportError):
+    with pytest.raises(KVTransportError):
         await p.read_word("agent-d", FENCE_SLOTS)
-    with pytest.raises(TransportError):
+    with pytest.raises(KVTransportError):
         await d.read_word("agent-p", 0)
     await p.notify("agent-d", b"HB:sync")
     await wait_for_async(lambda: len(got_d) >= 1, 30)

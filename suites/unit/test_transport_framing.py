@@ -8,7 +8,7 @@ import struct
 import msgpack
 import pytest
 
-from bidir_kv.engine.transport import TransportError
+from bidir_kv.engine.transport import KVTransportError
 from bidir_kv.engine.transport.framing import decode, encode, read_frame
 from bidir_kv.engine.transport.sidechannel import (
     EngineMetadata,
@@ -27,9 +27,9 @@ def test_roundtrip_keeps_bytes_and_ints() -> None:
 
 
 def test_decode_rejects_non_maps_and_garbage() -> None:
-    with pytest.raises(TransportError, match="not a map"):
+    with pytest.raises(KVTransportError, match="not a map"):
         decode(msgpack.packb([1, 2]))
-    with pytest.raises(TransportError, match="malformed frame"):
+    with pytest.raises(KVTransportError, match="malformed frame"):
         decode(b"\xc1")  # a byte msgpack never uses
 
 
@@ -41,11 +41,11 @@ async def test_stream_refuses_oversized_and_truncated_frames() -> None:
         return await read_frame(reader)
 
     assert await feed(b"") is None  # clean end between frames
-    with pytest.raises(TransportError, match="limit"):
+    with pytest.raises(KVTransportError, match="limit"):
         await feed(struct.pack(">I", MAX_FRAME + 1))
-    with pytest.raises(TransportError, match="inside a frame body"):
+    with pytest.raises(KVTransportError, match="inside a frame body"):
         await feed(encode({"op": "ping"})[:-1])
-    with pytest.raises(TransportError, match="inside a frame header"):
+    with pytest.raises(KVTransportError, match="inside a frame header"):
         await feed(b"\x00\x00")
 
 

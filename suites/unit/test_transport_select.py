@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from bidir_kv.engine.transport import KVPool, TransportError, create_agent, nixl_available
+from bidir_kv.engine.transport import KVPool, KVTransportError, create_agent, nixl_available
 from bidir_kv.engine.transport.tcp import TcpAgent
 from bidir_kv.testing.transports import require_nixl
 
@@ -39,7 +39,7 @@ def test_ucx_without_tcp_falls_back_or_fails_clearly(
         agent = create_agent("auto", "auto-fallback", _pool())
     assert agent.backend == "tcp"
     assert any("using TCP" in m and "UCX_TLS=sm,self" in m for m in caplog.messages)
-    with pytest.raises(TransportError, match="has no tcp"):
+    with pytest.raises(KVTransportError, match="has no tcp"):
         create_agent("nixl", "forced-nixl", _pool())
 
 
@@ -65,14 +65,14 @@ async def test_add_peer_names_what_is_wrong_with_metadata(
     try:
         good = msgpack.unpackb(agent.metadata())
         lacking = {k: v for k, v in good.items() if k != "num_blocks"}
-        with pytest.raises(TransportError, match="lacks 'num_blocks'"):
+        with pytest.raises(KVTransportError, match="lacks 'num_blocks'"):
             await agent.add_peer(msgpack.packb(lacking))
-        with pytest.raises(TransportError, match=r"'port'|'base'"):
+        with pytest.raises(KVTransportError, match=r"'port'|'base'"):
             bad = dict(good, port="x", base="x")
             await agent.add_peer(msgpack.packb(bad))
-        with pytest.raises(TransportError, match="not from a"):
+        with pytest.raises(KVTransportError, match="not from a"):
             await agent.add_peer(msgpack.packb(dict(good, transport="carrier-pigeon")))
-        with pytest.raises(TransportError, match="malformed"):
+        with pytest.raises(KVTransportError, match="malformed"):
             await agent.add_peer(b"\xc1")
     finally:
         await agent.close()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from bidir_kv.engine.transport import TransportError
+from bidir_kv.engine.transport import KVTransportError
 from bidir_kv.engine.transport.sidechannel import (
     EngineMetadata,
     SideChannelServer,
@@ -83,7 +83,7 @@ async def test_compat_mismatch_refused_unless_not_enforced(
     async def strict(port: int):
         return await handshake("127.0.0.1", port, local_hash=other)
 
-    with pytest.raises(TransportError, match="compatibility hash mismatch"):
+    with pytest.raises(KVTransportError, match="compatibility hash mismatch"):
         await _with_server(_meta, strict)
 
     async def lax(port: int):
@@ -104,7 +104,7 @@ async def test_engine_id_mismatch() -> None:
     async def body(port: int):
         return await handshake("127.0.0.1", port, local_hash=HASH, expected_engine_id="other")
 
-    with pytest.raises(TransportError, match=r"engine id mismatch.*expected other.*engine-d"):
+    with pytest.raises(KVTransportError, match=r"engine id mismatch.*expected other.*engine-d"):
         await _with_server(_meta, body)
 
 
@@ -112,7 +112,7 @@ async def test_backend_mismatch() -> None:
     async def body(port: int):
         return await handshake("127.0.0.1", port, local_hash=HASH, backend="nixl")
 
-    with pytest.raises(TransportError, match="peer uses tcp, we use nixl"):
+    with pytest.raises(KVTransportError, match="peer uses tcp, we use nixl"):
         await _with_server(_meta, body)
 
 
@@ -133,7 +133,7 @@ async def test_nobody_listening_is_transport_error() -> None:
     from bidir_kv.launch.process import free_port
 
     port = free_port()
-    with pytest.raises(TransportError, match=f"127.0.0.1:{port}"):
+    with pytest.raises(KVTransportError, match=f"127.0.0.1:{port}"):
         await handshake("127.0.0.1", port, local_hash=HASH, timeout=2.0)
 
 
@@ -154,7 +154,7 @@ async def test_silent_peer_times_out() -> None:
             server.close()
             await server.wait_closed()
 
-    with pytest.raises(TransportError, match=r"timed out after 0\.2 s"):
+    with pytest.raises(KVTransportError, match=r"timed out after 0\.2 s"):
         await body()
 
 
@@ -165,7 +165,7 @@ async def test_metadata_unavailable_is_reported() -> None:
     async def body(port: int):
         return await handshake("127.0.0.1", port, local_hash=HASH)
 
-    with pytest.raises(TransportError, match="metadata unavailable: re-registering"):
+    with pytest.raises(KVTransportError, match="metadata unavailable: re-registering"):
         await _with_server(broken, body)
 
 
@@ -181,5 +181,5 @@ def test_env_address_defaults_and_errors() -> None:
 def test_metadata_wire_rejects_missing_field() -> None:
     wire = _meta().to_wire()
     del wire["block_nbytes"]
-    with pytest.raises(TransportError, match="lacks 'block_nbytes'"):
+    with pytest.raises(KVTransportError, match="lacks 'block_nbytes'"):
         EngineMetadata.from_wire(wire)

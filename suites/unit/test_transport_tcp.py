@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bidir_kv.engine.transport import KVPool, TransportError
+from bidir_kv.engine.transport import KVPool, KVTransportError
 from bidir_kv.engine.transport.tcp import TcpAgent
 from bidir_kv.testing.poll import wait_for_async
 
@@ -44,7 +44,7 @@ async def test_gone_owner_is_a_transport_error() -> None:
         await reader.add_peer(owner.metadata())
         await reader.notify("owner", b"HB:x")
         await owner.close()
-        with pytest.raises(TransportError, match="cannot connect to peer owner"):
+        with pytest.raises(KVTransportError, match="cannot connect to peer owner"):
             await reader.read("owner", [0], [0], b"x:1")
         assert not np.any(reader.pool.data)
     finally:

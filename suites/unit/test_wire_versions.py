@@ -120,7 +120,7 @@ def _on_the_wire() -> dict[str, object]:
             "refuse": transport.refuse("no"),
         },
         "notifications": [
-            notifications.completion("req-1", 2),
+            notifications.read_done("req-1", 2),
             notifications.heartbeat(["a", "b"]),
         ],
         "token chain": {CHAIN_KEY: HeldTokens.of(list(range(10)), 4).to_wire()},

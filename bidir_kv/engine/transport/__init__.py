@@ -20,9 +20,9 @@ from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import (
     KVAgent,
     KVPool,
+    KVTransportError,
     NotificationHandler,
     ReadResult,
-    TransportError,
 )
 
 __all__ = [
@@ -30,9 +30,9 @@ __all__ = [
     "TRANSPORT_CHOICES",
     "KVAgent",
     "KVPool",
+    "KVTransportError",
     "NotificationHandler",
     "ReadResult",
-    "TransportError",
     "create_agent",
     "nixl_available",
 ]
@@ -74,7 +74,7 @@ def create_agent(
             from bidir_kv.engine.transport.nixl import NixlAgent
 
             return NixlAgent(name, pool)
-        except TransportError as exc:
+        except KVTransportError as exc:
             if transport == wire.NIXL:
                 raise
             logger.warning("NIXL transport unavailable (%s); using TCP", exc)

@@ -18,10 +18,10 @@ import numpy as np
 
 from bidir_kv.errors import KVTransferError
 
-__all__ = ["KVAgent", "KVPool", "NotificationHandler", "ReadResult", "TransportError"]
+__all__ = ["KVAgent", "KVPool", "KVTransportError", "NotificationHandler", "ReadResult"]
 
 
-class TransportError(KVTransferError, RuntimeError):
+class KVTransportError(KVTransferError, RuntimeError):
     """A handshake, read or notification failed; counted as a failed transfer."""
 
 
@@ -87,7 +87,7 @@ class KVAgent(abc.ABC):
     def attach_fence(self, words: np.ndarray) -> None:
         """Register ``words`` (``uint64``, C-contiguous) with the pool at :meth:`start`."""
         if words.dtype != np.uint64 or not words.flags["C_CONTIGUOUS"]:
-            raise TransportError("fence words must be a C-contiguous uint64 array")
+            raise KVTransportError("fence words must be a C-contiguous uint64 array")
         self.fence = words
 
     def peer_has_fence(self, peer: str) -> bool:
@@ -95,9 +95,9 @@ class KVAgent(abc.ABC):
         return False
 
     async def read_word(self, peer: str, slot: int) -> int:
-        """READ one fence word of ``peer`` (no notification); :class:`TransportError`
+        """READ one fence word of ``peer`` (no notification); :class:`KVTransportError`
         when the peer has none or the read fails."""
-        raise TransportError(f"transport {self.backend} cannot read fence words")
+        raise KVTransportError(f"transport {self.backend} cannot read fence words")
 
     @abc.abstractmethod
     async def start(self, on_notification: NotificationHandler) -> None:
@@ -120,7 +120,7 @@ class KVAgent(abc.ABC):
         notification: bytes,
     ) -> ReadResult:
         """Copy ``remote_blocks`` of ``peer`` into ``local_blocks`` of our pool, in order,
-        then deliver ``notification`` to the peer. Raises :class:`TransportError`."""
+        then deliver ``notification`` to the peer. Raises :class:`KVTransportError`."""
 
     @abc.abstractmethod
     async def notify(self, peer: str, message: bytes) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from bidir_kv.engine.transport import wire
-from bidir_kv.engine.transport.base import TransportError
+from bidir_kv.engine.transport.base import KVTransportError
 from bidir_kv.wire import versions
 
 __all__ = [
@@ -36,7 +36,9 @@ def encode(obj: dict[str, Any]) -> bytes:
     """One frame (header + body) for ``obj``."""
     body = msgpack.packb(obj, use_bin_type=True)
     if len(body) > wire.MAX_FRAME:
-        raise TransportError(f"frame of {len(body)} bytes exceeds the {wire.MAX_FRAME}-byte limit")
+        raise KVTransportError(
+            f"frame of {len(body)} bytes exceeds the {wire.MAX_FRAME}-byte limit"
+        )
     return wire.FRAME_HEADER.pack(len(body)) + body
 
 
@@ -45,22 +47,22 @@ def decode(body: bytes) -> dict[str, Any]:
     try:
         obj = msgpack.unpackb(body, raw=False)
     except (ValueError, msgpack.UnpackException) as exc:
-        raise TransportError(f"malformed frame: {exc}") from None
+        raise KVTransportError(f"malformed frame: {exc}") from None
     if not isinstance(obj, dict):
-        raise TransportError(f"frame is not a map: {type(obj).__name__}")
+        raise KVTransportError(f"frame is not a map: {type(obj).__name__}")
     return obj
 
 
 def checked_map(obj: Any, kinds: dict[str, type], what: str) -> dict[str, Any]:
     """``obj`` as a map that has every key of ``kinds`` with that type (bools are not ints)."""
     if not isinstance(obj, dict):
-        raise TransportError(f"{what} is not a map: {type(obj).__name__}")
+        raise KVTransportError(f"{what} is not a map: {type(obj).__name__}")
     for key, kind in kinds.items():
         if key not in obj:
-            raise TransportError(f"{what} lacks {key!r}")
+            raise KVTransportError(f"{what} lacks {key!r}")
         value = obj[key]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise TransportError(f"{what} field {key!r} has type {type(value).__name__}")
+            raise KVTransportError(f"{what} field {key!r} has type {type(value).__name__}")
     return obj
 
 
@@ -81,15 +83,15 @@ def decode_agent_metadata(
     try:
         raw = msgpack.unpackb(metadata, raw=False)
     except (ValueError, msgpack.UnpackException) as exc:
-        raise TransportError(f"malformed {label} agent metadata: {exc}") from None
+        raise KVTransportError(f"malformed {label} agent metadata: {exc}") from None
     if not isinstance(raw, dict) or raw.get(wire.TRANSPORT) != transport:
-        raise TransportError(f"peer metadata is not from a {label} agent")
+        raise KVTransportError(f"peer metadata is not from a {label} agent")
     version = raw.get(wire.VERSION)
     if version != versions.TRANSPORT.version:
-        raise TransportError(f"{label} agent metadata version {version!r} unsupported")
+        raise KVTransportError(f"{label} agent metadata version {version!r} unsupported")
     md = checked_map(raw, kinds, f"{label} agent metadata")
     if md["block_nbytes"] != block_nbytes:
-        raise TransportError(
+        raise KVTransportError(
             f"peer {md['name']} has {md['block_nbytes']}-byte blocks, ours are {block_nbytes} bytes"
         )
     return md
@@ -97,7 +99,7 @@ def decode_agent_metadata(
 
 def _check_length(n: int) -> int:
     if n > wire.MAX_FRAME:
-        raise TransportError(f"peer announced a {n}-byte frame (limit {wire.MAX_FRAME})")
+        raise KVTransportError(f"peer announced a {n}-byte frame (limit {wire.MAX_FRAME})")
     return n
 
 
@@ -108,12 +110,12 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
     except asyncio.IncompleteReadError as exc:
         if not exc.partial:
             return None
-        raise TransportError("connection closed inside a frame header") from None
+        raise KVTransportError("connection closed inside a frame header") from None
     (n,) = wire.FRAME_HEADER.unpack(header)
     try:
         body = await reader.readexactly(_check_length(n))
     except asyncio.IncompleteReadError:
-        raise TransportError("connection closed inside a frame body") from None
+        raise KVTransportError("connection closed inside a frame body") from None
     return decode(body)
 
 
@@ -131,7 +133,7 @@ async def sock_recv_into(
     while got < total:
         n = await loop.sock_recv_into(sock, view[got:])
         if n == 0:
-            raise TransportError(f"connection closed after {got} of {total} bytes")
+            raise KVTransportError(f"connection closed after {got} of {total} bytes")
         got += n
 
 

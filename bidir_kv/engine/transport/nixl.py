@@ -26,9 +26,9 @@ from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import (
     KVAgent,
     KVPool,
+    KVTransportError,
     NotificationHandler,
     ReadResult,
-    TransportError,
 )
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
 from bidir_kv.engine.transport.framing import decode_agent_metadata, encode_agent_metadata
@@ -64,7 +64,7 @@ def _new_agent(name: str, backends: Sequence[str], prog_thread: bool | None = No
     try:
         api = nixl_api()
     except ImportError as exc:
-        raise TransportError(f"nixl does not import: {exc}") from None
+        raise KVTransportError(f"nixl does not import: {exc}") from None
     conf = api.nixl_agent_config(
         enable_prog_thread=_prog_thread_default() if prog_thread is None else prog_thread,
         backends=list(backends),
@@ -73,7 +73,7 @@ def _new_agent(name: str, backends: Sequence[str], prog_thread: bool | None = No
     agent = api.nixl_agent(name, conf)
     missing = [b for b in backends if b not in agent.backends]
     if missing:
-        raise TransportError(f"NIXL backend(s) {missing} did not start{_ucx_tls_hint()}")
+        raise KVTransportError(f"NIXL backend(s) {missing} did not start{_ucx_tls_hint()}")
     return agent
 
 
@@ -108,10 +108,10 @@ def _block_descs(base: int, num_blocks: int, block_nbytes: int) -> np.ndarray:
 def _ids(blocks: Sequence[int], num_blocks: int, what: str) -> np.ndarray:
     arr = np.asarray(list(blocks), dtype=np.int64)
     if arr.ndim != 1:
-        raise TransportError(f"{what} block ids must be a flat list")
+        raise KVTransportError(f"{what} block ids must be a flat list")
     bad = arr[(arr < 0) | (arr >= num_blocks)]
     if bad.size:
-        raise TransportError(
+        raise KVTransportError(
             f"{what} block id {int(bad[0])} out of range for a pool of {num_blocks} blocks"
         )
     return arr.astype(np.int32)
@@ -152,7 +152,7 @@ class NixlAgent(KVAgent):
     ) -> None:
         super().__init__(name, pool)
         if not pool.data.flags["C_CONTIGUOUS"]:
-            raise TransportError("the KV pool must be C-contiguous to register with NIXL")
+            raise KVTransportError("the KV pool must be C-contiguous to register with NIXL")
         self.backends = tuple(backends)
         self.notif_poll_interval = notif_poll_interval
         self.notif_poll_idle = max(notif_poll_idle, notif_poll_interval)
@@ -161,10 +161,10 @@ class NixlAgent(KVAgent):
         # NIXL works in this process and can fall back to TCP without a second agent.
         try:
             self._nixl: Any = _new_agent(name, self.backends)
-        except TransportError:
+        except KVTransportError:
             raise
         except Exception as exc:
-            raise TransportError(f"NIXL agent {name} failed: {exc}{_ucx_tls_hint()}") from None
+            raise KVTransportError(f"NIXL agent {name} failed: {exc}{_ucx_tls_hint()}") from None
         self._agent: Any = None
         self._reg: Any = None
         self._local: Any = None
@@ -179,10 +179,10 @@ class NixlAgent(KVAgent):
 
     async def start(self, on_notification: NotificationHandler) -> None:
         if self._agent is not None:
-            raise TransportError(f"agent {self.name} already started")
+            raise KVTransportError(f"agent {self.name} already started")
         agent = self._nixl
         if agent is None:
-            raise TransportError(f"agent {self.name} was closed; create a new one")
+            raise KVTransportError(f"agent {self.name} was closed; create a new one")
         try:
             region = np.array(
                 [[self.pool.data.ctypes.data, self.pool.data.nbytes, 0]], dtype=np.uint64
@@ -195,10 +195,10 @@ class NixlAgent(KVAgent):
                 ),
                 _MEM,
             )
-        except TransportError:
+        except KVTransportError:
             raise
         except Exception as exc:
-            raise TransportError(f"NIXL agent {self.name} failed to start: {exc}") from None
+            raise KVTransportError(f"NIXL agent {self.name} failed to start: {exc}") from None
         self._agent = agent
         self._register_fence(agent)
         self._dispatch = NotificationDispatcher(on_notification)
@@ -230,7 +230,7 @@ class NixlAgent(KVAgent):
 
     def _live(self) -> Any:
         if self._agent is None:
-            raise TransportError(f"agent {self.name} is not started")
+            raise KVTransportError(f"agent {self.name} is not started")
         return self._agent
 
     def metadata(self) -> bytes:
@@ -258,9 +258,9 @@ class NixlAgent(KVAgent):
                 name, _block_descs(md["base"], md["num_blocks"], md["block_nbytes"]), _MEM
             )
         except Exception as exc:
-            raise TransportError(f"cannot add NIXL peer {md.get('name')}: {exc}") from None
+            raise KVTransportError(f"cannot add NIXL peer {md.get('name')}: {exc}") from None
         if name != md["name"]:
-            raise TransportError(f"NIXL metadata names {name!r}, wrapper says {md['name']!r}")
+            raise KVTransportError(f"NIXL metadata names {name!r}, wrapper says {md['name']!r}")
         with contextlib.suppress(Exception):  # optional: warms the connection up front
             agent.make_connection(name)
         peer = _Peer(name, int(md["num_blocks"]), dlist)
@@ -294,7 +294,7 @@ class NixlAgent(KVAgent):
         try:
             return self._peers[name]
         except KeyError:
-            raise TransportError(f"unknown peer {name!r}; add_peer() it first") from None
+            raise KVTransportError(f"unknown peer {name!r}; add_peer() it first") from None
 
     async def read(
         self,
@@ -306,7 +306,7 @@ class NixlAgent(KVAgent):
         agent = self._live()
         p = self._peer(peer)
         if len(local_blocks) != len(remote_blocks):
-            raise TransportError(
+            raise KVTransportError(
                 f"read pairs {len(local_blocks)} local with {len(remote_blocks)} remote blocks"
             )
         local = _ids(local_blocks, self.pool.num_blocks, "local")
@@ -319,7 +319,7 @@ class NixlAgent(KVAgent):
                 "READ", self._local, local, p.dlist, remote, bytes(notification)
             )
         except Exception as exc:
-            raise TransportError(f"cannot prepare READ from {peer}: {exc}") from None
+            raise KVTransportError(f"cannot prepare READ from {peer}: {exc}") from None
         try:
             return await self._run(agent, handle, peer, int(local.size))
         finally:
@@ -331,7 +331,7 @@ class NixlAgent(KVAgent):
         try:
             state = agent.transfer(handle)
         except Exception as exc:
-            raise TransportError(f"posting READ from {peer} failed: {exc}") from None
+            raise KVTransportError(f"posting READ from {peer} failed: {exc}") from None
         post = time.perf_counter() - t0
         try:
             state = await self._wait(agent, handle, peer, state, t0 + self.io_timeout)
@@ -343,7 +343,7 @@ class NixlAgent(KVAgent):
             raise
         xfer = time.perf_counter() - t0
         if state != "DONE":
-            raise TransportError(f"READ from {peer} ended in state {state}")
+            raise KVTransportError(f"READ from {peer} ended in state {state}")
         nbytes = nblocks * self.pool.block_nbytes
         descriptors = nblocks
         with contextlib.suppress(Exception):
@@ -363,9 +363,9 @@ class NixlAgent(KVAgent):
             try:
                 state = agent.check_xfer_state(handle)
             except Exception as exc:
-                raise TransportError(f"READ from {peer} failed: {exc}") from None
+                raise KVTransportError(f"READ from {peer} failed: {exc}") from None
             if state == "PROC" and time.perf_counter() > deadline:
-                raise TransportError(f"READ from {peer} did not complete before its deadline")
+                raise KVTransportError(f"READ from {peer} did not complete before its deadline")
         return str(state)
 
     def peer_has_fence(self, peer: str) -> bool:
@@ -376,14 +376,14 @@ class NixlAgent(KVAgent):
         agent = self._live()
         p = self._peer(peer)
         if not 0 <= slot < p.fence_slots:
-            raise TransportError(f"peer {peer} has no fence word {slot}")
+            raise KVTransportError(f"peer {peer} has no fence word {slot}")
         async with self._word_lock:  # one scratch word: word reads take turns
             try:
                 handle = agent.make_prepped_xfer(
                     "READ", self._scratch_local, [0], p.fence_dlist, [int(slot)], b""
                 )
             except Exception as exc:
-                raise TransportError(f"cannot prepare fence READ from {peer}: {exc}") from None
+                raise KVTransportError(f"cannot prepare fence READ from {peer}: {exc}") from None
             try:
                 await self._run(agent, handle, peer, 0)
             finally:
@@ -397,7 +397,7 @@ class NixlAgent(KVAgent):
         try:
             agent.send_notif(peer, bytes(message))
         except Exception as exc:
-            raise TransportError(f"notification to {peer} failed: {exc}") from None
+            raise KVTransportError(f"notification to {peer} failed: {exc}") from None
 
     async def _poll_notifs(self) -> None:
         """Poll NIXL for notifications; this also drives UCX progress on the owner side.

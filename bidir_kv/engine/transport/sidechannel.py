@@ -24,7 +24,7 @@ from typing import Any
 
 import bidir_kv
 from bidir_kv.engine.transport import wire
-from bidir_kv.engine.transport.base import TransportError
+from bidir_kv.engine.transport.base import KVTransportError
 from bidir_kv.engine.transport.framing import checked_map, read_frame, write_frame
 from bidir_kv.policy import HandshakeSample, clock_offset
 from bidir_kv.wire import versions
@@ -164,7 +164,7 @@ class SideChannelServer:
         try:
             self._server = await asyncio.start_server(self._serve, self.host, self.port)
         except OSError as exc:
-            raise TransportError(
+            raise KVTransportError(
                 f"side channel cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
             ) from None
         sock = self._server.sockets[0]
@@ -189,7 +189,7 @@ class SideChannelServer:
             while True:
                 try:
                     req = await read_frame(reader)
-                except TransportError as exc:
+                except KVTransportError as exc:
                     logger.warning("side channel: dropping connection: %s", exc)
                     return
                 if req is None:
@@ -231,13 +231,13 @@ async def _exchange(
     resp = await read_frame(reader)
     recv = clock()
     if resp is None:
-        raise TransportError("side channel closed the connection without answering")
+        raise KVTransportError("side channel closed the connection without answering")
     refused = wire.refusal(resp)
     if refused is not None:
-        raise TransportError(f"side channel refused {op}: {refused}")
+        raise KVTransportError(f"side channel refused {op}: {refused}")
     now = resp.get(wire.NOW)
     if not isinstance(now, float | int) or isinstance(now, bool):
-        raise TransportError(f"side channel answer lacks a clock reading: {now!r}")
+        raise KVTransportError(f"side channel answer lacks a clock reading: {now!r}")
     return resp, HandshakeSample(send=send, recv=recv, remote_now=float(now))
 
 
@@ -255,7 +255,7 @@ async def handshake(
 ) -> PeerInfo:
     """Fetch a peer's metadata, check compatibility, and estimate its clock offset.
 
-    Raises :class:`TransportError` on timeout, refusal, a hash mismatch (unless
+    Raises :class:`KVTransportError` on timeout, refusal, a hash mismatch (unless
     ``enforce_compat`` is false), an engine-id mismatch or, when ``backend`` (our
     transport, ``KVAgent.backend``) is given, a peer speaking another transport.
     """
@@ -280,19 +280,19 @@ async def handshake(
     try:
         meta, got = await asyncio.wait_for(run(), timeout)
     except TimeoutError:
-        raise TransportError(
+        raise KVTransportError(
             f"side-channel handshake with {where} timed out after {timeout} s"
         ) from None
     except OSError as exc:
-        raise TransportError(
+        raise KVTransportError(
             f"side-channel handshake with {where} failed: {exc.strerror or exc}"
         ) from None
-    except TransportError as exc:
-        raise TransportError(f"side-channel handshake with {where} failed: {exc}") from None
+    except KVTransportError as exc:
+        raise KVTransportError(f"side-channel handshake with {where} failed: {exc}") from None
 
     if meta.compat_hash != local_hash:
         if enforce_compat:
-            raise TransportError(
+            raise KVTransportError(
                 f"compatibility hash mismatch with engine {meta.engine_id} at {where}: "
                 f"remote {meta.compat_hash}, local {local_hash} "
                 "(set enforce_handshake_compat to false to override)"
@@ -307,12 +307,12 @@ async def handshake(
     else:
         logger.info("NIXL compatibility check passed (hash: %s)", meta.compat_hash)
     if expected_engine_id is not None and meta.engine_id != expected_engine_id:
-        raise TransportError(
+        raise KVTransportError(
             f"engine id mismatch at {where}: expected {expected_engine_id}, "
             f"peer is {meta.engine_id}"
         )
     if backend is not None and meta.backend != backend:
-        raise TransportError(
+        raise KVTransportError(
             f"transport mismatch with engine {meta.engine_id}: "
             f"peer uses {meta.backend}, we use {backend}"
         )

@@ -19,9 +19,9 @@ from bidir_kv.engine.transport import wire
 from bidir_kv.engine.transport.base import (
     KVAgent,
     KVPool,
+    KVTransportError,
     NotificationHandler,
     ReadResult,
-    TransportError,
 )
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
 from bidir_kv.engine.transport.framing import (
@@ -84,7 +84,7 @@ class TcpAgent(KVAgent):
 
     async def start(self, on_notification: NotificationHandler) -> None:
         if self._owner is not None:
-            raise TransportError(f"agent {self.name} already started")
+            raise KVTransportError(f"agent {self.name} already started")
         dispatch = NotificationDispatcher(on_notification)
         owner = TcpOwner(self.pool, dispatch, self.fence)
         self.port = await owner.listen(self.host, self.port)
@@ -113,7 +113,7 @@ class TcpAgent(KVAgent):
 
     def metadata(self) -> bytes:
         if self._owner is None:
-            raise TransportError(f"agent {self.name} is not started")
+            raise KVTransportError(f"agent {self.name} is not started")
         fields: dict[str, Any] = {
             "name": self.name,
             "host": self.advertised_host,
@@ -148,7 +148,7 @@ class TcpAgent(KVAgent):
         try:
             return self._peers[name]
         except KeyError:
-            raise TransportError(f"unknown peer {name!r}; add_peer() it first") from None
+            raise KVTransportError(f"unknown peer {name!r}; add_peer() it first") from None
 
     async def _connect(self, peer: _Peer, *, fresh: bool = False) -> tuple[socket.socket, bool]:
         """A pooled connection (``reused`` True) or a new one."""
@@ -159,7 +159,7 @@ class TcpAgent(KVAgent):
         try:
             infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
         except OSError as exc:
-            raise TransportError(f"cannot resolve {where}: {exc}") from None
+            raise KVTransportError(f"cannot resolve {where}: {exc}") from None
         family, _, _, _, addr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         tune(sock)
@@ -167,7 +167,7 @@ class TcpAgent(KVAgent):
             await loop.sock_connect(sock, addr)
         except OSError as exc:
             sock.close()
-            raise TransportError(f"cannot connect to {where}: {exc.strerror or exc}") from None
+            raise KVTransportError(f"cannot connect to {where}: {exc.strerror or exc}") from None
         return sock, False
 
     def _release(self, peer: _Peer, sock: socket.socket) -> None:
@@ -193,18 +193,18 @@ class TcpAgent(KVAgent):
                 if reused and not fresh:
                     fresh = True
                     continue
-                raise TransportError(f"transfer with peer {peer.name} failed: {exc}") from None
+                raise KVTransportError(f"transfer with peer {peer.name} failed: {exc}") from None
             except TimeoutError:
                 sock.close()
-                raise TransportError(
+                raise KVTransportError(
                     f"peer {peer.name} did not complete within {self.io_timeout} s"
                 ) from None
             except _Refused as exc:
                 self._release(peer, sock)  # refused before streaming: the stream is clean
-                raise TransportError(f"peer {peer.name} refused: {exc}") from None
-            except (OSError, TransportError) as exc:
+                raise KVTransportError(f"peer {peer.name} refused: {exc}") from None
+            except (OSError, KVTransportError) as exc:
                 sock.close()
-                raise TransportError(f"transfer with peer {peer.name} failed: {exc}") from None
+                raise KVTransportError(f"transfer with peer {peer.name} failed: {exc}") from None
             except BaseException:
                 sock.close()
                 raise
@@ -219,7 +219,7 @@ class TcpAgent(KVAgent):
         try:
             await sock_write_frame(loop, sock, req)
             answer = await sock_read_frame(loop, sock)
-        except (ConnectionError, TransportError) as exc:
+        except (ConnectionError, KVTransportError) as exc:
             raise _Stale(str(exc)) from None
         if answer is None:
             raise _Stale("connection closed before the owner answered")
@@ -234,7 +234,7 @@ class TcpAgent(KVAgent):
     ) -> ReadResult:
         p = self._peer(peer)
         if len(local_blocks) != len(remote_blocks):
-            raise TransportError(
+            raise KVTransportError(
                 f"read pairs {len(local_blocks)} local with {len(remote_blocks)} remote blocks"
             )
         local = check_ids(list(local_blocks), self.pool.num_blocks, "local")
@@ -258,7 +258,7 @@ class TcpAgent(KVAgent):
             if refused is not None:
                 raise _Refused(refused)
             if head.get(wire.NBYTES) != nbytes:
-                raise TransportError(
+                raise KVTransportError(
                     f"owner announced {head.get(wire.NBYTES)} bytes, expected {nbytes}"
                 )
             for start, count in block_runs(local):
@@ -266,7 +266,7 @@ class TcpAgent(KVAgent):
             await sock_write_frame(loop, sock, {wire.OP: wire.OP_DONE})
             ack = await sock_read_frame(loop, sock)
             if ack is None or wire.refusal(ack) is not None:
-                raise TransportError(f"owner did not acknowledge completion: {ack!r}")
+                raise KVTransportError(f"owner did not acknowledge completion: {ack!r}")
             times["xfer"] = time.perf_counter() - t0
 
         await self._request(p, work)
@@ -281,7 +281,7 @@ class TcpAgent(KVAgent):
     async def read_word(self, peer: str, slot: int) -> int:
         p = self._peer(peer)
         if not 0 <= slot < p.fence_slots:
-            raise TransportError(f"peer {peer} has no fence word {slot}")
+            raise KVTransportError(f"peer {peer} has no fence word {slot}")
         loop = asyncio.get_running_loop()
         req = {wire.OP: wire.OP_WORD, wire.SLOT: int(slot)}
 
@@ -292,7 +292,7 @@ class TcpAgent(KVAgent):
                 raise _Refused(refused)
             word = answer.get(wire.WORD)
             if not isinstance(word, int) or isinstance(word, bool):
-                raise TransportError(f"owner answered a fence word of {word!r}")
+                raise KVTransportError(f"owner answered a fence word of {word!r}")
             return word
 
         return await self._request(p, work)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from bidir_kv.engine.transport.base import KVPool, TransportError
+from bidir_kv.engine.transport.base import KVPool, KVTransportError
 
 __all__ = ["block_runs", "check_ids", "pool_rows", "tune"]
 
@@ -51,15 +51,15 @@ def tune(sock: socket.socket) -> None:
 def check_ids(ids: Any, num_blocks: int, what: str) -> list[int]:
     """``ids`` as a list of block ids of a pool of ``num_blocks``; anything else refused."""
     if not isinstance(ids, list | tuple):
-        raise TransportError(f"{what} block ids must be a list, got {type(ids).__name__}")
+        raise KVTransportError(f"{what} block ids must be a list, got {type(ids).__name__}")
     if set(map(type, ids)) <= {int} and (not ids or (min(ids) >= 0 and max(ids) < num_blocks)):
         return list(ids)  # the usual exact ints (~1,500 at 24k tokens): a few C passes
     out: list[int] = []
     for b in ids:
         if isinstance(b, bool) or not isinstance(b, int | np.integer):
-            raise TransportError(f"{what} block id {b!r} is not an integer")
+            raise KVTransportError(f"{what} block id {b!r} is not an integer")
         if not 0 <= int(b) < num_blocks:
-            raise TransportError(
+            raise KVTransportError(
                 f"{what} block id {int(b)} out of range for a pool of {num_blocks} blocks"
             )
         out.append(int(b))

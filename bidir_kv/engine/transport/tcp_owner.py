@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from bidir_kv.engine.transport import wire
-from bidir_kv.engine.transport.base import KVPool, TransportError
+from bidir_kv.engine.transport.base import KVPool, KVTransportError
 from bidir_kv.engine.transport.dispatch import NotificationDispatcher
 from bidir_kv.engine.transport.framing import sock_read_frame, sock_write_frame
 from bidir_kv.engine.transport.tcp_io import block_runs, check_ids, pool_rows, tune
@@ -45,7 +45,7 @@ class TcpOwner:
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         if not infos:
-            raise TransportError(f"cannot resolve data host {host!r}")
+            raise KVTransportError(f"cannot resolve data host {host!r}")
         family, _, _, _, addr = infos[0]
         lsock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -54,7 +54,7 @@ class TcpOwner:
             lsock.listen(_BACKLOG)
         except OSError as exc:
             lsock.close()
-            raise TransportError(
+            raise KVTransportError(
                 f"TCP transport cannot listen on {host}:{port}: {exc.strerror or exc}"
             ) from None
         lsock.setblocking(False)
@@ -105,7 +105,7 @@ class TcpOwner:
                     await sock_write_frame(loop, sock, wire.accept())
                 else:
                     await sock_write_frame(loop, sock, wire.refuse(f"unknown op {op!r}"))
-        except (OSError, TransportError) as exc:
+        except (OSError, KVTransportError) as exc:
             logger.debug("TCP transport: connection dropped: %s", exc)
         finally:
             sock.close()
@@ -120,7 +120,7 @@ class TcpOwner:
 
     def _deliver(self, peer: Any, message: Any) -> None:
         if not isinstance(peer, str) or not isinstance(message, bytes):
-            raise TransportError(f"malformed notification from {peer!r}: {message!r}")
+            raise KVTransportError(f"malformed notification from {peer!r}: {message!r}")
         if message:
             self._dispatch.put(peer, message)
 
@@ -129,7 +129,7 @@ class TcpOwner:
     ) -> None:
         try:
             blocks = check_ids(req.get(wire.BLOCKS), self.pool.num_blocks, "requested")
-        except TransportError as exc:
+        except KVTransportError as exc:
             await sock_write_frame(loop, sock, wire.refuse(str(exc)))
             return
         nbytes = len(blocks) * self.pool.block_nbytes
@@ -138,6 +138,6 @@ class TcpOwner:
             await loop.sock_sendall(sock, pool_rows(self.pool, start, count))
         done = await sock_read_frame(loop, sock)
         if done is None or done.get(wire.OP) != wire.OP_DONE:
-            raise TransportError(f"reader did not confirm the read: {done!r}")
+            raise KVTransportError(f"reader did not confirm the read: {done!r}")
         self._deliver(req.get(wire.SENDER), req.get(wire.NOTIFICATION))
         await sock_write_frame(loop, sock, wire.accept())
