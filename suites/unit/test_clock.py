@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from bidir_kv.clock import Clock, ManualClock, MonotonicClock, OffsetClock
+from bidir_kv.testing.clock import Clock, ManualClock, MonotonicClock, OffsetClock
 
 
 def test_monotonic_clock_is_perf_counter_and_never_goes_back() -> None:

@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bidir_kv.clock import ManualClock, OffsetClock
 from bidir_kv.policy import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEFAULT_KV_LEASE_DURATION,
@@ -26,6 +25,7 @@ from bidir_kv.policy import (
     valid_lease_duration,
     valid_retention_ttl,
 )
+from bidir_kv.testing.clock import ManualClock, OffsetClock
 
 EPS = 1e-6
 

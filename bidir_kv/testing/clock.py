@@ -1,9 +1,9 @@
-"""Clocks, injected everywhere a rule depends on time.
+"""Clocks for tests that drive time-dependent rules without sleeping.
 
-vLLM stamps ``remote_blocks_expiry_time`` with the decode scheduler's
-``time.perf_counter()`` (docs/protocol.md §3.6, §5.3), so our engine does the same
-through :class:`MonotonicClock`;
-tests drive rules with :class:`ManualClock` instead of sleeping.
+The rules take time as an argument (``now``), and the runtimes pass
+``time.perf_counter()`` itself, the clock vLLM stamps ``remote_blocks_expiry_time``
+with (docs/protocol.md §3.6, §5.3); tests drive the rules with :class:`ManualClock`
+(and :class:`OffsetClock` for a peer whose clock differs) instead.
 """
 
 from __future__ import annotations
