@@ -19,22 +19,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
 
 from bidir_kv.launch.process import ProcessFailed, wait_http_ok
+from bidir_kv.launch.remote import Command
 
-__all__ = ["Command", "NodeRecord", "launch", "read_record", "stop", "stop_all"]
-
-
-class Command(Protocol):
-    """What :func:`launch` runs: ``argv`` with ``env`` added to the environment
-    (``serve.command.ServeCommand`` is one)."""
-
-    @property
-    def argv(self) -> tuple[str, ...]: ...
-
-    @property
-    def env(self) -> Mapping[str, str]: ...
+__all__ = ["NodeRecord", "launch", "read_record", "stop", "stop_all"]
 
 
 @dataclass(frozen=True)
@@ -126,7 +115,7 @@ def launch(
         role=role,
         url=url,
         log=str(log_path),
-        argv=cmd.argv,
+        argv=tuple(cmd.argv),
     )
     tmp = pidfile.with_suffix(".tmp")
     tmp.write_text(record.to_json())
