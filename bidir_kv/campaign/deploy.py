@@ -20,6 +20,7 @@ from typing import Any
 from bidir_kv.client import TransportError, fetch
 from bidir_kv.config import CONNECTOR_MODULE_PATH, KVTransferConfig
 from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.topology.base import EngineSpec, Node, RouterSpec, TopologySpec
 from bidir_kv.topology.local import LocalTopology, engine_argv
 
@@ -289,9 +290,9 @@ def start_vllm_cpu(opts: VllmOptions) -> Deployment:
         ),
         routers=0,
     )
-    repo = Path(__file__).resolve().parents[2]  # our connector imports from this checkout
     vopts = VllmCpuOptions(
-        log_dir=opts.run_dir / "vllm", python_path=(repo,) if opts.connector else ()
+        log_dir=opts.run_dir / "vllm",
+        python_path=(REPO_ROOT,) if opts.connector else (),  # our connector, from this checkout
     )
     topo = VllmCpuTopology(spec, vopts)
     dep = Deployment("", [], [], logs_count=True)

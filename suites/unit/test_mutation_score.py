@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.tools.mutation_score import main, read_results, score
 
 
@@ -116,7 +117,7 @@ def test_the_suite_power_table_in_the_docs_is_the_tools_format() -> None:
 
     from bidir_kv.tools.mutation_score import parse_table, render_table
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO_ROOT
     text = (repo / "docs" / "conformance.md").read_text(encoding="utf-8")
     rows = parse_table(text)
     assert render_table(rows) in text

@@ -12,14 +12,14 @@ recompute cost moves its break-even off the crossing point.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.plan.modelcfg import load_model_config, model_shape
 from bidir_kv.plan.planner import CostModel, Hardware, break_even_tokens
 
-CONFIGS = Path(__file__).resolve().parents[2] / "bidir_kv" / "data" / "model_configs"
+CONFIGS = REPO_ROOT / "bidir_kv" / "data" / "model_configs"
 
 
 def _crossing(pull: Callable[[float], float], recompute: Callable[[float], float]) -> float:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from bidir_kv.engine.profiles import ProfileError, TermRange, load_profile
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.plan.cli import main as plan_main
 from bidir_kv.plan.derive import descriptor_split, predicted_cost
 from bidir_kv.plan.modelcfg import ModelConfigError, shipped_shape
@@ -88,7 +89,7 @@ def test_shipped_class_models_reproduce_their_model_cards() -> None:
 def test_plan_config_uses_the_served_block_size_and_kv_cache_dtype(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    cfg = Path(__file__).resolve().parents[2] / "bidir_kv/data/model_configs/glm-5-fp8.json"
+    cfg = REPO_ROOT / "bidir_kv/data/model_configs/glm-5-fp8.json"
     assert plan_main(["--config", str(cfg), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["block_size"] == 64
@@ -307,7 +308,7 @@ def test_plan_prints_ranges_the_dominant_term_and_whether_the_threshold_holds(
 def test_plan_config_takes_a_measured_class_rate_with_its_range(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    configs = Path(__file__).resolve().parents[2] / "bidir_kv/data/model_configs"
+    configs = REPO_ROOT / "bidir_kv/data/model_configs"
     assert plan_main(["--config", str(configs / "glm-5-fp8.json"), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     rate = class_rate("moe-mla-dsa")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ast
 import importlib
-from pathlib import Path
 
 import pytest
 
+from bidir_kv.paths import REPO_ROOT
 from bidir_kv.policy import KVGroup
 from bidir_kv.wire import versions
 from bidir_kv.wire.params import (
@@ -22,7 +22,7 @@ from bidir_kv.wire.params import (
 
 pytestmark = pytest.mark.unit
 
-PACKAGE = Path(__file__).resolve().parents[2] / "bidir_kv"
+PACKAGE = REPO_ROOT / "bidir_kv"
 REGISTRY = PACKAGE / "wire" / "versions.py"
 
 
