@@ -95,8 +95,10 @@ def quickstart(
     if request.param == "router-trims":
         commands[0] += " --kv-guard off"  # P reads what the dict offers, as stock vLLM
     ref_port = free_port()
+    # its own side-channel port: vLLM's default (5600) may be another test's
     commands.append(
-        f"bidir-kv engine tiny --port {ref_port} --transport tcp --no-enable-prefix-caching"
+        f"VLLM_NIXL_SIDE_CHANNEL_PORT={free_port()} bidir-kv engine tiny --port {ref_port} "
+        "--transport tcp --no-enable-prefix-caching"
     )
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     procs: list[subprocess.Popen[bytes]] = []
