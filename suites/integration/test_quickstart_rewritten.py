@@ -107,8 +107,11 @@ def quickstart(
             _start(cmd, run / f"cmd{i}.log", env, procs)
         router = f"http://127.0.0.1:{ports['8000']}"
         reference = f"http://127.0.0.1:{ref_port}"
-        wait_http_ok(router + "/health", 60)
+        # P and D first: the router answers /health before its first probe of them
+        for port in ("8100", "8200"):
+            wait_http_ok(f"http://127.0.0.1:{ports[port]}/health", 60)
         wait_http_ok(reference + "/health", 60)
+        wait_http_ok(router + "/health", 60)
         # a port taken by another program between free_port() and the bind would make
         # /health answer for someone else: every command must still run, and the router
         # that answered must be ours (its P is our P)
