@@ -288,8 +288,9 @@ def working_set_limit(
 ) -> tuple[int | None, int | None]:
     """With P's own prefix cache on, at ``point``: the first level at which P's cache no
     longer holds the conversations' histories (OFF's P-cache share of prompt tokens below
-    half of what it was at the lowest level), and the first level at which ON's TTFT
-    median beats OFF's by more than ``gain`` (read-back pays). None: not within the sweep."""
+    half of what it was at the lowest level), and the first level at which ON read some of
+    P's prompt tokens back from D and its TTFT median beats OFF's by more than ``gain``
+    (read-back pays). None: not within the sweep."""
     mine = sorted((r for r in rows if r["point"] == point), key=lambda r: r["level"])
     base = next((r["p_cache_off"] for r in mine if r["p_cache_off"] is not None), None)
     spills = next(
@@ -307,6 +308,7 @@ def working_set_limit(
             if r["ttft_off"]
             and r["ttft_on"] is not None
             and r["ttft_on"] < r["ttft_off"] * (1 - gain)
+            and r["readback_on"]  # a gap read-back did not make is not read-back paying
         ),
         None,
     )

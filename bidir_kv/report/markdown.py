@@ -401,7 +401,7 @@ def render_concurrency(
             lines.append(
                 f"- {point} prefix tokens: P's cache stops holding the working set at "
                 f"{spills if spills is not None else 'no level of the sweep'}; read-back "
-                f"starts to pay (TTFT ON > 5 % below OFF) at "
+                f"starts to pay (some tokens read back, TTFT ON > 5 % below OFF) at "
                 f"{pays if pays is not None else 'no level of the sweep'}"
             )
     if plots:
