@@ -283,7 +283,7 @@ SAME_ID_PEER = Defect(
 FOREIGN_PARAMS = Defect(
     "foreign-params-imported",
     Upstream("pr", 44838),
-    Releases("0.31.0"),
+    Releases("0.21.0"),
     "P reads whatever blocks a D dict names: handed another conversation's dict (live, or "
     "already read and released by D), P imports that conversation's KV under its own "
     "prompt; nothing in vLLM checks the prompt against D's tokens (issue #43094), and the "
