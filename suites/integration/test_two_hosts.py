@@ -146,7 +146,7 @@ def test_bad_ssh_target_fails_once_in_one_line_and_leaves_nothing(
 
 
 _INNER = """
-import time
+import threading
 from pathlib import Path
 
 from bidir_kv.testing.two_hosts import emulator_command
@@ -170,11 +170,7 @@ def test_fails(ssh_launch, two_hosts):
 
 def test_interrupted(ssh_launch, two_hosts):
     _start(ssh_launch, two_hosts, "interrupted", 8400)
-    # runs until the outer test interrupts it: short waits, because a signal the kernel
-    # hands to another thread of this process does not wake a main thread blocked in one
-    # long wait (Python only acts on it at the main thread's next bytecode)
-    for _ in range(1200):
-        time.sleep(0.1)
+    threading.Event().wait(120)  # blocks until the outer test interrupts this run
 """
 
 
