@@ -174,6 +174,13 @@ def test_interrupted(ssh_launch, two_hosts):
 """
 
 
+def _ctrl_c_as_at_a_terminal() -> None:
+    """The inner run takes SIGINT as a user's Ctrl-C whatever this run inherited: a suite
+    started in the background (``nohup make test &``) ignores SIGINT, an ignored signal
+    stays ignored across exec, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(
     tmp_path: Path,
@@ -207,6 +214,7 @@ def test_ssh_nodes_are_stopped_when_the_test_fails_or_is_interrupted(
         text=True,
         start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        preexec_fn=_ctrl_c_as_at_a_terminal,
     )
     try:
         wait_for(
