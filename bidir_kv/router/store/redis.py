@@ -17,11 +17,15 @@ from bidir_kv.router.store.base import ConversationStore, Entry, Renewal, StoreE
 
 __all__ = ["RedisStore"]
 
-# Drop the index keys of a removed record ``name`` (those still naming it: a newer entry
-# may have taken one over) and its list; ``ixof`` prefix and the record prefix's length
-# turn a record name into its list's name.
-_UNINDEX = """
-local function unindex(name, ixof, convlen)
+# Forget a removed record ``name`` everywhere but its own key: the creation index, the
+# two lease tables, and its index keys (those still naming it: a newer entry may have
+# taken one over) with their list; ``ixof`` prefix and the record prefix's length turn a
+# record name into its list's name.
+_FORGET = """
+local function forget(name, ixof, convlen, index, leases, idle)
+  redis.call('ZREM', index, name)
+  redis.call('ZREM', leases, name)
+  redis.call('HDEL', idle, name)
   local list_key = ixof .. string.sub(name, tonumber(convlen) + 1)
   local list = redis.call('GET', list_key)
   if list then
@@ -36,17 +40,14 @@ end
 # is removed with its index (ARGV: ixof prefix, record prefix length, the creation index,
 # the lease tables); returns {position, record}. A key naming a gone record is deleted.
 _TAKE_FIRST = (
-    _UNINDEX
+    _FORGET
     + """
 for i, ik in ipairs(KEYS) do
   local name = redis.call('GET', ik)
   if name then
     local raw = redis.call('GETDEL', name)
     if raw then
-      redis.call('ZREM', ARGV[3], name)
-      redis.call('ZREM', ARGV[4], name)
-      redis.call('HDEL', ARGV[5], name)
-      unindex(name, ARGV[1], ARGV[2])
+      forget(name, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
       return {i, raw}
     end
     redis.call('DEL', ik)
@@ -58,15 +59,12 @@ return false
 # Remove records KEYS (eviction, stale sweep) with their index; returns each record's
 # value, '' for a record already gone. ARGV as _TAKE_FIRST's.
 _DROP = (
-    _UNINDEX
+    _FORGET
     + """
 local out = {}
 for i, name in ipairs(KEYS) do
   local raw = redis.call('GETDEL', name)
-  redis.call('ZREM', ARGV[3], name)
-  redis.call('ZREM', ARGV[4], name)
-  redis.call('HDEL', ARGV[5], name)
-  unindex(name, ARGV[1], ARGV[2])
+  forget(name, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
   out[i] = raw or ''
 end
 return out
@@ -87,16 +85,13 @@ return idle
 # Lease expiry, atomic against keep-alives and takes: every entry whose deadline is
 # <= now (policy.lease_expired) is removed with its index and its record returned.
 _EXPIRE = (
-    _UNINDEX
+    _FORGET
     + """
 local names = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 local out = {}
 for _, name in ipairs(names) do
   local raw = redis.call('GETDEL', name)
-  redis.call('ZREM', KEYS[1], name)
-  redis.call('ZREM', KEYS[2], name)
-  redis.call('HDEL', KEYS[3], name)
-  unindex(name, ARGV[2], ARGV[3])
+  forget(name, ARGV[2], ARGV[3], KEYS[2], KEYS[1], KEYS[3])
   if raw then table.insert(out, raw) end
 end
 return out
