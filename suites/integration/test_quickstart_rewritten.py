@@ -23,9 +23,6 @@ router cuts D's dict with the block size it learned.
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,14 +32,13 @@ from typing import Any
 import pytest
 
 from bidir_kv.client import get_json, scrape
-from bidir_kv.launch.process import free_port, wait_http_ok
-from bidir_kv.paths import REPO_ROOT
+from bidir_kv.launch.process import ManagedProcess, free_port, wait_http_ok
 from bidir_kv.scrape import CACHED_BY_SOURCE
 from bidir_kv.testing.gating import skip_or_fail
 from bidir_kv.testing.router import chat
 from bidir_kv.topology.base import BackendUnavailable
 from bidir_kv.topology.redis_server import RedisServer
-from suites.integration.test_readme_quickstart import PORTS, quickstart_commands
+from suites.integration.test_readme_quickstart import PORTS, ported_quickstart
 
 pytestmark = pytest.mark.integration
 
@@ -60,30 +56,13 @@ class QuickStart:
     logs: Path
 
 
-def _start(cmd: str, log: Path, env: dict[str, str], procs: list[subprocess.Popen[bytes]]) -> None:
-    procs.append(
-        subprocess.Popen(
-            ["bash", "-c", cmd],
-            env=env,
-            cwd=log.parent,
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    )
-
-
 @pytest.fixture(params=["memory", "redis", "router-trims"], scope="module")
 def quickstart(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[QuickStart]:
     run = tmp_path_factory.mktemp(f"quickstart-{request.param}")
     ports = {p: str(free_port()) for p in PORTS}
-    pattern = re.compile(r"(?<![\d.])(" + "|".join(PORTS) + r")(?!\d)")
-    commands = [
-        pattern.sub(lambda m: ports[m.group(1)], c)[:-1].strip()
-        for c in quickstart_commands((REPO_ROOT / "README.md").read_text())[:3]
-    ]
+    commands = [c[:-1].strip() for c in ported_quickstart(ports)[:3]]
     redis = RedisServer(run) if request.param == "redis" else None
     if redis is not None:
         try:
@@ -101,10 +80,13 @@ def quickstart(
         "--transport tcp --no-enable-prefix-caching"
     )
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[ManagedProcess] = []
     try:
         for i, cmd in enumerate(commands):
-            _start(cmd, run / f"cmd{i}.log", env, procs)
+            node = ManagedProcess(
+                f"cmd{i}", ["bash", "-c", cmd], run / f"cmd{i}.log", env=env, cwd=run
+            )
+            procs.append(node.start())
         router = f"http://127.0.0.1:{ports['8000']}"
         reference = f"http://127.0.0.1:{ref_port}"
         # P and D first: the router answers /health before its first probe of them
@@ -115,20 +97,13 @@ def quickstart(
         # a port taken by another program between free_port() and the bind would make
         # /health answer for someone else: every command must still run, and the router
         # that answered must be ours (its P is our P)
-        assert all(proc.poll() is None for proc in procs), "a quick-start command exited"
+        assert all(proc.returncode is None for proc in procs), "a quick-start command exited"
         nodes = [n["node"] for n in get_json(router + "/health")["prefill"]]
         assert nodes == [f"127.0.0.1:{ports['8100']}"], nodes
         yield QuickStart(router, f"http://127.0.0.1:{ports['8100']}", reference, run)
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.stop()
         if redis is not None:
             redis.stop()
 

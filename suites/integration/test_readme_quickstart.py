@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 from bidir_kv.client import scrape
-from bidir_kv.launch.process import free_port
+from bidir_kv.launch.process import ManagedProcess, free_port
 from bidir_kv.paths import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -43,45 +42,35 @@ def test_readme_has_five_commands() -> None:
     assert [c.endswith("&") for c in commands] == [True, True, True, False, False]
 
 
+def ported_quickstart(ports: Mapping[str, str]) -> list[str]:
+    """The quick start's commands with each of README's ``PORTS`` replaced by ``ports``'s."""
+    pattern = re.compile(r"(?<![\d.])(" + "|".join(PORTS) + r")(?!\d)")
+    return [
+        pattern.sub(lambda m: ports[m.group(1)], c)
+        for c in quickstart_commands((REPO_ROOT / "README.md").read_text())
+    ]
+
+
 @pytest.fixture
-def background(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
+def background() -> Iterator[list[ManagedProcess]]:
+    procs: list[ManagedProcess] = []
     try:
         yield procs
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.stop()
 
 
-def test_readme_quickstart_runs(tmp_path: Path, background: list[subprocess.Popen[bytes]]) -> None:
+def test_readme_quickstart_runs(tmp_path: Path, background: list[ManagedProcess]) -> None:
     mapping = {p: str(free_port()) for p in PORTS}
-    pattern = re.compile(r"(?<![\d.])(" + "|".join(PORTS) + r")(?!\d)")
-    commands = [
-        pattern.sub(lambda m: mapping[m.group(1)], c)
-        for c in quickstart_commands((REPO_ROOT / "README.md").read_text())
-    ]
+    commands = ported_quickstart(mapping)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     outputs = []
     for i, cmd in enumerate(commands):
-        log = (tmp_path / f"cmd{i}.log").open("wb")
         if cmd.endswith("&"):
-            background.append(
-                subprocess.Popen(
-                    ["bash", "-c", cmd[:-1]],
-                    cwd=tmp_path,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+            argv = ["bash", "-c", cmd[:-1]]
+            log = tmp_path / f"cmd{i}.log"
+            background.append(ManagedProcess(f"cmd{i}", argv, log, env=env, cwd=tmp_path).start())
             continue
         done = subprocess.run(
             ["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, timeout=300
@@ -89,7 +78,7 @@ def test_readme_quickstart_runs(tmp_path: Path, background: list[subprocess.Pope
         logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("cmd*.log"))
         assert done.returncode == 0, (cmd, done.stdout, done.stderr, logs)
         outputs.append(done.stdout.decode())
-    assert all(p.poll() is None for p in background), "a background command exited"
+    assert all(p.returncode is None for p in background), "a background command exited"
     router = scrape(f"http://127.0.0.1:{mapping['8000']}")
     assert router.value("bidir_kv_router_cache_hits_total") > 0
     p2p = re.search(r'source="p2p"\} ([0-9.e+]+)', outputs[-1])
