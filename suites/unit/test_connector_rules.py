@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from bidir_kv.connector import SUPPORTED_VLLM, UnsupportedVllm, check_vllm_version
 from bidir_kv.connector.rules import (
+    PullPlan,
     Refusal,
     is_d_params,
     layout_of,
@@ -281,6 +282,15 @@ def test_layout_of_reads_vllms_group_specs_by_class() -> None:
     assert kinds == ["RSWASpec", "MambaSpec", "full"]  # kinds the rule never cuts
 
 
+def test_layout_of_is_none_only_for_a_single_full_group() -> None:
+    # a full group first is still a hybrid model; a single sliding group is not dense
+    assert layout_of([FullAttentionSpec(), SlidingWindowSpec(40)]) == (
+        KVGroup.full(BS),
+        KVGroup.sliding(40, BS),
+    )
+    assert layout_of([SlidingWindowSpec(40)]) == (KVGroup.sliding(40, BS),)
+
+
 HYBRID = (KVGroup.sliding(40, BS), KVGroup.full(BS))  # vLLM's order: sliding group first
 
 
@@ -309,12 +319,35 @@ def test_hybrid_continuation_reads_everything_and_a_cut_only_where_the_window_is
     # a change in block 4: 64 verified; the window at 64 needs block 1, which D freed
     early = [*D[: 4 * BS + 3], 7, *D[4 * BS + 4 :], 9]
     refused = plan(params, early, layout=HYBRID)
-    assert refused is not None and (refused.tokens, refused.reason) == (
-        0,
-        "sliding-window-released",
-    )
-    with pytest.raises(ValueError, match="sliding-window-released"):
+    assert refused == PullPlan(0, len(D), 4 * BS, "sliding-window-released")
+    with pytest.raises(ValueError, match="cut at 64: sliding-window-released"):
         positional_remote_blocks(params["remote_block_ids"], 0, 4 * BS, BS, HYBRID)  # type: ignore[arg-type]
     # another number of groups than P's own layout: nothing read
     other = plan(d_params(D), [*D, 1], layout=HYBRID)
     assert other is not None and (other.tokens, other.reason) == (0, "group-layout-mismatch")
+
+
+@pytest.mark.parametrize("layout", [None, HYBRID], ids=["one-group", "hybrid"])
+def test_a_plan_that_reads_nothing_keeps_the_decisions_reason(
+    layout: tuple[KVGroup, ...] | None,
+) -> None:
+    """The groups are cut only for a read: a plan of 0 tokens names why the decision read
+    nothing, never a refusal of a cut at P's own hit (here 0, "no-whole-block")."""
+    params = hybrid_params(D) if layout else d_params(D)
+    changed = [7, *D[1:], 9]  # block 0 differs: D's chain proves no token
+    assert plan(params, changed, layout=layout) == PullPlan(0, len(D), 0, "nothing-remote")
+
+
+def test_a_one_token_read_is_refused_where_the_window_is_released() -> None:
+    """With the threshold off, P may read a single token past its hit; the groups are
+    still cut there, and a window D no longer holds refuses even that token."""
+    held = D[: 4 * BS + 1]  # 65 tokens, 5 blocks
+    full = [100 + i for i in range(5)]
+    prompt = [*held, 5, 6]
+
+    def one_token(window: list[int]) -> PullPlan | None:  # window: blocks 1-4's entries
+        params = d_params(held, remote_block_ids=[window, full])
+        return plan(params, prompt, hit=4 * BS, threshold=0, layout=HYBRID)
+
+    assert one_token([201, 202, 203, 204]) == PullPlan(1, 1, len(held), "pull")
+    assert one_token([0, 202, 203, 204]) == PullPlan(0, 1, len(held), "sliding-window-released")
